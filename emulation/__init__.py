@@ -1,0 +1,1 @@
+"""The emulated WAN between datacenter A and datacenter B: link model, shells, testbed."""

@@ -1,0 +1,5 @@
+import sys
+
+from pddnet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,42 @@
+"""`pdd` entry point: one argparse tree; each area registers its own subcommands.
+
+Registration functions import nothing heavy (torch, aiohttp) at module import time, so
+`pdd --help` stays fast; handlers import what they need when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from emulation.cli import register_testbed, register_wan
+    from pddnet.engine.cli import register_generate, register_model
+
+    parser = argparse.ArgumentParser(prog="pdd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    register_generate(sub)
+    register_model(sub)
+    register_wan(sub)
+    register_testbed(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        rc = handler(args)
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
