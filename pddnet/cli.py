@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from emulation.cli import register_testbed, register_wan
-    from pddnet.engine.cli import register_generate, register_model
+    from pddnet.engine.cli import register_generate
+    from pddnet.model.cli import register_model
 
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -1,1 +1,40 @@
-"""pddnet.kv"""
+"""pddnet.kv: the paged KV pool (optionally in shared memory), block allocator, prefix cache,
+and KV export/import between pools.
+
+Names are imported lazily so that ``import pddnet.kv.shm`` (or the CLI) does not pull in torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "KVSpec": "pddnet.kv.pool",
+    "KVPool": "pddnet.kv.pool",
+    "SharedSegment": "pddnet.kv.shm",
+    "SharedMemoryError": "pddnet.kv.shm",
+    "unique_segment_name": "pddnet.kv.shm",
+    "BlockAllocator": "pddnet.kv.allocator",
+    "OutOfBlocks": "pddnet.kv.allocator",
+    "PrefixCache": "pddnet.kv.prefix_cache",
+    "PrefixMatch": "pddnet.kv.prefix_cache",
+    "block_hashes": "pddnet.kv.prefix_cache",
+    "ExportedKV": "pddnet.kv.transfer",
+    "KVExportMeta": "pddnet.kv.transfer",
+    "export_kv": "pddnet.kv.transfer",
+    "import_kv": "pddnet.kv.transfer",
+    "block_byte_ranges": "pddnet.kv.transfer",
+    "read_byte_ranges": "pddnet.kv.transfer",
+    "write_byte_ranges": "pddnet.kv.transfer",
+    "copy_blocks_between": "pddnet.kv.transfer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pddnet.kv' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

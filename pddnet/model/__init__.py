@@ -1,1 +1,30 @@
-"""pddnet.model"""
+"""pddnet.model: a small Llama-style decoder, its weights and its tokenizer.
+
+Names are re-exported lazily (PEP 562) so that importing `pddnet.model.cli` for argument
+parsing does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ModelConfig": "config", "PRESETS": "config",
+    "LlamaModel": "llama", "AttentionFn": "llama",
+    "causal_attention": "attention",
+    "init_random": "weights", "save_hf": "weights", "load_hf": "weights",
+    "CheckpointError": "weights",
+    "load_model": "loader",
+    "Tokenizer": "tokenizer", "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pddnet.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pddnet.model.{module}"), name)

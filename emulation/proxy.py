@@ -1,0 +1,340 @@
+"""The proxy shell: an asyncio TCP proxy on loopback that runs the link model (no root needed).
+
+    client ──> [listen] ── link.a_to_b ──> upstream
+    client <──           ── link.b_to_a <── upstream
+
+Every connection's bytes, split into chunks of at most `chunk_bytes`, are offered to the one
+shared `Link` (so flows share its bottleneck the way flows share a WAN) and written out at the
+departure times the model gives. A TCP stream cannot lose, duplicate or reorder bytes, so:
+
+- backpressure instead of tail drop: a connection stops reading while the bottleneck queue is
+  full (and while its destination socket is not draining), so TCP flow control pushes back on
+  the sender, as a full router queue does in the end;
+- partition / blackhole hold bytes: nothing is read or delivered in that direction until heal;
+- loss, Gilbert-Elliott, duplication and reordering are refused (`Link.restrict`): setting them
+  on a proxied link raises ValueError (a 400 on the control API);
+- closing is slow: a FIN travels through the model behind the data, so it arrives one link
+  delay (plus queueing) after the close; `reset_connections()` aborts with RST at once.
+
+Timers: asyncio wakes ~0.5 ms late (epoll/libuv millisecond timeouts). For departures from an
+idle bottleneck (where that error would show in an RTT) the driver wakes 1 ms early and spins
+to the exact time; under load, queueing dominates and it just sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from emulation.effects import LOSSY_EFFECTS
+from emulation.link import Link, LinkDirection
+
+PROXY_RESTRICTION = ("the proxy shell carries TCP byte streams, which cannot lose, duplicate or "
+                     "reorder bytes; use the packet shell (pdd wan packet) for that")
+_EOF = object()           # an end-of-stream marker travelling through the model like data
+_SPIN_S = 0.0015          # wake this much early for precise departures, then spin
+_PRECISE_MAX_ITEMS = 8    # spin only on a lightly loaded link: under load it would burn a core
+_DEST_HIGH_WATER = 1 << 20
+
+
+class _Conn:
+    def __init__(self, conn_id: int, client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                 upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+        self.id = conn_id
+        self.client_reader, self.client_writer = client
+        self.up_reader, self.up_writer = upstream
+        self.closed = False
+        self.eofs = 0
+        self.tasks: list[asyncio.Task] = []
+
+    def writer_for(self, direction: str) -> asyncio.StreamWriter:
+        return self.up_writer if direction == "a_to_b" else self.client_writer
+
+    def abort(self, rst: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for writer in (self.client_writer, self.up_writer):
+            transport = writer.transport
+            sock = transport.get_extra_info("socket")
+            if rst and sock is not None:
+                with contextlib.suppress(OSError):
+                    # linger 0: close sends RST, as a middlebox reset would
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for writer in (self.client_writer, self.up_writer):
+            writer.close()
+
+
+class _Lane:
+    """One direction of the proxy: the driver task that turns model departures into writes."""
+
+    def __init__(self, proxy: WanProxy, model: LinkDirection) -> None:
+        self.proxy = proxy
+        self.model = model
+        self.name = model.name
+        self.in_model = 0                    # bytes offered and not yet delivered
+        self._waiters: list[asyncio.Future] = []
+        self._wake: asyncio.Future | None = None
+        self._planned: float | None = None
+        self.task: asyncio.Task | None = None
+
+    # --- readers side -------------------------------------------------------------------
+
+    def room(self, now: float) -> int:
+        """Bytes a reader may offer now without the model dropping or unbounded buffering."""
+        if self.model.blocked(now):
+            return 0
+        space = self.model.queue_space(now)
+        if space is None:  # no rate limit: bound what sits in the delay line instead
+            space = self.proxy.max_inflight_bytes - self.in_model
+        return max(0, space)
+
+    def capacity(self) -> int:
+        """The most room a reader should wait for (queue limit or in-flight cap, one chunk)."""
+        fx = self.model.effects()
+        limit = fx["queue_bytes"] if fx["rate_mbit"] is not None else self.proxy.max_inflight_bytes
+        return max(1, min(limit, self.proxy.chunk_bytes))
+
+    async def wait_room(self, need: int) -> int:
+        """Wait until at least min(need, capacity) bytes fit (need 0: until not blocked, for a
+        FIN); returns the room then."""
+        while True:
+            now = self.proxy.clock()
+            room = self.room(now)
+            if need == 0:
+                if not self.model.blocked(now):
+                    return room
+            elif room > 0 and room >= min(need, self.capacity()):
+                return room
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            await fut
+
+    def offer(self, conn: _Conn, payload: Any, size: int) -> None:
+        now = self.proxy.clock()
+        self.model.offer(now, size, (conn, payload))
+        self.in_model += size
+        nxt = self.model.next_wakeup()
+        if self._planned is None or (nxt is not None and nxt < self._planned):
+            self.kick()
+
+    def notify_room(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def kick(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    # --- driver -------------------------------------------------------------------------
+
+    async def drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        clock = self.proxy.clock
+        model = self.model
+        while True:
+            now = clock()
+            blocked = model.blocked(now)
+            if not blocked:
+                for conn, payload in model.poll(now):
+                    self._deliver(conn, payload)
+            self.notify_room()
+            change = model.next_change()
+            wake = change if blocked else _earliest(model.next_wakeup(), change)
+            precise = (not blocked and wake is not None and wake == model.next_departure()
+                       and model.queued_bytes() == 0
+                       and model.in_flight_items() <= _PRECISE_MAX_ITEMS)
+            self._wake = fut = loop.create_future()
+            self._planned = wake
+            handle = None
+            if wake is None:
+                await fut
+            else:
+                delay = wake - clock() - (_SPIN_S if precise else 0.0)
+                if delay > 0:
+                    handle = loop.call_later(delay, _resolve, fut)
+                    await fut
+                    handle.cancel()
+                    if precise and fut.result() == "timer":
+                        while clock() < wake and wake - clock() < 2 * _SPIN_S:
+                            pass  # the last ~1.5 ms: asyncio timers are too coarse
+                else:
+                    # Due now (or within the spin window): one loop turn for I/O, then poll.
+                    await asyncio.sleep(0)
+            self._planned = None
+
+    def _deliver(self, conn: _Conn, payload: Any) -> None:
+        if payload is _EOF:
+            if not conn.closed:
+                writer = conn.writer_for(self.name)
+                with contextlib.suppress(OSError, RuntimeError):
+                    if writer.can_write_eof():
+                        writer.write_eof()
+                conn.eofs += 1
+                if conn.eofs == 2:
+                    self.proxy._finish(conn)
+            return
+        self.in_model -= len(payload)
+        if not conn.closed:
+            conn.writer_for(self.name).write(payload)
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result("timer")
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a, b)
+
+
+class WanProxy:
+    """TCP proxy applying `link.a_to_b` to client->upstream bytes and `link.b_to_a` back."""
+
+    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int], link: Link,
+                 chunk_bytes: int = 32 * 1024, max_inflight_bytes: int = 64 << 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 1 <= chunk_bytes <= 1 << 24:
+            raise ValueError(f"chunk_bytes must be in 1..16 MiB, got {chunk_bytes}")
+        if max_inflight_bytes < chunk_bytes:
+            raise ValueError("max_inflight_bytes must be >= chunk_bytes")
+        link.restrict(LOSSY_EFFECTS, PROXY_RESTRICTION)
+        self.listen = listen
+        self.upstream = upstream
+        self.link = link
+        self.chunk_bytes = chunk_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.clock = clock
+        self.port: int | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._lanes = {"a_to_b": _Lane(self, link.a_to_b), "b_to_a": _Lane(self, link.b_to_a)}
+        self._conns: dict[int, _Conn] = {}
+        self._ids = itertools.count(1)
+        self.accepted = 0
+        self.upstream_failures = 0
+        link.subscribe(self._on_link_change)
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    async def start(self) -> WanProxy:
+        for lane in self._lanes.values():
+            lane.task = asyncio.create_task(lane.drive(), name=f"wan-proxy-{lane.name}")
+        self._server = await asyncio.start_server(self._accept, self.listen[0], self.listen[1],
+                                                  limit=self.chunk_bytes * 2)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        self.link.unsubscribe(self._on_link_change)
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._conns.values()):
+            conn.abort(rst=False)
+            for task in conn.tasks:
+                task.cancel()
+        for lane in self._lanes.values():
+            if lane.task is not None:
+                lane.task.cancel()
+        tasks = [t for c in self._conns.values() for t in c.tasks]
+        tasks += [lane.task for lane in self._lanes.values() if lane.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._conns.clear()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> WanProxy:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def reset_connections(self) -> int:
+        """Abort every proxied connection with RST on both sides; returns how many."""
+        conns = list(self._conns.values())
+        for conn in conns:
+            conn.abort(rst=True)
+            self._conns.pop(conn.id, None)
+        return len(conns)
+
+    def _on_link_change(self) -> None:
+        for lane in self._lanes.values():
+            lane.kick()
+            lane.notify_room()
+
+    def _finish(self, conn: _Conn) -> None:
+        conn.close()
+        self._conns.pop(conn.id, None)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up = await asyncio.open_connection(self.upstream[0], self.upstream[1],
+                                               limit=self.chunk_bytes * 2)
+        except OSError:
+            self.upstream_failures += 1
+            writer.transport.abort()
+            return
+        for w in (writer, up[1]):
+            sock = w.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Conn(next(self._ids), (reader, writer), up)
+        self._conns[conn.id] = conn
+        self.accepted += 1
+        conn.tasks = [
+            asyncio.create_task(self._pump(conn, self._lanes["a_to_b"], reader, up[1])),
+            asyncio.create_task(self._pump(conn, self._lanes["b_to_a"], up[0], writer)),
+        ]
+
+    async def _pump(self, conn: _Conn, lane: _Lane, reader: asyncio.StreamReader,
+                    dest: asyncio.StreamWriter) -> None:
+        """Read one side of a connection and offer it to the model, with backpressure."""
+        try:
+            while not conn.closed:
+                if dest.transport.get_write_buffer_size() > _DEST_HIGH_WATER:
+                    await dest.drain()
+                room = await lane.wait_room(self.chunk_bytes)
+                data = await reader.read(min(self.chunk_bytes, room))
+                if conn.closed:
+                    return
+                if not data:
+                    await lane.wait_room(0)  # a FIN waits out a partition like data does
+                    if not conn.closed:
+                        lane.offer(conn, _EOF, 0)
+                    return
+                view = memoryview(data)
+                while view:
+                    room = await lane.wait_room(len(view))
+                    if conn.closed:
+                        return
+                    piece = bytes(view[:room])
+                    view = view[len(piece):]
+                    lane.offer(conn, piece, len(piece))
+                    # Let the other woken readers try first: without this, the reader served
+                    # last re-queues ahead of them and one flow starves the others.
+                    await asyncio.sleep(0)
+        except (ConnectionError, OSError):
+            # The peer reset or vanished: reset the other side too, as a middlebox would.
+            conn.abort(rst=True)
+            self._conns.pop(conn.id, None)

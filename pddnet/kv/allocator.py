@@ -1,0 +1,91 @@
+"""Reference-counted allocation of KV block ids.
+
+The allocator knows nothing about what a block holds. A block is *free* when nobody holds a
+reference; the prefix cache (prefix_cache.py) keeps cached blocks alive by holding one reference
+of its own, which is why "free" here never includes blocks that the cache could evict -- the cache
+decides eviction and then drops its reference.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+
+class OutOfBlocks(RuntimeError):
+    """Not enough free KV blocks for an allocation."""
+
+    def __init__(self, requested: int, free: int, total: int) -> None:
+        super().__init__(f"out of KV blocks: requested {requested}, {free} free of {total}")
+        self.requested = requested
+        self.free = free
+        self.total = total
+
+
+class BlockAllocator:
+    """Block ids ``0..num_blocks-1`` with reference counts; a block is free at count 0."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._refcount = [0] * num_blocks
+        # FIFO reuse: a block freed late is reused late, which keeps recently freed contents
+        # around a little longer (useful when debugging; correctness never depends on it).
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def refcount(self, block_id: int) -> int:
+        self._check(block_id)
+        return self._refcount[block_id]
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks, each with reference count 1; raises OutOfBlocks if short."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"cannot allocate {n!r} blocks")
+        if n > len(self._free):
+            raise OutOfBlocks(n, len(self._free), self.num_blocks)
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._refcount[b] = 1
+        return blocks
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        for b in ids:
+            self._check(b)
+            if self._refcount[b] == 0:
+                raise ValueError(f"incref of free block {b}: allocate it first")
+        for b in ids:
+            self._refcount[b] += 1
+
+    def decref(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop one reference per id; returns the ids that became free (count reached 0)."""
+        ids = list(block_ids)
+        pending: dict[int, int] = {}
+        for b in ids:
+            self._check(b)
+            pending[b] = pending.get(b, 0) + 1
+            if pending[b] > self._refcount[b]:
+                raise ValueError(f"decref of block {b} below zero (double free?)")
+        freed = []
+        for b in ids:
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                self._free.append(b)
+                freed.append(b)
+        return freed
+
+    def _check(self, block_id: int) -> None:
+        if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id!r} outside 0..{self.num_blocks - 1}")

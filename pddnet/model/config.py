@@ -1,0 +1,128 @@
+"""Model configuration and the built-in presets.
+
+All presets use the byte tokenizer's vocabulary (256 bytes, then BOS, EOS, PAD), so a preset
+runs without any tokenizer file. `tiny` runs in float64 so tests can compare results exactly;
+`small` and `medium` are sized for benchmarks: their per-token KV (16 KiB and 32 KiB in float32)
+makes KV transfers behave like a real model's, scaled down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported lazily so `pdd --help` stays fast
+    import torch
+
+# The byte tokenizer's special ids; kept here so presets and tokenizer agree by construction.
+BYTE_VOCAB = 256
+BYTE_BOS_ID = 256
+BYTE_EOS_ID = 257
+BYTE_PAD_ID = 258
+BYTE_VOCAB_SIZE = 259
+
+DTYPES = ("float64", "float32", "bfloat16")
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    tie_embeddings: bool
+    dtype: str  # "float64" | "float32" | "bfloat16"
+    bos_token_id: int
+    eos_token_id: int
+    # HF `rope_scaling` as sorted (key, value) pairs (hashable), e.g. Llama 3.x's "llama3" type;
+    # empty for plain RoPE.
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                    "num_heads", "num_kv_heads", "head_dim", "max_position")
+        for field in positive:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        for field in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, field)
+            if not 0 <= value < self.vocab_size:
+                raise ValueError(f"{field} {value} is outside the vocabulary "
+                                 f"(vocab_size {self.vocab_size})")
+
+    @classmethod
+    def preset(cls, name: str, dtype: str | None = None) -> ModelConfig:
+        try:
+            config = PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown model preset {name!r}; presets: "
+                             f"{', '.join(PRESETS)}") from None
+        return config if dtype is None else config.with_dtype(dtype)
+
+    def with_dtype(self, dtype: str) -> ModelConfig:
+        return dataclasses.replace(self, dtype=dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def num_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        head = 0 if self.tie_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * per_layer + h + head
+
+
+def _byte_vocab_config(name: str, **fields: object) -> ModelConfig:
+    base: dict[str, object] = dict(
+        name=name, vocab_size=BYTE_VOCAB_SIZE, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_embeddings=False, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID,
+    )
+    base.update(fields)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # 1 KiB of KV per token; float64 so decode, extend and full forwards agree to ~1e-12.
+    "tiny": _byte_vocab_config(
+        "tiny", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position=4096, dtype="float64"),
+    # 8 layers x 2 (K,V) x 4 kv heads x 64 x 4 bytes = 16 KiB per token; ~19M parameters.
+    "small": _byte_vocab_config(
+        "small", hidden_size=512, intermediate_size=1024, num_layers=8, num_heads=8,
+        num_kv_heads=4, head_dim=64, max_position=16384, dtype="float32"),
+    # 16 layers x 2 x 4 x 64 x 4 bytes = 32 KiB per token; ~38M parameters.
+    "medium": _byte_vocab_config(
+        "medium", hidden_size=512, intermediate_size=1024, num_layers=16, num_heads=8,
+        num_kv_heads=4, head_dim=64, max_position=16384, dtype="float32"),
+}

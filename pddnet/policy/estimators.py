@@ -1,0 +1,73 @@
+"""Smoothed estimates of WAN goodput and RTT from observations (time passed in by the caller)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BandwidthEstimator:
+    """EWMA of observed transfer goodput in bytes/s.
+
+    Each sample is one completed transfer (bytes, seconds). Small transfers are dominated by RTT
+    rather than bandwidth, so a sample's weight grows with its size up to `full_weight_bytes`.
+    """
+
+    initial_bps: float
+    alpha: float = 0.25
+    full_weight_bytes: int = 1 << 20
+    samples: int = field(default=0, init=False)
+    _estimate: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.initial_bps <= 0:
+            raise ValueError(f"initial_bps must be > 0, got {self.initial_bps}")
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        self._estimate = float(self.initial_bps)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self._estimate
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return  # nothing learned from an empty or instantaneous transfer
+        weight = self.alpha * min(1.0, nbytes / self.full_weight_bytes)
+        self._estimate += weight * (nbytes / seconds - self._estimate)
+        self.samples += 1
+
+    def transfer_time(self, nbytes: int, rtt_s: float = 0.0) -> float:
+        """Estimated seconds to move `nbytes`: one RTT for the allocation round trip plus bytes/bw."""
+        return rtt_s + max(nbytes, 0) / self._estimate
+
+
+@dataclass
+class RttEstimator:
+    """RFC 6298 style smoothed RTT and variance (seconds)."""
+
+    initial_s: float = 0.03
+    srtt: float = field(default=0.0, init=False)
+    rttvar: float = field(default=0.0, init=False)
+    samples: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.initial_s <= 0:
+            raise ValueError(f"initial_s must be > 0, got {self.initial_s}")
+        self.srtt = self.initial_s
+        self.rttvar = self.initial_s / 2
+
+    def observe(self, rtt_s: float) -> None:
+        if rtt_s < 0:
+            raise ValueError(f"rtt sample must be >= 0, got {rtt_s}")
+        if self.samples == 0:
+            self.srtt, self.rttvar = rtt_s, rtt_s / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt_s)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt_s
+        self.samples += 1
+
+    @property
+    def timeout_s(self) -> float:
+        """A deadline for one round trip: srtt + 4 * rttvar (at least 10 ms)."""
+        return max(0.01, self.srtt + 4 * self.rttvar)

@@ -1,0 +1,193 @@
+"""The testbed's lifecycle: up/down leaves the machine as it was (also after crashes), several
+testbeds coexist, processes run inside the namespaces, process faults work."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import root_netns_missing_reason
+
+from emulation import netns
+from emulation.probes import UdpEcho, udp_rtts
+from emulation.testbed import Testbed, find_emulators, load_state, status_processes, teardown
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+root = pytest.mark.skipif(root_netns_missing_reason() is not None,
+                          reason=str(root_netns_missing_reason()))
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    d = tmp_path / "state"
+    monkeypatch.setenv("PDD_STATE_DIR", str(d))
+    return str(d)
+
+
+def host_links() -> list[str]:
+    return sorted(os.listdir("/sys/class/net"))  # the host namespace's interfaces
+
+
+def machine(name: str, state_dir: str) -> dict:
+    """What a testbed could leave behind: namespaces, host links, its processes, state."""
+    return {"netns": netns.list_netns(), "links": host_links(),
+            "procs": status_processes(name), "emulators": find_emulators(name),
+            "state": sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []}
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "emulation.testbed_cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_arguments_are_rejected_before_anything_is_made():
+    with pytest.raises(ValueError, match="bad testbed name"):
+        Testbed(name="no/slash")
+    with pytest.raises(ValueError, match="unknown shell"):
+        Testbed(name="t", shell="tcp")
+    with pytest.raises(ValueError, match="bad MTU"):
+        Testbed(name="t", mtu=70000)
+    with pytest.raises(ValueError, match="loss_pct"):
+        Testbed(name="t", loss_pct=120)
+
+
+@root
+def test_cli_up_status_exec_down_leaves_the_machine_as_before(state_dir):
+    name = "pddtt-cli"
+    before = machine(name, state_dir)
+    up = cli("up", "--name", name, "--rtt-ms", "20", "--shell", "packet")
+    try:
+        assert up.returncode == 0, up.stderr
+        assert netns.exists(f"{name}-a") and netns.exists(f"{name}-b")
+        ex = cli("exec", "--name", name, "b", "--", sys.executable, "-c",
+                 "import socket; s = socket.socket(); s.bind(('10.77.0.2', 0)); print('bound')")
+        assert ex.returncode == 0 and ex.stdout.strip() == "bound", ex.stderr
+        st = cli("status", "--name", name)
+        assert st.returncode == 0, st.stdout + st.stderr
+        assert "a_to_b: delay 10.0 ms" in st.stdout and "emulator" in st.stdout
+        assert cli("up", "--name", name).returncode == 1  # refuses to make it twice
+    finally:
+        down = cli("down", "--name", name)
+    assert down.returncode == 0, down.stderr
+    assert machine(name, state_dir) == before
+    assert cli("status", "--name", name).returncode == 1
+
+
+@root
+def test_down_cleans_up_after_the_emulator_was_killed(state_dir):
+    name = "pddtt-crash"
+    before = machine(name, state_dir)
+    assert cli("up", "--name", name, "--shell", "packet").returncode == 0
+    sleeper = subprocess.Popen([sys.executable, "-m", "emulation.testbed_cli", "exec", "--name",
+                                name, "a", "--", "sleep", "60"], cwd=ROOT)
+    try:
+        state = load_state(name, state_dir)
+        deadline = time.monotonic() + 10
+        while sleeper.pid not in netns.pids_in(f"{name}-a"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(state["emulator"]["pid"], signal.SIGKILL)
+        time.sleep(0.2)
+        assert cli("status", "--name", name).returncode == 1  # reported as broken
+    finally:
+        report = teardown(name, state_dir)
+        sleeper.wait(timeout=10)
+    assert sleeper.pid in report["processes"]
+    assert machine(name, state_dir) == before
+
+
+@root
+async def test_down_finds_leftovers_by_name_without_a_state_file(state_dir):
+    name = "pddtt-nostate"
+    before = machine(name, state_dir)
+    tb = Testbed(name=name, shell="packet")
+    await tb.start()
+    tb.detach()
+    os.unlink(os.path.join(state_dir, f"testbed-{name}.json"))  # as if it was never written
+    report = teardown(name, state_dir)
+    assert report["emulators"] == [tb.emulator_pid]
+    assert sorted(report["namespaces"]) == [f"{name}-a", f"{name}-b"]
+    deadline = time.monotonic() + 5
+    while machine(name, state_dir) != before:
+        assert time.monotonic() < deadline, machine(name, state_dir)
+        await asyncio.sleep(0.05)
+    os.waitpid(tb.emulator_pid, 0)  # our child: reap it
+
+
+@root
+async def test_an_exception_inside_the_block_still_removes_everything(state_dir):
+    name = "pddtt-exc"
+    before = machine(name, state_dir)
+    with pytest.raises(RuntimeError, match="boom"):
+        async with Testbed(name=name, shell="packet") as tb:
+            proc = tb.exec("b", ["sleep", "60"])
+            raise RuntimeError("boom")
+    assert proc.poll() is not None
+    assert machine(name, state_dir) == before
+
+
+async def median_rtt(tb: Testbed, port: int) -> float:
+    server = tb.socket("b", socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind((tb.addr_b, port))
+    client = tb.socket("a", socket.AF_INET, socket.SOCK_DGRAM)
+    echo = UdpEcho(server)
+    try:
+        got = await asyncio.to_thread(udp_rtts, client, (tb.addr_b, port), 30, 0.002)
+    finally:
+        echo.stop()
+        server.close()
+        client.close()
+    assert None not in got
+    return sorted(got)[len(got) // 2]
+
+
+@root
+async def test_two_testbeds_with_the_same_addresses_coexist(state_dir):
+    async with Testbed(name="pddtt-one", rtt_ms=20, shell="packet") as one, \
+            Testbed(name="pddtt-two", rtt_ms=2, shell="packet") as two:
+        assert one.addr_b == two.addr_b and one.control_url != two.control_url
+        r1, r2 = await median_rtt(one, 7100), await median_rtt(two, 7100)
+        assert 20 <= r1 < 22 and 2 <= r2 < 4, (r1, r2)
+        await two.link.set(delay_ms=5)  # changing one leaves the other alone
+        r1, r2 = await median_rtt(one, 7101), await median_rtt(two, 7101)
+        assert 20 <= r1 < 22 and 10 <= r2 < 12, (r1, r2)
+
+
+ECHO_SERVER = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+while True:
+    data, peer = s.recvfrom(2048)
+    s.sendto(data, peer)
+"""
+
+
+@root
+async def test_process_faults_hang_then_resume_and_kill(state_dir):
+    async with Testbed(name="pddtt-faults", shell="packet") as tb:
+        server = tb.exec("b", [sys.executable, "-c", ECHO_SERVER, tb.addr_b, "7200"],
+                         stdout=subprocess.PIPE, text=True)
+        assert (await asyncio.to_thread(server.stdout.readline)).strip() == "ready"
+        client = tb.socket("a", socket.AF_INET, socket.SOCK_DGRAM)
+        dst = (tb.addr_b, 7200)
+        assert None not in await asyncio.to_thread(udp_rtts, client, dst, 5, 0.01)
+
+        hang = tb.faults.hang(server.pid, 1.0)
+        hung = await asyncio.to_thread(udp_rtts, client, dst, 3, 0.0, 0.2)
+        assert hung == [None, None, None]  # a stopped process answers nothing
+        await hang.wait()
+        assert None not in await asyncio.to_thread(udp_rtts, client, dst, 5, 0.01)
+
+        with pytest.raises(ValueError, match="not started by"):
+            tb.faults.kill(os.getpid())
+        tb.faults.kill(server.pid)
+        assert await asyncio.to_thread(server.wait, 5) == -signal.SIGKILL
+        client.close()
