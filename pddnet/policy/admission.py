@@ -1,0 +1,70 @@
+"""RLD admission control: the relay pool is small and must never be flooded.
+
+The source report shows what happens otherwise: keeping low-hit traffic on RLD overloaded it
+and collapsed the whole system. So RLD admits a request only while its running tokens, KV
+blocks and queue stay under fixed limits; a refused request goes P->MD and waits there instead
+of queueing behind RLD. RLD's own instance is authoritative; P keeps a copy fed by RLD's answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    admitted: bool
+    reason: str
+
+
+@dataclass
+class RelayAdmission:
+    max_running_tokens: int      # prompt + output tokens of every admitted request, summed
+    max_blocks: int              # KV blocks RLD may hold for admitted requests
+    max_requests: int = 64       # admitted requests at once (RLD's "queue" never grows past it)
+    _held: dict[str, tuple[int, int]] = field(default_factory=dict, init=False)
+    _tokens: int = field(default=0, init=False)
+    _blocks: int = field(default=0, init=False)
+    refused: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_tokens", "max_blocks", "max_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def load(self) -> float:
+        """Occupancy in [0, 1]: the tighter of the token and block limits."""
+        return min(1.0, max(self._tokens / self.max_running_tokens, self._blocks / self.max_blocks))
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._held)
+
+    def try_admit(self, request_id: str, tokens: int, blocks: int) -> AdmissionDecision:
+        if request_id in self._held:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        if tokens < 0 or blocks < 0:
+            raise ValueError(f"tokens and blocks must be >= 0, got {tokens}, {blocks}")
+        reason = ""
+        if len(self._held) >= self.max_requests:
+            reason = f"RLD holds {len(self._held)} requests (limit {self.max_requests})"
+        elif self._tokens + tokens > self.max_running_tokens:
+            reason = f"RLD running tokens {self._tokens}+{tokens} > {self.max_running_tokens}"
+        elif self._blocks + blocks > self.max_blocks:
+            reason = f"RLD KV blocks {self._blocks}+{blocks} > {self.max_blocks}"
+        if reason:
+            self.refused += 1
+            return AdmissionDecision(False, reason)
+        self._held[request_id] = (tokens, blocks)
+        self._tokens += tokens
+        self._blocks += blocks
+        return AdmissionDecision(True, "admitted")
+
+    def release(self, request_id: str) -> bool:
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        self._tokens -= held[0]
+        self._blocks -= held[1]
+        return True

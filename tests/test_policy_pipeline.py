@@ -1,0 +1,64 @@
+import pytest
+
+from pddnet.policy.admission import RelayAdmission
+from pddnet.policy.pipeline import Pipeline, PipelineInputs, PipelinePolicy
+
+
+def inputs(**kw):
+    base = dict(prompt_tokens=4096, hit_tokens=0, max_tokens=256, kv_bytes_per_token=16384,
+                bandwidth_bps=125e6, rtt_s=0.03, rld_s_per_token=0.02, rld_admits=True)
+    base.update(kw)
+    return PipelineInputs(**base)
+
+
+def test_high_hit_goes_direct_to_md():
+    d = PipelinePolicy(direct_budget_s=0.2).decide(inputs(hit_tokens=4000))
+    assert d.pipeline is Pipeline.P_MD
+    assert d.incremental_bytes == 96 * 16384
+
+
+def test_low_hit_long_prompt_goes_through_rld():
+    d = PipelinePolicy().decide(inputs(prompt_tokens=32768, hit_tokens=0))
+    assert d.pipeline is Pipeline.P_RLD_MD
+    assert d.wan_transfer_s == pytest.approx(0.03 + 32768 * 16384 / 125e6)
+
+
+def test_long_input_short_output_stays_on_rld():
+    d = PipelinePolicy().decide(inputs(prompt_tokens=32768, max_tokens=8))
+    assert d.pipeline is Pipeline.RLD_ONLY
+    off = PipelinePolicy(singular_filter=False).decide(inputs(prompt_tokens=32768, max_tokens=8))
+    assert off.pipeline is Pipeline.P_RLD_MD
+
+
+def test_rld_full_means_wait_on_md():
+    d = PipelinePolicy().decide(inputs(prompt_tokens=32768, max_tokens=8, rld_admits=False))
+    assert d.pipeline is Pipeline.P_MD and "refused" in d.reason
+    rec = d.record(inputs(rld_admits=False))
+    assert rec["pipeline"] == "P->MD" and rec["inputs"]["rld_admits"] is False
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="hit_tokens"):
+        PipelinePolicy().decide(inputs(hit_tokens=5000))
+    with pytest.raises(ValueError, match="bandwidth"):
+        PipelinePolicy().decide(inputs(bandwidth_bps=0))
+
+
+def test_admission_never_exceeds_limits_under_a_flood():
+    adm = RelayAdmission(max_running_tokens=10_000, max_blocks=500, max_requests=8)
+    admitted, total = [], 0
+    for i in range(1000):
+        if adm.try_admit(f"r{i}", tokens=3000, blocks=100).admitted:
+            admitted.append(f"r{i}")
+            total += 1
+        assert adm.num_requests <= 8 and adm.load <= 1.0
+        if i % 7 == 0 and admitted:
+            adm.release(admitted.pop(0))
+    # 3 requests fill the 10k-token limit; only releases make room again
+    assert adm.refused == 1000 - total and total < 200
+    for rid in admitted:
+        assert adm.release(rid)
+    assert adm.load == 0 and adm.num_requests == 0
+    assert not adm.release("never")
+    with pytest.raises(ValueError):
+        RelayAdmission(max_running_tokens=0, max_blocks=1)
