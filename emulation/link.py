@@ -581,3 +581,12 @@ def _check_duration_required(duration: float) -> None:
     if duration is None:
         raise ValueError("duration (s) is required for a chaos verb")
     _check_duration(duration)
+
+
+def earliest(a: float | None, b: float | None) -> float | None:
+    """The sooner of two optional wake-up times (None = nothing scheduled)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a, b)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from emulation.link import Link
+from emulation.link import Link, earliest
 
 CLOCK_MONOTONIC = 1
 TFD_NONBLOCK = os.O_NONBLOCK
@@ -179,7 +179,7 @@ class PacketForwarder:
                         # The receiving device is down or its queue is full: the packet is lost
                         # like on a real NIC; counted here, outside the model.
                         self.stats["write_errors"] += 1
-            wake = _earliest(self.link.a_to_b.next_wakeup(), self.link.b_to_a.next_wakeup())
+            wake = earliest(self.link.a_to_b.next_wakeup(), self.link.b_to_a.next_wakeup())
             if wake is None:
                 break
             now = clock()
@@ -206,14 +206,6 @@ class PacketForwarder:
             return False
         self._spin_budget = budget - ahead
         return True
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return min(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from emulation.effects import LOSSY_EFFECTS
-from emulation.link import Link, LinkDirection
+from emulation.link import Link, LinkDirection, earliest
 
 PROXY_RESTRICTION = ("the proxy shell carries TCP byte streams, which cannot lose, duplicate or "
                      "reorder bytes; use the packet shell (pdd wan packet) for that")
@@ -154,7 +154,7 @@ class _Lane:
                     self._deliver(conn, payload)
             self.notify_room()
             change = model.next_change()
-            wake = change if blocked else _earliest(model.next_wakeup(), change)
+            wake = change if blocked else earliest(model.next_wakeup(), change)
             precise = (not blocked and wake is not None and wake == model.next_departure()
                        and model.queued_bytes() == 0
                        and model.in_flight_items() <= _PRECISE_MAX_ITEMS)
@@ -196,14 +196,6 @@ class _Lane:
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result("timer")
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return min(a, b)
 
 
 class WanProxy:

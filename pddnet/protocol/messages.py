@@ -209,6 +209,7 @@ ROLES = ("router", "prefill", "relay", "main_decode", "client")
 PRODUCERS = ("prefill", "relay", "main_decode")
 DONE_REASONS = ("eos", "stop", "length", "cancel", "error")
 HANDOFF_MODES = ("one-shot", "streaming")  # the spelling of pddnet.policy.handoff.HandoffMode
+LANES = ("events", "control", "bulk")  # HELLO.lane: what a connection carries (architecture.md)
 
 # KV dtypes: name -> bytes per element. A closed set: anything else is a protocol error.
 DTYPES: dict[str, int] = {
@@ -381,6 +382,8 @@ class Hello(Message):
     role: str = field(Str(max_len=16, choices=ROLES), doc="sender's role")
     instance_id: str = field(INSTANCE_ID, doc="sender's instance name, unique in the cluster")
     nonce: bytes = field(NONCE, doc="fresh random bytes from the sender (16..64)")
+    lane: str = field(Str(max_len=16, choices=LANES), default="control",
+                      doc="what the connection carries: events, control or bulk (KV_CHUNK only)")
 
 
 @dataclass(frozen=True, kw_only=True)
