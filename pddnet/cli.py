@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from emulation.cli import register_testbed, register_wan
+    from pddnet.cluster.cli import register as register_cluster
     from pddnet.engine.cli import register_generate
     from pddnet.model.cli import register_model
 
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_model(sub)
     register_wan(sub)
     register_testbed(sub)
+    register_cluster(sub)
     return parser
 
 

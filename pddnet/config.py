@@ -160,7 +160,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def config_from_dict(data: dict[str, Any]) -> ClusterConfig:
-    return _build(ClusterConfig, data, "").validate()
+    return _build(ClusterConfig(), data, "").validate()
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -175,21 +175,26 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), number
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+def _build(defaults: Any, data: dict[str, Any], prefix: str) -> Any:
+    """`defaults` with the keys of `data` replaced (tables recursively), each value checked.
+
+    Starting from the default *instance* keeps per-section defaults (relay's smaller pool, each
+    daemon's port) for keys a partial table leaves out.
+    """
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    fields = {f.name for f in dataclasses.fields(defaults)}
+    unknown = sorted(set(data) - fields)
     if unknown:
         raise ConfigError(f"unknown key(s) in {prefix.rstrip('.') or 'config'}: {', '.join(unknown)}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
-        default = getattr(cls(), name)
+        default = getattr(defaults, name)
         if dataclasses.is_dataclass(default):
-            kwargs[name] = _build(type(default), value, f"{prefix}{name}.")
+            kwargs[name] = _build(default, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, default, f"{prefix}{name}")
-    return cls(**kwargs)
+    return dataclasses.replace(defaults, **kwargs)
 
 
 def _coerce(value: Any, default: Any, where: str) -> Any:

@@ -43,3 +43,9 @@ def test_missing_and_broken_files(tmp_path):
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
     assert parse_address("[::1]:80") == ("::1", 80)
+
+
+def test_partial_tables_keep_their_section_defaults():
+    cfg = config_from_dict({"relay": {"port": 9200}, "prefill": {"num_blocks": 64}})
+    assert cfg.relay.port == 9200 and cfg.relay.num_blocks == 512
+    assert cfg.prefill.port == 7100 and cfg.prefill.num_blocks == 64

@@ -62,6 +62,7 @@ from .messages import (
     SamplingFields,
     Submit,
     Takeover,
+    Timeline,
     TokenEvent,
     array_from_payload,
     as_payload,
@@ -86,7 +87,7 @@ __all__ = [
     "Hello", "Auth", "AuthOk", "AuthFail", "Ping", "Pong", "ErrorMessage",
     "Submit", "Cancel", "TokenEvent", "RequestDone",
     "KvAllocRequest", "KvAllocResponse", "KvChunk", "KvDone", "KvAbort", "CacheEvents",
-    "RelayTokens", "Takeover", "Handoff",
+    "RelayTokens", "Takeover", "Handoff", "Timeline",
     "dtype_itemsize", "as_payload", "payload_from_array", "payload_from_tensor",
     "array_from_payload", "tensor_from_payload",
 ]

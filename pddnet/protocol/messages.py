@@ -262,6 +262,7 @@ class MessageType(enum.IntEnum):
     CANCEL = 17
     TOKEN_EVENT = 18
     REQUEST_DONE = 19
+    TIMELINE = 20
     # KV transfer (P -> RLD / MD) and the decode-side cache view (MD -> P)
     KV_ALLOC_REQUEST = 32
     KV_ALLOC_RESPONSE = 33
@@ -531,6 +532,23 @@ class RequestDone(Message):
     time: float = field(TIME, doc="when it ended (sender's clock)")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Timeline(Message):
+    """P, RLD or MD -> router on the events lane: one milestone of a request, for the `pdd`
+    object's timeline (prefill_start, prefill_end, rld_kv_complete, md_kv_complete,
+    handoff_start, handoff_end, first_md_token, wan_kv_sent, ...). `detail_int` / `detail_str`
+    carry the milestone's figure or label, e.g. wan_kv_bytes or the handoff mode."""
+
+    TYPE = MessageType.TIMELINE
+    request_id: str = field(REQUEST_ID, doc="the router's request id")
+    event: str = field(Str(max_len=64, pattern=CODE_PATTERN), doc="snake_case milestone name")
+    time: float = field(TIME, doc="when it happened (sender's clock)")
+    producer: str = field(Str(max_len=16, choices=PRODUCERS), doc="who reports it")
+    detail_int: int | None = field(Nullable(UInt(0, U64_MAX)), default=None,
+                                   doc="a count or size, e.g. bytes or tokens")
+    detail_str: str = field(Str(max_len=128), default="", doc="a label, e.g. the handoff mode")
+
+
 # ---------------------------------------------------------------------------------------------
 # KV transfer
 # ---------------------------------------------------------------------------------------------
@@ -763,7 +781,7 @@ MESSAGE_CLASSES: dict[int, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
         Hello, Auth, AuthOk, AuthFail, Ping, Pong, ErrorMessage,
-        Submit, Cancel, TokenEvent, RequestDone,
+        Submit, Cancel, TokenEvent, RequestDone, Timeline,
         KvAllocRequest, KvAllocResponse, KvChunk, KvDone, KvAbort, CacheEvents,
         RelayTokens, Takeover, Handoff,
     )
@@ -839,7 +857,7 @@ def tensor_from_payload(payload: memoryview | bytes, dtype: str, shape: tuple[in
 __all__ = [
     "DTYPES", "MESSAGE_CLASSES", "MessageType", "Message", "SamplingFields",
     "Hello", "Auth", "AuthOk", "AuthFail", "Ping", "Pong", "ErrorMessage",
-    "Submit", "Cancel", "TokenEvent", "RequestDone",
+    "Submit", "Cancel", "TokenEvent", "RequestDone", "Timeline",
     "KvAllocRequest", "KvAllocResponse", "KvChunk", "KvDone", "KvAbort", "CacheEvents",
     "RelayTokens", "Takeover", "Handoff",
     "message_class", "dtype_itemsize", "as_payload", "payload_from_array", "payload_from_tensor",

@@ -1,0 +1,54 @@
+"""Writing benchmark results: one JSON per run with the configuration and the machine inside."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"cores": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:  # pragma: no cover
+        info["torch"] = None
+    try:
+        info["loadavg"] = os.getloadavg()
+    except OSError:  # pragma: no cover
+        pass
+    return info
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary(values: Sequence[float]) -> dict[str, float | None]:
+    return {"n": len(values), "mean": (sum(values) / len(values)) if values else None,
+            "p50": percentile(values, 50), "p90": percentile(values, 90),
+            "p99": percentile(values, 99), "max": max(values) if values else None}
+
+
+def write_result(bench: str, data: dict[str, Any], out_dir: str | Path = "results") -> Path:
+    """results/<bench>/<timestamp>.json; returns the path (PNG files go beside it)."""
+    folder = Path(out_dir) / bench
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (time.strftime("%Y%m%d-%H%M%S") + ".json")
+    payload = {"bench": bench, "time": time.time(), "machine": machine_info(), **data}
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
+    return path

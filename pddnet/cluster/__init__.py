@@ -1,0 +1,28 @@
+"""pddnet.cluster: start, find and stop a whole cluster (`pdd up`, `pdd serve`, `pdd status`).
+
+    async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=30) as cluster:
+        url = cluster.url                      # the router, OpenAI-compatible
+        await cluster.stats("relay")           # a daemon's stats()
+
+See docs/cluster.md. Names are imported lazily so `pdd --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LocalCluster": "local", "ClusterLauncher": "launcher", "ClusterStartError": "launcher",
+    "read_run_file": "launcher", "choose_wan": "wan_setup", "WanChoice": "wan_setup",
+    "WanUnavailable": "wan_setup",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pddnet.cluster' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pddnet.cluster.{module}"), name)

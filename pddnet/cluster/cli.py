@@ -1,0 +1,293 @@
+"""`pdd up`, `pdd serve ROLE`, `pdd status`: a whole local cluster, one daemon, what is running.
+
+Importing this module imports nothing heavy; handlers import what they need when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+SERVE_ROLES = {"prefill": "prefill", "relay": "relay", "main-decode": "main_decode",
+               "router": "router"}
+
+
+def register(sub: Any) -> None:
+    up = sub.add_parser(
+        "up", help="start a whole local cluster (router, P, RLD, MD, the WAN between them)",
+        description="Start router, P, RLD (not in cross-dc) and MD as separate processes, joined "
+                    "by the emulated WAN; print the endpoint; stop everything on Ctrl-C/SIGTERM.")
+    up.add_argument("--config", default=None, metavar="FILE", help="cluster TOML (flags override)")
+    up.add_argument("--mode", choices=["pdd", "cross-dc", "same-dc"], default=None)
+    up.add_argument("--model", default=None, metavar="tiny|small|medium|PATH")
+    up.add_argument("--rtt-ms", type=float, default=None, help="WAN round trip (default 30)")
+    up.add_argument("--jitter-ms", type=float, default=None, help="WAN jitter per direction")
+    up.add_argument("--bw-mbit", type=float, default=None, help="WAN rate per direction")
+    up.add_argument("--port", type=int, default=None, help="router HTTP port (default 8000)")
+    up.add_argument("--wan", choices=["auto", "kernel", "packet", "proxy"], default=None,
+                    help="WAN shell (default auto: kernel, else packet, else proxy)")
+    up.add_argument("--run-dir", default=None, metavar="DIR",
+                    help="where the run file, config and logs go (default runs/<name>)")
+    up.add_argument("--threads", type=int, default=None, help="torch threads per daemon")
+    up.set_defaults(handler=_up)
+
+    serve = sub.add_parser("serve", help="run one daemon (prefill|relay|main-decode|router)",
+                           description="Run one pddnet daemon until SIGTERM/SIGINT.")
+    serve.add_argument("role", choices=sorted(SERVE_ROLES))
+    serve.add_argument("--config", required=True, metavar="FILE")
+    serve.add_argument("--stats-file", default=None, metavar="PATH",
+                       help="write the daemon's stats here at start, on SIGUSR1 and at exit")
+    serve.set_defaults(handler=_serve)
+
+    status = sub.add_parser("status", help="show the daemons of a cluster started by `pdd up`")
+    status.add_argument("--run-dir", default="runs/pdd", metavar="DIR")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=_status)
+
+
+# -- pdd up ---------------------------------------------------------------------------------------
+
+def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"mode": args.mode, "model.name": args.model, "wan.rtt_ms": args.rtt_ms,
+            "wan.jitter_ms": args.jitter_ms, "wan.bw_mbit": args.bw_mbit,
+            "router.port": args.port, "wan.shell": args.wan, "run_dir": args.run_dir,
+            "model.threads": args.threads}
+
+
+def _up(args: argparse.Namespace) -> int:
+
+    from pddnet.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, up_overrides(args))
+    except ConfigError as exc:
+        print(f"pdd up: {exc}", file=sys.stderr)
+        return 2
+    if args.run_dir is None and args.config is None:
+        config.run_dir = os.path.join("runs", config.name)
+    return _run_loop(_up_async(config))
+
+
+def _run_loop(coro: Any) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        import asyncio
+
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+async def _up_async(config: Any) -> int:
+    import asyncio
+    import signal
+
+    from pddnet.cluster.launcher import ClusterLauncher, ClusterStartError
+    from pddnet.cluster.wan_setup import WanUnavailable
+
+    launcher = ClusterLauncher(config, config.run_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(launcher.start())
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # signalled while starting
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        await launcher.stop()
+        print("pdd up: interrupted while starting; everything stopped", file=sys.stderr)
+        return 130
+    try:
+        info = start.result()
+    except (ClusterStartError, WanUnavailable, TimeoutError, OSError, ValueError) as exc:
+        print(f"pdd up: {exc}", file=sys.stderr)
+        return 1
+    _print_up(info)
+    await waiter
+    print("pdd up: stopping ...", flush=True)
+    report = await launcher.stop()
+    if report.killed:
+        print(f"pdd up: had to SIGKILL {report.killed}", file=sys.stderr)
+    if report.leftover_shm:
+        print(f"pdd up: removed shared-memory segments the daemons left: "
+              f"{', '.join(report.leftover_shm)}", file=sys.stderr)
+    print("pdd up: stopped (no daemon left running)", flush=True)
+    return 0
+
+
+def _print_up(info: dict[str, Any]) -> None:
+    wan = info["wan"]
+    print(f"pddnet cluster {info['name']!r} up, mode {info['mode']}, model {info['model']}")
+    print(f"  endpoint:  {info['router_url']}/v1/completions   (OpenAI-compatible)")
+    print(f"  WAN shell: {wan['shell']} -- {wan['reason']}")
+    if wan.get("control_url"):
+        print(f"  WAN control: {wan['control_url']}   (pdd wan show --control "
+              f"{wan['control_url']})")
+    for d in info["daemons"]:
+        where = f" in netns {d['namespace']}" if d.get("namespace") else ""
+        print(f"  {d['role']:<12} pid {d['pid']:<7} port {d['port']:<6} address "
+              f"{d['address']:<22} threads {d['threads']}{where}")
+    print(f"  run file:  {os.path.join(info['run_dir'], 'run.json')}")
+    print("Ctrl-C or SIGTERM stops everything.", flush=True)
+
+
+# -- pdd serve ------------------------------------------------------------------------------------
+
+def _serve(args: argparse.Namespace) -> int:
+    from pddnet.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"pdd serve: {exc}", file=sys.stderr)
+        return 2
+    role = SERVE_ROLES[args.role]
+    _setup_logging(role)
+    _limit_threads(config.model.threads, role)
+    if args.stats_file is None and role != "router":
+        from pddnet.roles import run_role
+
+        return _run_loop(run_role(role, config)) or 0
+    return _run_loop(serve_daemon(role, config, args.stats_file)) or 0
+
+
+def _setup_logging(role: str) -> None:
+    import logging
+
+    logging.basicConfig(level=os.environ.get("PDD_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+
+
+def _limit_threads(threads: int, role: str) -> None:
+    if role == "router":
+        return  # the router never imports torch
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def build_daemon(role: str, config: Any) -> Any:
+    """The daemon object for a role: the router, or P / RLD / MD from pddnet.roles."""
+    if role == "router":
+        from pddnet.roles.router import Router
+
+        return Router(config)
+    from pddnet.roles import make_daemon
+
+    return make_daemon(role, config)
+
+
+class StatsFile:
+    """The daemon's stats as JSON, rewritten atomically with a rising `seq`."""
+
+    def __init__(self, path: str, role: str, daemon: Any) -> None:
+        self.path, self.role, self.daemon, self.seq = path, role, daemon, 0
+
+    def write(self, state: str) -> None:
+        self.seq += 1
+        try:
+            stats = self.daemon.stats()
+        except Exception as exc:  # a stats bug must not kill the daemon
+            stats = {"error": f"{type(exc).__name__}: {exc}"}
+        body = {"role": self.role, "pid": os.getpid(), "state": state, "seq": self.seq,
+                "time": time.time(), "stats": stats}
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(body, f, default=str)
+        os.replace(tmp, self.path)
+
+
+async def serve_daemon(role: str, config: Any, stats_file: str | None) -> int:
+    """Start one daemon, serve until SIGTERM/SIGINT, close it. SIGUSR1 refreshes the stats."""
+    import asyncio
+    import signal
+
+    daemon = build_daemon(role, config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stats = StatsFile(stats_file, role, daemon) if stats_file else None
+    if stats is not None:
+        loop.add_signal_handler(signal.SIGUSR1, lambda: stats.write("serving"))
+    try:
+        start = asyncio.create_task(daemon.start())
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)
+            return 0
+        start.result()
+        if stats is not None:
+            stats.write("serving")
+        serve = asyncio.create_task(daemon.serve_forever())
+        await asyncio.wait({serve, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        serve.cancel()
+        await asyncio.gather(serve, return_exceptions=True)
+        return 0
+    finally:
+        await daemon.close()
+        if stats is not None:
+            stats.write("stopped")
+
+
+# -- pdd status -----------------------------------------------------------------------------------
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def status_of(run_dir: str) -> dict[str, Any]:
+    import urllib.error
+    import urllib.request
+
+    from pddnet.cluster.launcher import read_run_file
+
+    info = read_run_file(run_dir)
+    out: dict[str, Any] = {"run_dir": run_dir, "state": info.get("state"), "mode": info["mode"],
+                           "router_url": info["router_url"], "wan": info["wan"], "daemons": []}
+    for d in info["daemons"]:
+        out["daemons"].append({**d, "alive": _alive(d["pid"])})
+    health: dict[str, Any] | None
+    try:
+        with urllib.request.urlopen(f"{info['router_url']}/health", timeout=3) as r:
+            health = {**json.loads(r.read()), "http_status": r.status}
+    except urllib.error.HTTPError as exc:
+        health = {**json.loads(exc.read() or b"{}"), "http_status": exc.code}
+    except (OSError, ValueError) as exc:
+        health = {"http_status": None, "error": str(exc)}
+    out["health"] = health
+    return out
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        st = status_of(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"pdd status: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        print(f"cluster in {st['run_dir']}: {st['state']}, mode {st['mode']}, router "
+              f"{st['router_url']}, WAN {st['wan']['shell']}")
+        for d in st["daemons"]:
+            print(f"  {d['role']:<12} pid {d['pid']:<7} {'alive' if d['alive'] else 'DEAD':<6} "
+                  f"{d['address']}")
+        h = st["health"]
+        print(f"  /health: HTTP {h.get('http_status')} "
+              f"{json.dumps({k: v for k, v in h.items() if k != 'http_status'})}")
+    alive = all(d["alive"] for d in st["daemons"])
+    return 0 if alive and st["health"].get("http_status") == 200 else 1

@@ -1,0 +1,373 @@
+"""Choosing and running the WAN between datacenter A and datacenter B for `pdd up`.
+
+`--wan auto` takes, in order: the kernel shell (netem qdiscs on a veth pair between the testbed's
+two namespaces) where the kernel has sch_netem; else the packet shell (TUN devices between the
+testbed's namespaces, real TCP end to end) when root and /dev/net/tun are there; else the proxy
+shell (a TCP proxy on loopback in front of MD). `choose_wan` says which and why.
+
+A `Placement` then tells the launcher where each daemon runs and how peers reach MD:
+- proxy: everything on loopback; MD's `dial` address is the proxy, which forwards to MD.
+- packet / kernel: MD runs in namespace B and listens on the testbed's B address; router, P and
+  RLD run in namespace A and dial MD there, so every MD byte crosses the emulated link. The
+  router's HTTP port is forwarded from the host's loopback into namespace A, so users and tests
+  reach it at 127.0.0.1 as usual.
+- none (same-dc): no WAN at all, everything on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pddnet.config import ClusterConfig, ClusterMode
+
+WAN_CHOICES = ("auto", "kernel", "packet", "proxy")
+LOOPBACK = "127.0.0.1"
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class WanUnavailable(RuntimeError):
+    """The requested WAN shell cannot run on this machine."""
+
+
+@dataclass(frozen=True)
+class WanChoice:
+    shell: str   # kernel | packet | proxy | none
+    reason: str
+
+
+def _testbed_reason() -> str | None:
+    from emulation.testbed import unavailable_reason
+
+    return unavailable_reason()
+
+
+def _netem_reason() -> str | None:
+    if _testbed_reason() is not None:
+        return _testbed_reason()
+    from emulation.kernel_shell import netem_unavailable_reason
+
+    return netem_unavailable_reason()
+
+
+def choose_wan(requested: str, mode: ClusterMode) -> WanChoice:
+    """Which shell carries the WAN, and why (raises WanUnavailable for an impossible request)."""
+    if requested not in WAN_CHOICES:
+        raise ValueError(f"--wan must be one of {', '.join(WAN_CHOICES)}, got {requested!r}")
+    if mode == ClusterMode.SAME_DC:
+        return WanChoice("none", "same-dc mode: P and the decode instance share datacenter A "
+                                 "over shared memory, there is no WAN")
+    if requested == "proxy":
+        return WanChoice("proxy", "requested --wan proxy (TCP proxy on loopback in front of MD)")
+    if requested == "packet":
+        reason = _testbed_reason()
+        if reason is not None:
+            raise WanUnavailable(f"--wan packet is not available here: {reason}")
+        return WanChoice("packet", "requested --wan packet (TUN devices between namespaces)")
+    netem = _netem_reason()
+    if requested == "kernel":
+        if netem is not None:
+            raise WanUnavailable(f"--wan kernel is not available here: {netem}")
+        return WanChoice("kernel", "requested --wan kernel (netem on a veth pair)")
+    if netem is None:
+        return WanChoice("kernel", "auto: the kernel has sch_netem")
+    packet = _testbed_reason()
+    if packet is None:
+        return WanChoice("packet", f"auto: no kernel shell ({netem}); root and /dev/net/tun are "
+                                   f"there, so the packet shell between namespaces")
+    return WanChoice("proxy", f"auto: no kernel shell ({netem}); no packet shell ({packet}); "
+                              f"so the proxy shell on loopback")
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free right now on `host` (the usual bind-to-0 race is acceptable here)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+_prctl: list[Any] = []
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launcher dies, so a crashed `pdd up` leaves
+    no orphans (PR_SET_PDEATHSIG survives exec). Only calls what the parent resolved: nothing
+    that could take a lock runs between fork and exec."""
+    if _prctl:
+        _prctl[0](1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def _resolve_prctl() -> None:
+    if not _prctl:
+        import ctypes
+
+        with contextlib.suppress(Exception):
+            _prctl.append(ctypes.CDLL(None, use_errno=True).prctl)
+
+
+def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    """Start a daemon: its own session (a terminal's Ctrl-C reaches only the launcher, which
+    stops everything in order) and tied to the launcher's life."""
+    _resolve_prctl()
+    return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_die_with_parent, **kwargs)
+
+
+class Placement:
+    """Where daemons run and how MD is reached; the base class is `none` (all on loopback)."""
+
+    shell = "none"
+
+    def __init__(self, choice: WanChoice, config: ClusterConfig) -> None:
+        self.choice = choice
+        self.config = config
+        self.control_url: str | None = None
+        self.testbed_name: str | None = None
+        self.emulator_pid: int | None = None
+
+    def prepare(self, config: ClusterConfig) -> None:
+        """Fill in hosts and MD's dial address (ports are already chosen)."""
+        for sec in (config.prefill, config.relay, config.main_decode):
+            sec.host = LOOPBACK
+            sec.dial = None
+        config.router.host = LOOPBACK
+
+    async def start(self) -> None:
+        """Bring the WAN up (before the daemons start)."""
+
+    def namespace(self, role: str) -> str | None:
+        return None
+
+    def spawn(self, role: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        return popen(argv, **kwargs)
+
+    async def expose_router(self, port: int) -> str:
+        """The router URL users reach from the host."""
+        return f"http://{LOOPBACK}:{port}"
+
+    async def close(self) -> None:
+        """Take the WAN down (after the daemons stopped)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"shell": self.choice.shell, "reason": self.choice.reason,
+                "control_url": self.control_url, "testbed": self.testbed_name,
+                "emulator_pid": self.emulator_pid}
+
+
+class ProxyPlacement(Placement):
+    """The proxy shell: `pdd wan proxy` in front of MD on loopback."""
+
+    shell = "proxy"
+
+    def __init__(self, choice: WanChoice, config: ClusterConfig) -> None:
+        super().__init__(choice, config)
+        self.proc: subprocess.Popen | None = None
+        self.listen_port = free_port()
+        self.control_port = free_port()
+        self.log_path: str | None = None
+
+    def prepare(self, config: ClusterConfig) -> None:
+        super().prepare(config)
+        if config.wan.loss_pct:
+            raise WanUnavailable("the proxy shell carries TCP byte streams and cannot lose "
+                                 f"packets (wan.loss_pct={config.wan.loss_pct}); use --wan packet")
+        config.main_decode.dial = f"{LOOPBACK}:{self.listen_port}"
+        config.wan.control = f"{LOOPBACK}:{self.control_port}"
+        self.control_url = f"http://{LOOPBACK}:{self.control_port}"
+
+    async def start(self) -> None:
+        wan = self.config.wan
+        argv = [sys.executable, "-m", "pddnet", "wan", "proxy",
+                "--listen", f"{LOOPBACK}:{self.listen_port}",
+                "--upstream", f"{LOOPBACK}:{self.config.main_decode.port}",
+                "--control", f"{LOOPBACK}:{self.control_port}",
+                "--rtt-ms", repr(wan.rtt_ms), "--jitter-ms", repr(wan.jitter_ms),
+                "--seed", str(self.config.model.seed)]
+        if wan.bw_mbit is not None:
+            argv += ["--bw-mbit", repr(wan.bw_mbit)]
+        log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(1))
+        finally:
+            log.close()
+        self.emulator_pid = self.proc.pid
+        await _wait_http(self.control_url + "/link", self.proc, 20.0, "the WAN proxy")
+
+    async def close(self) -> None:
+        if self.proc is not None:
+            await asyncio.to_thread(stop_processes, [self.proc])
+            self.proc = None
+
+
+class TestbedPlacement(Placement):
+    """The packet or kernel shell: MD in namespace B, everything else in namespace A."""
+
+    __test__ = False
+
+    def __init__(self, choice: WanChoice, config: ClusterConfig) -> None:
+        super().__init__(choice, config)
+        from emulation.testbed import Testbed
+
+        self.shell = choice.shell
+        self.testbed_name = f"pdd{os.getpid()}{secrets.token_hex(2)}"
+        wan = config.wan
+        self.testbed = Testbed(name=self.testbed_name, rtt_ms=wan.rtt_ms, jitter_ms=wan.jitter_ms,
+                               bw_mbit=wan.bw_mbit, loss_pct=wan.loss_pct, shell=choice.shell,
+                               seed=config.model.seed)
+        self.forwarder: NamespaceForwarder | None = None
+
+    def prepare(self, config: ClusterConfig) -> None:
+        super().prepare(config)
+        config.main_decode.host = self.testbed.addr_b
+        config.main_decode.dial = f"{self.testbed.addr_b}:{config.main_decode.port}"
+
+    async def start(self) -> None:
+        await self.testbed.start()
+        self.control_url = self.testbed.control_url
+        self.emulator_pid = self.testbed.emulator_pid
+        if self.control_url:
+            self.config.wan.control = self.control_url.removeprefix("http://")
+
+    def namespace(self, role: str) -> str | None:
+        return self.testbed.ns("b" if role == "main_decode" else "a")
+
+    def spawn(self, role: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        side = "b" if role == "main_decode" else "a"
+        _resolve_prctl()
+        return self.testbed.exec(side, list(argv), stdin=subprocess.DEVNULL,
+                                 start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+
+    async def expose_router(self, port: int) -> str:
+        self.forwarder = NamespaceForwarder(self.testbed.ns_a, LOOPBACK, port)
+        public = await self.forwarder.start(LOOPBACK, port)
+        return f"http://{LOOPBACK}:{public}"
+
+    async def close(self) -> None:
+        if self.forwarder is not None:
+            await self.forwarder.close()
+            self.forwarder = None
+        await self.testbed.close()
+
+
+def make_placement(choice: WanChoice, config: ClusterConfig) -> Placement:
+    if choice.shell == "proxy":
+        return ProxyPlacement(choice, config)
+    if choice.shell in ("packet", "kernel"):
+        return TestbedPlacement(choice, config)
+    return Placement(choice, config)
+
+
+class NamespaceForwarder:
+    """Host loopback port -> a port inside a network namespace (for the router's HTTP): each
+    accepted connection gets a socket made inside the namespace, and bytes are piped both ways."""
+
+    def __init__(self, ns: str, target_host: str, target_port: int) -> None:
+        self.ns = ns
+        self.target = (target_host, target_port)
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._accept, host, port)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from emulation import netns
+
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            sock = await asyncio.to_thread(netns.socket_in, self.ns)
+            sock.setblocking(False)
+            try:
+                await asyncio.get_running_loop().sock_connect(sock, self.target)
+            except OSError:
+                sock.close()
+                writer.close()
+                return
+            up_reader, up_writer = await asyncio.open_connection(sock=sock)
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            writer.close()
+
+
+async def _wait_http(url: str, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {proc.returncode}")
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not answer {url} within {timeout:g} s")
+            await asyncio.sleep(0.05)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> list[int]:
+    """SIGTERM every process, SIGKILL what is left after `grace_s`; reap all. Returns the PIDs
+    that needed SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    killed = []
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            killed.append(p.pid)
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+    return killed

@@ -1,0 +1,392 @@
+"""The shell every PDD daemon (P, RLD, MD) shares: listen, dial peers, route messages, emit to the
+router, run per-request engine work in order, count, and close without leaving anything behind.
+
+A daemon is thin: protocol decisions live in pddnet.protocol.handoff / request_flow (sans-IO),
+compute in the engine behind an EngineWorker (one thread), bytes in pddnet.transport. What is
+left here is glue: which connection a message came on, and where an action's message goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pddnet.config import ClusterConfig, DaemonSection
+from pddnet.engine.engine import Engine, StepOutput
+from pddnet.engine.sampling import SamplingParams
+from pddnet.engine.sequence import FinishReason
+from pddnet.engine.worker import EngineWorker
+from pddnet.model.loader import load_model
+from pddnet.protocol import ErrorMessage, Message, Ping, Pong, RequestDone, TokenEvent
+from pddnet.protocol.messages import SamplingFields, Timeline
+from pddnet.transport import Connection, ConnectionClosed, Server, dial_with_retry
+
+log = logging.getLogger("pddnet.roles")
+
+# How a finished engine sequence ends on the wire (REQUEST_DONE.reason).
+DONE_REASON = {FinishReason.STOP: "eos", FinishReason.LENGTH: "length"}
+CANCELLED_MEMORY = 4096   # recently ended request ids, so a late message cannot resurrect one
+
+
+def now() -> float:
+    """Wall-clock time for TOKEN_EVENT / TIMELINE (one clock on one box; see protocol.md)."""
+    return time.time()
+
+
+def instance_id(config: ClusterConfig, role: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._:-]", "-", config.name)[:100] or "pdd"
+    return f"{name}.{role}"
+
+
+def sampling_of(fields: SamplingFields) -> SamplingParams:
+    return SamplingParams(temperature=fields.temperature, top_p=fields.top_p,
+                          top_k=fields.top_k, seed=fields.seed)
+
+
+def first_token_ends(token: int, fields: SamplingFields, eos: int | None) -> str | None:
+    """REQUEST_DONE reason when P's first token already ends the request, else None."""
+    if not fields.ignore_eos and eos is not None and token == eos:
+        return "eos"
+    if token in fields.stop_token_ids:
+        return "stop"
+    if fields.max_tokens <= 1:
+        return "length"
+    return None
+
+
+def step_end_reasons(out: StepOutput, stop_token_ids: tuple[int, ...]) -> list[str | None] | None:
+    """Per new token of a step: the REQUEST_DONE reason it ends the request with, or None.
+    None for the whole step when it is the engine reporting our own abort. The engine knows
+    EOS and max_tokens; extra stop tokens (SUBMIT.stop_token_ids) are checked here, the same
+    way on every tier, and the caller then aborts the engine sequence."""
+    if out.finished and out.finish_reason not in DONE_REASON:
+        return None
+    reasons: list[str | None] = [None] * len(out.new_token_ids)
+    for i, tok in enumerate(out.new_token_ids):
+        if tok in stop_token_ids:
+            reasons[i] = "stop"
+            return reasons[:i + 1]
+    if out.finished and reasons:
+        reasons[-1] = DONE_REASON[out.finish_reason]
+    return reasons
+
+
+class Outbox:
+    """Ordered, non-blocking sends on one connection: handlers post, one task writes (and waits
+    for the connection's backpressure), so a slow peer never stalls the code that posts."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn = conn
+        self.name = name
+        self.dropped = 0
+        self._queue: deque[Message] = deque()
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"outbox {name}")
+
+    @property
+    def alive(self) -> bool:
+        return not self.conn.closed and not self._task.done()
+
+    def post(self, msg: Message) -> None:
+        if not self.alive:
+            self.dropped += 1
+            log.debug("%s: dropping %s, connection closed", self.name, msg.TYPE.name)
+            return
+        self._queue.append(msg)
+        self._wakeup.set()
+
+    async def _run(self) -> None:
+        while True:
+            while self._queue:
+                msg = self._queue.popleft()
+                try:
+                    await self.conn.send(msg)
+                except ConnectionClosed as exc:
+                    self.dropped += 1 + len(self._queue)
+                    self._queue.clear()
+                    log.info("%s: connection closed (%s)", self.name, exc)
+                    return
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+        await self.conn.close("daemon closing")
+
+
+class Serial:
+    """Runs a request's engine operations strictly in submission order in one task, so e.g. an
+    abort can never overtake the add_request it cancels, nor a KV_DONE the last write."""
+
+    def __init__(self, name: str, tasks: set[asyncio.Task]) -> None:
+        self.name = name
+        self._queue: deque[Callable[[], Awaitable[Any]]] = deque()
+        self._task: asyncio.Task | None = None
+        self._tasks = tasks
+
+    def submit(self, op: Callable[[], Awaitable[Any]]) -> None:
+        self._queue.append(op)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
+            self._tasks.add(self._task)
+            self._task.add_done_callback(self._tasks.discard)
+
+    async def _run(self) -> None:
+        while self._queue:
+            op = self._queue.popleft()
+            try:
+                await op()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: operation failed", self.name)
+
+
+class RecentIds:
+    """A bounded memory of ended request ids (FIFO)."""
+
+    def __init__(self, size: int = CANCELLED_MEMORY) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+
+    def add(self, rid: str) -> None:
+        self._ids[rid] = None
+        self._ids.move_to_end(rid)
+        while len(self._ids) > self._size:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._ids
+
+
+class Daemon:
+    """Base of PrefillDaemon, RelayDaemon, MainDecodeDaemon.
+
+    Subclasses set ``role`` (wire role and REQUEST_DONE producer) and ``section`` (config
+    table), and implement ``handle(conn, msg)``, ``on_step(outputs)`` and ``dial_peers()``.
+    """
+
+    role: str = ""
+    section_name: str = ""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        config.validate()
+        if not config.secret:
+            raise ValueError("config.secret is empty: daemons authenticate every connection "
+                             "with the cluster secret (pdd up generates one)")
+        self.config = config
+        self.section: DaemonSection = getattr(config, self.section_name)
+        self.instance_id = instance_id(config, self.role)
+        self.secret = config.secret.encode()
+        self.engine: Engine | None = None
+        self.worker: EngineWorker | None = None
+        self.server: Server | None = None
+        self.port: int | None = None
+        self.counters: Counter[str] = Counter()
+        self.ended = RecentIds()
+        self._router: list[Outbox] = []   # events lanes, most recent last
+        self._outboxes: list[Outbox] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = asyncio.Event()
+        self._closing = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def kv_shm_name(self) -> str | None:
+        """Name of a shared-memory KV pool, or None for a private one (RLD overrides)."""
+        return None
+
+    async def start(self) -> None:
+        """Load the model, start the engine thread, listen, then dial peers (retrying)."""
+        model_cfg = self.config.model
+        model, tokenizer = await asyncio.to_thread(load_model, model_cfg.name, model_cfg.dtype,
+                                                   model_cfg.seed)
+        sec = self.section
+        self.engine = Engine(model, tokenizer, num_blocks=sec.num_blocks,
+                             block_size=sec.block_size,
+                             max_num_batched_tokens=sec.max_num_batched_tokens,
+                             max_num_seqs=sec.max_num_seqs, kv_shm_name=self.kv_shm_name())
+        self.worker = EngineWorker(self.engine, self._on_outputs, threads=model_cfg.threads,
+                                   name=f"{self.role}-engine")
+        self.server = Server(sec.host, sec.port, role=self.role, instance_id=self.instance_id,
+                             secret=self.secret, on_connection=self._on_connection)
+        self.port = await self.server.start()
+        try:
+            await self.dial_peers()
+        except BaseException:
+            await self.close()
+            raise
+        log.info("%s listening on %s:%d", self.instance_id, sec.host, self.port)
+
+    async def serve_forever(self) -> None:
+        await self._closed.wait()
+
+    async def close(self) -> None:
+        """Close connections, stop the engine thread, free the pool (and its shm segment)."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        try:
+            if self.server is not None:
+                await self.server.close()
+            for box in self._outboxes:
+                await box.close()
+            tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.close_extra()
+            if self.worker is not None:
+                await self.worker.close()
+            if self.engine is not None:
+                self.engine.close()
+        finally:
+            self._closed.set()
+
+    async def close_extra(self) -> None:
+        """Subclass resources (regions, striped senders), closed before the engine."""
+
+    # -- connections -------------------------------------------------------------------------
+
+    async def dial(self, address: tuple[str, int], lane: str) -> Connection:
+        host, port = address
+        return await dial_with_retry(host, port, role=self.role, instance_id=self.instance_id,
+                                     lane=lane, secret=self.secret, attempts=150, delay=0.2)
+
+    def outbox(self, conn: Connection, name: str) -> Outbox:
+        box = Outbox(conn, f"{self.instance_id} -> {name}")
+        self._outboxes.append(box)
+        return box
+
+    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: task %s failed", self.instance_id, task.get_name(),
+                      exc_info=task.exception())
+
+    def read_loop(self, conn: Connection, name: str) -> asyncio.Task:
+        """Handle every message of a connection we dialled, in order, until it closes."""
+        return self.spawn(self._serve(conn), f"{self.instance_id} reads {name}")
+
+    async def _on_connection(self, conn: Connection) -> None:
+        if conn.lane == "events":
+            box = self.outbox(conn, f"{conn.peer_role} events")
+            self._router.append(box)
+        await self._serve(conn)
+
+    async def _serve(self, conn: Connection) -> None:
+        async for msg in conn:
+            if isinstance(msg, Ping):  # heartbeats are answered at once, on any lane
+                with contextlib.suppress(ConnectionClosed):
+                    await conn.send(Pong(nonce=msg.nonce, time=msg.time))
+                continue
+            if isinstance(msg, Pong):
+                continue
+            try:
+                await self.handle(conn, msg)
+            except Exception as exc:  # one bad request must not end the connection
+                rid = getattr(msg, "request_id", None)
+                log.exception("%s: handling %s from %s failed", self.instance_id,
+                              msg.TYPE.name, conn.peer_role)
+                self.counters["errors"] += 1
+                self.error(rid, "internal", f"{self.role} failed on {msg.TYPE.name}: {exc}")
+        self.connection_lost(conn)
+
+    def connection_lost(self, conn: Connection) -> None:
+        """A connection closed (override to fail the requests that depended on it)."""
+
+    async def handle(self, conn: Connection, msg: Message) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    async def dial_peers(self) -> None:
+        """Dial the daemons this one sends to (none by default)."""
+
+    # -- the router ----------------------------------------------------------------------------
+
+    def to_router(self, msg: Message) -> None:
+        for box in reversed(self._router):
+            if box.alive:
+                box.post(msg)
+                return
+        self.counters["router_messages_dropped"] += 1
+        log.warning("%s: no router connected; dropped %s", self.instance_id, msg.TYPE.name)
+
+    def emit_tokens(self, rid: str, index: int, tokens: tuple[int, ...] | list[int]) -> None:
+        self.counters["tokens_emitted"] += len(tokens)
+        self.to_router(TokenEvent(request_id=rid, index=index, token_ids=tuple(tokens),
+                                  producer=self.role, time=now()))
+
+    def request_done(self, rid: str, reason: str, num_prompt: int, num_output: int) -> RequestDone:
+        msg = RequestDone(request_id=rid, reason=reason, num_prompt_tokens=num_prompt,
+                          num_output_tokens=num_output, producer=self.role, time=now())
+        self.to_router(msg)
+        return msg
+
+    def timeline(self, rid: str, event: str, detail_int: int | None = None,
+                 detail_str: str = "") -> None:
+        self.to_router(Timeline(request_id=rid, event=event, time=now(), producer=self.role,
+                                detail_int=detail_int, detail_str=detail_str))
+
+    def error(self, rid: str | None, code: str, message: str) -> None:
+        self.to_router(ErrorMessage(request_id=rid, code=code, message=message[:4096]))
+
+    # -- the engine ------------------------------------------------------------------------------
+
+    async def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run an engine operation in the engine thread, between steps."""
+        assert self.worker is not None
+        return await self.worker.call(fn, *args, **kwargs)
+
+    def wake(self) -> None:
+        assert self.worker is not None
+        self.worker.wake()
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        if self._closing:
+            return
+        try:
+            self.on_step(outputs)
+        except Exception:
+            log.exception("%s: handling step outputs failed", self.instance_id)
+
+    def on_step(self, outputs: list[StepOutput]) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    # -- stats -----------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-able counters: requests, KV blocks, bytes per lane and message type."""
+        engine = self.engine
+        blocks: dict[str, int] = {}
+        if engine is not None:
+            free = engine.num_available_blocks
+            blocks = {"total": engine.num_blocks, "free": free, "used": engine.num_blocks - free,
+                      "block_size": engine.block_size}
+        lanes: dict[str, dict[str, int]] = {}
+        conns = list(self.server.connections) if self.server is not None else []
+        conns += [box.conn for box in self._outboxes if box.conn not in conns]
+        for conn in conns:
+            lane = lanes.setdefault(conn.lane, {"bytes_in": 0, "bytes_out": 0})
+            lane["bytes_in"] += sum(conn.stats["bytes_in"].values())
+            lane["bytes_out"] += sum(conn.stats["bytes_out"].values())
+        return {"role": self.role, "instance": self.instance_id, "port": self.port,
+                "requests": self.request_stats(), "kv_blocks": blocks, "lanes": lanes,
+                "counters": dict(self.counters)}
+
+    def request_stats(self) -> dict[str, int]:  # pragma: no cover
+        raise NotImplementedError

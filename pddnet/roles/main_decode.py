@@ -1,0 +1,409 @@
+"""MD: the main decode pool in datacenter B, reached only over the WAN (it never dials).
+
+KV_ALLOC_REQUEST -> reserve_kv at MD's own block size (P's may differ; import_kv re-blocks and
+converts the dtype); KV_CHUNK frames are imported into the reservation as they arrive, in any
+order over the stripes; when KV_DONE and every chunk are in, the copy is complete. With a relay
+(pipeline p_rld_md) MD then sends TAKEOVER, stays held until RLD's final HANDOFF, extends the
+handed-over token ids (at most `chunk` per step when streaming) and decodes from the cut on;
+without one (p_md, the cross-dc baseline) it decodes and emits from index 0. The per-request
+decisions are pddnet.protocol.handoff.MainHandoff's.
+
+Test hook: ``kv_arrival_delay_s`` delays the import of every KV chunk by that many seconds, so
+that an in-process test without the WAN emulator sees MD's copy complete well after RLD's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from pddnet.config import ClusterConfig
+from pddnet.engine.engine import KVReservation, StepOutput
+from pddnet.kv.allocator import OutOfBlocks
+from pddnet.kv.transfer import ExportedKV, KVExportMeta, import_kv
+from pddnet.protocol import (
+    Cancel,
+    Handoff,
+    KvAbort,
+    KvAllocRequest,
+    KvAllocResponse,
+    KvChunk,
+    KvDone,
+    Message,
+    RequestDone,
+    Takeover,
+    encode_bytes,
+)
+from pddnet.protocol.handoff import (
+    Action,
+    AppendTokens,
+    EmitTokens,
+    FinishRequest,
+    FirstMainToken,
+    HandoffEnded,
+    HandoffError,
+    MainHandoff,
+    MainPhase,
+    ReleaseHold,
+    SendTakeover,
+    SetChunk,
+    StartSequence,
+    StopSequence,
+)
+from pddnet.transport import Connection
+
+from .common import Daemon, Outbox, Serial, first_token_ends, log, sampling_of, step_end_reasons
+
+WITH_RELAY_PIPELINES = ("p_rld_md",)
+
+
+@dataclass
+class _Request:
+    alloc: KvAllocRequest
+    reservation: KVReservation | None
+    fsm: MainHandoff
+    serial: Serial
+    p_conn: Outbox
+    chunks: set[int] = field(default_factory=set)
+    bytes_in: int = 0
+    imports_pending: int = 0
+    done: KvDone | None = None
+    started: bool = False            # the engine sequence exists
+    handoff_bytes: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.alloc.request_id
+
+
+class MainDecodeDaemon(Daemon):
+    role = "main_decode"
+    section_name = "main_decode"
+
+    def __init__(self, config: ClusterConfig, *, kv_arrival_delay_s: float = 0.0) -> None:
+        super().__init__(config)
+        if kv_arrival_delay_s < 0:
+            raise ValueError(f"kv_arrival_delay_s must be >= 0, got {kv_arrival_delay_s}")
+        self.kv_arrival_delay_s = kv_arrival_delay_s
+        self.chunk_tokens = config.policy.handoff_chunk
+        self.rld: Outbox | None = None
+        self.requests: dict[str, _Request] = {}
+        self._p_boxes: dict[Connection, Outbox] = {}
+        # Most tokens one step computed for a request after its first HANDOFF, by handoff mode:
+        # the one-shot stall vs streaming's `chunk` cap, as measured.
+        self.max_extend_tokens: dict[str, int] = {}
+
+    async def _on_connection(self, conn: Connection) -> None:
+        if conn.lane == "control" and conn.peer_role == "relay":
+            self.rld = self.outbox(conn, "relay control")
+        elif conn.lane == "control" and conn.peer_role == "prefill":
+            self._p_boxes[conn] = self.outbox(conn, "prefill control")
+        await super()._on_connection(conn)
+
+    # -- messages ------------------------------------------------------------------------------
+
+    async def handle(self, conn: Connection, msg: Message) -> None:
+        if isinstance(msg, KvChunk):
+            await self._chunk(msg)
+        elif isinstance(msg, KvAllocRequest):
+            await self._alloc(self._p_boxes[conn], msg)
+        elif isinstance(msg, KvDone):
+            self._kv_done(msg)
+        elif isinstance(msg, Handoff):
+            self._handoff(msg)
+        elif isinstance(msg, (Cancel, KvAbort)):
+            self._drop(msg.request_id)
+        elif isinstance(msg, RequestDone):
+            self._drop(msg.request_id)
+        else:
+            log.warning("%s: unexpected %s from %s", self.instance_id, msg.TYPE.name,
+                        conn.peer_role)
+
+    async def _alloc(self, p: Outbox, msg: KvAllocRequest) -> None:
+        rid = msg.request_id
+        engine = self.engine
+        assert engine is not None
+        spec = engine.spec
+
+        def refuse(error: str) -> None:
+            self.counters["refused"] += 1
+            p.post(KvAllocResponse(request_id=rid, accepted=False, hit_tokens=0, block_ids=(),
+                                   block_size=engine.block_size, dtype=spec.dtype,
+                                   error=error[:4096]))
+
+        if rid in self.requests or rid in self.ended:
+            refuse(f"request id {rid!r} is already known here (duplicate or cancelled)")
+            return
+        shape = (msg.num_layers, msg.num_kv_heads, msg.head_dim)
+        if shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
+            refuse(f"model shape {shape} (layers, kv heads, head dim) does not match this "
+                   f"instance's {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
+            return
+        try:
+            res = await self.compute(engine.reserve_kv, msg.prompt_token_ids, msg.max_tokens)
+        except (OutOfBlocks, ValueError) as exc:
+            refuse(f"cannot reserve KV: {exc}")
+            return
+        if rid in self.ended:  # cancelled while the reservation was being made
+            await self.compute(engine.free_reservation, res)
+            refuse("request was cancelled")
+            return
+        fsm = MainHandoff(msg.num_tokens, self.chunk_tokens,
+                          with_relay=msg.pipeline in WITH_RELAY_PIPELINES)
+        self.requests[rid] = _Request(msg, res, fsm, Serial(f"main {rid}", self._tasks), p)
+        self.counters["allocated"] += 1
+        p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
+                               block_ids=tuple(res.block_ids), block_size=engine.block_size,
+                               dtype=spec.dtype))
+
+    async def _chunk(self, msg: KvChunk) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.fsm.phase is not MainPhase.RECEIVING_KV:
+            return  # cancelled or unknown: the bytes are simply dropped
+        res = req.reservation
+        assert res is not None
+        try:
+            exported = self._check_chunk(req, res, msg)
+        except ValueError as exc:
+            self._abort(req, f"bad KV_CHUNK {msg.chunk_index}: {exc}")
+            return
+        req.chunks.add(msg.chunk_index)
+        req.imports_pending += 1
+        if self.kv_arrival_delay_s:
+            self.spawn(self._import_later(req, res, exported, msg.payload.nbytes),
+                       f"delayed import {msg.request_id}")
+        else:
+            await self._import(req, res, exported, msg.payload.nbytes)
+
+    def _check_chunk(self, req: _Request, res: KVReservation, msg: KvChunk) -> ExportedKV:
+        alloc = req.alloc
+        if msg.chunk_index in req.chunks:
+            raise ValueError("duplicate chunk index")
+        if not res.num_cached_tokens <= msg.token_start < msg.token_end <= alloc.num_tokens:
+            raise ValueError(f"positions [{msg.token_start}, {msg.token_end}) outside the "
+                             f"uncached range [{res.num_cached_tokens}, {alloc.num_tokens})")
+        bs = self.engine.block_size
+        touched = res.block_ids[msg.token_start // bs:(msg.token_end - 1) // bs + 1]
+        if msg.block_ids and list(msg.block_ids) != touched:
+            raise ValueError(f"names blocks {list(msg.block_ids)[:8]} but the positions lie in "
+                             f"this request's blocks {touched[:8]}")
+        meta = KVExportMeta(dtype=msg.dtype, shape=msg.shape, token_start=msg.token_start,
+                            token_end=msg.token_end, block_size=alloc.block_size,
+                            layer_start=msg.layer_start)
+        spec = self.engine.spec
+        if meta.layer_end > spec.num_layers or meta.shape[3:] != (spec.num_kv_heads, spec.head_dim):
+            raise ValueError(f"shape {list(msg.shape)} from layer {msg.layer_start} does not fit "
+                             f"the model ({spec.num_layers} layers, {spec.num_kv_heads} kv heads "
+                             f"x {spec.head_dim})")
+        return ExportedKV.from_payload(meta, msg.payload)
+
+    async def _import_later(self, req: _Request, res: KVReservation, exported: ExportedKV,
+                            nbytes: int) -> None:
+        await asyncio.sleep(self.kv_arrival_delay_s)
+        await self._import(req, res, exported, nbytes)
+
+    async def _import(self, req: _Request, res: KVReservation, exported: ExportedKV,
+                      nbytes: int) -> None:
+        if req.reservation is not res:  # dropped meanwhile
+            return
+        await self.compute(import_kv, self.engine.pool, exported, res.block_ids)
+        req.imports_pending -= 1
+        req.bytes_in += nbytes
+        self._check_complete(req)
+
+    def _kv_done(self, msg: KvDone) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.fsm.phase is not MainPhase.RECEIVING_KV:
+            return
+        if req.done is not None or msg.num_tokens != req.alloc.num_tokens:
+            self._abort(req, f"bad KV_DONE: {msg.num_tokens} positions (expected "
+                        f"{req.alloc.num_tokens}), repeated={req.done is not None}")
+            return
+        req.done = msg
+        self._check_complete(req)
+
+    def _check_complete(self, req: _Request) -> None:
+        done = req.done
+        if done is None or req.imports_pending or req.fsm.phase is not MainPhase.RECEIVING_KV:
+            return
+        if len(req.chunks) > done.num_chunks or req.bytes_in > done.num_bytes:
+            self._abort(req, f"received {len(req.chunks)} chunks / {req.bytes_in} bytes, more "
+                        f"than KV_DONE's {done.num_chunks} / {done.num_bytes}")
+            return
+        if len(req.chunks) < done.num_chunks or req.bytes_in < done.num_bytes:
+            return  # KV_DONE overtook chunks still on the bulk lanes
+        self.timeline(req.rid, "md_kv_complete", req.bytes_in)
+        alloc = req.alloc
+        first = done.first_token_id
+        ends = first_token_ends(first, alloc, self.engine.eos_token_id)
+        if ends is not None:  # P's token ended the request: nothing to decode here
+            if not req.fsm.with_relay:
+                self.emit_tokens(req.rid, 0, [first])
+                self.request_done(req.rid, ends, alloc.num_tokens, 1)
+            self._stop(req)
+            return
+        self._apply(req, req.fsm.kv_complete(first))
+
+    def _handoff(self, msg: Handoff) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            return
+        req.handoff_bytes += len(encode_bytes(msg))
+        try:
+            actions = req.fsm.handoff(msg.start_index, msg.token_ids, msg.final, msg.mode)
+        except HandoffError as exc:
+            self._abort(req, f"bad HANDOFF: {exc}")
+            return
+        self._apply(req, actions)
+
+    def _drop(self, rid: str) -> None:
+        self.ended.add(rid)
+        req = self.requests.get(rid)
+        if req is not None:
+            self.counters["cancelled"] += 1
+            req.fsm.cancel()
+            self._stop(req)
+
+    def _abort(self, req: _Request, reason: str) -> None:
+        log.warning("%s: %s: %s", self.instance_id, req.rid, reason)
+        self.error(req.rid, "main_decode_failed", reason)
+        req.p_conn.post(KvAbort(request_id=req.rid, reason=reason[:4096]))
+        if req.fsm.with_relay and self.rld is not None:
+            self.rld.post(Cancel(request_id=req.rid, reason=reason[:4096]))
+        req.fsm.cancel()
+        self._stop(req)
+
+    # -- engine progress -------------------------------------------------------------------------
+
+    def on_step(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            req = self.requests.get(out.request_id)
+            if req is None:
+                continue
+            reasons = step_end_reasons(out, req.alloc.stop_token_ids)
+            if reasons is None:
+                continue  # our own abort
+            new_tokens = out.new_token_ids[:len(reasons)]
+            reason = reasons[-1] if reasons else None
+            if out.finished:
+                req.started = False  # the engine freed the blocks itself
+            if req.fsm.mode is not None:
+                mode = req.fsm.mode
+                self.max_extend_tokens[mode] = max(self.max_extend_tokens.get(mode, 0),
+                                                   out.num_computed_this_step)
+            try:
+                actions = req.fsm.md_step(out.num_computed_tokens, out.output_index,
+                                          new_tokens, reason)
+            except HandoffError as exc:
+                self._abort(req, str(exc))
+                continue
+            self._apply(req, actions)
+
+    # -- actions -----------------------------------------------------------------------------------
+
+    def _apply(self, req: _Request, actions: list[Action]) -> None:
+        rid = req.rid
+        engine = self.engine
+        for a in actions:
+            if isinstance(a, StartSequence):
+                req.serial.submit(lambda a=a: self._start(req, a))
+            elif isinstance(a, SendTakeover):
+                if self.rld is None or not self.rld.alive:
+                    self._abort(req, "no relay connected to hand over from")
+                    return
+                self.rld.post(Takeover(request_id=rid, ready_position=a.ready_position,
+                                       chunk_tokens=a.chunk_tokens))
+            elif isinstance(a, AppendTokens):
+                req.serial.submit(lambda a=a: self._append(req, a.token_ids))
+            elif isinstance(a, SetChunk):
+                req.serial.submit(lambda a=a: self._engine_op(
+                    req, engine.set_max_chunk_tokens, rid, a.max_chunk_tokens))
+            elif isinstance(a, ReleaseHold):
+                req.serial.submit(lambda: self._engine_op(req, engine.set_hold, rid, False))
+            elif isinstance(a, EmitTokens):
+                self.emit_tokens(rid, a.index, a.token_ids)
+            elif isinstance(a, FirstMainToken):
+                self.timeline(rid, "first_md_token", a.index)
+            elif isinstance(a, HandoffEnded):
+                self.counters["handoffs"] += 1
+                self.timeline(rid, "handoff_end", req.handoff_bytes, a.mode)
+            elif isinstance(a, FinishRequest):
+                self.counters["finished_here"] += 1
+                done = self.request_done(rid, a.reason, req.alloc.num_tokens, a.num_output_tokens)
+                if req.fsm.with_relay and self.rld is not None:
+                    self.rld.post(done)
+                self._stop(req)
+            elif isinstance(a, StopSequence):
+                self._stop(req)
+
+    async def _start(self, req: _Request, a: StartSequence) -> None:
+        res, req.reservation = req.reservation, None
+        if res is None:
+            return
+        alloc = req.alloc
+        try:
+            await self.compute(self.engine.add_request, alloc.prompt_token_ids, alloc.max_tokens,
+                               sampling_of(alloc), alloc.request_id, ignore_eos=alloc.ignore_eos,
+                               output_token_ids=list(a.output_token_ids), kv=res, hold=a.hold)
+        except ValueError as exc:
+            await self.compute(self.engine.free_reservation, res)
+            self._abort(req, f"could not start decoding: {exc}")
+            return
+        req.started = True
+        self.wake()
+
+    async def _append(self, req: _Request, tokens: tuple[int, ...]) -> None:
+        if not req.started:
+            return
+        reason = await self.compute(self.engine.append_tokens, req.rid, tokens)
+        if reason is not None:  # cannot happen with a sane relay (it would have finished)
+            req.started = False
+            self._abort(req, f"handed-over tokens end the request ({reason})")
+
+    async def _engine_op(self, req: _Request, fn: Any, *args: Any) -> None:
+        if req.started:
+            await self.compute(fn, *args)
+            self.wake()
+
+    def _stop(self, req: _Request) -> None:
+        """Free the request's reservation or sequence (after its queued operations)."""
+        if self.requests.get(req.rid) is not req:
+            return
+        del self.requests[req.rid]
+        self.ended.add(req.rid)
+
+        async def stop() -> None:
+            if req.reservation is not None:
+                res, req.reservation = req.reservation, None
+                await self.compute(self.engine.free_reservation, res)
+            if req.started:
+                req.started = False
+                await self.compute(self.engine.abort, req.rid)
+        req.serial.submit(stop)
+
+    def connection_lost(self, conn: Connection) -> None:
+        box = self._p_boxes.pop(conn, None)
+        if box is not None:
+            for req in [r for r in self.requests.values()
+                        if r.p_conn is box and r.fsm.phase is MainPhase.RECEIVING_KV]:
+                self._abort(req, "prefill control connection closed before the KV was complete")
+        if self.rld is not None and conn is self.rld.conn:
+            self.rld = None
+            for req in [r for r in self.requests.values()
+                        if r.fsm.with_relay and r.fsm.phase is MainPhase.WAITING_CUT]:
+                self._abort(req, "relay connection closed before the final handoff")
+
+    # -- stats ---------------------------------------------------------------------------------------
+
+    def request_stats(self) -> dict[str, int]:
+        return {"active": len(self.requests), "allocated": self.counters["allocated"],
+                "finished_here": self.counters["finished_here"],
+                "handoffs": self.counters["handoffs"], "cancelled": self.counters["cancelled"],
+                "refused": self.counters["refused"]}
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["kv_arrival_delay_s"] = self.kv_arrival_delay_s
+        out["max_extend_tokens"] = dict(self.max_extend_tokens)
+        return out

@@ -1,0 +1,339 @@
+"""P: prefill once, ship the KV twice (shared memory to RLD, WAN stripes to MD).
+
+Per config.mode: pdd -> RLD and MD; cross-dc -> MD only; same-dc -> RLD only (there the decode
+instance is a RelayDaemon that never hands off). Prefill runs as a prefill-only request in P's
+engine (max_tokens=1, keep_blocks=True), chunked by max_num_batched_tokens; after each chunk its
+KV goes out at once: one-sided writes into RLD's blocks, KV_CHUNK frames (wan.chunk_tokens
+tokens each, all layers) queued on the bulk stripes. The per-request decisions (what to ship
+when, when KV_DONE may go, when P's blocks are free) are pddnet.protocol.request_flow's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.engine.engine import StepOutput
+from pddnet.kv.transfer import export_kv
+from pddnet.protocol import (
+    Cancel,
+    ErrorMessage,
+    KvAbort,
+    KvAllocRequest,
+    KvAllocResponse,
+    KvChunk,
+    KvDone,
+    Message,
+    Submit,
+    payload_from_tensor,
+)
+from pddnet.protocol.request_flow import (
+    AbortTarget,
+    FailRequest,
+    FlowAction,
+    PrefillFlow,
+    ReleaseBlocks,
+    SendKvDone,
+    Transfer,
+)
+from pddnet.transport import Connection
+from pddnet.transport.shm_region import RemoteKVRegion
+from pddnet.transport.stripes import StripedSender
+
+from .common import Daemon, Outbox, Serial, log, now, sampling_of
+
+RELAY, MAIN = "relay", "main_decode"
+PIPELINES = {ClusterMode.PDD: "p_rld_md", ClusterMode.CROSS_DC: "p_md", ClusterMode.SAME_DC: "p_rld"}
+
+
+@dataclass
+class _Alloc:
+    """A target's answer to KV_ALLOC_REQUEST."""
+
+    block_ids: tuple[int, ...]
+    block_size: int
+    hit: int
+    region: str = ""
+
+
+@dataclass
+class _Request:
+    submit: Submit
+    flow: PrefillFlow
+    serial: dict[str, Serial]               # per target, plus "engine"
+    allocs: dict[str, _Alloc] = field(default_factory=dict)
+    chunks: int = 0                         # KV_CHUNK frames queued for MD
+    wan_bytes: int = 0
+    shm_bytes: int = 0
+    started: bool = False                   # add_request done in the engine
+
+
+class PrefillDaemon(Daemon):
+    role = "prefill"
+    section_name = "prefill"
+
+    def __init__(self, config: ClusterConfig) -> None:
+        super().__init__(config)
+        mode = config.mode
+        self.targets: tuple[str, ...] = {ClusterMode.PDD: (RELAY, MAIN), ClusterMode.CROSS_DC: (MAIN,),
+                                         ClusterMode.SAME_DC: (RELAY,)}[mode]
+        self.pipeline = PIPELINES[mode]
+        self.control: dict[str, Outbox] = {}
+        self.stripes: StripedSender | None = None
+        self.regions: dict[str, RemoteKVRegion] = {}
+        self.requests: dict[str, _Request] = {}
+
+    async def dial_peers(self) -> None:
+        if RELAY in self.targets:
+            conn = await self.dial(self.config.relay.dial_address(), "control")
+            self.control[RELAY] = self.outbox(conn, "relay control")
+            self.read_loop(conn, "relay control")
+        if MAIN in self.targets:
+            address = self.config.main_decode.dial_address()
+            conn = await self.dial(address, "control")
+            self.control[MAIN] = self.outbox(conn, "main-decode control")
+            self.read_loop(conn, "main-decode control")
+            lanes = [await self.dial(address, "bulk") for _ in range(self.config.wan.stripes)]
+            self.stripes = StripedSender(lanes)
+
+    async def close_extra(self) -> None:
+        if self.stripes is not None:
+            await self.stripes.close()
+        for region in self.regions.values():
+            region.close()
+        self.regions.clear()
+
+    # -- messages ------------------------------------------------------------------------------
+
+    async def handle(self, conn: Connection, msg: Message) -> None:
+        if isinstance(msg, Submit):
+            await self._submit(msg)
+        elif isinstance(msg, KvAllocResponse):
+            self._allocated(self._target_of(conn), msg)
+        elif isinstance(msg, (Cancel, KvAbort)):
+            self._cancel(msg.request_id, msg.reason)
+        elif isinstance(msg, ErrorMessage):
+            log.warning("%s: ERROR from %s: %s %s", self.instance_id, conn.peer_role, msg.code,
+                        msg.message)
+            if msg.request_id is not None and msg.request_id in self.requests:
+                self._fail(msg.request_id, msg.code, f"{conn.peer_role}: {msg.message}")
+        else:
+            log.warning("%s: unexpected %s from %s", self.instance_id, msg.TYPE.name,
+                        conn.peer_role)
+
+    def _target_of(self, conn: Connection) -> str:
+        if conn.peer_role not in (RELAY, MAIN):
+            raise ValueError(f"KV_ALLOC_RESPONSE from a {conn.peer_role}, not a decode tier")
+        return conn.peer_role
+
+    async def _submit(self, sub: Submit) -> None:
+        rid = sub.request_id
+        if rid in self.requests or rid in self.ended:
+            self.error(rid, "duplicate_request", f"request id {rid!r} is already in use")
+            return
+        if sub.output_token_ids:
+            self.error(rid, "bad_request", "P prefills new requests only; a replay with "
+                       "output_token_ids goes to a decode instance")
+            return
+        assert self.engine is not None
+        if sub.temperature > 0 and sub.seed is None:
+            # A concrete seed before the request fans out: every tier then samples alike.
+            sub = dataclasses.replace(sub, seed=secrets.randbits(63))
+        n = len(sub.prompt_token_ids)
+        req = _Request(sub, PrefillFlow(n, self.targets),
+                       {name: Serial(f"{rid} -> {name}", self._tasks)
+                        for name in (*self.targets, "engine")})
+        self.requests[rid] = req
+        self.counters["submitted"] += 1
+        spec = self.engine.spec
+        for target in self.targets:
+            self.control[target].post(KvAllocRequest(
+                request_id=rid, prompt_token_ids=sub.prompt_token_ids, num_tokens=n,
+                block_size=spec.block_size, dtype=spec.dtype, num_layers=spec.num_layers,
+                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, expected_hit_tokens=0,
+                pipeline=self.pipeline, max_tokens=sub.max_tokens, temperature=sub.temperature,
+                top_p=sub.top_p, top_k=sub.top_k, seed=sub.seed,
+                stop_token_ids=sub.stop_token_ids, ignore_eos=sub.ignore_eos))
+        req.serial["engine"].submit(lambda: self._start_prefill(req))
+
+    async def _start_prefill(self, req: _Request) -> None:
+        sub = req.submit
+        if req.flow.over:
+            return
+        try:
+            await self.compute(self.engine.add_request, sub.prompt_token_ids, 1, sampling_of(sub),
+                               sub.request_id, ignore_eos=True, keep_blocks=True)
+        except ValueError as exc:
+            self._fail(sub.request_id, "bad_request", f"prefill refused: {exc}")
+            return
+        req.started = True
+        self.timeline(sub.request_id, "prefill_start", len(sub.prompt_token_ids), self.pipeline)
+        self.wake()
+
+    def _allocated(self, target: str, msg: KvAllocResponse) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            if msg.accepted:  # the request ended meanwhile: give the blocks back
+                self.control[target].post(KvAbort(request_id=msg.request_id,
+                                                  reason="request no longer active"))
+            return
+        if not msg.accepted:
+            # Without room on MD, RLD (which decodes to the end when no TAKEOVER comes) serves
+            # the request alone; without RLD, MD cannot (it waits for a relay's cut).
+            alone = target == MAIN and RELAY in self.targets
+            if alone:
+                self.counters["main_decode_refused"] += 1
+                self.timeline(msg.request_id, "main_decode_refused", None, msg.error[:128])
+            self._run(req, req.flow.refused(target, msg.error, others_suffice=alone))
+            return
+        n = req.flow.num_tokens
+        if len(msg.block_ids) * msg.block_size < n:
+            self._run(req, req.flow.refused(target, f"{len(msg.block_ids)} blocks of "
+                                            f"{msg.block_size} cannot hold {n} positions"))
+            return
+        if target == RELAY and not msg.region:
+            self._run(req, req.flow.refused(target, "no shared-memory region named"))
+            return
+        req.allocs[target] = _Alloc(msg.block_ids, msg.block_size, msg.hit_tokens, msg.region)
+        if target == MAIN:  # the decode-side cache hit: KV below it never crosses the WAN
+            self.timeline(msg.request_id, "prefix_hit_tokens", msg.hit_tokens)
+        self._run(req, req.flow.allocated(target, msg.hit_tokens))
+
+    def _cancel(self, rid: str, reason: str) -> None:
+        req = self.requests.get(rid)
+        self.ended.add(rid)
+        if req is not None:
+            self.counters["cancelled"] += 1
+            self._run(req, req.flow.cancel(reason))
+
+    def _fail(self, rid: str, code: str, message: str) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.flow.over:
+            return
+        self.counters["failed"] += 1
+        self.error(rid, code, message)
+        self._run(req, req.flow.cancel(message))
+
+    # -- engine progress ---------------------------------------------------------------------------
+
+    def on_step(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            req = self.requests.get(out.request_id)
+            if req is None or req.flow.over:
+                continue
+            self._run(req, req.flow.computed_upto(out.num_computed_tokens))
+            if out.new_token_ids:
+                self.timeline(out.request_id, "prefill_end", out.num_computed_tokens)
+                self._run(req, req.flow.first_token_sampled(out.new_token_ids[0]))
+
+    # -- actions -----------------------------------------------------------------------------------
+
+    def _run(self, req: _Request, actions: list[FlowAction]) -> None:
+        rid = req.submit.request_id
+        for a in actions:
+            if isinstance(a, Transfer):
+                req.serial[a.target].submit(lambda a=a: self._transfer(req, a))
+            elif isinstance(a, SendKvDone):
+                req.serial[a.target].submit(lambda a=a: self._kv_done(req, a))
+            elif isinstance(a, AbortTarget):
+                self.control[a.target].post(KvAbort(request_id=rid, reason=a.reason[:4096]))
+            elif isinstance(a, ReleaseBlocks):
+                req.serial["engine"].submit(lambda: self._release(req))
+            elif isinstance(a, FailRequest):
+                self.counters["failed"] += 1
+                self.error(rid, a.code, a.message)
+
+    async def _transfer(self, req: _Request, a: Transfer) -> None:
+        if req.flow.over:
+            return
+        if a.target == RELAY:
+            written = await self.compute(self._write_shm, req, a.start, a.end)
+            req.shm_bytes += written
+        else:
+            await self._send_chunks(req, a.start, a.end)
+
+    def _write_shm(self, req: _Request, start: int, end: int) -> int:
+        """In the engine thread: export [start, end) and write it into RLD's blocks."""
+        alloc = req.allocs[RELAY]
+        region = self.regions.get(alloc.region)
+        if region is None:
+            region = self.regions[alloc.region] = RemoteKVRegion.attach(alloc.region)
+        table = self.engine.get_sequence(req.submit.request_id).block_table
+        exported = export_kv(self.engine.pool, table, start, end)
+        # Only the blocks past RLD's cached prefix are this request's to write.
+        own = alloc.block_ids[alloc.hit // alloc.block_size:]
+        return region.write(own, alloc.block_ids, exported, start, min_position=alloc.hit)
+
+    async def _send_chunks(self, req: _Request, start: int, end: int) -> None:
+        assert self.stripes is not None
+        alloc = req.allocs[MAIN]
+        step = self.config.wan.chunk_tokens
+        rid = req.submit.request_id
+        for s in range(start, end, step):
+            if req.flow.over:
+                return
+            e = min(end, s + step)
+            exported = await self.compute(self._export, rid, s, e)
+            payload, dtype, shape = payload_from_tensor(exported.kv)
+            touched = alloc.block_ids[s // alloc.block_size:math.ceil(e / alloc.block_size)]
+            chunk = KvChunk(request_id=rid, chunk_index=req.chunks, token_start=s, token_end=e,
+                            layer_start=0, layer_end=shape[0], block_ids=touched, dtype=dtype,
+                            shape=shape, payload=payload)
+            req.chunks += 1
+            req.wan_bytes += payload.nbytes
+            await self.stripes.send(chunk)
+
+    def _export(self, rid: str, start: int, end: int):
+        """In the engine thread: the KV of positions [start, end) of P's sequence."""
+        table = self.engine.get_sequence(rid).block_table
+        return export_kv(self.engine.pool, table, start, end)
+
+    async def _kv_done(self, req: _Request, a: SendKvDone) -> None:
+        if req.flow.over:
+            return
+        rid = req.submit.request_id
+        n = req.flow.num_tokens
+        if a.target == RELAY:
+            done = KvDone(request_id=rid, num_tokens=n, num_chunks=0, num_bytes=req.shm_bytes,
+                          first_token_id=a.first_token, time=now())
+        else:
+            done = KvDone(request_id=rid, num_tokens=n, num_chunks=req.chunks,
+                          num_bytes=req.wan_bytes, first_token_id=a.first_token, time=now())
+            self.timeline(rid, "wan_kv_sent", req.wan_bytes)
+        self.control[a.target].post(done)
+        self._run(req, req.flow.target_finished(a.target))
+
+    async def _release(self, req: _Request) -> None:
+        rid = req.submit.request_id
+        if req.started:
+            await self.compute(self.engine.abort, rid)  # frees kept blocks or stops prefill
+        if self.requests.get(rid) is req:
+            del self.requests[rid]
+            self.ended.add(rid)
+            shipped = all(t.finished for t in req.flow.targets.values())
+            self.counters["completed" if shipped else "aborted"] += 1
+
+    def connection_lost(self, conn: Connection) -> None:
+        if conn.lane == "control" and conn.peer_role in (RELAY, MAIN):
+            for rid in list(self.requests):
+                self._fail(rid, "peer_lost", f"{conn.peer_role} control connection closed: "
+                           f"{conn.close_reason}")
+
+    # -- stats ---------------------------------------------------------------------------------------
+
+    def request_stats(self) -> dict[str, int]:
+        return {"active": len(self.requests), "submitted": self.counters["submitted"],
+                "completed": self.counters["completed"], "cancelled": self.counters["cancelled"],
+                "failed": self.counters["failed"]}
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        if self.stripes is not None:
+            out["lanes"]["bulk"] = {"bytes_out": sum(sum(c.stats["bytes_out"].values())
+                                                     for c in self.stripes.lanes),
+                                    "chunks": sum(self.stripes.chunks_sent)}
+        return out

@@ -1,0 +1,320 @@
+"""RLD: a small decode pool next to P whose KV pool is a shared-memory "RDMA region".
+
+It reserves blocks for P's one-sided writes (KV_ALLOC_REQUEST -> reserve_kv, answered with the
+block ids and the region's name), starts decoding the moment P's completion (KV_DONE) arrives,
+and streams every token to the router at once (eager). In pdd mode MD's TAKEOVER starts the
+handoff; RLD alone decides the cut (pddnet.protocol.handoff.RelayHandoff): one-shot stops at
+once, streaming forwards tokens while MD catches up. In same-dc mode (pipeline p_rld) it is the
+decode instance and never hands off.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.engine.engine import KVReservation, StepOutput
+from pddnet.kv.allocator import OutOfBlocks
+from pddnet.kv.shm import segment_name
+from pddnet.policy.handoff import HandoffPolicy
+from pddnet.protocol import (
+    Cancel,
+    Handoff,
+    KvAbort,
+    KvAllocRequest,
+    KvAllocResponse,
+    KvDone,
+    Message,
+    RequestDone,
+    Takeover,
+    encode_bytes,
+)
+from pddnet.protocol.handoff import (
+    Action,
+    CancelPeer,
+    EmitTokens,
+    FinishRequest,
+    HandoffError,
+    HandoffStarted,
+    RelayHandoff,
+    RelayPhase,
+    SendHandoff,
+    StopSequence,
+)
+from pddnet.transport import Connection
+
+from .common import Daemon, Outbox, Serial, first_token_ends, log, sampling_of, step_end_reasons
+
+HANDS_OFF_PIPELINES = ("p_rld_md",)
+
+
+@dataclass
+class _Request:
+    alloc: KvAllocRequest
+    reservation: KVReservation | None
+    fsm: RelayHandoff
+    serial: Serial
+    p_conn: Outbox                   # P's control lane (KV_ABORT on failure)
+    decoding: bool = False           # the engine sequence exists
+    handoff_bytes: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.alloc.request_id
+
+
+class RelayDaemon(Daemon):
+    role = "relay"
+    section_name = "relay"
+
+    def __init__(self, config: ClusterConfig) -> None:
+        super().__init__(config)
+        pol = config.policy
+        self.policy = HandoffPolicy(mode=pol.handoff, threshold_tokens=pol.handoff_threshold_tokens,
+                                    chunk=pol.handoff_chunk, rld_load_limit=pol.rld_load_limit)
+        self.hands_off = config.mode is ClusterMode.PDD
+        self.md: Outbox | None = None
+        self.requests: dict[str, _Request] = {}
+        self._p_boxes: dict[Connection, Outbox] = {}
+        self._shm_name = segment_name(
+            f"{instance_id_safe(config.name)}-relay-{os.getpid()}-{secrets.token_hex(3)}")
+
+    def kv_shm_name(self) -> str:
+        return self._shm_name
+
+    async def dial_peers(self) -> None:
+        if self.hands_off:
+            conn = await self.dial(self.config.main_decode.dial_address(), "control")
+            self.md = self.outbox(conn, "main-decode control")
+            self.read_loop(conn, "main-decode control")
+
+    # -- messages ------------------------------------------------------------------------------
+
+    async def handle(self, conn: Connection, msg: Message) -> None:
+        if isinstance(msg, KvAllocRequest):
+            await self._alloc(self._p_outbox(conn), msg)
+        elif isinstance(msg, KvDone):
+            self._kv_done(msg)
+        elif isinstance(msg, Takeover):
+            self._takeover(msg)
+        elif isinstance(msg, (Cancel, KvAbort)):
+            self._drop(msg.request_id, msg.reason)
+        elif isinstance(msg, RequestDone):
+            self._drop(msg.request_id, f"{msg.producer} finished the request")
+        else:
+            log.warning("%s: unexpected %s from %s", self.instance_id, msg.TYPE.name,
+                        conn.peer_role)
+
+    def _p_outbox(self, conn: Connection) -> Outbox:
+        box = self._p_boxes.get(conn)
+        if box is None:  # replies to P go back on the connection P dialled
+            box = self._p_boxes[conn] = self.outbox(conn, f"{conn.peer_role} control")
+        return box
+
+    async def _alloc(self, p: Outbox, msg: KvAllocRequest) -> None:
+        rid = msg.request_id
+        engine = self.engine
+        assert engine is not None
+
+        def refuse(error: str) -> None:
+            self.counters["refused"] += 1
+            p.post(KvAllocResponse(request_id=rid, accepted=False, hit_tokens=0, block_ids=(),
+                                   block_size=engine.block_size, dtype=engine.spec.dtype,
+                                   error=error[:4096]))
+
+        if rid in self.requests or rid in self.ended:
+            refuse(f"request id {rid!r} is already known here (duplicate or cancelled)")
+            return
+        spec = engine.spec
+        shape = (msg.num_layers, msg.num_kv_heads, msg.head_dim)
+        if shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
+            refuse(f"model shape {shape} (layers, kv heads, head dim) does not match this "
+                   f"relay's {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
+            return
+        try:
+            res = await self.compute(engine.reserve_kv, msg.prompt_token_ids, msg.max_tokens)
+        except (OutOfBlocks, ValueError) as exc:
+            refuse(f"cannot reserve KV: {exc}")
+            return
+        if rid in self.ended:  # cancelled while the reservation was being made
+            await self.compute(engine.free_reservation, res)
+            refuse("request was cancelled")
+            return
+        pipeline_hands_off = self.hands_off and msg.pipeline in HANDS_OFF_PIPELINES
+        req = _Request(msg, res, RelayHandoff(msg.num_tokens, self.policy, pipeline_hands_off),
+                       Serial(f"relay {rid}", self._tasks), p)
+        self.requests[rid] = req
+        self.counters["allocated"] += 1
+        p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
+                               block_ids=tuple(res.block_ids), block_size=engine.block_size,
+                               dtype=spec.dtype, region=self._shm_name))
+
+    def _kv_done(self, msg: KvDone) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.decoding or req.fsm.phase is not RelayPhase.DECODING:
+            return
+        alloc = req.alloc
+        if msg.num_tokens != alloc.num_tokens:
+            self._abort(req, f"KV_DONE covers {msg.num_tokens} positions, expected "
+                        f"{alloc.num_tokens}")
+            return
+        self.timeline(req.rid, "rld_kv_complete", msg.num_bytes)
+        first = msg.first_token_id
+        ends = first_token_ends(first, alloc, self.engine.eos_token_id)
+        if ends is None:
+            req.decoding = True
+            req.serial.submit(lambda: self._start(req, first))
+        self._apply(req, req.fsm.rld_token(0, first, ends))
+
+    async def _start(self, req: _Request, first: int) -> None:
+        alloc = req.alloc
+        if req.reservation is None:  # stopped before it started
+            return
+        res, req.reservation = req.reservation, None
+        try:
+            await self.compute(self.engine.add_request, alloc.prompt_token_ids, alloc.max_tokens,
+                               sampling_of(alloc), alloc.request_id, ignore_eos=alloc.ignore_eos,
+                               output_token_ids=[first], kv=res)
+        except ValueError as exc:
+            await self.compute(self.engine.free_reservation, res)
+            req.decoding = False
+            self.error(req.rid, "decode_failed", f"relay could not start decoding: {exc}")
+            self._forget(req)
+            return
+        self.wake()
+
+    def _takeover(self, msg: Takeover) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            # Ended here (cut, finished or cancelled: MD was told, or this is a late progress
+            # report) -- or never seen: then MD must not wait for a cut that will not come.
+            if self.md is not None and msg.request_id not in self.ended:
+                self.md.post(Cancel(request_id=msg.request_id,
+                                    reason="relay no longer holds the request"))
+            return
+        try:
+            actions = req.fsm.takeover(msg.ready_position, msg.chunk_tokens, self.load())
+        except HandoffError as exc:
+            self._abort(req, f"bad TAKEOVER: {exc}")
+            return
+        self._apply(req, actions)
+
+    def load(self) -> float:
+        """Running tokens / capacity: how full RLD is (the dynamic policy's load signal)."""
+        engine = self.engine
+        tokens = sum(r.alloc.num_tokens + r.fsm.num_tokens for r in self.requests.values()
+                     if r.decoding)
+        return min(1.0, tokens / (engine.num_blocks * engine.block_size))
+
+    def _drop(self, rid: str, reason: str) -> None:
+        self.ended.add(rid)
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        self.counters["cancelled"] += 1
+        req.fsm.cancel()
+        self._stop(req)
+
+    def _abort(self, req: _Request, reason: str) -> None:
+        log.warning("%s: %s: %s", self.instance_id, req.rid, reason)
+        self.error(req.rid, "relay_failed", reason)
+        req.p_conn.post(KvAbort(request_id=req.rid, reason=reason[:4096]))
+        if self.md is not None and req.fsm.hands_off:
+            self.md.post(Cancel(request_id=req.rid, reason=reason[:4096]))
+        req.fsm.cancel()
+        self._stop(req)
+
+    # -- engine progress -------------------------------------------------------------------------
+
+    def on_step(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            req = self.requests.get(out.request_id)
+            if req is None:
+                continue
+            reasons = step_end_reasons(out, req.alloc.stop_token_ids)
+            if reasons is None:  # our own abort
+                continue
+            if out.finished:
+                req.decoding = False  # the engine freed the blocks itself
+            for i, (tok, reason) in enumerate(zip(out.new_token_ids, reasons, strict=False)):
+                self._apply(req, req.fsm.rld_token(out.output_index + i, tok, reason))
+
+    # -- actions -----------------------------------------------------------------------------------
+
+    def _apply(self, req: _Request, actions: list[Action]) -> None:
+        rid = req.rid
+        for a in actions:
+            if isinstance(a, EmitTokens):
+                self.emit_tokens(rid, a.index, a.token_ids)
+            elif isinstance(a, SendHandoff):
+                msg = Handoff(request_id=rid, start_index=a.start_index, token_ids=a.token_ids,
+                              final=a.final, mode=a.mode)
+                req.handoff_bytes += len(encode_bytes(msg))
+                assert self.md is not None
+                self.md.post(msg)
+                if a.final:
+                    self.counters["handed_off"] += 1
+            elif isinstance(a, StopSequence):
+                self._stop(req)
+            elif isinstance(a, FinishRequest):
+                self.counters["finished_here"] += 1
+                self.request_done(rid, a.reason, req.alloc.num_tokens, a.num_output_tokens)
+                if req.fsm.hands_off:  # P may still be shipping the WAN copy: stop it
+                    req.p_conn.post(KvAbort(request_id=rid, reason="relay finished the request"))
+                self._stop(req)
+            elif isinstance(a, CancelPeer):
+                if self.md is not None:
+                    self.md.post(Cancel(request_id=rid, reason=a.reason))
+            elif isinstance(a, HandoffStarted):
+                self.timeline(rid, "handoff_start", a.backlog_tokens, a.mode)
+
+    def _stop(self, req: _Request) -> None:
+        """Free the request's sequence or reservation (in order after its start) and forget it."""
+        if req.rid not in self.requests:
+            return
+        self._forget(req)
+
+        async def stop() -> None:
+            if req.reservation is not None:
+                res, req.reservation = req.reservation, None
+                await self.compute(self.engine.free_reservation, res)
+            if req.decoding:
+                req.decoding = False
+                await self.compute(self.engine.abort, req.rid)
+        req.serial.submit(stop)
+
+    def _forget(self, req: _Request) -> None:
+        if self.requests.get(req.rid) is req:
+            del self.requests[req.rid]
+            self.ended.add(req.rid)
+
+    def connection_lost(self, conn: Connection) -> None:
+        box = self._p_boxes.pop(conn, None)
+        if box is not None:
+            for req in [r for r in self.requests.values() if r.p_conn is box and not r.decoding]:
+                self._drop(req.rid, "prefill connection closed before its KV was complete")
+        if self.md is not None and conn is self.md.conn:
+            for req in [r for r in self.requests.values() if r.fsm.hands_off
+                        and r.fsm.phase is RelayPhase.STREAMING]:
+                self._abort(req, "main-decode connection closed during the handoff")
+
+    # -- stats ---------------------------------------------------------------------------------------
+
+    def request_stats(self) -> dict[str, int]:
+        return {"active": len(self.requests), "allocated": self.counters["allocated"],
+                "finished_here": self.counters["finished_here"],
+                "handed_off": self.counters["handed_off"], "cancelled": self.counters["cancelled"],
+                "refused": self.counters["refused"]}
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["shm_region"] = self._shm_name
+        out["load"] = self.load() if self.engine is not None else 0.0
+        return out
+
+
+def instance_id_safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in name)[:60] or "pdd"

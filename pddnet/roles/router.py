@@ -1,0 +1,592 @@
+"""The router: OpenAI-compatible HTTP in front of the PDD daemons (datacenter A).
+
+It dials P, RLD and MD on the "events" lane (role "router"), sends SUBMIT to P and CANCEL to all,
+and receives TOKEN_EVENT / TIMELINE / REQUEST_DONE / ERROR back. Each request's tokens go through
+a `StreamAssembler` (in order, exactly once, whoever produced them) and out as one OpenAI
+completion -- streamed as SSE or whole -- with a `pdd` object describing how it was served.
+
+Which daemons a mode needs: pdd -> P, RLD, MD; same-dc -> P and the decode instance in A (a relay
+role); cross-dc -> P and MD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.protocol import messages as m
+from pddnet.roles.assembler import StreamAssembler
+from pddnet.roles.openai_api import (
+    ApiError,
+    CompletionRequest,
+    IncrementalDetokenizer,
+    ModelInfo,
+    bad_request,
+    completion_chunk,
+    completion_response,
+    models_response,
+    parse_completion_request,
+    usage_chunk,
+)
+
+log = logging.getLogger("pddnet.router")
+
+PEERS_BY_MODE: dict[ClusterMode, tuple[str, ...]] = {
+    ClusterMode.PDD: ("prefill", "relay", "main_decode"),
+    ClusterMode.SAME_DC: ("prefill", "relay"),
+    ClusterMode.CROSS_DC: ("prefill", "main_decode"),
+}
+DEFAULT_PIPELINE = {ClusterMode.PDD: "p_rld_md", ClusterMode.SAME_DC: "same_dc",
+                    ClusterMode.CROSS_DC: "p_md"}
+DONE_GRACE_S = 2.0   # after the last token, how long to wait for REQUEST_DONE / last TIMELINEs
+
+
+def model_info_and_tokenizer(spec: str) -> tuple[ModelInfo, Any]:
+    """The served model's vocabulary, context length and tokenizer -- without its weights."""
+    from pddnet.model.config import PRESETS
+    from pddnet.model.tokenizer import ByteTokenizer, load_tokenizer
+
+    if spec in PRESETS:
+        cfg = PRESETS[spec]
+        tok: Any = ByteTokenizer()
+    else:
+        path = Path(spec)
+        if not path.is_dir():
+            raise ValueError(f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}) "
+                             f"or a folder in Hugging Face Llama layout")
+        from pddnet.model.weights import config_from_hf, read_hf_config
+
+        cfg = config_from_hf(read_hf_config(path), path.name)
+        tok = load_tokenizer(path)
+    aliases = (Path(spec).name,) if Path(spec).name != spec else ()
+    info = ModelInfo(name=spec, vocab_size=cfg.vocab_size, max_position=cfg.max_position,
+                     eos_token_id=tok.eos_token_id, aliases=aliases)
+    return info, tok
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    req: CompletionRequest
+    seed: int | None
+    assembler: StreamAssembler
+    arrival: float
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    done_seen: bool = False
+    error_status: int = 500
+    error_code: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add_event(self, event: str, t: float, producer: str, detail: Any = None) -> None:
+        self.timeline.append({"event": event, "time": t, "producer": producer, "detail": detail})
+        self.changed.set()
+
+
+class PeerLink:
+    """One events-lane connection to a daemon, redialled while the router runs."""
+
+    def __init__(self, router: Router, role: str, address: tuple[str, int]) -> None:
+        self.router = router
+        self.role = role
+        self.address = address
+        self.conn: Any = None
+        self.connected = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.connects = 0
+        self.last_error: str | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"router-peer-{self.role}")
+
+    async def _run(self) -> None:
+        from pddnet.transport import ConnectionClosed, dial
+
+        cfg = self.router.config
+        backoff = 0.05
+        while True:
+            try:
+                conn = await dial(self.address[0], self.address[1], role="router",
+                                  instance_id=self.router.instance_id, lane="events",
+                                  secret=cfg.secret.encode())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # not up yet, or refused: retry
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.05
+            self.conn = conn
+            self.connects += 1
+            self.last_error = None
+            self.connected.set()
+            log.info("connected to %s at %s:%d", self.role, *self.address)
+            try:
+                while True:
+                    msg = await conn.recv()
+                    await self.router._on_message(self, msg)
+            except ConnectionClosed as exc:
+                self.last_error = f"connection closed: {exc}"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("events lane to %s failed", self.role)
+            finally:
+                self.conn = None
+                self.connected.clear()
+                with contextlib.suppress(Exception):
+                    await conn.close()
+            self.router._on_peer_lost(self)
+
+    async def send(self, msg: m.Message) -> None:
+        conn = self.conn
+        if conn is None:
+            raise ConnectionError(f"not connected to {self.role}")
+        await conn.send(msg)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                await self.conn.close()
+
+
+class Router:
+    """`Router(config)`: `await start()`, then HTTP on config.router.host:port (`.port`)."""
+
+    def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.instance_id = f"router-{uuid.uuid4().hex[:8]}"
+        self.model, self.tokenizer = model_info_and_tokenizer(config.model.name)
+        roles = PEERS_BY_MODE[config.mode]
+        self.peers = {r: PeerLink(self, r, getattr(config, r).dial_address()) for r in roles}
+        self.requests: dict[str, RequestState] = {}
+        self.port: int | None = None
+        self.created = int(time.time())
+        self.counters: dict[str, int] = {"requests": 0, "completed": 0, "errors": 0,
+                                         "cancelled": 0, "rejected_overload": 0,
+                                         "bad_requests": 0, "unknown_request_events": 0,
+                                         "tokens": 0}
+        self.tokens_by_producer: dict[str, int] = {}
+        self._runner: web.AppRunner | None = None
+        self._stop = asyncio.Event()
+        self._metrics = RouterMetrics()
+        self.app = self._make_app()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for peer in self.peers.values():
+            peer.start()
+        # handler_cancellation: a client that disconnects cancels its handler, which then sends
+        # CANCEL to every daemon holding the request.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.router.host, self.config.router.port)
+        await site.start()
+        server = site._server  # aiohttp exposes the bound port only here
+        self.port = server.sockets[0].getsockname()[1] if server else self.config.router.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.router.host}:{self.port}"
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(asyncio.gather(*(p.connected.wait() for p in self.peers.values())),
+                               timeout)
+
+    async def serve_forever(self) -> None:
+        await self._stop.wait()
+
+    async def close(self) -> None:
+        self._stop.set()
+        for state in list(self.requests.values()):
+            state.assembler.fail("the router is shutting down")
+            state.changed.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for peer in self.peers.values():
+            await peer.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"role": "router", "instance_id": self.instance_id, "mode": self.config.mode.value,
+                "model": self.model.name, "port": self.port,
+                "active_requests": len(self.requests), **self.counters,
+                "tokens_by_producer": dict(self.tokens_by_producer),
+                "peers": {r: {"connected": p.conn is not None, "address": f"{p.address[0]}:{p.address[1]}",
+                              "connects": p.connects, "last_error": p.last_error}
+                          for r, p in self.peers.items()}}
+
+    # -- messages from daemons ------------------------------------------------------------------
+
+    async def _on_message(self, peer: PeerLink, msg: m.Message) -> None:
+        now = self.clock()
+        if isinstance(msg, m.Ping):
+            await peer.send(m.Pong(nonce=msg.nonce, time=msg.time))
+            return
+        if isinstance(msg, m.Pong):
+            return
+        rid = getattr(msg, "request_id", None)
+        state = self.requests.get(rid) if rid is not None else None
+        if state is None:
+            if isinstance(msg, m.ErrorMessage):
+                log.warning("%s: error %s: %s", peer.role, msg.code, msg.message)
+            elif rid is not None:
+                self.counters["unknown_request_events"] += 1
+            return
+        if isinstance(msg, m.TokenEvent):
+            was = len(state.assembler.tokens)
+            state.assembler.feed_tokens(msg.index, msg.token_ids, msg.producer, now)
+            if was == 0 and state.assembler.tokens:
+                state.add_event("first_token", now, "router", state.assembler.producers[0])
+            if state.assembler.error:
+                state.error_code = "stream_inconsistent"
+        elif isinstance(msg, m.RequestDone):
+            state.done_seen = True
+            state.add_event("request_done", msg.time, msg.producer, msg.reason)
+            state.assembler.feed_done(msg.reason, msg.num_output_tokens, msg.producer)
+        elif isinstance(msg, m.ErrorMessage):
+            state.add_event("error", now, peer.role, f"{msg.code}: {msg.message}")
+            state.error_code = msg.code
+            state.error_status = 503 if ("overload" in msg.code or "capacity" in msg.code) else 500
+            state.assembler.fail(f"{peer.role}: {msg.code}: {msg.message}")
+        elif isinstance(msg, m.Timeline):
+            self._on_timeline(state, peer, msg)
+        state.changed.set()
+
+    def _on_timeline(self, state: RequestState, peer: PeerLink, msg: m.Timeline) -> None:
+        number, label = msg.detail_int, msg.detail_str
+        if label and number is not None:
+            detail: Any = {"value": number, "label": label}
+        else:
+            detail = label or number
+        state.add_event(msg.event, msg.time, msg.producer or peer.role, detail)
+        d = state.details
+        # Figures of the `pdd` object riding on the milestone they belong to.
+        if msg.event == "prefill_start" and label:
+            d["pipeline"] = label
+        elif msg.event in ("handoff_start", "handoff_end") and label:
+            d["handoff_mode"] = label
+        if number is None:
+            return
+        if msg.event == "handoff_end":
+            d["handoff_bytes"] = number
+        elif msg.event == "md_kv_complete":
+            d["wan_kv_bytes"] = number          # what MD received: authoritative
+        elif msg.event == "wan_kv_sent":
+            d.setdefault("wan_kv_bytes", number)
+        elif msg.event == "prefix_hit":
+            d["prefix_hit_tokens"] = number
+
+    def _on_peer_lost(self, peer: PeerLink) -> None:
+        for state in list(self.requests.values()):
+            if not state.assembler.finished:
+                state.error_code = "peer_lost"
+                state.error_status = 502
+                state.assembler.fail(f"lost the connection to {peer.role}: {peer.last_error}")
+                state.changed.set()
+
+    async def _broadcast_cancel(self, state: RequestState, reason: str) -> None:
+        for peer in self.peers.values():
+            with contextlib.suppress(Exception):
+                await peer.send(m.Cancel(request_id=state.request_id, reason=reason[:4096]))
+
+    # -- HTTP -------------------------------------------------------------------------------------
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.router.max_body_bytes,
+                              middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/stats", self._stats)
+        app.router.add_get("/metrics", self._metrics_page)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            if exc.status == 400:
+                self.counters["bad_requests"] += 1
+            return web.json_response(exc.body(), status=exc.status)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            err = ApiError(exc.status, exc.reason or str(exc), kind, None, None)
+            return web.json_response(err.body(), status=exc.status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_response(self.model, self.created))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        peers = {r: p.conn is not None for r, p in self.peers.items()}
+        ok = all(peers.values())
+        body = {"status": "ok" if ok else "degraded", "mode": self.config.mode.value,
+                "model": self.model.name, "peers": peers,
+                "active_requests": len(self.requests)}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats())
+
+    async def _metrics_page(self, request: web.Request) -> web.Response:
+        self._metrics.active.set(len(self.requests))
+        body, content_type = self._metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body exceeds {self.config.router.max_body_bytes} bytes",
+                           "invalid_request_error", None, "body_too_large") from None
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        req = parse_completion_request(body, self.model, self._encode,
+                                       self.config.router.max_tokens_limit)
+        if len(self.requests) >= self.config.router.max_concurrent_requests:
+            self.counters["rejected_overload"] += 1
+            raise ApiError(503, f"the server is overloaded ({len(self.requests)} requests in "
+                           f"flight, limit {self.config.router.max_concurrent_requests}); retry "
+                           f"later", "server_error", None, "overloaded")
+        missing = [r for r, p in self.peers.items() if p.conn is None]
+        if missing:
+            raise ApiError(503, f"not connected to {', '.join(missing)} yet; retry later",
+                           "server_error", None, "peers_unavailable")
+        state = self._admit(req)
+        try:
+            try:
+                await self.peers["prefill"].send(self._submit(state))
+            except ConnectionError as exc:
+                raise ApiError(503, f"cannot reach the prefill daemon: {exc}", "server_error",
+                               None, "peers_unavailable") from None
+            if req.stream:
+                return await self._respond_stream(request, state)
+            return await self._respond_whole(state)
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away (handler cancelled, or a write found the socket closed):
+            # free the request everywhere.
+            self.counters["cancelled"] += 1
+            state.assembler.cancel()
+            await asyncio.shield(self._broadcast_cancel(state, "client disconnected"))
+            raise
+        finally:
+            self.requests.pop(state.request_id, None)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=True)
+
+    def _admit(self, req: CompletionRequest) -> RequestState:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        # A concrete seed, fixed here: sampling is then a pure function of (seed, position), so
+        # every daemon that samples the request picks the same tokens.
+        seed = req.seed if req.seed is not None else (
+            secrets.randbits(63) if req.temperature > 0 else None)
+        state = RequestState(request_id=rid, req=req, seed=seed, arrival=self.clock(),
+                             assembler=StreamAssembler(req.max_tokens, self.model.eos_token_id,
+                                                       req.stop_token_ids, req.ignore_eos))
+        state.add_event("arrival", state.arrival, "router", len(req.prompt_token_ids))
+        self.requests[rid] = state
+        self.counters["requests"] += 1
+        return state
+
+    def _submit(self, state: RequestState) -> m.Submit:
+        req = state.req
+        return m.Submit(request_id=state.request_id, prompt_token_ids=req.prompt_token_ids,
+                        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                        top_k=req.top_k, seed=state.seed, stop_token_ids=req.stop_token_ids,
+                        ignore_eos=req.ignore_eos, handoff_mode=req.handoff_mode)
+
+    async def _next_change(self, state: RequestState, deadline: float) -> bool:
+        """Wait until something happened to the request; False at the deadline."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        try:
+            await asyncio.wait_for(state.changed.wait(), remaining)
+        except asyncio.TimeoutError:
+            return False
+        state.changed.clear()
+        return True
+
+    async def _wait_done_notice(self, state: RequestState) -> None:
+        """The stream is complete; give REQUEST_DONE and the last TIMELINEs a moment."""
+        deadline = time.monotonic() + DONE_GRACE_S
+        while not state.done_seen and state.assembler.finish_reason in ("eos", "stop", "length"):
+            if not await self._next_change(state, deadline):
+                break
+
+    async def _until_finished(self, state: RequestState) -> None:
+        deadline = time.monotonic() + self.config.router.request_timeout_s
+        while not state.assembler.finished:
+            if not await self._next_change(state, deadline):
+                state.error_code, state.error_status = "timeout", 504
+                state.assembler.fail(f"no completion within "
+                                     f"{self.config.router.request_timeout_s:g} s")
+
+    async def _finish(self, state: RequestState) -> None:
+        asm = state.assembler
+        if asm.finish_reason == "error":
+            self.counters["errors"] += 1
+            await self._broadcast_cancel(state, asm.error or "error")
+        else:
+            await self._wait_done_notice(state)
+            self.counters["completed"] += 1
+            if not state.done_seen:
+                # The router saw the end (a stop token, EOS, max_tokens) but no daemon said so:
+                # make sure none of them keeps decoding or holding KV for it.
+                await self._broadcast_cancel(state, f"stream ended ({asm.finish_reason})")
+        self.counters["tokens"] += len(asm.tokens)
+        for p in asm.producers:
+            self.tokens_by_producer[p] = self.tokens_by_producer.get(p, 0) + 1
+        self._metrics.observe(asm.finish_reason or "error", asm.counts_by_producer(),
+                              None if asm.first_token_time is None
+                              else asm.first_token_time - state.arrival)
+        state.add_event("done", self.clock(), "router", asm.finish_reason)
+
+    def _error(self, state: RequestState) -> ApiError:
+        kind = "server_error" if state.error_status >= 500 else "invalid_request_error"
+        return ApiError(state.error_status, state.assembler.error or "request failed", kind,
+                        None, state.error_code)
+
+    async def _respond_whole(self, state: RequestState) -> web.Response:
+        await self._until_finished(state)
+        await self._finish(state)
+        asm = state.assembler
+        if asm.finish_reason == "error":
+            raise self._error(state)
+        text = self.tokenizer.decode(asm.tokens, skip_special=True)
+        body = completion_response(state.request_id, int(state.arrival), state.req.model, text,
+                                   asm.finish_reason, state.req, asm.tokens, self.pdd_object(state))
+        return web.json_response(body)
+
+    async def _respond_stream(self, request: web.Request, state: RequestState) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        detok = IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special=True))
+        asm = state.assembler
+        created, model = int(state.arrival), state.req.model
+        sent = 0
+        deadline = time.monotonic() + self.config.router.request_timeout_s
+
+        async def emit(obj: dict[str, Any]) -> None:
+            await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+        while True:
+            if len(asm.tokens) > sent:
+                new = asm.tokens[sent:]
+                await emit(completion_chunk(state.request_id, created, model, detok.feed(new),
+                                            state.req, new, first=sent == 0))
+                sent += len(new)
+            if asm.finished:
+                break
+            if not await self._next_change(state, deadline):
+                state.error_code, state.error_status = "timeout", 504
+                asm.fail(f"no completion within {self.config.router.request_timeout_s:g} s")
+        await self._finish(state)
+        if asm.finish_reason == "error":
+            await emit(self._error(state).body())
+        else:
+            await emit(completion_chunk(state.request_id, created, model, detok.flush(),
+                                        state.req, (), asm.finish_reason, self.pdd_object(state)))
+            if state.req.include_usage:
+                await emit(usage_chunk(state.request_id, created, model,
+                                       len(state.req.prompt_token_ids), len(asm.tokens)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def pdd_object(self, state: RequestState) -> dict[str, Any]:
+        asm = state.assembler
+        counts = asm.counts_by_producer()
+        ttft = None if asm.first_token_time is None else asm.first_token_time - state.arrival
+        mode = self.config.mode
+        d = state.details
+        return {
+            "request_id": state.request_id, "mode": mode.value, "seed": state.seed,
+            "ttft_s": ttft,
+            "pipeline": d.get("pipeline", DEFAULT_PIPELINE[mode]),
+            "handoff_mode": d.get("handoff_mode"),
+            "relay_tokens": counts.get("relay", 0),
+            "main_tokens": counts.get("main_decode", 0),
+            "prefill_tokens": counts.get("prefill", 0),
+            "wan_kv_bytes": d.get("wan_kv_bytes", 0),
+            "handoff_bytes": d.get("handoff_bytes", 0),
+            "prefix_hit_tokens": d.get("prefix_hit_tokens", 0),
+            "finish_reason": asm.finish_reason,
+            "warnings": list(asm.warnings),
+            "timeline": sorted(state.timeline, key=lambda e: e["time"]),
+        }
+
+
+class RouterMetrics:
+    """Prometheus metrics in a registry of the router's own (GET /metrics)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pdd_router_requests", "completions by how they ended",
+                                ["finish_reason"], registry=self.registry)
+        self.tokens = Counter("pdd_router_output_tokens", "output tokens by producer",
+                              ["producer"], registry=self.registry)
+        self.ttft = Histogram("pdd_router_ttft_seconds", "time to first token at the router",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                              registry=self.registry)
+        self.active = Gauge("pdd_router_active_requests", "requests in flight",
+                            registry=self.registry)
+
+    def observe(self, finish_reason: str, tokens: dict[str, int], ttft: float | None) -> None:
+        self.requests.labels(finish_reason).inc()
+        for producer, n in tokens.items():
+            self.tokens.labels(producer).inc(n)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+async def run_router(config: ClusterConfig, on_started: Callable[[Router], None] | None = None,
+                     ) -> None:
+    """Serve until SIGTERM/SIGINT (what `pdd serve router` runs)."""
+    import signal
+
+    router = Router(config)
+    await router.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, router._stop.set)
+    if on_started is not None:
+        on_started(router)
+    try:
+        await router.serve_forever()
+    finally:
+        await router.close()

@@ -1,0 +1,425 @@
+"""P, RLD and MD as real daemons in one process on loopback (no WAN emulator): token-exact
+against the colocated Engine in every handoff mode and in the two baselines, exactly once, and
+no KV block, task or shared-memory segment left behind.
+
+A tiny event collector stands in for the router: it dials every daemon's events lane as role
+"router", sends SUBMIT to P and collects TOKEN_EVENT / TIMELINE / REQUEST_DONE / ERROR.
+MD's copy is made to arrive after RLD's with MainDecodeDaemon(kv_arrival_delay_s=...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+
+from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.engine.engine import Engine
+from pddnet.engine.sampling import SamplingParams
+from pddnet.model.loader import load_model
+from pddnet.protocol import Cancel, ErrorMessage, Ping, Pong, RequestDone, Submit, TokenEvent
+from pddnet.protocol.messages import Timeline
+from pddnet.roles.main_decode import MainDecodeDaemon
+from pddnet.roles.prefill import PrefillDaemon
+from pddnet.roles.relay import RelayDaemon
+from pddnet.transport import dial
+
+pytestmark = pytest.mark.timeout(120)
+SECRET = "test-secret-roles"
+
+
+class Collector:
+    """The router's half of the events lanes, reduced to recording what arrives."""
+
+    def __init__(self) -> None:
+        self.conns: dict[str, object] = {}
+        self.tokens: dict[str, dict[int, tuple[int, str]]] = defaultdict(dict)
+        self.duplicates: list[tuple[str, int]] = []
+        self.done: dict[str, RequestDone] = {}
+        self.timeline: dict[str, list[Timeline]] = defaultdict(list)
+        self.errors: list[ErrorMessage] = []
+        self.pongs: list[Pong] = []
+        self.changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def connect(self, name: str, address: tuple[str, int]) -> None:
+        conn = await dial(*address, role="router", instance_id="test-router", lane="events",
+                          secret=SECRET.encode())
+        self.conns[name] = conn
+        self._tasks.append(asyncio.get_running_loop().create_task(self._read(conn)))
+
+    async def _read(self, conn) -> None:
+        async for msg in conn:
+            if isinstance(msg, TokenEvent):
+                seen = self.tokens[msg.request_id]
+                for i, tok in enumerate(msg.token_ids, msg.index):
+                    if i in seen:
+                        self.duplicates.append((msg.request_id, i))
+                    seen[i] = (tok, msg.producer)
+            elif isinstance(msg, RequestDone):
+                self.done[msg.request_id] = msg
+            elif isinstance(msg, Timeline):
+                self.timeline[msg.request_id].append(msg)
+            elif isinstance(msg, ErrorMessage):
+                self.errors.append(msg)
+            elif isinstance(msg, Pong):
+                self.pongs.append(msg)
+            self.changed.set()
+
+    async def send(self, name: str, msg) -> None:
+        await self.conns[name].send(msg)
+
+    async def wait_until(self, cond, timeout: float = 60.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert not self.errors, f"daemons reported errors: {self.errors}"
+            left = deadline - time.monotonic()
+            assert left > 0, f"timed out waiting for {what}"
+            self.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(left, 0.2))
+
+    def complete(self, rid: str) -> bool:
+        done = self.done.get(rid)
+        return done is not None and len(self.tokens[rid]) >= done.num_output_tokens
+
+    def output(self, rid: str) -> list[int]:
+        seen = self.tokens[rid]
+        assert sorted(seen) == list(range(len(seen))), f"{rid}: indices have gaps"
+        return [seen[i][0] for i in range(len(seen))]
+
+    def producers(self, rid: str) -> list[str]:
+        return [self.tokens[rid][i][1] for i in range(len(self.tokens[rid]))]
+
+    def events(self, rid: str) -> dict[str, Timeline]:
+        return {e.event: e for e in self.timeline[rid]}
+
+    async def close(self) -> None:
+        for conn in self.conns.values():
+            await conn.close()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def make_config(mode: ClusterMode, handoff: str = "dynamic", **policy) -> ClusterConfig:
+    cfg = ClusterConfig(name="t-roles", mode=mode, secret=SECRET)
+    for sec in (cfg.prefill, cfg.relay, cfg.main_decode):
+        sec.port = 0
+    cfg.prefill.num_blocks, cfg.relay.num_blocks, cfg.main_decode.num_blocks = 128, 1024, 512
+    # Heterogeneous block sizes; P prefills in chunks of 32 tokens.
+    cfg.prefill.block_size, cfg.prefill.max_num_batched_tokens = 16, 32
+    cfg.relay.block_size = 4
+    cfg.main_decode.block_size = 8
+    cfg.wan.stripes, cfg.wan.chunk_tokens = 2, 16
+    cfg.policy.handoff = handoff
+    for key, value in policy.items():
+        setattr(cfg.policy, key, value)
+    return cfg.validate()
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: ClusterConfig, md_delay: float = 0.0):
+    """Start MD, RLD, P as the mode needs (in dial order, ports 0), plus the collector."""
+    daemons: dict[str, object] = {}
+    collector = Collector()
+    try:
+        if cfg.mode is not ClusterMode.SAME_DC:
+            md = daemons["main_decode"] = MainDecodeDaemon(cfg, kv_arrival_delay_s=md_delay)
+            await md.start()
+            cfg.main_decode.port = md.port
+        if cfg.mode is not ClusterMode.CROSS_DC:
+            rld = daemons["relay"] = RelayDaemon(cfg)
+            await rld.start()
+            cfg.relay.port = rld.port
+        p = daemons["prefill"] = PrefillDaemon(cfg)
+        await p.start()
+        cfg.prefill.port = p.port
+        for name, d in daemons.items():
+            await collector.connect(name, ("127.0.0.1", d.port))
+        yield daemons, collector
+    finally:
+        await collector.close()
+        for d in daemons.values():
+            await d.close()
+    # close() left nothing behind: no engine thread, no task, no shared-memory segment
+    assert not [t.name for t in threading.enumerate() if t.name.endswith("-engine")]
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    relay = daemons.get("relay")
+    if relay is not None:
+        assert not os.path.exists(f"/dev/shm/{relay.kv_shm_name()}")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+def reference(tiny, prompt, max_tokens, sp, ignore_eos, stop_token_ids=()):
+    """The colocated engine's tokens, cut after the first extra stop token (SUBMIT semantics)."""
+    model, tok = tiny
+    out = Engine(model, tok, num_blocks=128, block_size=16).generate(prompt, max_tokens, sp,
+                                                                     ignore_eos)
+    for i, t in enumerate(out):
+        if t in stop_token_ids:
+            return out[:i + 1]
+    return out
+
+
+def with_stop_token(tiny, req: dict, index: int, request_id: str) -> dict:
+    """A copy of `req` with a stop token that first occurs in its output at or after `index`."""
+    sp = SamplingParams(temperature=req["temperature"], top_p=req["top_p"], seed=req["seed"])
+    ref = reference(tiny, req["prompt_token_ids"], req["max_tokens"], sp, req["ignore_eos"])
+    fresh = [i for i in range(index, len(ref)) if ref[i] not in ref[:i]]
+    assert fresh, f"no token first occurring at index >= {index} in {request_id}'s output"
+    return dict(req, request_id=request_id, stop_token_ids=(ref[fresh[0]],))
+
+
+def workload(seed_base: int = 0) -> list[dict]:
+    """Mixed prompt / output lengths, greedy and seeded sampling."""
+    out = []
+    specs = [(12, 24, 0.0, True), (45, 90, 0.8, True), (70, 40, 0.0, False), (33, 500, 1.0, True),
+             (5, 1, 0.0, True)]
+    for i, (plen, max_tokens, temp, ignore_eos) in enumerate(specs):
+        prompt = [(37 * i + 11 * j + seed_base) % 250 + 1 for j in range(plen)]
+        out.append(dict(request_id=f"r{seed_base}-{i}", prompt_token_ids=prompt,
+                        max_tokens=max_tokens, temperature=temp, top_p=0.9 if temp else 1.0,
+                        seed=1000 + i if temp else None, ignore_eos=ignore_eos))
+    return out
+
+
+async def run_workload(tiny, collector: Collector, reqs: list[dict]) -> None:
+    for r in reqs:
+        await collector.send("prefill", Submit(**r))
+    for r in reqs:
+        await collector.wait_until(lambda r=r: collector.complete(r["request_id"]),
+                                   what=f"{r['request_id']} to complete")
+    assert not collector.duplicates, f"indices emitted twice: {collector.duplicates}"
+    assert not collector.errors
+    for r in reqs:
+        sp = SamplingParams(temperature=r["temperature"], top_p=r["top_p"], seed=r["seed"])
+        ref = reference(tiny, r["prompt_token_ids"], r["max_tokens"], sp, r["ignore_eos"],
+                        r.get("stop_token_ids", ()))
+        assert collector.output(r["request_id"]) == ref, r["request_id"]
+        if r.get("stop_token_ids") and len(ref) < r["max_tokens"]:
+            assert collector.done[r["request_id"]].reason == "stop"
+
+
+async def all_free(daemons: dict, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = {name: d.stats() for name, d in daemons.items()}
+        json.dumps(stats)  # JSON-able, as `pdd status` needs
+        ok = all(s["kv_blocks"]["free"] == s["kv_blocks"]["total"] and s["requests"]["active"] == 0
+                 for s in stats.values())
+        if ok:
+            return
+        assert time.monotonic() < deadline, f"KV not freed everywhere: {stats}"
+        await asyncio.sleep(0.05)
+
+
+def handoff_frames(md: MainDecodeDaemon) -> int:
+    return sum(c.stats["frames_in"].get("HANDOFF", 0) for c in md.server.connections)
+
+
+@pytest.mark.parametrize("handoff", ["one-shot", "streaming", "dynamic"])
+async def test_pdd_token_exact_in_every_handoff_mode(tiny, handoff):
+    cfg = make_config(ClusterMode.PDD, handoff, handoff_chunk=4, handoff_threshold_tokens=12)
+    async with running(cfg, md_delay=0.25) as (daemons, col):
+        reqs = workload()
+        # extra stop tokens, hit early (by RLD) and late (by MD, after the handoff)
+        stops = [with_stop_token(tiny, reqs[1], 2, "stop-early"),
+                 with_stop_token(tiny, reqs[3], 440, "stop-late")]
+        await run_workload(tiny, col, reqs + stops)
+        assert col.producers("stop-early")[-1] == "relay"
+        assert col.producers("stop-late")[-1] == "main_decode"
+        await all_free(daemons)
+        md, rld = daemons["main_decode"], daemons["relay"]
+        modes = {col.events(r["request_id"])["handoff_start"].detail_str
+                 for r in reqs if "handoff_start" in col.events(r["request_id"])}
+        long_rid = reqs[3]["request_id"]  # 500 tokens: handed over to MD
+        producers = col.producers(long_rid)
+        # Eager: RLD made the first tokens, MD the rest after one cut.
+        assert producers[0] == "relay" and producers[-1] == "main_decode"
+        cut = producers.index("main_decode")
+        assert set(producers[:cut]) == {"relay"} and set(producers[cut:]) == {"main_decode"}
+        ev = col.events(long_rid)
+        assert ev["rld_kv_complete"].time < ev["md_kv_complete"].time
+        assert {"prefill_start", "prefill_end", "wan_kv_sent", "handoff_start", "handoff_end",
+                "first_md_token"} <= set(ev)
+        assert ev["first_md_token"].detail_int == cut
+        # Token ids, not KV: one-shot < 2 KiB per 100 tokens; streaming (a frame per `chunk`
+        # tokens) still a small fraction of the 1 KiB per token of the tiny model's KV.
+        handoff_bytes = ev["handoff_end"].detail_int
+        if ev["handoff_start"].detail_str == "one-shot":
+            assert handoff_bytes * 100 / cut < 2048
+        assert handoff_bytes < cut * 1024 / 8
+        max_extend = md.stats()["max_extend_tokens"]
+        if handoff == "one-shot":
+            assert modes == {"one-shot"}
+            assert handoff_frames(md) == md.stats()["requests"]["handoffs"]
+            assert max_extend["one-shot"] >= cut  # the whole backlog in one extend step
+        elif handoff == "streaming":
+            assert modes == {"streaming"}
+            assert handoff_frames(md) > md.stats()["requests"]["handoffs"]  # non-final ones
+            assert max_extend["streaming"] <= 4  # never more than `chunk` per step
+        else:  # per request: one-shot iff the backlog is within the threshold (RLD not loaded)
+            for r in reqs:
+                start = col.events(r["request_id"]).get("handoff_start")
+                if start is not None:
+                    want = "one-shot" if start.detail_int <= 12 else "streaming"
+                    assert start.detail_str == want, (r["request_id"], start)
+            assert max_extend.get("streaming", 0) <= 4
+        # The 1-token request ends with P's token: RLD reports it, nothing decodes.
+        tiny_rid = reqs[4]["request_id"]
+        assert col.producers(tiny_rid) == ["relay"] and col.done[tiny_rid].reason == "length"
+        assert rld.stats()["requests"]["handed_off"] >= 1
+
+
+async def test_dynamic_picks_one_shot_for_a_quick_copy_and_streaming_for_a_slow_one(tiny):
+    cfg = make_config(ClusterMode.PDD, "dynamic", handoff_chunk=4, handoff_threshold_tokens=32)
+    async with running(cfg, md_delay=0.0) as (daemons, col):
+        await run_workload(tiny, col, workload(5)[1:2])      # MD's copy lands at once
+        daemons["main_decode"].kv_arrival_delay_s = 0.2      # now it lags RLD's
+        await run_workload(tiny, col, workload(9)[3:4])
+        fast = col.events("r5-1")["handoff_start"]
+        slow = col.events("r9-3")["handoff_start"]
+        assert fast.detail_str == "one-shot" and fast.detail_int <= 32
+        assert slow.detail_str == "streaming" and slow.detail_int > 32
+        stats = daemons["main_decode"].stats()
+        assert stats["max_extend_tokens"]["streaming"] <= 4
+        await all_free(daemons)
+
+
+@pytest.mark.parametrize("mode", [ClusterMode.CROSS_DC, ClusterMode.SAME_DC])
+async def test_baselines_token_exact(tiny, mode):
+    cfg = make_config(mode)
+    async with running(cfg) as (daemons, col):
+        reqs = workload(3)
+        await run_workload(tiny, col, reqs)
+        await all_free(daemons)
+        want = "main_decode" if mode is ClusterMode.CROSS_DC else "relay"
+        for r in reqs:
+            assert set(col.producers(r["request_id"])) == {want}
+            assert col.done[r["request_id"]].producer == want
+            assert "handoff_start" not in col.events(r["request_id"])
+        if mode is ClusterMode.CROSS_DC:
+            assert col.events(reqs[1]["request_id"])["md_kv_complete"].detail_int > 0
+        # every daemon answers heartbeats on its events lane
+        for name in daemons:
+            await col.send(name, Ping(nonce=7, time=1.5))
+        await col.wait_until(lambda: len(col.pongs) == len(daemons), what="PONGs")
+        assert {(p.nonce, p.time) for p in col.pongs} == {(7, 1.5)}
+
+
+async def test_same_prompt_twice_reuses_decode_side_cache(tiny):
+    """MD answers hit_tokens > 0 for a cached prefix; P then ships only the rest."""
+    cfg = make_config(ClusterMode.CROSS_DC)
+    async with running(cfg) as (daemons, col):
+        first = workload(7)[1]
+        second = dict(first, request_id="again")
+        await run_workload(tiny, col, [first])
+        await run_workload(tiny, col, [second])
+        sent = [col.events(r["request_id"])["wan_kv_sent"].detail_int for r in (first, second)]
+        assert 0 < sent[1] < sent[0]
+        hits = [col.events(r["request_id"])["prefix_hit_tokens"].detail_int for r in (first, second)]
+        assert hits[0] == 0 and hits[1] > 0
+        assert sent[1] == sent[0] * (45 - hits[1]) // 45   # only positions >= the hit crossed
+        await all_free(daemons)
+
+
+async def test_cancel_mid_stream_frees_blocks_everywhere(tiny):
+    cfg = make_config(ClusterMode.PDD, "streaming", handoff_chunk=2)
+    async with running(cfg, md_delay=0.3) as (daemons, col):
+        prompt = list(range(1, 60))
+        await col.send("prefill", Submit(request_id="gone", prompt_token_ids=prompt,
+                                         max_tokens=1500, ignore_eos=True))
+        await col.send("prefill", Submit(request_id="early", prompt_token_ids=prompt[:40],
+                                         max_tokens=1500, ignore_eos=True))
+        await col.wait_until(lambda: len(col.tokens["gone"]) >= 5, what="a few tokens")
+        for name in ("prefill", "relay", "main_decode"):  # what the router does
+            await col.send(name, Cancel(request_id="early", reason="client disconnected"))
+        await col.wait_until(lambda: any(p == "main_decode" for _, p in col.tokens["gone"].values()),
+                             what="MD to take over")
+        for name in ("prefill", "relay", "main_decode"):
+            await col.send(name, Cancel(request_id="gone", reason="client disconnected"))
+        await all_free(daemons)
+        assert not col.duplicates
+        n = len(col.tokens["gone"])
+        assert n < 1500 and "gone" not in col.done
+
+
+async def test_cancel_right_after_submit_frees_everything(tiny):
+    """CANCEL racing the allocations and the prefill: nothing may be left reserved anywhere."""
+    cfg = make_config(ClusterMode.PDD, "one-shot")
+    async with running(cfg, md_delay=0.05) as (daemons, col):
+        for i in range(4):
+            rid = f"race-{i}"
+            await col.send("prefill", Submit(request_id=rid, prompt_token_ids=list(range(1, 90)),
+                                             max_tokens=200, ignore_eos=True))
+            if i % 2:
+                await asyncio.sleep(0.01 * i)
+            for name in ("relay", "main_decode", "prefill"):
+                await col.send(name, Cancel(request_id=rid, reason="client disconnected"))
+        await all_free(daemons)
+        # and the cluster still serves
+        await run_workload(tiny, col, workload(11)[:1])
+        await all_free(daemons)
+
+
+async def test_md_without_room_leaves_the_request_to_rld(tiny):
+    """pdd mode, MD's pool too small for the request: P drops the WAN copy, RLD decodes it all."""
+    cfg = make_config(ClusterMode.PDD, "one-shot")
+    cfg.main_decode.num_blocks = 8          # 64 positions at block size 8
+    async with running(cfg) as (daemons, col):
+        req = workload(13)[1]               # 45-token prompt + 90 output tokens
+        await run_workload(tiny, col, [req])
+        assert set(col.producers(req["request_id"])) == {"relay"}
+        assert "main_decode_refused" in col.events(req["request_id"])
+        assert daemons["main_decode"].stats()["requests"]["refused"] == 1
+        await all_free(daemons)
+
+
+def test_run_role_serves_until_sigterm_and_cleans_up(tmp_path):
+    """`run_role` (what `pdd serve` runs) in its own process: SIGTERM ends it cleanly and the
+    relay's shared-memory pool is unlinked."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = make_config(ClusterMode.SAME_DC)
+    cfg.relay.port = port
+    path = tmp_path / "cluster.toml"
+    path.write_text(cfg.to_toml())
+    code = ("import asyncio, sys; from pddnet.config import load_config; "
+            "from pddnet.roles import run_role; "
+            "asyncio.run(run_role('relay', load_config(sys.argv[1])))")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None, "relay exited early"
+            assert time.monotonic() < deadline, "relay never listened"
+            time.sleep(0.1)
+        segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"pdd-t-roles-relay-{proc.pid}-")]
+        assert len(segments) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not os.path.exists(f"/dev/shm/{segments[0]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
