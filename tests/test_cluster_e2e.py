@@ -204,16 +204,19 @@ async def test_pdd_token_exact_eager_and_small_handoffs(handoff):
 
 
 async def test_hundred_token_handoff_is_under_2_kib():
-    """One long prompt (its KV takes ~1.5 s to cross): RLD makes 100+ tokens, hands them over."""
+    """One long prompt (its KV takes ~1.5 s to cross): RLD makes 100+ tokens, hands them over.
+
+    The cluster's policy is streaming; the request's own `handoff_mode` overrides it."""
     rng = random.Random(9)
     body = {"prompt": [256] + [rng.randrange(256) for _ in range(700)], "max_tokens": 1500,
             "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}
     want = reference(body)
     async with LocalCluster(mode="pdd", wan="proxy", **WAN,
-                            overrides={"policy.handoff": "one-shot"}) as cluster:
-        (res,) = await run_all(cluster.url, [body])
+                            overrides={"policy.handoff": "streaming"}) as cluster:
+        (res,) = await run_all(cluster.url, [{**body, "handoff_mode": "one-shot"}])
         p = res["pdd"]
         assert res["choices"][0]["token_ids"] == want
+        assert p["handoff_mode"] == "one-shot", _brief(p)
         assert p["relay_tokens"] >= 100 and p["main_tokens"] > 0, _brief(p)
         assert 0 < p["handoff_bytes"] < 2048 * p["relay_tokens"] / 100, p
         assert p["wan_kv_bytes"] >= 700 * 1024

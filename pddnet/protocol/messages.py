@@ -575,6 +575,10 @@ class KvAllocRequest(SamplingFields, Message):
     expected_hit_tokens: int = field(COUNT, doc="P's view of the receiver's prefix hit")
     pipeline: str = field(Str(max_len=32, pattern=CODE_PATTERN), default="pdd",
                           doc="P's pipeline choice, e.g. p_md, p_rld_md (recorded only)")
+    handoff_mode: str | None = field(
+        Nullable(Str(max_len=16, choices=(*HANDOFF_MODES, "dynamic"))), default=None,
+        doc="the request's handoff-policy override (from SUBMIT); null = the cluster's policy",
+    )
 
     @classmethod
     def _cross_check(cls, v: Mapping[str, Any]) -> None:

@@ -157,7 +157,8 @@ class PrefillDaemon(Daemon):
                 num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, expected_hit_tokens=0,
                 pipeline=self.pipeline, max_tokens=sub.max_tokens, temperature=sub.temperature,
                 top_p=sub.top_p, top_k=sub.top_k, seed=sub.seed,
-                stop_token_ids=sub.stop_token_ids, ignore_eos=sub.ignore_eos))
+                stop_token_ids=sub.stop_token_ids, ignore_eos=sub.ignore_eos,
+                handoff_mode=sub.handoff_mode))
         req.serial["engine"].submit(lambda: self._start_prefill(req))
 
     async def _start_prefill(self, req: _Request) -> None:

@@ -10,6 +10,7 @@ decode instance and never hands off.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import KVReservation, StepOutput
 from pddnet.kv.allocator import OutOfBlocks
 from pddnet.kv.shm import segment_name
-from pddnet.policy.handoff import HandoffPolicy
+from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.protocol import (
     Cancel,
     Handoff,
@@ -144,7 +145,10 @@ class RelayDaemon(Daemon):
             refuse("request was cancelled")
             return
         pipeline_hands_off = self.hands_off and msg.pipeline in HANDS_OFF_PIPELINES
-        req = _Request(msg, res, RelayHandoff(msg.num_tokens, self.policy, pipeline_hands_off),
+        policy = self.policy
+        if msg.handoff_mode is not None:  # the request's own override, carried from SUBMIT
+            policy = dataclasses.replace(policy, mode=HandoffMode.parse(msg.handoff_mode))
+        req = _Request(msg, res, RelayHandoff(msg.num_tokens, policy, pipeline_hands_off),
                        Serial(f"relay {rid}", self._tasks), p)
         self.requests[rid] = req
         self.counters["allocated"] += 1
