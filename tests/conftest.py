@@ -25,13 +25,23 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(int(os.environ.get("PDD_TEST_TORCH_THREADS", "1")))
 
 
+# Modules whose assertions are measurements of the emulated link against wall time (a delay
+# median within 1 ms, a rate within 90-102%, a schedule step within 50 ms). On a shared 2-core
+# machine one window can be disturbed by another process; such a test gets two more windows.
+# Only an AssertionError is re-run, so a crash is never hidden, and a wrong emulator fails
+# every window.
+LINK_MEASUREMENT_MODULES = {"test_proxy_shell.py", "test_packet_shell.py", "test_control_api.py",
+                            "test_testbed.py", "test_kernel_shell.py"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--heavy"):
-        return
+    heavy = config.getoption("--heavy")
     skip_heavy = pytest.mark.skip(reason="heavy case: run with --heavy")
     for item in items:
-        if "heavy" in item.keywords:
+        if not heavy and "heavy" in item.keywords:
             item.add_marker(skip_heavy)
+        if item.path.name in LINK_MEASUREMENT_MODULES:
+            item.add_marker(pytest.mark.flaky(reruns=2, only_rerun=["AssertionError"]))
 
 
 def root_netns_missing_reason() -> str | None:
