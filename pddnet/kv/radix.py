@@ -1,0 +1,627 @@
+"""Decode-side RadixCache (DRC): a radix tree over token ids whose nodes own KV blocks.
+
+MD keeps the KV of finished requests (prompt + generated tokens) so that the next turn of a
+conversation only needs its *uncached* KV to cross the WAN. Why a radix tree here and not the
+chained-hash PrefixCache: eviction must free only *leaves* (a block whose descendants stay cached
+would leave them unreachable yet still holding memory), and the tree makes "leaf" explicit.
+
+Granularity. Only FULL blocks are cached, so every edge spans a whole number of blocks and a node
+splits only at block boundaries. Children are keyed by the tokens of their first block.
+
+Ownership (the same contract as PrefixCache, so the engine can use either):
+- the tree holds ONE allocator reference on every block it owns; a block is owned by one node;
+- a request using cached blocks holds its own allocator reference on them (``take``/``lock``),
+  and drops it with ``release``/``unlock``; pins (``pin``) protect a prefix without a reference;
+- a block is *locked* while a request references it (refcount > 1) or it is pinned. A block is
+  *evictable* when neither it nor any block below it is locked: repeated leaf eviction can free
+  it. ``num_available`` = free + evictable is what an allocation can get.
+- eviction takes the least recently used leaf whose tail block is unlocked and frees its blocks
+  tail first, one block at a time (the leaf may shrink and then vanish; its parent may become a
+  leaf in turn).
+
+Engine interface: ``match / acquisition_cost / acquire / take / pin / unpin / insert / release /
+allocate / evict / clear`` with PrefixCache's signatures and ``PrefixMatch`` results, so
+``BlockManager`` can hold a RadixCache in place of a PrefixCache. Native (SGLang-style) calls on
+top: ``match_prefix`` -> (block_ids, hit_tokens, handle), ``lock``/``unlock`` of a handle,
+``insert_finished`` (insert a finished request and drop its references; duplicates freed),
+``evict`` returning the freed block ids, hit statistics and an event log of inserted / evicted
+prefixes as chained block hashes (``pddnet.kv.prefix_cache.block_hashes``), drained into
+CACHE_EVENTS notices for P's view (pddnet/policy/cache_view.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
+from pddnet.kv.prefix_cache import PrefixMatch, hash_block
+
+# Per-request hit ratio histogram: the source report's seven intervals. The first is closed
+# [0, 20%]; the others are (lo, hi], so the top one is exactly "hit more than 95%".
+HIT_INTERVAL_EDGES: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 1.0)
+HIT_INTERVAL_LABELS: tuple[str, ...] = ("0-20%", "20-40%", "40-60%", "60-80%", "80-90%",
+                                        "90-95%", "95-100%")
+
+
+def hit_interval(ratio: float) -> int:
+    """Index (0..6) of the interval a hit ratio in [0, 1] falls in."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"hit ratio must be in [0, 1], got {ratio!r}")
+    for i in range(1, len(HIT_INTERVAL_EDGES)):
+        if ratio <= HIT_INTERVAL_EDGES[i]:
+            return i - 1
+    raise AssertionError("unreachable: ratio <= 1.0")
+
+
+class RadixMatch(NamedTuple):
+    """Result of ``match_prefix``; ``handle`` is what ``lock``/``unlock`` take."""
+
+    block_ids: tuple[int, ...]
+    hit_tokens: int
+    handle: PrefixMatch
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """What ``insert_finished`` did with a finished request's blocks."""
+
+    hashes: tuple[int, ...]      # chained hashes of the request's full blocks
+    adopted: tuple[int, ...]     # the request's blocks the tree now owns
+    duplicates: tuple[int, ...]  # the request's blocks whose prefix the tree already held
+    freed: tuple[int, ...]       # blocks that became free (duplicates, partial tail, ...)
+
+
+@dataclass(frozen=True)
+class CacheEventBatch:
+    """Inserted / evicted prefixes since the last drain; field names match protocol CacheEvents
+    (``CacheEvents(**dataclasses.asdict(batch))``). The two sets are disjoint (netted)."""
+
+    seq: int
+    block_size: int
+    inserted: tuple[int, ...]
+    evicted: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class _Node:
+    uid: int
+    parent: _Node | None
+    tokens: tuple[int, ...]        # edge label: len(blocks) * block_size tokens
+    blocks: list[int]
+    hashes: list[int]              # chained hash of each block (names the prefix up to it)
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    last_access: int = 0
+    last_locked: int = -1          # index of the deepest locked block here (-1: none)
+    locked_below: int = 0          # strict descendants holding a locked block
+    evictable: int = 0             # blocks of this node repeated leaf eviction could free
+
+
+class RadixCache:
+    """Radix tree of cached full KV blocks on top of a BlockAllocator (see module docstring)."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int,
+                 max_pending_events: int = 1 << 16) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if max_pending_events < 1:
+            raise ValueError(f"max_pending_events must be >= 1, got {max_pending_events}")
+        self.allocator = allocator
+        self.block_size = block_size
+        self._uids = itertools.count(1)
+        self._root = _Node(0, None, (), [], [])
+        self._node_of: dict[int, _Node] = {}     # owned block id -> its node
+        self._pins: dict[int, int] = {}
+        self._leaves: set[_Node] = set()
+        self._num_evictable = 0
+        self._clock = 0
+        # statistics
+        self.tokens_asked = 0
+        self.tokens_hit = 0
+        self.num_requests = 0
+        self.hit_histogram = [0] * (len(HIT_INTERVAL_EDGES) - 1)
+        self.num_evicted = 0
+        self.num_inserted = 0
+        # event log: hash -> cached now? (netted per drain), and the notice numbering
+        self.max_pending_events = max_pending_events
+        self._pending: dict[int, bool] = {}
+        self._event_seq = 0
+        self.events_dropped = 0
+
+    # -- sizes and accounting -------------------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._node_of)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return len(self._node_of) * self.block_size
+
+    @property
+    def num_evictable(self) -> int:
+        return self._num_evictable
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can get: free ones plus evictable cached ones."""
+        return self.allocator.num_free + self._num_evictable
+
+    @property
+    def num_nodes(self) -> int:
+        count, stack = 0, list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return count
+
+    @property
+    def hit_rate(self) -> float:
+        return self.tokens_hit / self.tokens_asked if self.tokens_asked else 0.0
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._node_of
+
+    def is_pinned(self, block_id: int) -> bool:
+        return self._pins.get(block_id, 0) > 0
+
+    def is_locked(self, block_id: int) -> bool:
+        return self._locked(block_id)
+
+    def record_lookup(self, asked_tokens: int, hit_tokens: int) -> None:
+        """Count one request's lookup in the statistics (tokens and the ratio histogram)."""
+        if asked_tokens <= 0 or not 0 <= hit_tokens <= asked_tokens:
+            raise ValueError(f"bad lookup: {hit_tokens} hit of {asked_tokens} asked")
+        self.tokens_asked += asked_tokens
+        self.tokens_hit += hit_tokens
+        self.num_requests += 1
+        self.hit_histogram[hit_interval(hit_tokens / asked_tokens)] += 1
+
+    # -- lookup -----------------------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int], max_blocks: int | None = None) -> PrefixMatch:
+        """Longest cached chain of leading full blocks (no references, no accounting, no LRU)."""
+        blocks: list[int] = []
+        hashes: list[int] = []
+        for node, m in self._walk(tuple(token_ids), self._limit(token_ids, max_blocks)):
+            blocks += node.blocks[:m]
+            hashes += node.hashes[:m]
+        return PrefixMatch(tuple(blocks), tuple(hashes), self.block_size)
+
+    def match_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None,
+                     record: bool = True) -> RadixMatch:
+        """``match`` plus, with ``record``, the lookup counted in the hit statistics."""
+        m = self.match(token_ids, max_blocks)
+        if record and len(token_ids):
+            self.record_lookup(len(token_ids), m.num_tokens)
+        return RadixMatch(m.block_ids, m.num_tokens, m)
+
+    def acquisition_cost(self, match: PrefixMatch) -> int:
+        """How many currently available blocks taking references on ``match`` would consume."""
+        cost = 0
+        for node, m in self._group(match.block_ids):
+            cost += max(0, m - (len(node.blocks) - node.evictable))
+        return cost
+
+    def acquire(self, token_ids: Sequence[int], max_blocks: int | None = None,
+                record: bool = True) -> PrefixMatch:
+        """Match and take one reference per matched block (release them later)."""
+        m = self.match(token_ids, max_blocks)
+        self.take(m)
+        if record and len(token_ids):
+            self.record_lookup(len(token_ids), m.num_tokens)
+        return m
+
+    def take(self, match: PrefixMatch) -> None:
+        """Take one reference per block of a still valid match (a request now uses them)."""
+        self._check_valid(match)
+        if not match.block_ids:
+            return
+        self.allocator.incref(match.block_ids)
+        self._touch_path(self._node_of[match.block_ids[-1]])
+        self._relock(match.block_ids)
+
+    def lock(self, handle: PrefixMatch) -> None:
+        """Protect a matched path for a request (one reference per block); see ``unlock``."""
+        self.take(handle)
+
+    def unlock(self, handle: PrefixMatch) -> list[int]:
+        """Drop the references ``lock`` took; returns blocks that became free (none: the tree
+        still holds its own)."""
+        self._check_valid(handle)
+        return self.release(handle.block_ids)
+
+    def pin(self, match: PrefixMatch) -> None:
+        """Keep a matched prefix from eviction until ``unpin`` (pins nest)."""
+        self._check_valid(match)
+        for b in match.block_ids:
+            self._pins[b] = self._pins.get(b, 0) + 1
+        self._relock(match.block_ids)
+
+    def unpin(self, match: PrefixMatch) -> None:
+        self._check_valid(match)
+        for b in match.block_ids:
+            if self._pins.get(b, 0) == 0:
+                raise ValueError(f"unpin of block {b} that is not pinned")
+        for b in match.block_ids:
+            self._pins[b] -= 1
+            if not self._pins[b]:
+                del self._pins[b]
+        self._relock(match.block_ids)
+
+    # -- insertion and release --------------------------------------------------------------------
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], first_block: int = 0,
+               parent_hash: int = 0) -> list[int]:
+        """Cache the full blocks of a sequence whose KV is computed (PrefixCache's signature).
+
+        ``token_ids``: the sequence's tokens from position 0 (only whole blocks count);
+        ``block_ids``: its block table. The tree adopts (takes its own reference on) each block
+        whose prefix it does not hold yet; a block whose prefix it already holds under another
+        id stays the caller's alone (a duplicate, freed when the caller releases it).
+        ``first_block`` / ``parent_hash``: the engine's incremental form (blocks before
+        ``first_block`` were inserted earlier; ``parent_hash`` is the hash of block
+        ``first_block - 1`` and is checked). Returns the hashes of blocks ``first_block..``.
+        """
+        tokens = tuple(token_ids)
+        full = len(tokens) // self.block_size
+        if not 0 <= first_block <= full:
+            raise ValueError(f"first_block {first_block} outside 0..{full} full blocks")
+        hashes, _, _ = self._insert(tokens, block_ids)
+        # The insertion itself is driven by the tokens (walked from the root), so it is right
+        # even when this check fails; the check catches a caller whose hash chain is broken.
+        if first_block and hashes[first_block - 1] != parent_hash:
+            raise ValueError(f"parent_hash {parent_hash:#x} is not the hash of block "
+                             f"{first_block - 1} of these tokens")
+        return hashes[first_block:]
+
+    def insert_finished(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
+        """A request finished: cache its full blocks (prompt + generated tokens with KV), then
+        drop its references on all of ``block_ids`` (its locked prefix included). Duplicates and
+        the partial last block become free; the tree keeps what it adopted."""
+        hashes, adopted, duplicates = self._insert(tuple(token_ids), block_ids)
+        freed = self.release(block_ids)
+        return InsertResult(tuple(hashes), tuple(adopted), tuple(duplicates), tuple(freed))
+
+    def release(self, block_ids: Sequence[int]) -> list[int]:
+        """Drop one reference per block (a request finishing); returns blocks that became free.
+        Cached blocks become most recently used."""
+        ids = list(block_ids)
+        freed = self.allocator.decref(ids)
+        cached = [b for b in ids if b in self._node_of]
+        if cached:
+            for node, _ in self._group(cached):
+                self._touch_path(node)
+            self._relock(cached)
+        return freed
+
+    # -- eviction and allocation -------------------------------------------------------------------
+
+    def evict(self, n: int) -> list[int]:
+        """Free up to ``n`` evictable blocks, tail blocks of least recently used leaves first;
+        returns the freed block ids (now free in the allocator)."""
+        if n < 0:
+            raise ValueError(f"cannot evict {n} blocks")
+        heap = [(x.last_access, x.uid, x) for x in self._leaves if x.evictable]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < n and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.children or not node.evictable or node.parent is None:
+                continue  # no longer an evictable leaf (cannot happen within one call; cheap)
+            key = node.tokens[:self.block_size]
+            for _ in range(min(n - len(freed), node.evictable)):
+                b = node.blocks.pop()
+                h = node.hashes.pop()
+                del self._node_of[b]
+                self._note(h, False)
+                got = self.allocator.decref([b])
+                if got != [b]:
+                    raise AssertionError(f"evicted block {b} was still referenced")
+                freed.append(b)
+            node.tokens = node.tokens[:len(node.blocks) * self.block_size]
+            self._refresh(node)
+            if not node.blocks:
+                parent = self._detach(node, key)
+                if parent is not self._root and not parent.children and parent.evictable:
+                    heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        self.num_evicted += len(freed)
+        return freed
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks for a request, evicting when the free list is short."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            if short > self._num_evictable:
+                raise OutOfBlocks(n, self.num_available, self.allocator.num_blocks)
+            self.evict(short)
+        return self.allocator.allocate(n)
+
+    def clear(self) -> int:
+        """Evict everything evictable (locked blocks and their ancestors stay); returns how many."""
+        return len(self.evict(self._num_evictable))
+
+    # -- event log ---------------------------------------------------------------------------------
+
+    @property
+    def num_pending_events(self) -> int:
+        return len(self._pending)
+
+    def drain_events(self, max_hashes: int = 1 << 20) -> CacheEventBatch | None:
+        """The next notice of inserted / evicted prefixes (at most ``max_hashes`` hashes), or
+        None when nothing changed. Notices are numbered 0, 1, ...; a skipped number means
+        events were dropped (see ``max_pending_events``) and the receiver's view is stale."""
+        if not self._pending:
+            return None
+        if max_hashes < 1:
+            raise ValueError(f"max_hashes must be >= 1, got {max_hashes}")
+        batch = list(itertools.islice(self._pending.items(), max_hashes))
+        for h, _ in batch:
+            del self._pending[h]
+        seq = self._event_seq
+        self._event_seq += 1
+        return CacheEventBatch(seq, self.block_size, tuple(h for h, present in batch if present),
+                               tuple(h for h, present in batch if not present))
+
+    def snapshot_hashes(self) -> list[int]:
+        """Every cached block's chained hash (for a full resync of a stale view)."""
+        out: list[int] = []
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            out += node.hashes
+            stack.extend(node.children.values())
+        return out
+
+    def _note(self, h: int, present: bool) -> None:
+        self._pending.pop(h, None)   # re-append: drain order follows the latest change
+        self._pending[h] = present
+        if len(self._pending) > self.max_pending_events:
+            # Nobody drains: forget the log and skip a notice number, so the receiver sees a
+            # gap and knows its view is stale instead of silently missing events.
+            self.events_dropped += len(self._pending)
+            self._pending.clear()
+            self._event_seq += 1
+
+    # -- invariants (tests and debugging) --------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Recompute every derived quantity from scratch; raises AssertionError on a mismatch."""
+        bs = self.block_size
+        seen: dict[int, _Node] = {}
+        total_evictable = 0
+        leaves = set()
+
+        def visit(node: _Node, parent_hash: int) -> int:
+            nonlocal total_evictable
+            locked_below = 0
+            for key, child in node.children.items():
+                assert child.parent is node, "child's parent link is wrong"
+                assert child.blocks, "empty non-root node"
+                assert key == child.tokens[:bs], "child keyed by the wrong tokens"
+                assert len(child.tokens) == len(child.blocks) * bs == len(child.hashes) * bs
+                h = parent_hash if node is not self._root else 0
+                h = node.hashes[-1] if node.hashes else h
+                for i, b in enumerate(child.blocks):
+                    assert b not in seen, f"block {b} owned by two nodes"
+                    seen[b] = child
+                    h = hash_block(h, child.tokens[i * bs:(i + 1) * bs])
+                    assert child.hashes[i] == h, "stored hash is not the chained hash"
+                    assert self.allocator.refcount(b) >= 1, f"owned block {b} is free"
+                locked = [i for i, b in enumerate(child.blocks) if self._locked(b)]
+                assert child.last_locked == (locked[-1] if locked else -1)
+                below = visit(child, h)
+                assert child.locked_below == below, "locked_below is stale"
+                want = 0 if below else len(child.blocks) - (child.last_locked + 1)
+                assert child.evictable == want, "evictable count is stale"
+                total_evictable += want
+                locked_below += below + (1 if locked else 0)
+                if not child.children:
+                    leaves.add(child)
+            return locked_below
+
+        visit(self._root, 0)
+        assert seen == self._node_of, "block -> node index is stale"
+        assert total_evictable == self._num_evictable, "evictable total is stale"
+        assert leaves == self._leaves, "leaf set is stale"
+        assert all(b in self._node_of for b in self._pins), "pin on an uncached block"
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _limit(self, token_ids: Sequence[int], max_blocks: int | None) -> int:
+        full = len(token_ids) // self.block_size
+        return full if max_blocks is None else max(0, min(max_blocks, full))
+
+    def _walk(self, tokens: tuple[int, ...], limit: int) -> list[tuple[_Node, int]]:
+        """Matched (node, blocks matched in it) from the root; only the last may be partial."""
+        bs = self.block_size
+        path: list[tuple[_Node, int]] = []
+        node, i = self._root, 0
+        while i < limit:
+            child = node.children.get(tokens[i * bs:(i + 1) * bs])
+            if child is None:
+                break
+            n = min(len(child.blocks), limit - i)
+            if child.tokens[:n * bs] == tokens[i * bs:(i + n) * bs]:
+                m = n
+            else:
+                m = 1
+                while child.tokens[m * bs:(m + 1) * bs] == tokens[(i + m) * bs:(i + m + 1) * bs]:
+                    m += 1
+            path.append((child, m))
+            i += m
+            if m < len(child.blocks):
+                break
+            node = child
+        return path
+
+    def _insert(self, tokens: tuple[int, ...],
+                block_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        bs = self.block_size
+        full = len(tokens) // bs
+        if full > len(block_ids):
+            raise ValueError(f"{full} full blocks of tokens but the block table has "
+                             f"{len(block_ids)}")
+        path = self._walk(tokens, full)
+        hashes: list[int] = []
+        duplicates: list[int] = []
+        i = 0
+        for node, m in path:
+            for j in range(m):
+                hashes.append(node.hashes[j])
+                if node.blocks[j] != block_ids[i + j]:
+                    duplicates.append(block_ids[i + j])
+            i += m
+        new = [int(b) for b in block_ids[i:full]]
+        if not new:
+            if path:
+                self._touch_path(path[-1][0])
+            return hashes, [], duplicates
+        if len(set(new)) != len(new):
+            raise ValueError(f"block table repeats a block id: {new}")
+        for b in new:
+            if b in self._node_of:
+                raise ValueError(f"block {b} is already cached for another prefix")
+            if self.allocator.refcount(b) == 0:
+                raise ValueError(f"cannot cache free block {b}")
+        parent = self._root
+        if path:  # split only when something hangs below the match point
+            last, m = path[-1]
+            parent = self._split(last, m) if m < len(last.blocks) else last
+        h = hashes[-1] if hashes else 0
+        new_hashes = []
+        for k in range(i, full):
+            h = hash_block(h, tokens[k * bs:(k + 1) * bs])
+            new_hashes.append(h)
+        self.allocator.incref(new)  # the tree's own reference
+        leaf = _Node(next(self._uids), parent, tokens[i * bs:full * bs], new, new_hashes)
+        parent.children[leaf.tokens[:bs]] = leaf
+        self._leaves.discard(parent)
+        self._leaves.add(leaf)
+        for b in new:
+            self._node_of[b] = leaf
+        for h in new_hashes:
+            self._note(h, True)
+        self.num_inserted += len(new)
+        self._recount(leaf)
+        self._touch_path(leaf)
+        return hashes + new_hashes, new, duplicates
+
+    def _split(self, node: _Node, m: int) -> _Node:
+        """Cut ``node`` after its first ``m`` blocks; returns the new upper node."""
+        bs = self.block_size
+        parent = node.parent
+        assert parent is not None and 0 < m < len(node.blocks)
+        upper = _Node(next(self._uids), parent, node.tokens[:m * bs], node.blocks[:m],
+                      node.hashes[:m], last_access=node.last_access)
+        parent.children[upper.tokens[:bs]] = upper
+        node.tokens, node.blocks, node.hashes = node.tokens[m * bs:], node.blocks[m:], node.hashes[m:]
+        node.parent = upper
+        upper.children[node.tokens[:bs]] = node
+        for b in upper.blocks:
+            self._node_of[b] = upper
+        # Recount the two halves; the ancestors now may have one more node with a locked block.
+        had_locked = node.last_locked >= 0
+        self._num_evictable -= node.evictable
+        node.evictable = 0
+        self._scan(node)
+        self._scan(upper)
+        upper.locked_below = node.locked_below + (node.last_locked >= 0)
+        self._refresh(node)
+        self._refresh(upper)
+        delta = int(upper.last_locked >= 0) + int(node.last_locked >= 0) - int(had_locked)
+        up = parent
+        while up is not self._root and delta:
+            assert up is not None
+            up.locked_below += delta
+            up = up.parent
+        return upper
+
+    def _detach(self, node: _Node, key: tuple[int, ...]) -> _Node:
+        """Remove an emptied leaf (``key``: its first block's tokens); returns its parent, which
+        may become a leaf."""
+        parent = node.parent
+        assert parent is not None and not node.blocks and not node.children
+        del parent.children[key]
+        node.parent = None
+        self._leaves.discard(node)
+        if not parent.children and parent is not self._root:
+            self._leaves.add(parent)
+        return parent
+
+    def _locked(self, block_id: int) -> bool:
+        return self.allocator.refcount(block_id) > 1 or self._pins.get(block_id, 0) > 0
+
+    def _scan(self, node: _Node) -> None:
+        """Recompute a node's deepest locked block, scanning from the tail (a request in use
+        locks whole paths, so this usually stops at once)."""
+        last = len(node.blocks) - 1
+        while last >= 0 and not self._locked(node.blocks[last]):
+            last -= 1
+        node.last_locked = last
+
+    def _refresh(self, node: _Node) -> None:
+        want = 0 if node.locked_below else len(node.blocks) - (node.last_locked + 1)
+        self._num_evictable += want - node.evictable
+        node.evictable = want
+
+    def _recount(self, node: _Node) -> None:
+        """A node's lock state may have changed: rescan it, propagate to its ancestors."""
+        before = node.last_locked >= 0
+        self._scan(node)
+        self._refresh(node)
+        delta = int(node.last_locked >= 0) - int(before)
+        up = node.parent
+        while up is not None and up is not self._root:
+            if delta:
+                up.locked_below += delta
+            self._refresh(up)
+            up = up.parent
+
+    def _relock(self, block_ids: Iterable[int]) -> None:
+        nodes = {self._node_of[b] for b in block_ids if b in self._node_of}
+        # Deepest first is not required (each recount propagates its own delta exactly).
+        for node in nodes:
+            self._recount(node)
+
+    def _touch_path(self, node: _Node) -> None:
+        """Mark a node and its ancestors most recently used (the node itself the newest)."""
+        chain = []
+        while node is not None and node is not self._root:
+            chain.append(node)
+            node = node.parent  # type: ignore[assignment]
+        for n in reversed(chain):
+            self._clock += 1
+            n.last_access = self._clock
+
+    def _group(self, block_ids: Sequence[int]) -> list[tuple[_Node, int]]:
+        """(node, number of the given blocks in it) for cached blocks, in first-seen order."""
+        out: dict[_Node, int] = {}
+        for b in block_ids:
+            node = self._node_of.get(b)
+            if node is not None:
+                out[node] = out.get(node, 0) + 1
+        return list(out.items())
+
+    def _check_valid(self, match: PrefixMatch) -> None:
+        if match.block_size != self.block_size:
+            raise ValueError(f"match at block size {match.block_size}, cache uses "
+                             f"{self.block_size}")
+        ids, hashes = list(match.block_ids), list(match.hashes)
+        if len(ids) != len(hashes):
+            raise ValueError("prefix match has different numbers of blocks and hashes")
+        # A match runs from the root, so it covers whole nodes from their first block on.
+        i = 0
+        while i < len(ids):
+            node = self._node_of.get(ids[i])
+            k = min(len(node.blocks), len(ids) - i) if node is not None else 0
+            if (node is None or node.blocks[:k] != ids[i:i + k]
+                    or node.hashes[:k] != hashes[i:i + k]):
+                raise ValueError(f"prefix match is stale: block {ids[i]} is no longer cached "
+                                 f"for that prefix")
+            i += k
+
