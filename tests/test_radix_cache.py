@@ -396,3 +396,23 @@ RadixMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=
                                           deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestRadixInvariants = RadixMachine.TestCase
+
+
+def test_engine_can_run_on_the_radix_cache_and_counts_hits():
+    """MD's engine uses the radix cache through the same calls; lookups land in its histogram."""
+    from pddnet.engine.engine import Engine
+    from pddnet.model import load_model
+
+    model, tok = load_model("tiny")
+    prompt = [256] + list(range(60))
+    with Engine(model, tok, num_blocks=64, block_size=8) as hashed, \
+            Engine(model, tok, num_blocks=64, block_size=8, prefix_cache_kind="radix") as radix:
+        want = hashed.generate(prompt, 6)
+        assert radix.generate(prompt, 6) == want
+        assert radix.generate(prompt + [5, 6, 7], 6) == hashed.generate(prompt + [5, 6, 7], 6)
+        cache = radix.prefix_cache
+        assert isinstance(cache, RadixCache)
+        assert cache.num_requests == 2 and cache.tokens_hit >= 56
+        assert sum(cache.hit_histogram) == 2
+    with pytest.raises(ValueError, match="unknown prefix cache kind"):
+        Engine(model, tok, num_blocks=8, block_size=8, prefix_cache_kind="trie")

@@ -41,6 +41,7 @@ from pddnet.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 from pddnet.kv.pool import KVPool, KVSpec
 from pddnet.kv.prefix_cache import PrefixCache, PrefixMatch
+from pddnet.kv.radix import RadixCache
 from pddnet.model.llama import LlamaModel
 
 
@@ -94,7 +95,8 @@ class Engine:
     def __init__(self, model: LlamaModel, tokenizer: Any = None, num_blocks: int = 512,
                  block_size: int = 16, max_num_batched_tokens: int = 2048,
                  enable_prefix_cache: bool = True, kv_shm_name: str | None = None,
-                 max_num_seqs: int = 256, kv_dtype: str | torch.dtype | None = None) -> None:
+                 max_num_seqs: int = 256, kv_dtype: str | torch.dtype | None = None,
+                 prefix_cache_kind: str = "hash") -> None:
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
@@ -102,7 +104,7 @@ class Engine:
                                   else self.config.eos_token_id)
         self.spec = KVSpec.from_model_config(self.config, block_size, kv_dtype)
         self.pool = KVPool(self.spec, num_blocks, shm_name=kv_shm_name)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache, prefix_cache_kind)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
         self.runner = ModelRunner(model, self.pool)
         self._seqs: dict[str, Sequence] = {}
@@ -128,7 +130,7 @@ class Engine:
         return self.blocks.allocator
 
     @property
-    def prefix_cache(self) -> PrefixCache | None:
+    def prefix_cache(self) -> PrefixCache | RadixCache | None:
         return self.blocks.prefix_cache
 
     @property

@@ -24,15 +24,31 @@ from dataclasses import dataclass
 from pddnet.engine.sequence import Sequence, SequenceStatus
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 from pddnet.kv.prefix_cache import PrefixCache, PrefixMatch
+from pddnet.kv.radix import RadixCache
+
+PREFIX_CACHE_KINDS = ("hash", "radix")
+
+
+def make_prefix_cache(kind: str, allocator: BlockAllocator,
+                      block_size: int) -> PrefixCache | RadixCache:
+    """The engine's prefix cache: "hash" (chained block hashes) or "radix" (MD's DRC)."""
+    if kind == "hash":
+        return PrefixCache(allocator, block_size)
+    if kind == "radix":
+        return RadixCache(allocator, block_size)
+    raise ValueError(f"unknown prefix cache kind {kind!r}; expected one of {PREFIX_CACHE_KINDS}")
 
 
 class BlockManager:
     """The engine's blocks: allocator plus optional prefix cache, and the claim ledger."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
+                 prefix_cache_kind: str = "hash") -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        self.prefix_cache = PrefixCache(self.allocator, block_size) if enable_prefix_cache else None
+        self.prefix_cache: PrefixCache | RadixCache | None = None
+        if enable_prefix_cache:
+            self.prefix_cache = make_prefix_cache(prefix_cache_kind, self.allocator, block_size)
         self.claimed = 0  # blocks promised to admitted sequences / reservations, not yet allocated
 
     @property
@@ -71,10 +87,10 @@ class BlockManager:
     def take_match(self, token_ids: Seq[int], match: PrefixMatch | None) -> None:
         assert self.prefix_cache is not None or match is None
         if self.prefix_cache is not None:
-            self.prefix_cache.tokens_asked += len(token_ids)
             if match is not None:
                 self.prefix_cache.take(match)
-                self.prefix_cache.tokens_hit += match.num_tokens
+            if token_ids:
+                self.prefix_cache.record_lookup(len(token_ids), match.num_tokens if match else 0)
 
     def allocate(self, n: int) -> list[int]:
         if n == 0:

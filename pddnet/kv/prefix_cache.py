@@ -150,9 +150,15 @@ class PrefixCache:
         m = self.match(token_ids, max_blocks)
         self.take(m)
         if record:
-            self.tokens_asked += len(token_ids)
-            self.tokens_hit += m.num_tokens
+            self.record_lookup(len(token_ids), m.num_tokens)
         return m
+
+    def record_lookup(self, asked_tokens: int, hit_tokens: int) -> None:
+        """Count one lookup in the hit statistics (the same call RadixCache takes)."""
+        if asked_tokens < 0 or not 0 <= hit_tokens <= asked_tokens:
+            raise ValueError(f"bad lookup: {hit_tokens} hit of {asked_tokens} asked")
+        self.tokens_asked += asked_tokens
+        self.tokens_hit += hit_tokens
 
     def take(self, match: PrefixMatch) -> None:
         """Take one reference per block of a match that is still valid."""
