@@ -9,8 +9,7 @@ See docs/cluster.md. Names are imported lazily so `pdd --help` stays fast.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pddnet.lazy import lazy_exports
 
 _EXPORTS = {
     "LocalCluster": "local", "ClusterLauncher": "launcher", "ClusterStartError": "launcher",
@@ -18,11 +17,4 @@ _EXPORTS = {
     "WanUnavailable": "wan_setup",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pddnet.cluster' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"pddnet.cluster.{module}"), name)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

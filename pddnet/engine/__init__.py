@@ -7,8 +7,7 @@ in torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pddnet.lazy import lazy_exports
 
 _EXPORTS = {
     "Engine": "pddnet.engine.engine",
@@ -28,11 +27,4 @@ _EXPORTS = {
     "sample_batch": "pddnet.engine.sampling",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pddnet.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

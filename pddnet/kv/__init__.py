@@ -6,8 +6,7 @@ Names are imported lazily so that ``import pddnet.kv.shm`` (or the CLI) does not
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pddnet.lazy import lazy_exports
 
 _EXPORTS = {
     "KVSpec": "pddnet.kv.pool",
@@ -30,11 +29,4 @@ _EXPORTS = {
     "copy_blocks_between": "pddnet.kv.transfer",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pddnet.kv' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

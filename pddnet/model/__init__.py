@@ -6,8 +6,7 @@ parsing does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pddnet.lazy import lazy_exports
 
 _EXPORTS = {
     "ModelConfig": "config", "PRESETS": "config",
@@ -20,11 +19,4 @@ _EXPORTS = {
     "load_tokenizer": "tokenizer",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pddnet.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"pddnet.model.{module}"), name)
+__all__, __getattr__ = lazy_exports(__name__, _EXPORTS)
