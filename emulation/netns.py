@@ -230,13 +230,13 @@ def kill_all_in(name: str, grace_s: float = 1.0) -> list[int]:
         _signal(pid, signal.SIGTERM)
         _signal(pid, signal.SIGCONT)  # a stopped (hung) process only sees SIGTERM once resumed
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.02)
     for pid in pids:
-        if _alive(pid):
+        if pid_alive(pid):
             _signal(pid, signal.SIGKILL)
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.02)
     return pids
 
@@ -248,7 +248,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie. Never reaps: a caller's Popen must
     still see its child's real exit status."""
     try:

@@ -240,26 +240,18 @@ async def serve_daemon(role: str, config: Any, stats_file: str | None) -> int:
 
 # -- pdd status -----------------------------------------------------------------------------------
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
-
-
 def status_of(run_dir: str) -> dict[str, Any]:
     import urllib.error
     import urllib.request
 
+    from emulation.netns import pid_alive
     from pddnet.cluster.launcher import read_run_file
 
     info = read_run_file(run_dir)
     out: dict[str, Any] = {"run_dir": run_dir, "state": info.get("state"), "mode": info["mode"],
                            "router_url": info["router_url"], "wan": info["wan"], "daemons": []}
     for d in info["daemons"]:
-        out["daemons"].append({**d, "alive": _alive(d["pid"])})
+        out["daemons"].append({**d, "alive": pid_alive(d["pid"])})
     health: dict[str, Any] | None
     try:
         with urllib.request.urlopen(f"{info['router_url']}/health", timeout=3) as r:
