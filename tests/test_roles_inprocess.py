@@ -282,6 +282,71 @@ async def test_pdd_token_exact_in_every_handoff_mode(tiny, handoff):
         assert rld.stats()["requests"]["handed_off"] >= 1
 
 
+def settle_engine_between_calls(daemon) -> None:
+    """Injected delay: after each engine call the daemon makes, wait (bounded) until its engine
+    has nothing left to compute, so the engine steps between any two calls -- what a busy
+    event loop does by chance."""
+    original = daemon.compute
+
+    async def compute(fn, *args, **kwargs):
+        result = await original(fn, *args, **kwargs)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and await original(daemon.engine.has_work):
+            await asyncio.sleep(0.002)
+        return result
+
+    daemon.compute = compute
+
+
+async def test_one_shot_handoff_is_one_extend_even_when_the_engine_steps_between_calls(tiny):
+    """Regression: MD applied a HANDOFF as three engine calls (chunk cap, append, release). A
+    step between the append and the release extended all but the last handed-over token while
+    the sequence was still held, then that last one: the one-shot cut took two steps."""
+    cfg = make_config(ClusterMode.PDD, "one-shot", handoff_chunk=4)
+    async with running(cfg, md_delay=0.25) as (daemons, col):
+        md = daemons["main_decode"]
+        settle_engine_between_calls(md)
+        req = workload()[3]                    # 500 tokens: RLD cannot finish it first
+        await run_workload(tiny, col, [req])
+        producers = col.producers(req["request_id"])
+        cut = producers.index("main_decode")
+        assert cut > 2, producers
+        # index 0 (never computed on MD) plus every handed-over token, in one step
+        assert md.stats()["max_extend_tokens"] == {"one-shot": cut}
+        await all_free(daemons)
+
+
+def delay_calls(daemon, name: str, seconds: float) -> None:
+    """Injected delay: the daemon's engine calls of function ``name`` start ``seconds`` late."""
+    original = daemon.compute
+
+    async def compute(fn, *args, **kwargs):
+        if getattr(fn, "__name__", "") == name:
+            await asyncio.sleep(seconds)
+        return await original(fn, *args, **kwargs)
+
+    daemon.compute = compute
+
+
+@pytest.mark.parametrize("handoff", ["one-shot", "streaming"])
+async def test_takeover_overtaking_the_relays_allocation_still_hands_off(tiny, handoff):
+    """Regression: MD's TAKEOVER (MD -> RLD) can arrive before P's KV_ALLOC_REQUEST (P -> RLD)
+    has been served, when RLD's engine is slow to reserve. RLD answered CANCEL ("no longer
+    holds the request") and then decoded the whole request alone; it must wait for the
+    allocation and hand over as usual."""
+    cfg = make_config(ClusterMode.PDD, handoff, handoff_chunk=4)
+    async with running(cfg, md_delay=0.0) as (daemons, col):
+        rld, md = daemons["relay"], daemons["main_decode"]
+        delay_calls(rld, "reserve_kv", 0.5)   # MD's copy completes well before this
+        req = dict(workload()[3], max_tokens=80)
+        await run_workload(tiny, col, [req])
+        producers = col.producers(req["request_id"])
+        assert producers[0] == "relay" and producers[-1] == "main_decode", producers
+        assert rld.stats()["counters"]["early_takeovers"] == 1
+        assert md.stats()["requests"]["cancelled"] == 0
+        await all_free(daemons)
+
+
 async def test_dynamic_picks_one_shot_for_a_quick_copy_and_streaming_for_a_slow_one(tiny):
     cfg = make_config(ClusterMode.PDD, "dynamic", handoff_chunk=4, handoff_threshold_tokens=32)
     async with running(cfg, md_delay=0.0) as (daemons, col):
@@ -370,6 +435,48 @@ async def test_cancel_right_after_submit_frees_everything(tiny):
         await all_free(daemons)
         # and the cluster still serves
         await run_workload(tiny, col, workload(11)[:1])
+        await all_free(daemons)
+
+
+def break_one_step(daemon, rid: str, after_sampled: int) -> list[str]:
+    """Fault injection: the daemon's next engine step once ``rid``'s sequence has sampled
+    ``after_sampled`` tokens raises. Returns a list that records the fault when it fires."""
+    engine, real_step, fired = daemon.engine, daemon.engine.step, []
+
+    def step():  # runs in the engine thread
+        if not fired and engine.has_request(rid):
+            seq = engine.get_sequence(rid)
+            if not seq.is_finished and seq.num_sampled_tokens >= after_sampled:
+                fired.append(rid)
+                raise RuntimeError("injected engine fault")
+        return real_step()
+
+    engine.step = step
+    return fired
+
+
+@pytest.mark.parametrize("role, after_sampled", [("prefill", 0), ("relay", 3),
+                                                 ("main_decode", 3)])
+async def test_a_failing_engine_step_fails_its_requests_and_frees_their_blocks(tiny, role,
+                                                                              after_sampled):
+    cfg = make_config(ClusterMode.PDD, "one-shot", handoff_chunk=4)
+    async with running(cfg, md_delay=0.25) as (daemons, col):
+        fired = break_one_step(daemons[role], "doomed", after_sampled)
+        await col.send("prefill", Submit(request_id="doomed", prompt_token_ids=list(range(1, 40)),
+                                         max_tokens=300, ignore_eos=True))
+        deadline = time.monotonic() + 30
+        while not col.errors:
+            assert time.monotonic() < deadline, "no ERROR for the request of the broken step"
+            await asyncio.sleep(0.02)
+        assert fired == ["doomed"]
+        (err,) = col.errors
+        assert err.request_id == "doomed" and err.code == "engine_failed", err
+        assert "injected engine fault" in err.message and role in err.message
+        assert "doomed" not in col.done
+        await all_free(daemons)
+        assert daemons[role].stats()["counters"]["engine_errors"] == 1
+        col.errors.clear()
+        await run_workload(tiny, col, workload(17)[:2])   # the daemon still serves
         await all_free(daemons)
 
 

@@ -215,7 +215,7 @@ class Daemon:
                              max_num_batched_tokens=sec.max_num_batched_tokens,
                              max_num_seqs=sec.max_num_seqs, kv_shm_name=self.kv_shm_name())
         self.worker = EngineWorker(self.engine, self._on_outputs, threads=model_cfg.threads,
-                                   name=f"{self.role}-engine")
+                                   name=f"{self.role}-engine", on_error=self._on_engine_error)
         self.server = Server(sec.host, sec.port, role=self.role, instance_id=self.instance_id,
                              secret=self.secret, on_connection=self._on_connection)
         self.port = await self.server.start()
@@ -365,6 +365,22 @@ class Daemon:
             log.exception("%s: handling step outputs failed", self.instance_id)
 
     def on_step(self, outputs: list[StepOutput]) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def _on_engine_error(self, exc: BaseException) -> None:
+        """An engine step raised (the worker logged it and waits for the next call). The
+        requests it was computing would stall forever: fail them instead."""
+        if self._closing:
+            return
+        self.counters["engine_errors"] += 1
+        try:
+            self.engine_failed(f"{self.role} engine step failed: {type(exc).__name__}: {exc}")
+        except Exception:
+            log.exception("%s: failing the requests of a broken step failed", self.instance_id)
+
+    def engine_failed(self, reason: str) -> None:  # pragma: no cover
+        """Fail (ERROR to the router, free the blocks) every request whose engine sequence a
+        step may have touched; requests still waiting for their KV are not affected."""
         raise NotImplementedError
 
     # -- stats -----------------------------------------------------------------------------------

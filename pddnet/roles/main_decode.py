@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pddnet.config import ClusterConfig
-from pddnet.engine.engine import KVReservation, StepOutput
+from pddnet.engine.engine import Engine, KVReservation, StepOutput
+from pddnet.engine.sequence import FinishReason
 from pddnet.kv.allocator import OutOfBlocks
 from pddnet.kv.transfer import ExportedKV, KVExportMeta, import_kv
 from pddnet.protocol import (
@@ -58,6 +59,24 @@ from .common import Daemon, Outbox, Serial, first_token_ends, log, sampling_of, 
 WITH_RELAY_PIPELINES = ("p_rld_md",)
 
 
+SequenceEdit = AppendTokens | SetChunk | ReleaseHold
+
+
+def edit_sequence(engine: Engine, rid: str, edits: tuple[SequenceEdit, ...]) -> FinishReason | None:
+    """In the engine thread, between two steps: apply a HANDOFF's edits in order. Returns the
+    finish reason if appended tokens end the request (the engine then freed it)."""
+    for e in edits:
+        if isinstance(e, SetChunk):
+            engine.set_max_chunk_tokens(rid, e.max_chunk_tokens)
+        elif isinstance(e, AppendTokens):
+            reason = engine.append_tokens(rid, e.token_ids)
+            if reason is not None:
+                return reason
+        else:
+            engine.set_hold(rid, False)
+    return None
+
+
 @dataclass
 class _Request:
     alloc: KvAllocRequest
@@ -69,7 +88,7 @@ class _Request:
     bytes_in: int = 0
     imports_pending: int = 0
     done: KvDone | None = None
-    started: bool = False            # the engine sequence exists
+    started: bool = False            # the engine sequence exists (or is being added)
     handoff_bytes: int = 0
 
     @property
@@ -265,9 +284,9 @@ class MainDecodeDaemon(Daemon):
             req.fsm.cancel()
             self._stop(req)
 
-    def _abort(self, req: _Request, reason: str) -> None:
+    def _abort(self, req: _Request, reason: str, code: str = "main_decode_failed") -> None:
         log.warning("%s: %s: %s", self.instance_id, req.rid, reason)
-        self.error(req.rid, "main_decode_failed", reason)
+        self.error(req.rid, code, reason)
         req.p_conn.post(KvAbort(request_id=req.rid, reason=reason[:4096]))
         if req.fsm.with_relay and self.rld is not None:
             self.rld.post(Cancel(request_id=req.rid, reason=reason[:4096]))
@@ -300,12 +319,20 @@ class MainDecodeDaemon(Daemon):
                 continue
             self._apply(req, actions)
 
+    def engine_failed(self, reason: str) -> None:
+        for req in [r for r in self.requests.values() if r.started]:
+            self._abort(req, reason, code="engine_failed")
+
     # -- actions -----------------------------------------------------------------------------------
 
     def _apply(self, req: _Request, actions: list[Action]) -> None:
         rid = req.rid
-        engine = self.engine
+        edits: list[SequenceEdit] = []   # this event's changes to the engine sequence
         for a in actions:
+            if isinstance(a, (AppendTokens, SetChunk, ReleaseHold)):
+                edits.append(a)
+                continue
+            self._flush_edits(req, edits)
             if isinstance(a, StartSequence):
                 req.serial.submit(lambda a=a: self._start(req, a))
             elif isinstance(a, SendTakeover):
@@ -314,13 +341,6 @@ class MainDecodeDaemon(Daemon):
                     return
                 self.rld.post(Takeover(request_id=rid, ready_position=a.ready_position,
                                        chunk_tokens=a.chunk_tokens))
-            elif isinstance(a, AppendTokens):
-                req.serial.submit(lambda a=a: self._append(req, a.token_ids))
-            elif isinstance(a, SetChunk):
-                req.serial.submit(lambda a=a: self._engine_op(
-                    req, engine.set_max_chunk_tokens, rid, a.max_chunk_tokens))
-            elif isinstance(a, ReleaseHold):
-                req.serial.submit(lambda: self._engine_op(req, engine.set_hold, rid, False))
             elif isinstance(a, EmitTokens):
                 self.emit_tokens(rid, a.index, a.token_ids)
             elif isinstance(a, FirstMainToken):
@@ -336,35 +356,48 @@ class MainDecodeDaemon(Daemon):
                 self._stop(req)
             elif isinstance(a, StopSequence):
                 self._stop(req)
+        self._flush_edits(req, edits)
+
+    def _flush_edits(self, req: _Request, edits: list[SequenceEdit]) -> None:
+        """Queue one event's sequence edits as ONE engine call. Applied one call each, the
+        engine could step between them: e.g. between a one-shot HANDOFF's append and its
+        release it would extend all but the last handed-over token while still held, then
+        that one -- two steps where the one-shot handoff is one extend."""
+        if edits:
+            batch = tuple(edits)
+            edits.clear()
+            req.serial.submit(lambda: self._edit(req, batch))
 
     async def _start(self, req: _Request, a: StartSequence) -> None:
         res, req.reservation = req.reservation, None
         if res is None:
             return
         alloc = req.alloc
+        req.started = True  # before the call: the engine may step (and fail) before we resume
         try:
             await self.compute(self.engine.add_request, alloc.prompt_token_ids, alloc.max_tokens,
                                sampling_of(alloc), alloc.request_id, ignore_eos=alloc.ignore_eos,
                                output_token_ids=list(a.output_token_ids), kv=res, hold=a.hold)
         except ValueError as exc:
+            req.started = False
             await self.compute(self.engine.free_reservation, res)
             self._abort(req, f"could not start decoding: {exc}")
             return
-        req.started = True
         self.wake()
 
-    async def _append(self, req: _Request, tokens: tuple[int, ...]) -> None:
+    async def _edit(self, req: _Request, edits: tuple[SequenceEdit, ...]) -> None:
         if not req.started:
             return
-        reason = await self.compute(self.engine.append_tokens, req.rid, tokens)
+        try:
+            reason = await self.compute(edit_sequence, self.engine, req.rid, edits)
+        except ValueError as exc:  # a handover the engine cannot take (a relay bug)
+            self._abort(req, f"could not apply the handoff: {exc}")
+            return
         if reason is not None:  # cannot happen with a sane relay (it would have finished)
             req.started = False
             self._abort(req, f"handed-over tokens end the request ({reason})")
-
-    async def _engine_op(self, req: _Request, fn: Any, *args: Any) -> None:
-        if req.started:
-            await self.compute(fn, *args)
-            self.wake()
+            return
+        self.wake()
 
     def _stop(self, req: _Request) -> None:
         """Free the request's reservation or sequence (after its queued operations)."""
@@ -406,4 +439,6 @@ class MainDecodeDaemon(Daemon):
         out = super().stats()
         out["kv_arrival_delay_s"] = self.kv_arrival_delay_s
         out["max_extend_tokens"] = dict(self.max_extend_tokens)
+        # Where live requests stand (a few), so a leak report says which phase they are stuck in.
+        out["active_phases"] = {rid: r.fsm.phase.value for rid, r in list(self.requests.items())[:16]}
         return out

@@ -69,7 +69,7 @@ class _Request:
     chunks: int = 0                         # KV_CHUNK frames queued for MD
     wan_bytes: int = 0
     shm_bytes: int = 0
-    started: bool = False                   # add_request done in the engine
+    started: bool = False                   # add_request sent to the engine
 
 
 class PrefillDaemon(Daemon):
@@ -165,13 +165,15 @@ class PrefillDaemon(Daemon):
         sub = req.submit
         if req.flow.over:
             return
+        # Set before the call: the engine may step (and fail) before this coroutine resumes.
+        req.started = True
         try:
             await self.compute(self.engine.add_request, sub.prompt_token_ids, 1, sampling_of(sub),
                                sub.request_id, ignore_eos=True, keep_blocks=True)
         except ValueError as exc:
+            req.started = False
             self._fail(sub.request_id, "bad_request", f"prefill refused: {exc}")
             return
-        req.started = True
         self.timeline(sub.request_id, "prefill_start", len(sub.prompt_token_ids), self.pipeline)
         self.wake()
 
@@ -192,12 +194,15 @@ class PrefillDaemon(Daemon):
             self._run(req, req.flow.refused(target, msg.error, others_suffice=alone))
             return
         n = req.flow.num_tokens
+        unusable = ""
         if len(msg.block_ids) * msg.block_size < n:
-            self._run(req, req.flow.refused(target, f"{len(msg.block_ids)} blocks of "
-                                            f"{msg.block_size} cannot hold {n} positions"))
-            return
-        if target == RELAY and not msg.region:
-            self._run(req, req.flow.refused(target, "no shared-memory region named"))
+            unusable = f"{len(msg.block_ids)} blocks of {msg.block_size} cannot hold {n} positions"
+        elif target == RELAY and not msg.region:
+            unusable = "no shared-memory region named"
+        if unusable:  # it did reserve: give that back, then treat the answer as a refusal
+            self.control[target].post(KvAbort(request_id=msg.request_id,
+                                              reason=f"unusable allocation: {unusable}"))
+            self._run(req, req.flow.refused(target, unusable))
             return
         req.allocs[target] = _Alloc(msg.block_ids, msg.block_size, msg.hit_tokens, msg.region)
         if target == MAIN:  # the decode-side cache hit: KV below it never crosses the WAN
@@ -230,6 +235,12 @@ class PrefillDaemon(Daemon):
             if out.new_token_ids:
                 self.timeline(out.request_id, "prefill_end", out.num_computed_tokens)
                 self._run(req, req.flow.first_token_sampled(out.new_token_ids[0]))
+
+    def engine_failed(self, reason: str) -> None:
+        # Only sequences still prefilling take part in steps (a finished one just keeps blocks).
+        for rid, req in list(self.requests.items()):
+            if req.started and req.flow.first_token is None:
+                self._fail(rid, "engine_failed", reason)
 
     # -- actions -----------------------------------------------------------------------------------
 

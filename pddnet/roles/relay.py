@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,16 @@ from pddnet.protocol.handoff import (
 )
 from pddnet.transport import Connection
 
-from .common import Daemon, Outbox, Serial, first_token_ends, log, sampling_of, step_end_reasons
+from .common import (
+    CANCELLED_MEMORY,
+    Daemon,
+    Outbox,
+    Serial,
+    first_token_ends,
+    log,
+    sampling_of,
+    step_end_reasons,
+)
 
 HANDS_OFF_PIPELINES = ("p_rld_md",)
 
@@ -80,6 +90,10 @@ class RelayDaemon(Daemon):
         self.md: Outbox | None = None
         self.requests: dict[str, _Request] = {}
         self._p_boxes: dict[Connection, Outbox] = {}
+        # TAKEOVERs that overtook their request's KV_ALLOC_REQUEST (they come on different
+        # connections, and P's allocation may still wait for this engine): applied once the
+        # request is allocated here, or answered with CANCEL when it is refused or ends first.
+        self._early_takeovers: OrderedDict[str, Takeover] = OrderedDict()
         self._shm_name = segment_name(
             f"{instance_id_safe(config.name)}-relay-{os.getpid()}-{secrets.token_hex(3)}")
 
@@ -122,6 +136,7 @@ class RelayDaemon(Daemon):
 
         def refuse(error: str) -> None:
             self.counters["refused"] += 1
+            self._release_early_takeover(rid, "relay refused the request")
             p.post(KvAllocResponse(request_id=rid, accepted=False, hit_tokens=0, block_ids=(),
                                    block_size=engine.block_size, dtype=engine.spec.dtype,
                                    error=error[:4096]))
@@ -155,6 +170,10 @@ class RelayDaemon(Daemon):
         p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
                                block_ids=tuple(res.block_ids), block_size=engine.block_size,
                                dtype=spec.dtype, region=self._shm_name))
+        early = self._early_takeovers.pop(rid, None)
+        if early is not None:  # MD's copy was complete before this allocation was made
+            self.counters["early_takeovers"] += 1
+            self._takeover(early)
 
     def _kv_done(self, msg: KvDone) -> None:
         req = self.requests.get(msg.request_id)
@@ -191,13 +210,20 @@ class RelayDaemon(Daemon):
         self.wake()
 
     def _takeover(self, msg: Takeover) -> None:
-        req = self.requests.get(msg.request_id)
+        rid = msg.request_id
+        req = self.requests.get(rid)
         if req is None:
-            # Ended here (cut, finished or cancelled: MD was told, or this is a late progress
-            # report) -- or never seen: then MD must not wait for a cut that will not come.
-            if self.md is not None and msg.request_id not in self.ended:
-                self.md.post(Cancel(request_id=msg.request_id,
-                                    reason="relay no longer holds the request"))
+            if rid in self.ended or self.md is None:
+                return  # ended here (cut, finished or cancelled: MD was told) or a late report
+            # Not allocated here yet: P sends KV_ALLOC_REQUEST to RLD before any KV goes to MD,
+            # but on another connection, so MD's TAKEOVER can overtake it. Keep it until the
+            # allocation is made (or refused); answering CANCEL now would turn a request RLD
+            # is about to take into one RLD decodes alone.
+            self._early_takeovers[rid] = msg
+            self._early_takeovers.move_to_end(rid)
+            while len(self._early_takeovers) > CANCELLED_MEMORY:
+                self._release_early_takeover(next(iter(self._early_takeovers)),
+                                             "relay never received the request")
             return
         try:
             actions = req.fsm.takeover(msg.ready_position, msg.chunk_tokens, self.load())
@@ -213,8 +239,14 @@ class RelayDaemon(Daemon):
                      if r.decoding)
         return min(1.0, tokens / (engine.num_blocks * engine.block_size))
 
+    def _release_early_takeover(self, rid: str, reason: str) -> None:
+        """A parked TAKEOVER's request will not be allocated here: MD must not wait for a cut."""
+        if self._early_takeovers.pop(rid, None) is not None and self.md is not None:
+            self.md.post(Cancel(request_id=rid, reason=reason))
+
     def _drop(self, rid: str, reason: str) -> None:
         self.ended.add(rid)
+        self._release_early_takeover(rid, f"ended before the relay allocated it: {reason}"[:4096])
         req = self.requests.get(rid)
         if req is None:
             return
@@ -222,9 +254,9 @@ class RelayDaemon(Daemon):
         req.fsm.cancel()
         self._stop(req)
 
-    def _abort(self, req: _Request, reason: str) -> None:
+    def _abort(self, req: _Request, reason: str, code: str = "relay_failed") -> None:
         log.warning("%s: %s: %s", self.instance_id, req.rid, reason)
-        self.error(req.rid, "relay_failed", reason)
+        self.error(req.rid, code, reason)
         req.p_conn.post(KvAbort(request_id=req.rid, reason=reason[:4096]))
         if self.md is not None and req.fsm.hands_off:
             self.md.post(Cancel(request_id=req.rid, reason=reason[:4096]))
@@ -245,6 +277,10 @@ class RelayDaemon(Daemon):
                 req.decoding = False  # the engine freed the blocks itself
             for i, (tok, reason) in enumerate(zip(out.new_token_ids, reasons, strict=False)):
                 self._apply(req, req.fsm.rld_token(out.output_index + i, tok, reason))
+
+    def engine_failed(self, reason: str) -> None:
+        for req in [r for r in self.requests.values() if r.decoding]:
+            self._abort(req, reason, code="engine_failed")
 
     # -- actions -----------------------------------------------------------------------------------
 
@@ -300,6 +336,8 @@ class RelayDaemon(Daemon):
         if box is not None:
             for req in [r for r in self.requests.values() if r.p_conn is box and not r.decoding]:
                 self._drop(req.rid, "prefill connection closed before its KV was complete")
+            for rid in list(self._early_takeovers):  # their allocations will not come now
+                self._release_early_takeover(rid, "prefill connection closed")
         if self.md is not None and conn is self.md.conn:
             for req in [r for r in self.requests.values() if r.fsm.hands_off
                         and r.fsm.phase is RelayPhase.STREAMING]:
@@ -317,6 +355,9 @@ class RelayDaemon(Daemon):
         out = super().stats()
         out["shm_region"] = self._shm_name
         out["load"] = self.load() if self.engine is not None else 0.0
+        # Where live requests stand (a few), so a leak report says which phase they are stuck in.
+        out["active_phases"] = {rid: r.fsm.phase.value for rid, r in list(self.requests.items())[:16]}
+        out["early_takeovers_waiting"] = len(self._early_takeovers)
         return out
 
 
