@@ -113,7 +113,10 @@ async def _up_async(config: Any) -> int:
     print("pdd up: stopping ...", flush=True)
     report = await launcher.stop()
     if report.killed:
-        print(f"pdd up: had to SIGKILL {report.killed}", file=sys.stderr)
+        roles = {d.pid: r for r, d in launcher.daemons.items()}
+        named = ", ".join(f"{roles.get(pid, '?')} (pid {pid})" for pid in report.killed)
+        print(f"pdd up: had to SIGKILL {named}: it did not stop within the grace period "
+              f"after SIGTERM (its log is in {launcher.run_dir})", file=sys.stderr)
     if report.leftover_shm:
         print(f"pdd up: removed shared-memory segments the daemons left: "
               f"{', '.join(report.leftover_shm)}", file=sys.stderr)

@@ -238,8 +238,7 @@ class Daemon:
         try:
             if self.server is not None:
                 await self.server.close()
-            for box in self._outboxes:
-                await box.close()
+            await asyncio.gather(*(box.close() for box in self._outboxes))  # see Server.close
             tasks = [t for t in self._tasks if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()

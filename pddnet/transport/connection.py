@@ -464,8 +464,9 @@ class Server:
         self._closing = True
         if self._server is not None:
             self._server.close()
-        for conn in list(self.connections):
-            await conn.close("server closing")
+        # Concurrently: each close may wait up to 1 s for a peer to take the last bytes, and a
+        # daemon has many lanes; one after the other that outlasts a supervisor's grace period.
+        await asyncio.gather(*(conn.close("server closing") for conn in list(self.connections)))
         for writer in list(self._writers):  # connections still in their handshake
             writer.close()
         tasks = [t for t in self._tasks if t is not asyncio.current_task()]
