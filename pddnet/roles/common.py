@@ -14,16 +14,26 @@ import logging
 import re
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 from typing import Any
 
 from pddnet.config import ClusterConfig, DaemonSection
-from pddnet.engine.engine import Engine, StepOutput
+from pddnet.engine.engine import Engine, KVReservation, StepOutput
 from pddnet.engine.sampling import SamplingParams
 from pddnet.engine.sequence import FinishReason
 from pddnet.engine.worker import EngineWorker
+from pddnet.kv.allocator import OutOfBlocks
 from pddnet.model.loader import load_model
-from pddnet.protocol import ErrorMessage, Message, Ping, Pong, RequestDone, TokenEvent
+from pddnet.protocol import (
+    ErrorMessage,
+    KvAllocRequest,
+    KvAllocResponse,
+    Message,
+    Ping,
+    Pong,
+    RequestDone,
+    TokenEvent,
+)
 from pddnet.protocol.messages import SamplingFields, Timeline
 from pddnet.transport import Connection, ConnectionClosed, Server, dial_with_retry
 
@@ -343,6 +353,49 @@ class Daemon:
 
     def error(self, rid: str | None, code: str, message: str) -> None:
         self.to_router(ErrorMessage(request_id=rid, code=code, message=message[:4096]))
+
+    # -- KV allocation (the two decode tiers) ---------------------------------------------------
+
+    def refuse_alloc(self, p: Outbox, rid: str, error: str) -> None:
+        engine = self.engine
+        assert engine is not None
+        self.counters["refused"] += 1
+        p.post(KvAllocResponse(request_id=rid, accepted=False, hit_tokens=0, block_ids=(),
+                               block_size=engine.block_size, dtype=engine.spec.dtype,
+                               error=error[:4096]))
+
+    async def reserve_for(self, p: Outbox, msg: KvAllocRequest, known: Container[str],
+                          on_refuse: Callable[[], None] | None = None) -> KVReservation | None:
+        """What RLD and MD both do on KV_ALLOC_REQUEST: check the id and the model shape, reserve
+        blocks (reusing the prefix cache), and recheck for a cancel that came meanwhile. Returns
+        the reservation, or None after sending P the refusal (`on_refuse` runs first)."""
+        rid, engine = msg.request_id, self.engine
+        assert engine is not None
+        spec = engine.spec
+
+        def refuse(error: str) -> None:
+            if on_refuse is not None:
+                on_refuse()
+            self.refuse_alloc(p, rid, error)
+
+        if rid in known or rid in self.ended:
+            refuse(f"request id {rid!r} is already known here (duplicate or cancelled)")
+            return None
+        shape = (msg.num_layers, msg.num_kv_heads, msg.head_dim)
+        if shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
+            refuse(f"model shape {shape} (layers, kv heads, head dim) does not match this "
+                   f"{self.role}'s {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
+            return None
+        try:
+            res = await self.compute(engine.reserve_kv, msg.prompt_token_ids, msg.max_tokens)
+        except (OutOfBlocks, ValueError) as exc:
+            refuse(f"cannot reserve KV: {exc}")
+            return None
+        if rid in self.ended:  # cancelled while the reservation was being made
+            await self.compute(engine.free_reservation, res)
+            refuse("request was cancelled")
+            return None
+        return res
 
     # -- the engine ------------------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ from typing import Any
 from pddnet.config import ClusterConfig
 from pddnet.engine.engine import Engine, KVReservation, StepOutput
 from pddnet.engine.sequence import FinishReason
-from pddnet.kv.allocator import OutOfBlocks
 from pddnet.kv.transfer import ExportedKV, KVExportMeta, import_kv
 from pddnet.protocol import (
     Cancel,
@@ -144,29 +143,8 @@ class MainDecodeDaemon(Daemon):
         engine = self.engine
         assert engine is not None
         spec = engine.spec
-
-        def refuse(error: str) -> None:
-            self.counters["refused"] += 1
-            p.post(KvAllocResponse(request_id=rid, accepted=False, hit_tokens=0, block_ids=(),
-                                   block_size=engine.block_size, dtype=spec.dtype,
-                                   error=error[:4096]))
-
-        if rid in self.requests or rid in self.ended:
-            refuse(f"request id {rid!r} is already known here (duplicate or cancelled)")
-            return
-        shape = (msg.num_layers, msg.num_kv_heads, msg.head_dim)
-        if shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
-            refuse(f"model shape {shape} (layers, kv heads, head dim) does not match this "
-                   f"instance's {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
-            return
-        try:
-            res = await self.compute(engine.reserve_kv, msg.prompt_token_ids, msg.max_tokens)
-        except (OutOfBlocks, ValueError) as exc:
-            refuse(f"cannot reserve KV: {exc}")
-            return
-        if rid in self.ended:  # cancelled while the reservation was being made
-            await self.compute(engine.free_reservation, res)
-            refuse("request was cancelled")
+        res = await self.reserve_for(p, msg, self.requests)
+        if res is None:
             return
         fsm = MainHandoff(msg.num_tokens, self.chunk_tokens,
                           with_relay=msg.pipeline in WITH_RELAY_PIPELINES)

@@ -19,7 +19,6 @@ from typing import Any
 
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import KVReservation, StepOutput
-from pddnet.kv.allocator import OutOfBlocks
 from pddnet.kv.shm import segment_name
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.protocol import (
@@ -133,31 +132,9 @@ class RelayDaemon(Daemon):
         rid = msg.request_id
         engine = self.engine
         assert engine is not None
-
-        def refuse(error: str) -> None:
-            self.counters["refused"] += 1
-            self._release_early_takeover(rid, "relay refused the request")
-            p.post(KvAllocResponse(request_id=rid, accepted=False, hit_tokens=0, block_ids=(),
-                                   block_size=engine.block_size, dtype=engine.spec.dtype,
-                                   error=error[:4096]))
-
-        if rid in self.requests or rid in self.ended:
-            refuse(f"request id {rid!r} is already known here (duplicate or cancelled)")
-            return
-        spec = engine.spec
-        shape = (msg.num_layers, msg.num_kv_heads, msg.head_dim)
-        if shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
-            refuse(f"model shape {shape} (layers, kv heads, head dim) does not match this "
-                   f"relay's {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
-            return
-        try:
-            res = await self.compute(engine.reserve_kv, msg.prompt_token_ids, msg.max_tokens)
-        except (OutOfBlocks, ValueError) as exc:
-            refuse(f"cannot reserve KV: {exc}")
-            return
-        if rid in self.ended:  # cancelled while the reservation was being made
-            await self.compute(engine.free_reservation, res)
-            refuse("request was cancelled")
+        res = await self.reserve_for(p, msg, self.requests, on_refuse=lambda:
+                                     self._release_early_takeover(rid, "relay refused the request"))
+        if res is None:
             return
         pipeline_hands_off = self.hands_off and msg.pipeline in HANDS_OFF_PIPELINES
         policy = self.policy
@@ -169,7 +146,7 @@ class RelayDaemon(Daemon):
         self.counters["allocated"] += 1
         p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
                                block_ids=tuple(res.block_ids), block_size=engine.block_size,
-                               dtype=spec.dtype, region=self._shm_name))
+                               dtype=engine.spec.dtype, region=self._shm_name))
         early = self._early_takeovers.pop(rid, None)
         if early is not None:  # MD's copy was complete before this allocation was made
             self.counters["early_takeovers"] += 1
