@@ -458,3 +458,12 @@ class Daemon:
 
     def request_stats(self) -> dict[str, int]:  # pragma: no cover
         raise NotImplementedError
+
+    def decode_request_stats(self, requests: dict[str, Any], *counters: str) -> dict[str, int]:
+        """RLD's and MD's request counts: live ones plus the named counters."""
+        return {"active": len(requests), **{name: self.counters[name] for name in counters}}
+
+    @staticmethod
+    def active_phases(requests: dict[str, Any], limit: int = 16) -> dict[str, str]:
+        """Where live requests stand (a few), so a leak report says which phase they are stuck in."""
+        return {rid: r.fsm.phase.value for rid, r in list(requests.items())[:limit]}

@@ -408,15 +408,12 @@ class MainDecodeDaemon(Daemon):
     # -- stats ---------------------------------------------------------------------------------------
 
     def request_stats(self) -> dict[str, int]:
-        return {"active": len(self.requests), "allocated": self.counters["allocated"],
-                "finished_here": self.counters["finished_here"],
-                "handoffs": self.counters["handoffs"], "cancelled": self.counters["cancelled"],
-                "refused": self.counters["refused"]}
+        return self.decode_request_stats(self.requests, "allocated", "finished_here", "handoffs",
+                                         "cancelled", "refused")
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out["kv_arrival_delay_s"] = self.kv_arrival_delay_s
         out["max_extend_tokens"] = dict(self.max_extend_tokens)
-        # Where live requests stand (a few), so a leak report says which phase they are stuck in.
-        out["active_phases"] = {rid: r.fsm.phase.value for rid, r in list(self.requests.items())[:16]}
+        out["active_phases"] = self.active_phases(self.requests)
         return out

@@ -323,17 +323,14 @@ class RelayDaemon(Daemon):
     # -- stats ---------------------------------------------------------------------------------------
 
     def request_stats(self) -> dict[str, int]:
-        return {"active": len(self.requests), "allocated": self.counters["allocated"],
-                "finished_here": self.counters["finished_here"],
-                "handed_off": self.counters["handed_off"], "cancelled": self.counters["cancelled"],
-                "refused": self.counters["refused"]}
+        return self.decode_request_stats(self.requests, "allocated", "finished_here", "handed_off",
+                                         "cancelled", "refused")
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out["shm_region"] = self._shm_name
         out["load"] = self.load() if self.engine is not None else 0.0
-        # Where live requests stand (a few), so a leak report says which phase they are stuck in.
-        out["active_phases"] = {rid: r.fsm.phase.value for rid, r in list(self.requests.items())[:16]}
+        out["active_phases"] = self.active_phases(self.requests)
         out["early_takeovers_waiting"] = len(self._early_takeovers)
         return out
 
