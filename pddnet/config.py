@@ -30,6 +30,10 @@ class ClusterMode(str, enum.Enum):
     SAME_DC = "same-dc"    # P and one decode instance in A over shared memory: the ideal
 
 
+PIPELINE_CHOICES = ("auto", "p_rld_md", "p_md", "p_rld")
+PREFIX_CACHE_KINDS = ("hash", "radix", "off")
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
 
@@ -51,6 +55,7 @@ class DaemonSection:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    prefix_cache: str = "hash"  # hash | radix | off (MD's decode-side cache is the radix tree)
 
     def dial_address(self) -> tuple[str, int]:
         if self.dial:
@@ -78,6 +83,7 @@ class WanSection:
     stripes: int = 4             # parallel TCP streams for KV chunks
     chunk_tokens: int = 64       # KV tokens per KV_CHUNK frame
     control: str = "127.0.0.1:0"  # the emulator's control API
+    heartbeat_s: float = 1.0     # PING period on WAN control lanes (feeds P's RTT estimate)
 
 
 @dataclass
@@ -86,6 +92,16 @@ class PolicySection:
     handoff_threshold_tokens: int = 64
     handoff_chunk: int = 16
     rld_load_limit: float = 0.8
+    # Pipeline choice in pdd mode: auto (per request, pddnet.policy.pipeline) or one forced.
+    pipeline: str = "auto"       # auto | p_rld_md | p_md | p_rld
+    direct_budget_s: float = 0.2  # P->MD when the incremental KV crosses faster than this
+    singular_filter: bool = True
+    singular_margin: float = 1.0
+    rld_step_s: float = 0.02     # RLD's seconds per output token until RLD reports its own
+    wan_bw_mbit: float | None = None  # initial bandwidth estimate (None: wan.bw_mbit or 1000)
+    # RLD admission (pddnet.policy.admission): RLD is a small pool and must never be flooded.
+    rld_max_requests: int = 16
+    rld_max_running_tokens: int = 0   # 0: the relay pool's capacity (num_blocks * block_size)
 
 
 @dataclass
@@ -98,13 +114,28 @@ class ClusterConfig:
     router: RouterSection = field(default_factory=RouterSection)
     prefill: DaemonSection = field(default_factory=lambda: DaemonSection(port=7100))
     relay: DaemonSection = field(default_factory=lambda: DaemonSection(port=7200, num_blocks=512))
-    main_decode: DaemonSection = field(default_factory=lambda: DaemonSection(port=7300))
+    main_decode: DaemonSection = field(default_factory=lambda: DaemonSection(port=7300,
+                                                                             prefix_cache="radix"))
     wan: WanSection = field(default_factory=WanSection)
     policy: PolicySection = field(default_factory=PolicySection)
 
     def validate(self) -> ClusterConfig:
         self.mode = _enum(ClusterMode, self.mode, "mode")
         HandoffMode.parse(self.policy.handoff)
+        pol = self.policy
+        if pol.pipeline not in PIPELINE_CHOICES:
+            raise ConfigError(f"policy.pipeline must be one of {'|'.join(PIPELINE_CHOICES)}, "
+                              f"got {pol.pipeline!r}")
+        if pol.direct_budget_s < 0 or pol.singular_margin <= 0 or pol.rld_step_s <= 0:
+            raise ConfigError("policy.direct_budget_s must be >= 0, policy.singular_margin and "
+                              "policy.rld_step_s > 0")
+        if pol.wan_bw_mbit is not None and pol.wan_bw_mbit <= 0:
+            raise ConfigError(f"policy.wan_bw_mbit must be > 0, got {pol.wan_bw_mbit}")
+        if pol.rld_max_requests < 1 or pol.rld_max_running_tokens < 0:
+            raise ConfigError("policy.rld_max_requests must be >= 1 and "
+                              "policy.rld_max_running_tokens >= 0")
+        if self.wan.heartbeat_s <= 0:
+            raise ConfigError(f"wan.heartbeat_s must be > 0, got {self.wan.heartbeat_s}")
         if self.wan.shell not in ("auto", "kernel", "packet", "proxy"):
             raise ConfigError(f"wan.shell must be auto|kernel|packet|proxy, got {self.wan.shell!r}")
         for name in ("prefill", "relay", "main_decode"):
@@ -115,6 +146,9 @@ class ClusterConfig:
                     raise ConfigError(f"{name}.{attr} must be >= 1, got {getattr(sec, attr)}")
             if sec.dial:
                 parse_address(sec.dial)
+            if sec.prefix_cache not in PREFIX_CACHE_KINDS:
+                raise ConfigError(f"{name}.prefix_cache must be one of "
+                                  f"{'|'.join(PREFIX_CACHE_KINDS)}, got {sec.prefix_cache!r}")
         _check_port("router.port", self.router.port)
         if self.model.threads < 1:
             raise ConfigError(f"model.threads must be >= 1, got {self.model.threads}")

@@ -169,7 +169,7 @@ async def test_pdd_token_exact_eager_and_small_handoffs(handoff):
     for b in bodies:  # computed before the cluster takes the cores
         reference(b)
     async with LocalCluster(mode="pdd", wan="proxy", **WAN,
-                            overrides={"policy.handoff": handoff}) as cluster:
+                            overrides={"policy.handoff": handoff, "policy.pipeline": "p_rld_md"}) as cluster:
         assert cluster.wan["shell"] == "proxy"
         results = await run_all(cluster.url, bodies)
         assert_token_exact(bodies, results)
@@ -212,7 +212,8 @@ async def test_hundred_token_handoff_is_under_2_kib():
             "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}
     want = reference(body)
     async with LocalCluster(mode="pdd", wan="proxy", **WAN,
-                            overrides={"policy.handoff": "streaming"}) as cluster:
+                            overrides={"policy.handoff": "streaming",
+                                       "policy.pipeline": "p_rld_md"}) as cluster:
         (res,) = await run_all(cluster.url, [{**body, "handoff_mode": "one-shot"}])
         p = res["pdd"]
         assert res["choices"][0]["token_ids"] == want
@@ -252,7 +253,8 @@ async def test_client_disconnect_frees_kv_on_every_daemon():
     rng = random.Random(3)
     body = {"model": "tiny", "prompt": [256] + [rng.randrange(256) for _ in range(300)],
             "max_tokens": 2000, "ignore_eos": True, "temperature": 0.0, "stream": True}
-    async with LocalCluster(mode="pdd", wan="proxy", **WAN) as cluster:
+    async with LocalCluster(mode="pdd", wan="proxy", **WAN,
+                            overrides={"policy.pipeline": "p_rld_md"}) as cluster:
         session = aiohttp.ClientSession()
         resp = await session.post(cluster.url + "/v1/completions", json=body)
         assert resp.status == 200

@@ -34,7 +34,7 @@ def test_rld_full_means_wait_on_md():
     d = PipelinePolicy().decide(inputs(prompt_tokens=32768, max_tokens=8, rld_admits=False))
     assert d.pipeline is Pipeline.P_MD and "refused" in d.reason
     rec = d.record(inputs(rld_admits=False))
-    assert rec["pipeline"] == "P->MD" and rec["inputs"]["rld_admits"] is False
+    assert rec["pipeline"] == "p_md" and rec["inputs"]["rld_admits"] is False
 
 
 def test_bad_inputs_are_named():
@@ -62,3 +62,23 @@ def test_admission_never_exceeds_limits_under_a_flood():
     assert not adm.release("never")
     with pytest.raises(ValueError):
         RelayAdmission(max_running_tokens=0, max_blocks=1)
+
+
+def test_pipeline_wire_names_round_trip():
+    for p in Pipeline:
+        assert Pipeline.from_wire(p.wire) is p
+    assert Pipeline.P_RLD_MD.wire == "p_rld_md"
+    with pytest.raises(ValueError, match="unknown pipeline"):
+        Pipeline.from_wire("p_x")
+
+
+def test_admission_keeps_high_water_marks():
+    adm = RelayAdmission(max_running_tokens=100, max_blocks=10, max_requests=2)
+    assert adm.try_admit("a", 40, 3).admitted
+    assert adm.try_admit("b", 40, 3).admitted
+    assert not adm.try_admit("c", 1, 1).admitted      # third request: over max_requests
+    adm.release("a")
+    assert adm.try_admit("c", 10, 1).admitted
+    c = adm.counters()
+    assert (c["peak_requests"], c["peak_tokens"], c["peak_blocks"]) == (2, 80, 6)
+    assert (c["admitted"], c["refused"], c["requests"]) == (3, 1, 2)

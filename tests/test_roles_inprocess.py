@@ -119,6 +119,7 @@ def make_config(mode: ClusterMode, handoff: str = "dynamic", **policy) -> Cluste
     cfg.main_decode.block_size = 8
     cfg.wan.stripes, cfg.wan.chunk_tokens = 2, 16
     cfg.policy.handoff = handoff
+    cfg.policy.pipeline = "p_rld_md"  # these tests exercise the handoff; test_drc picks pipelines
     for key, value in policy.items():
         setattr(cfg.policy, key, value)
     return cfg.validate()
@@ -329,20 +330,20 @@ def delay_calls(daemon, name: str, seconds: float) -> None:
 
 
 @pytest.mark.parametrize("handoff", ["one-shot", "streaming"])
-async def test_takeover_overtaking_the_relays_allocation_still_hands_off(tiny, handoff):
-    """Regression: MD's TAKEOVER (MD -> RLD) can arrive before P's KV_ALLOC_REQUEST (P -> RLD)
-    has been served, when RLD's engine is slow to reserve. RLD answered CANCEL ("no longer
-    holds the request") and then decoded the whole request alone; it must wait for the
-    allocation and hand over as usual."""
+async def test_a_slow_relay_allocation_still_hands_off(tiny, handoff):
+    """Regression: MD's TAKEOVER (MD -> RLD) once arrived before P's KV_ALLOC_REQUEST (P -> RLD)
+    was served, when RLD's engine was slow to reserve, and RLD decoded the request alone. P now
+    asks MD only after RLD's admission answer (P->RLD->MD), so the TAKEOVER cannot overtake the
+    allocation any more (RLD still parks one that would); the request hands over as usual."""
     cfg = make_config(ClusterMode.PDD, handoff, handoff_chunk=4)
     async with running(cfg, md_delay=0.0) as (daemons, col):
         rld, md = daemons["relay"], daemons["main_decode"]
-        delay_calls(rld, "reserve_kv", 0.5)   # MD's copy completes well before this
+        delay_calls(rld, "reserve_in_engine", 0.5)
         req = dict(workload()[3], max_tokens=80)
         await run_workload(tiny, col, [req])
         producers = col.producers(req["request_id"])
         assert producers[0] == "relay" and producers[-1] == "main_decode", producers
-        assert rld.stats()["counters"]["early_takeovers"] == 1
+        assert rld.stats()["counters"].get("early_takeovers", 0) == 0
         assert md.stats()["requests"]["cancelled"] == 0
         await all_free(daemons)
 

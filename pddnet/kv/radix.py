@@ -367,6 +367,11 @@ class RadixCache:
         return CacheEventBatch(seq, self.block_size, tuple(h for h, present in batch if present),
                                tuple(h for h, present in batch if not present))
 
+    @property
+    def next_event_seq(self) -> int:
+        """The number the next notice will carry (a snapshot's resync point)."""
+        return self._event_seq
+
     def snapshot_hashes(self) -> list[int]:
         """Every cached block's chained hash (for a full resync of a stale view)."""
         out: list[int] = []

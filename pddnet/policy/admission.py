@@ -26,6 +26,10 @@ class RelayAdmission:
     _tokens: int = field(default=0, init=False)
     _blocks: int = field(default=0, init=False)
     refused: int = field(default=0, init=False)
+    admitted: int = field(default=0, init=False)
+    peak_requests: int = field(default=0, init=False)   # high-water marks: what a test checks
+    peak_tokens: int = field(default=0, init=False)
+    peak_blocks: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         for name in ("max_running_tokens", "max_blocks", "max_requests"):
@@ -59,7 +63,18 @@ class RelayAdmission:
         self._held[request_id] = (tokens, blocks)
         self._tokens += tokens
         self._blocks += blocks
+        self.admitted += 1
+        self.peak_requests = max(self.peak_requests, len(self._held))
+        self.peak_tokens = max(self.peak_tokens, self._tokens)
+        self.peak_blocks = max(self.peak_blocks, self._blocks)
         return AdmissionDecision(True, "admitted")
+
+    def counters(self) -> dict[str, int | float]:
+        return {"requests": len(self._held), "tokens": self._tokens, "blocks": self._blocks,
+                "load": round(self.load, 6), "admitted": self.admitted, "refused": self.refused,
+                "peak_requests": self.peak_requests, "peak_tokens": self.peak_tokens,
+                "peak_blocks": self.peak_blocks, "max_requests": self.max_requests,
+                "max_running_tokens": self.max_running_tokens, "max_blocks": self.max_blocks}
 
     def release(self, request_id: str) -> bool:
         held = self._held.pop(request_id, None)

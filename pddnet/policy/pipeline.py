@@ -20,6 +20,21 @@ class Pipeline(str, enum.Enum):
     P_RLD_MD = "P->RLD->MD"
     RLD_ONLY = "P->RLD"
 
+    @property
+    def wire(self) -> str:
+        """The name on the wire (KV_ALLOC_REQUEST.pipeline) and in the `pdd` object."""
+        return _WIRE[self]
+
+    @classmethod
+    def from_wire(cls, name: str) -> Pipeline:
+        for p, w in _WIRE.items():
+            if w == name:
+                return p
+        raise ValueError(f"unknown pipeline {name!r}; expected one of {', '.join(_WIRE.values())}")
+
+
+_WIRE = {Pipeline.P_MD: "p_md", Pipeline.P_RLD_MD: "p_rld_md", Pipeline.RLD_ONLY: "p_rld"}
+
 
 @dataclass(frozen=True)
 class PipelineInputs:
@@ -49,7 +64,7 @@ class PipelineDecision:
 
     def record(self, inputs: PipelineInputs) -> dict:
         """The decision and its inputs, for the request's `pdd` object."""
-        return {"pipeline": self.pipeline.value, "reason": self.reason,
+        return {"pipeline": self.pipeline.wire, "reason": self.reason,
                 "estimated_wan_transfer_s": round(self.wan_transfer_s, 6),
                 "incremental_kv_bytes": self.incremental_bytes, "inputs": asdict(inputs)}
 

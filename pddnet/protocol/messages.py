@@ -270,6 +270,7 @@ class MessageType(enum.IntEnum):
     KV_DONE = 35
     KV_ABORT = 36
     CACHE_EVENTS = 37
+    KV_RECEIVED = 38
     # RLD <-> MD handoff by token ids
     RELAY_TOKENS = 48
     TAKEOVER = 49
@@ -546,7 +547,8 @@ class Timeline(Message):
     producer: str = field(Str(max_len=16, choices=PRODUCERS), doc="who reports it")
     detail_int: int | None = field(Nullable(UInt(0, U64_MAX)), default=None,
                                    doc="a count or size, e.g. bytes or tokens")
-    detail_str: str = field(Str(max_len=128), default="", doc="a label, e.g. the handoff mode")
+    detail_str: str = field(Str(max_len=2048), default="",
+                            doc="a label, e.g. the handoff mode, or a JSON record (pipeline)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,6 +612,8 @@ class KvAllocResponse(Message):
     region: str = field(Str(max_len=128), default="",
                         doc="RLD: its shared-memory pool name for one-sided writes; MD: ''")
     error: str = field(REASON, default="", doc="why not accepted ('' when accepted)")
+    step_s: float = field(Float(0.0, 3600.0), default=0.0,
+                          doc="receiver's recent decode seconds per output token (0 = unknown)")
 
     @classmethod
     def _cross_check(cls, v: Mapping[str, Any]) -> None:
@@ -723,6 +727,21 @@ class CacheEvents(Message):
                                       doc="chained block hashes now cached")
     evicted: tuple[int, ...] = field(UIntList(hi=U64_MAX, max_len=MAX_BLOCK_LIST),
                                      doc="chained block hashes dropped")
+    reset: bool = field(Bool(), default=False,
+                        doc="true: `inserted` is MD's whole cache (a snapshot); P replaces its view")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvReceived(Message):
+    """MD -> P on the control connection: MD's copy of a request's KV is complete. It carries
+    what P's bandwidth estimator needs, measured on MD's clock only (no clock sync): the bytes
+    that arrived after the first chunk and the time between the first and the last chunk."""
+
+    TYPE = MessageType.KV_RECEIVED
+    request_id: str = field(REQUEST_ID, doc="the router's request id")
+    num_bytes: int = field(UInt(0, U64_MAX), doc="KV payload bytes received")
+    span_bytes: int = field(UInt(0, U64_MAX), doc="bytes received after the first chunk")
+    span_s: float = field(Float(0.0, 86400.0), doc="seconds from the first to the last chunk")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -786,7 +805,7 @@ MESSAGE_CLASSES: dict[int, type[Message]] = {
     for cls in (
         Hello, Auth, AuthOk, AuthFail, Ping, Pong, ErrorMessage,
         Submit, Cancel, TokenEvent, RequestDone, Timeline,
-        KvAllocRequest, KvAllocResponse, KvChunk, KvDone, KvAbort, CacheEvents,
+        KvAllocRequest, KvAllocResponse, KvChunk, KvDone, KvAbort, CacheEvents, KvReceived,
         RelayTokens, Takeover, Handoff,
     )
 }

@@ -4,10 +4,10 @@ P prefills a request once and ships its KV to one or two targets ("relay": one-s
 RLD's shared memory; "main_decode": KV_CHUNK frames over the WAN). Prefill starts at once; a
 target's KV flows as soon as both its allocation and the computed KV exist, from the target's
 prefix hit on (positions below ``hit_tokens`` are never sent). KV_DONE to a target follows its
-last range and the first token; P's blocks go back when every target has its KV_DONE.
+last range and the first token; P's blocks go back when every target holds its KV (the daemon
+reports ``target_finished``: RLD once KV_DONE is out, MD on its KV_RECEIVED).
 
-The daemon runs each target's actions in order (a KV_DONE never overtakes a write) and reports
-back with ``target_finished`` once a target's KV_DONE is out.
+The daemon runs each target's actions in order (a KV_DONE never overtakes a write).
 """
 
 from __future__ import annotations
@@ -91,17 +91,34 @@ class PrefillFlow:
         """``target`` will not take the request. ``others_suffice``: the remaining targets can
         serve it alone (pdd: RLD decodes to the end when MD has no room), so only this target
         is dropped; otherwise the request fails."""
-        t = self._target(target)
+        self._target(target)  # an unknown target is an error
         if self.over:
             return []
         if others_suffice and len(self.targets) > 1:
-            t.hit, t.done_queued, t.finished = 0, True, True   # nothing will go there
-            return self._pump() + self._release_if_done()
+            return self.drop(target, "")
         self.over = True
         actions: list[FlowAction] = [FailRequest("kv_alloc_refused", f"{target} refused: {error}")]
         actions += [AbortTarget(name, f"{target} refused the request")
                     for name, t in self.targets.items() if name != target and not t.finished]
         return actions + [ReleaseBlocks()]
+
+    def drop(self, target: str, reason: str) -> list[FlowAction]:
+        """Leave ``target`` out from now on (its pipeline changed: e.g. the singular filter
+        keeps the request on RLD, so MD's copy is not needed). A target that had reserved
+        blocks is told to free them; the others go on."""
+        t = self._target(target)
+        if self.over or t.finished:
+            return []
+        allocated = t.hit is not None
+        if t.hit is None:
+            t.hit = 0
+        t.done_queued = t.finished = True   # nothing (more) will go there
+        actions: list[FlowAction] = [AbortTarget(target, reason)] if allocated and reason else []
+        if len(self.targets) == 1:  # dropping the only target leaves nobody to serve it
+            self.over = True
+            return actions + [FailRequest("no_target", f"{target} dropped: {reason}"),
+                              ReleaseBlocks()]
+        return actions + self._pump() + self._release_if_done()
 
     def computed_upto(self, num_computed: int) -> list[FlowAction]:
         if num_computed < self.computed or num_computed > self.num_tokens:

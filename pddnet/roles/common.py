@@ -223,7 +223,9 @@ class Daemon:
         self.engine = Engine(model, tokenizer, num_blocks=sec.num_blocks,
                              block_size=sec.block_size,
                              max_num_batched_tokens=sec.max_num_batched_tokens,
-                             max_num_seqs=sec.max_num_seqs, kv_shm_name=self.kv_shm_name())
+                             max_num_seqs=sec.max_num_seqs, kv_shm_name=self.kv_shm_name(),
+                             enable_prefix_cache=sec.prefix_cache != "off",
+                             prefix_cache_kind="radix" if sec.prefix_cache == "radix" else "hash")
         self.worker = EngineWorker(self.engine, self._on_outputs, threads=model_cfg.threads,
                                    name=f"{self.role}-engine", on_error=self._on_engine_error)
         self.server = Server(sec.host, sec.port, role=self.role, instance_id=self.instance_id,
@@ -305,6 +307,7 @@ class Daemon:
                     await conn.send(Pong(nonce=msg.nonce, time=msg.time))
                 continue
             if isinstance(msg, Pong):
+                self.on_pong(conn, msg)
                 continue
             try:
                 await self.handle(conn, msg)
@@ -318,6 +321,9 @@ class Daemon:
 
     def connection_lost(self, conn: Connection) -> None:
         """A connection closed (override to fail the requests that depended on it)."""
+
+    def on_pong(self, conn: Connection, msg: Pong) -> None:
+        """A PONG to one of our PINGs (override to use the RTT sample)."""
 
     async def handle(self, conn: Connection, msg: Message) -> None:  # pragma: no cover
         raise NotImplementedError
@@ -387,7 +393,7 @@ class Daemon:
                    f"{self.role}'s {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
             return None
         try:
-            res = await self.compute(engine.reserve_kv, msg.prompt_token_ids, msg.max_tokens)
+            res = await self.compute(self.reserve_in_engine, msg.prompt_token_ids, msg.max_tokens)
         except (OutOfBlocks, ValueError) as exc:
             refuse(f"cannot reserve KV: {exc}")
             return None
@@ -396,6 +402,11 @@ class Daemon:
             refuse("request was cancelled")
             return None
         return res
+
+    def reserve_in_engine(self, token_ids: tuple[int, ...], max_tokens: int) -> KVReservation:
+        """In the engine thread: the reservation (MD also drains its cache events here, in the
+        same call, so that the notice it sends with its answer is current)."""
+        return self.engine.reserve_kv(token_ids, max_tokens)
 
     # -- the engine ------------------------------------------------------------------------------
 

@@ -8,6 +8,13 @@ handed-over token ids (at most `chunk` per step when streaming) and decodes from
 without one (p_md, the cross-dc baseline) it decodes and emits from index 0. The per-request
 decisions are pddnet.protocol.handoff.MainHandoff's.
 
+The decode-side RadixCache (DRC, main_decode.prefix_cache = "radix"): reserve_kv matches and pins
+the prompt's cached prefix, so P sends only positions past MD's hit; every computed full block
+(prompt and generated tokens) is inserted as the engine steps, so a conversation's next turn hits
+it. What the tree inserted and evicted goes to P as CACHE_EVENTS, drained in the engine thread
+within the calls MD makes anyway (reserve, import) and sent just before MD's next KV_ALLOC_RESPONSE
+or KV_RECEIVED -- a new P connection first gets a snapshot (reset=True).
+
 Test hook: ``kv_arrival_delay_s`` delays the import of every KV chunk by that many seconds, so
 that an in-process test without the WAN emulator sees MD's copy complete well after RLD's.
 """
@@ -15,14 +22,18 @@ that an in-process test without the WAN emulator sees MD's copy complete well af
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from pddnet.config import ClusterConfig
 from pddnet.engine.engine import Engine, KVReservation, StepOutput
 from pddnet.engine.sequence import FinishReason
+from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache
 from pddnet.kv.transfer import ExportedKV, KVExportMeta, import_kv
 from pddnet.protocol import (
+    CacheEvents,
     Cancel,
     Handoff,
     KvAbort,
@@ -30,6 +41,7 @@ from pddnet.protocol import (
     KvAllocResponse,
     KvChunk,
     KvDone,
+    KvReceived,
     Message,
     RequestDone,
     Takeover,
@@ -89,6 +101,9 @@ class _Request:
     done: KvDone | None = None
     started: bool = False            # the engine sequence exists (or is being added)
     handoff_bytes: int = 0
+    first_chunk_at: float | None = None   # monotonic arrival times, for P's goodput estimate
+    last_chunk_at: float = 0.0
+    first_chunk_bytes: int = 0
 
     @property
     def rid(self) -> str:
@@ -111,13 +126,59 @@ class MainDecodeDaemon(Daemon):
         # Most tokens one step computed for a request after its first HANDOFF, by handoff mode:
         # the one-shot stall vs streaming's `chunk` cap, as measured.
         self.max_extend_tokens: dict[str, int] = {}
+        # CACHE_EVENTS drained in the engine thread, posted to every P from the event loop
+        self._cache_notices: deque[CacheEvents] = deque()
+
+    @property
+    def radix(self) -> RadixCache | None:
+        cache = self.engine.prefix_cache if self.engine is not None else None
+        return cache if isinstance(cache, RadixCache) else None
 
     async def _on_connection(self, conn: Connection) -> None:
         if conn.lane == "control" and conn.peer_role == "relay":
             self.rld = self.outbox(conn, "relay control")
         elif conn.lane == "control" and conn.peer_role == "prefill":
-            self._p_boxes[conn] = self.outbox(conn, "prefill control")
+            box = self._p_boxes[conn] = self.outbox(conn, "prefill control")
+            if self.radix is not None:  # P's view starts from what the tree holds now
+                snapshot = await self.compute(self._snapshot)
+                box.post(snapshot)
         await super()._on_connection(conn)
+
+    # -- the decode-side cache's notices to P --------------------------------------------------
+
+    def _snapshot(self) -> CacheEvents:
+        """In the engine thread: the whole tree; `seq` is the next incremental notice's number
+        (events still pending are in the snapshot already and harmless to apply again)."""
+        radix = self.radix
+        assert radix is not None
+        return CacheEvents(seq=radix.next_event_seq, block_size=radix.block_size,
+                           inserted=tuple(radix.snapshot_hashes()), evicted=(), reset=True)
+
+    def _drain_cache_events(self) -> None:
+        """In the engine thread, inside a call MD makes anyway: queue what the tree did."""
+        radix = self.radix
+        if radix is None:
+            return
+        while (batch := radix.drain_events()) is not None:
+            self._cache_notices.append(CacheEvents(seq=batch.seq, block_size=batch.block_size,
+                                                   inserted=batch.inserted,
+                                                   evicted=batch.evicted))
+
+    def _post_cache_events(self) -> None:
+        """Piggy-back the queued notices on the frame MD is about to send to P."""
+        while self._cache_notices:
+            notice = self._cache_notices.popleft()
+            for box in self._p_boxes.values():
+                box.post(notice)
+
+    def reserve_in_engine(self, token_ids: tuple[int, ...], max_tokens: int) -> KVReservation:
+        res = super().reserve_in_engine(token_ids, max_tokens)
+        self._drain_cache_events()
+        return res
+
+    def _import_in_engine(self, exported: ExportedKV, block_ids: list[int]) -> None:
+        import_kv(self.engine.pool, exported, block_ids)
+        self._drain_cache_events()
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -150,6 +211,7 @@ class MainDecodeDaemon(Daemon):
                           with_relay=msg.pipeline in WITH_RELAY_PIPELINES)
         self.requests[rid] = _Request(msg, res, fsm, Serial(f"main {rid}", self._tasks), p)
         self.counters["allocated"] += 1
+        self._post_cache_events()
         p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
                                block_ids=tuple(res.block_ids), block_size=engine.block_size,
                                dtype=spec.dtype))
@@ -167,6 +229,10 @@ class MainDecodeDaemon(Daemon):
             return
         req.chunks.add(msg.chunk_index)
         req.imports_pending += 1
+        arrived = time.monotonic()
+        if req.first_chunk_at is None:
+            req.first_chunk_at, req.first_chunk_bytes = arrived, msg.payload.nbytes
+        req.last_chunk_at = arrived
         if self.kv_arrival_delay_s:
             self.spawn(self._import_later(req, res, exported, msg.payload.nbytes),
                        f"delayed import {msg.request_id}")
@@ -204,7 +270,7 @@ class MainDecodeDaemon(Daemon):
                       nbytes: int) -> None:
         if req.reservation is not res:  # dropped meanwhile
             return
-        await self.compute(import_kv, self.engine.pool, exported, res.block_ids)
+        await self.compute(self._import_in_engine, exported, res.block_ids)
         req.imports_pending -= 1
         req.bytes_in += nbytes
         self._check_complete(req)
@@ -231,6 +297,11 @@ class MainDecodeDaemon(Daemon):
         if len(req.chunks) < done.num_chunks or req.bytes_in < done.num_bytes:
             return  # KV_DONE overtook chunks still on the bulk lanes
         self.timeline(req.rid, "md_kv_complete", req.bytes_in)
+        self._post_cache_events()
+        span = req.last_chunk_at - req.first_chunk_at if req.first_chunk_at is not None else 0.0
+        req.p_conn.post(KvReceived(request_id=req.rid, num_bytes=req.bytes_in,
+                                   span_bytes=max(0, req.bytes_in - req.first_chunk_bytes),
+                                   span_s=max(0.0, span)))
         alloc = req.alloc
         first = done.first_token_id
         ends = first_token_ends(first, alloc, self.engine.eos_token_id)
@@ -391,6 +462,11 @@ class MainDecodeDaemon(Daemon):
             if req.started:
                 req.started = False
                 await self.compute(self.engine.abort, req.rid)
+            if self.radix is not None:
+                # What this request left in the tree (its prompt and reply blocks) is what the
+                # conversation's next turn will hit: tell P now, not with MD's next answer.
+                await self.compute(self._drain_cache_events)
+                self._post_cache_events()
         req.serial.submit(stop)
 
     def connection_lost(self, conn: Connection) -> None:
@@ -416,4 +492,15 @@ class MainDecodeDaemon(Daemon):
         out["kv_arrival_delay_s"] = self.kv_arrival_delay_s
         out["max_extend_tokens"] = dict(self.max_extend_tokens)
         out["active_phases"] = self.active_phases(self.requests)
+        radix = self.radix
+        if radix is not None:
+            out["drc"] = {"requests": radix.num_requests, "tokens_asked": radix.tokens_asked,
+                          "tokens_hit": radix.tokens_hit, "hit_rate": round(radix.hit_rate, 6),
+                          "cached_blocks": radix.num_cached_blocks,
+                          "evictable_blocks": radix.num_evictable,
+                          "inserted_blocks": radix.num_inserted,
+                          "evicted_blocks": radix.num_evicted,
+                          "hit_histogram": dict(zip(HIT_INTERVAL_LABELS, radix.hit_histogram,
+                                                    strict=True)),
+                          "notices_sent": radix.next_event_seq, "events_dropped": radix.events_dropped}
         return out

@@ -1,7 +1,10 @@
 """P: prefill once, ship the KV twice (shared memory to RLD, WAN stripes to MD).
 
-Per config.mode: pdd -> RLD and MD; cross-dc -> MD only; same-dc -> RLD only (there the decode
-instance is a RelayDaemon that never hands off). Prefill runs as a prefill-only request in P's
+Per config.mode: cross-dc -> MD only; same-dc -> RLD only (there the decode instance is a
+RelayDaemon that never hands off); pdd -> per request, the pipeline pddnet.policy.planner picks
+from P's view of MD's cache and its WAN estimates: P->MD (MD only), P->RLD->MD (RLD first: its
+admission answer decides whether MD then hears p_rld_md or, refused, p_md), or P->RLD (the
+singular filter: RLD only, the WAN transfer never starts; RLD refusing sends it P->MD). Prefill runs as a prefill-only request in P's
 engine (max_tokens=1, keep_blocks=True), chunked by max_num_batched_tokens; after each chunk its
 KV goes out at once: one-sided writes into RLD's blocks, KV_CHUNK frames (wan.chunk_tokens
 tokens each, all layers) queued on the bulk stripes. The per-request decisions (what to ship
@@ -10,16 +13,22 @@ when, when KV_DONE may go, when P's blocks are free) are pddnet.protocol.request
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import math
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
 from pddnet.kv.transfer import export_kv
+from pddnet.policy.pipeline import Pipeline, PipelinePolicy
+from pddnet.policy.planner import PipelinePlanner, Plan
 from pddnet.protocol import (
+    CacheEvents,
     Cancel,
     ErrorMessage,
     KvAbort,
@@ -27,7 +36,10 @@ from pddnet.protocol import (
     KvAllocResponse,
     KvChunk,
     KvDone,
+    KvReceived,
     Message,
+    Ping,
+    Pong,
     Submit,
     payload_from_tensor,
 )
@@ -47,7 +59,10 @@ from pddnet.transport.stripes import StripedSender
 from .common import Daemon, Outbox, Serial, log, now, sampling_of
 
 RELAY, MAIN = "relay", "main_decode"
-PIPELINES = {ClusterMode.PDD: "p_rld_md", ClusterMode.CROSS_DC: "p_md", ClusterMode.SAME_DC: "p_rld"}
+FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pipeline.RLD_ONLY}
+# Who serves a pipeline, in the order P asks them (MD waits for RLD's admission answer).
+TARGETS = {Pipeline.P_MD: (MAIN,), Pipeline.P_RLD_MD: (RELAY, MAIN),
+           Pipeline.RLD_ONLY: (RELAY, MAIN)}
 
 
 @dataclass
@@ -70,6 +85,9 @@ class _Request:
     wan_bytes: int = 0
     shm_bytes: int = 0
     started: bool = False                   # add_request sent to the engine
+    pipeline: Pipeline = Pipeline.P_RLD_MD  # current (may change once, see _relay_answered)
+    plan: Plan | None = None                # pdd mode: the planner's decision and inputs
+    asked: set[str] = field(default_factory=set)   # targets sent KV_ALLOC_REQUEST
 
 
 class PrefillDaemon(Daemon):
@@ -81,13 +99,25 @@ class PrefillDaemon(Daemon):
         mode = config.mode
         self.targets: tuple[str, ...] = {ClusterMode.PDD: (RELAY, MAIN), ClusterMode.CROSS_DC: (MAIN,),
                                          ClusterMode.SAME_DC: (RELAY,)}[mode]
-        self.pipeline = PIPELINES[mode]
         self.control: dict[str, Outbox] = {}
+        self.planner: PipelinePlanner | None = None   # pdd mode, once the engine exists
         self.stripes: StripedSender | None = None
         self.regions: dict[str, RemoteKVRegion] = {}
         self.requests: dict[str, _Request] = {}
 
+    def _make_planner(self) -> PipelinePlanner:
+        cfg, pol = self.config, self.config.policy
+        mbit = pol.wan_bw_mbit or cfg.wan.bw_mbit or 1000.0
+        policy = PipelinePolicy(direct_budget_s=pol.direct_budget_s,
+                                singular_filter=pol.singular_filter,
+                                singular_margin=pol.singular_margin)
+        return PipelinePlanner(policy, self.engine.pool.spec.bytes_per_token,
+                               bandwidth_bps=mbit * 1e6 / 8, rtt_s=max(cfg.wan.rtt_ms, 1.0) / 1e3,
+                               rld_step_s=pol.rld_step_s)
+
     async def dial_peers(self) -> None:
+        if self.config.mode is ClusterMode.PDD:
+            self.planner = self._make_planner()
         if RELAY in self.targets:
             conn = await self.dial(self.config.relay.dial_address(), "control")
             self.control[RELAY] = self.outbox(conn, "relay control")
@@ -99,6 +129,19 @@ class PrefillDaemon(Daemon):
             self.read_loop(conn, "main-decode control")
             lanes = [await self.dial(address, "bulk") for _ in range(self.config.wan.stripes)]
             self.stripes = StripedSender(lanes)
+            self.spawn(self._heartbeat(conn), "heartbeat main-decode")
+
+    async def _heartbeat(self, conn: Connection) -> None:
+        """PING MD's control lane every wan.heartbeat_s: PONG gives P its WAN RTT samples."""
+        nonce = 0
+        while not conn.closed:
+            nonce += 1
+            self.control[MAIN].post(Ping(nonce=nonce, time=time.monotonic()))
+            await asyncio.sleep(self.config.wan.heartbeat_s)
+
+    def on_pong(self, conn: Connection, msg: Pong) -> None:
+        if conn.peer_role == MAIN and self.planner is not None:
+            self.planner.observe_rtt(max(0.0, time.monotonic() - msg.time))
 
     async def close_extra(self) -> None:
         if self.stripes is not None:
@@ -114,8 +157,12 @@ class PrefillDaemon(Daemon):
             await self._submit(msg)
         elif isinstance(msg, KvAllocResponse):
             self._allocated(self._target_of(conn), msg)
+        elif isinstance(msg, CacheEvents):
+            self._cache_events(msg)
+        elif isinstance(msg, KvReceived):
+            self._received(msg)
         elif isinstance(msg, (Cancel, KvAbort)):
-            self._cancel(msg.request_id, msg.reason)
+            self._cancel(msg.request_id, msg.reason, conn.peer_role)
         elif isinstance(msg, ErrorMessage):
             log.warning("%s: ERROR from %s: %s %s", self.instance_id, conn.peer_role, msg.code,
                         msg.message)
@@ -144,21 +191,24 @@ class PrefillDaemon(Daemon):
             # A concrete seed before the request fans out: every tier then samples alike.
             sub = dataclasses.replace(sub, seed=secrets.randbits(63))
         n = len(sub.prompt_token_ids)
-        req = _Request(sub, PrefillFlow(n, self.targets),
+        plan = None
+        if self.planner is None:
+            pipeline = FIXED_PIPELINES[self.config.mode]
+        else:
+            forced = self.config.policy.pipeline
+            plan = self.planner.plan(sub.prompt_token_ids, sub.max_tokens,
+                                     force=None if forced == "auto" else Pipeline.from_wire(forced))
+            pipeline = plan.pipeline
+        targets = TARGETS[pipeline] if self.planner is not None else self.targets
+        req = _Request(sub, PrefillFlow(n, targets),
                        {name: Serial(f"{rid} -> {name}", self._tasks)
-                        for name in (*self.targets, "engine")})
+                        for name in (*targets, "engine")}, pipeline=pipeline, plan=plan)
         self.requests[rid] = req
         self.counters["submitted"] += 1
-        spec = self.engine.spec
-        for target in self.targets:
-            self.control[target].post(KvAllocRequest(
-                request_id=rid, prompt_token_ids=sub.prompt_token_ids, num_tokens=n,
-                block_size=spec.block_size, dtype=spec.dtype, num_layers=spec.num_layers,
-                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, expected_hit_tokens=0,
-                pipeline=self.pipeline, max_tokens=sub.max_tokens, temperature=sub.temperature,
-                top_p=sub.top_p, top_k=sub.top_k, seed=sub.seed,
-                stop_token_ids=sub.stop_token_ids, ignore_eos=sub.ignore_eos,
-                handoff_mode=sub.handoff_mode))
+        self.counters[f"pipeline_{pipeline.wire}"] += 1
+        if plan is not None:
+            self.timeline(rid, "pipeline", None, json.dumps(plan.record(), separators=(",", ":")))
+        self._ask(req, targets[0])
         req.serial["engine"].submit(lambda: self._start_prefill(req))
 
     async def _start_prefill(self, req: _Request) -> None:
@@ -174,8 +224,30 @@ class PrefillDaemon(Daemon):
             req.started = False
             self._fail(sub.request_id, "bad_request", f"prefill refused: {exc}")
             return
-        self.timeline(sub.request_id, "prefill_start", len(sub.prompt_token_ids), self.pipeline)
+        self.timeline(sub.request_id, "prefill_start", len(sub.prompt_token_ids), req.pipeline.wire)
         self.wake()
+
+    def _ask(self, req: _Request, target: str) -> None:
+        """KV_ALLOC_REQUEST to one target, naming the request's current pipeline."""
+        sub, spec = req.submit, self.engine.spec
+        req.asked.add(target)
+        hit = req.plan.prediction.hit_tokens if req.plan is not None and target == MAIN else 0
+        self.control[target].post(KvAllocRequest(
+            request_id=sub.request_id, prompt_token_ids=sub.prompt_token_ids,
+            num_tokens=req.flow.num_tokens, block_size=spec.block_size, dtype=spec.dtype,
+            num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            expected_hit_tokens=hit, pipeline=req.pipeline.wire, max_tokens=sub.max_tokens,
+            temperature=sub.temperature, top_p=sub.top_p, top_k=sub.top_k, seed=sub.seed,
+            stop_token_ids=sub.stop_token_ids, ignore_eos=sub.ignore_eos,
+            handoff_mode=sub.handoff_mode))
+
+    def _change_pipeline(self, req: _Request, pipeline: Pipeline, reason: str) -> None:
+        rid = req.submit.request_id
+        self.counters[f"pipeline_{req.pipeline.wire}_to_{pipeline.wire}"] += 1
+        req.pipeline = pipeline
+        self.timeline(rid, "pipeline_change", None,
+                      json.dumps({"pipeline": pipeline.wire, "reason": reason[:512]},
+                                 separators=(",", ":")))
 
     def _allocated(self, target: str, msg: KvAllocResponse) -> None:
         req = self.requests.get(msg.request_id)
@@ -184,14 +256,10 @@ class PrefillDaemon(Daemon):
                 self.control[target].post(KvAbort(request_id=msg.request_id,
                                                   reason="request no longer active"))
             return
+        if target == RELAY and msg.step_s and self.planner is not None:
+            self.planner.observe_rld_step(msg.step_s)
         if not msg.accepted:
-            # Without room on MD, RLD (which decodes to the end when no TAKEOVER comes) serves
-            # the request alone; without RLD, MD cannot (it waits for a relay's cut).
-            alone = target == MAIN and RELAY in self.targets
-            if alone:
-                self.counters["main_decode_refused"] += 1
-                self.timeline(msg.request_id, "main_decode_refused", None, msg.error[:128])
-            self._run(req, req.flow.refused(target, msg.error, others_suffice=alone))
+            self._refused(req, target, msg.error)
             return
         n = req.flow.num_tokens
         unusable = ""
@@ -202,19 +270,83 @@ class PrefillDaemon(Daemon):
         if unusable:  # it did reserve: give that back, then treat the answer as a refusal
             self.control[target].post(KvAbort(request_id=msg.request_id,
                                               reason=f"unusable allocation: {unusable}"))
-            self._run(req, req.flow.refused(target, unusable))
+            self._refused(req, target, f"unusable allocation: {unusable}")
             return
         req.allocs[target] = _Alloc(msg.block_ids, msg.block_size, msg.hit_tokens, msg.region)
-        if target == MAIN:  # the decode-side cache hit: KV below it never crosses the WAN
-            self.timeline(msg.request_id, "prefix_hit_tokens", msg.hit_tokens)
         self._run(req, req.flow.allocated(target, msg.hit_tokens))
+        if target == RELAY:
+            self._relay_answered(req)
+        else:
+            self._main_answered(req, msg)
 
-    def _cancel(self, rid: str, reason: str) -> None:
+    def _refused(self, req: _Request, target: str, error: str) -> None:
+        rid = req.submit.request_id
+        if target == RELAY and MAIN in req.flow.targets and MAIN not in req.asked:
+            # RLD's admission said no (it is full): the request goes P->MD and waits for its
+            # KV there instead of queueing behind RLD.
+            self.counters["relay_refused"] += 1
+            self.timeline(rid, "relay_refused", None, error[:256])
+            self._run(req, req.flow.drop(RELAY, ""))
+            self._change_pipeline(req, Pipeline.P_MD, f"RLD refused: {error}")
+            self._ask(req, MAIN)
+            return
+        # Without room on MD, RLD (which decodes to the end when no TAKEOVER comes) serves the
+        # request alone; without RLD, MD cannot (it waits for a relay's cut).
+        alone = target == MAIN and req.pipeline is Pipeline.P_RLD_MD
+        if alone:
+            self.counters["main_decode_refused"] += 1
+            self.timeline(rid, "main_decode_refused", None, error[:128])
+        self._run(req, req.flow.refused(target, error, others_suffice=alone))
+
+    def _relay_answered(self, req: _Request) -> None:
+        """RLD admitted the request: MD now hears of it (P->RLD->MD), or never (P->RLD)."""
+        if MAIN not in req.flow.targets or MAIN in req.asked:
+            return
+        if req.pipeline is Pipeline.P_RLD_MD:
+            self._ask(req, MAIN)
+        else:  # the singular filter: the WAN transfer never starts
+            self.counters["wan_transfers_never_started"] += 1
+            self._run(req, req.flow.drop(MAIN, ""))
+
+    def _main_answered(self, req: _Request, msg: KvAllocResponse) -> None:
+        """MD's hit is authoritative: repair P's view and recheck the pipeline with it."""
+        rid = req.submit.request_id
+        self.timeline(rid, "prefix_hit_tokens", msg.hit_tokens)  # KV below it stays home
+        if req.plan is None or self.planner is None:
+            return
+        seen = self.planner.md_answered(req.plan, msg.hit_tokens, msg.block_size)
+        if seen.wrong:
+            self.counters["md_view_wrong"] += 1
+            self.timeline(rid, "md_view_wrong", seen.predicted_tokens,
+                          f"predicted {seen.predicted_tokens}, MD holds {seen.actual_tokens}")
+        new = self.planner.recheck(req.plan, msg.hit_tokens)
+        if new is not None and req.pipeline is Pipeline.P_RLD_MD:
+            req.plan = new
+            self._change_pipeline(req, new.pipeline, new.decision.reason)
+            self.counters["wan_transfers_cancelled"] += 1
+            self._run(req, req.flow.drop(MAIN, f"singular traffic: {new.decision.reason}"))
+
+    def _cache_events(self, msg: CacheEvents) -> None:
+        if self.planner is None:
+            return
+        view = self.planner.view
+        if msg.reset:
+            view.resync(msg.block_size, msg.inserted, msg.seq)
+        else:
+            view.apply(msg)
+
+    def _cancel(self, rid: str, reason: str, by: str = "router") -> None:
         req = self.requests.get(rid)
         self.ended.add(rid)
-        if req is not None:
-            self.counters["cancelled"] += 1
-            self._run(req, req.flow.cancel(reason))
+        if req is None:
+            return
+        main = req.flow.targets.get(MAIN)
+        if by == RELAY and main is not None and main.hit is not None and not main.finished:
+            # RLD finished the whole output before MD's copy was complete: stop shipping it.
+            self.counters["wan_transfers_cancelled"] += 1
+            self.timeline(rid, "wan_cancelled", req.wan_bytes, reason[:256])
+        self.counters["cancelled"] += 1
+        self._run(req, req.flow.cancel(reason))
 
     def _fail(self, rid: str, code: str, message: str) -> None:
         req = self.requests.get(rid)
@@ -317,7 +449,19 @@ class PrefillDaemon(Daemon):
                           num_bytes=req.wan_bytes, first_token_id=a.first_token, time=now())
             self.timeline(rid, "wan_kv_sent", req.wan_bytes)
         self.control[a.target].post(done)
-        self._run(req, req.flow.target_finished(a.target))
+        if a.target == RELAY:  # the one-sided writes are in RLD's memory already
+            self._run(req, req.flow.target_finished(a.target))
+        # MD's copy is finished when MD says it has it all (KV_RECEIVED): until then the
+        # transfer can still be cancelled (the singular filter) and P still holds the KV.
+
+    def _received(self, msg: KvReceived) -> None:
+        if self.planner is not None:
+            self.planner.observe_transfer(msg.span_bytes, msg.span_s)
+        req = self.requests.get(msg.request_id)
+        main = req.flow.targets.get(MAIN) if req is not None else None
+        if main is not None and main.done_queued and not main.finished:
+            self.timeline(msg.request_id, "wan_kv_acked", msg.num_bytes)
+            self._run(req, req.flow.target_finished(MAIN))
 
     async def _release(self, req: _Request) -> None:
         rid = req.submit.request_id
@@ -330,6 +474,8 @@ class PrefillDaemon(Daemon):
             self.counters["completed" if shipped else "aborted"] += 1
 
     def connection_lost(self, conn: Connection) -> None:
+        if conn.lane == "control" and conn.peer_role == MAIN and self.planner is not None:
+            self.planner.reset_view()  # a new connection starts from MD's snapshot
         if conn.lane == "control" and conn.peer_role in (RELAY, MAIN):
             for rid in list(self.requests):
                 self._fail(rid, "peer_lost", f"{conn.peer_role} control connection closed: "
@@ -344,6 +490,8 @@ class PrefillDaemon(Daemon):
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
+        if self.planner is not None:
+            out["planner"] = self.planner.counters()
         if self.stripes is not None:
             out["lanes"]["bulk"] = {"bytes_out": sum(sum(c.stats["bytes_out"].values())
                                                      for c in self.stripes.lanes),

@@ -6,6 +6,11 @@ and streams every token to the router at once (eager). In pdd mode MD's TAKEOVER
 handoff; RLD alone decides the cut (pddnet.protocol.handoff.RelayHandoff): one-shot stops at
 once, streaming forwards tokens while MD catches up. In same-dc mode (pipeline p_rld) it is the
 decode instance and never hands off.
+
+In pdd mode RLD is a small pool that must never be flooded: every allocation passes
+pddnet.policy.admission.RelayAdmission first (running tokens, KV blocks, requests); a refusal
+sends the request P->MD instead of queueing it here. Each answer carries RLD's recent decode
+time per token (KV_ALLOC_RESPONSE.step_s), which P's pipeline policy needs for the singular filter.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import KVReservation, StepOutput
 from pddnet.kv.shm import segment_name
+from pddnet.policy.admission import RelayAdmission
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.protocol import (
     Cancel,
@@ -86,6 +92,14 @@ class RelayDaemon(Daemon):
         self.policy = HandoffPolicy(mode=pol.handoff, threshold_tokens=pol.handoff_threshold_tokens,
                                     chunk=pol.handoff_chunk, rld_load_limit=pol.rld_load_limit)
         self.hands_off = config.mode is ClusterMode.PDD
+        sec = config.relay
+        # Admission control only where a refusal has somewhere else to go (MD, in pdd mode).
+        self.admission: RelayAdmission | None = None
+        if self.hands_off:
+            self.admission = RelayAdmission(
+                max_running_tokens=pol.rld_max_running_tokens or sec.num_blocks * sec.block_size,
+                max_blocks=sec.num_blocks, max_requests=pol.rld_max_requests)
+        self.step_s = 0.0        # EWMA of decode step time = seconds per token of a request
         self.md: Outbox | None = None
         self.requests: dict[str, _Request] = {}
         self._p_boxes: dict[Connection, Outbox] = {}
@@ -132,8 +146,19 @@ class RelayDaemon(Daemon):
         rid = msg.request_id
         engine = self.engine
         assert engine is not None
-        res = await self.reserve_for(p, msg, self.requests, on_refuse=lambda:
-                                     self._release_early_takeover(rid, "relay refused the request"))
+        if self.admission is not None and rid not in self.requests:
+            total = msg.num_tokens + msg.max_tokens
+            verdict = self.admission.try_admit(rid, total, -(-(total - 1) // engine.block_size))
+            if not verdict.admitted:
+                self._release_early_takeover(rid, "relay refused the request")
+                self.refuse_alloc(p, rid, f"admission: {verdict.reason}")
+                return
+
+        def refused() -> None:
+            self._release_early_takeover(rid, "relay refused the request")
+            if self.admission is not None and rid not in self.requests:
+                self.admission.release(rid)
+        res = await self.reserve_for(p, msg, self.requests, on_refuse=refused)
         if res is None:
             return
         pipeline_hands_off = self.hands_off and msg.pipeline in HANDS_OFF_PIPELINES
@@ -146,7 +171,8 @@ class RelayDaemon(Daemon):
         self.counters["allocated"] += 1
         p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
                                block_ids=tuple(res.block_ids), block_size=engine.block_size,
-                               dtype=engine.spec.dtype, region=self._shm_name))
+                               dtype=engine.spec.dtype, region=self._shm_name,
+                               step_s=round(self.step_s, 6)))
         early = self._early_takeovers.pop(rid, None)
         if early is not None:  # MD's copy was complete before this allocation was made
             self.counters["early_takeovers"] += 1
@@ -243,6 +269,11 @@ class RelayDaemon(Daemon):
     # -- engine progress -------------------------------------------------------------------------
 
     def on_step(self, outputs: list[StepOutput]) -> None:
+        last = self.engine.last_step
+        if last is not None and last.num_decode_tokens and not last.num_prefill_tokens:
+            # A pure decode step: what one more output token of a request costs right now.
+            self.step_s = last.duration_s if not self.step_s else (
+                0.8 * self.step_s + 0.2 * last.duration_s)
         for out in outputs:
             req = self.requests.get(out.request_id)
             if req is None:
@@ -307,6 +338,8 @@ class RelayDaemon(Daemon):
         if self.requests.get(req.rid) is req:
             del self.requests[req.rid]
             self.ended.add(req.rid)
+            if self.admission is not None:
+                self.admission.release(req.rid)
 
     def connection_lost(self, conn: Connection) -> None:
         box = self._p_boxes.pop(conn, None)
@@ -332,6 +365,9 @@ class RelayDaemon(Daemon):
         out["load"] = self.load() if self.engine is not None else 0.0
         out["active_phases"] = self.active_phases(self.requests)
         out["early_takeovers_waiting"] = len(self._early_takeovers)
+        out["step_s"] = round(self.step_s, 6)
+        if self.admission is not None:
+            out["admission"] = self.admission.counters()
         return out
 
 

@@ -283,7 +283,18 @@ class Router:
         d = state.details
         # Figures of the `pdd` object riding on the milestone they belong to.
         if msg.event == "prefill_start" and label:
-            d["pipeline"] = label
+            d.setdefault("pipeline", label)
+        elif msg.event in ("pipeline", "pipeline_change") and label:
+            # P's decision (and its inputs) as JSON; a change after MD's answer or RLD's refusal
+            try:
+                record = json.loads(label)
+            except ValueError:
+                record = {"pipeline": label}
+            d["pipeline"] = record.get("pipeline", d.get("pipeline"))
+            if msg.event == "pipeline":
+                d["pipeline_decision"] = record
+            else:
+                d.setdefault("pipeline_changes", []).append(record)
         elif msg.event in ("handoff_start", "handoff_end") and label:
             d["handoff_mode"] = label
         if number is None:
@@ -294,7 +305,7 @@ class Router:
             d["wan_kv_bytes"] = number          # what MD received: authoritative
         elif msg.event == "wan_kv_sent":
             d.setdefault("wan_kv_bytes", number)
-        elif msg.event == "prefix_hit":
+        elif msg.event == "prefix_hit_tokens":
             d["prefix_hit_tokens"] = number
 
     def _on_peer_lost(self, peer: PeerLink) -> None:
@@ -538,6 +549,8 @@ class Router:
             "wan_kv_bytes": d.get("wan_kv_bytes", 0),
             "handoff_bytes": d.get("handoff_bytes", 0),
             "prefix_hit_tokens": d.get("prefix_hit_tokens", 0),
+            "pipeline_decision": d.get("pipeline_decision"),
+            "pipeline_changes": d.get("pipeline_changes", []),
             "finish_reason": asm.finish_reason,
             "warnings": list(asm.warnings),
             "timeline": sorted(state.timeline, key=lambda e: e["time"]),

@@ -1,0 +1,88 @@
+"""P's pipeline planner (sans-IO): decisions from P's view of MD and its WAN estimates."""
+
+from __future__ import annotations
+
+import pytest
+
+from pddnet.kv.prefix_cache import block_hashes
+from pddnet.policy.pipeline import Pipeline, PipelinePolicy
+from pddnet.policy.planner import PipelinePlanner
+from pddnet.protocol import CacheEvents
+
+KVB = 1024           # bytes per token
+BW = 1_000_000.0     # 1 MB/s: 1000 tokens take 1 s
+
+
+def planner(**policy) -> PipelinePlanner:
+    return PipelinePlanner(PipelinePolicy(**policy), KVB, bandwidth_bps=BW, rtt_s=0.02,
+                           rld_step_s=0.01)
+
+
+def teach(p: PipelinePlanner, tokens: list[int], bs: int = 16) -> None:
+    p.view.apply(CacheEvents(seq=p.view.next_seq, block_size=bs,
+                             inserted=tuple(block_hashes(tokens, bs)), evicted=()))
+
+
+def test_high_hit_goes_direct_low_hit_through_the_relay_short_output_stays_on_rld():
+    p = planner(direct_budget_s=0.2)
+    prompt = list(range(1, 2001))
+    teach(p, prompt[:1984])
+    high = p.plan(prompt + [7] * 30, max_tokens=200)
+    assert high.pipeline is Pipeline.P_MD and high.prediction.hit_tokens == 1984
+    low = p.plan([9] * 2000, max_tokens=300)          # 2 s of KV, RLD needs 3 s for 300
+    assert low.pipeline is Pipeline.P_RLD_MD
+    short = p.plan([9] * 2000, max_tokens=4)          # RLD done in 40 ms
+    assert short.pipeline is Pipeline.RLD_ONLY
+    assert p.chosen == {"p_md": 1, "p_rld_md": 1, "p_rld": 1}
+    rec = high.record()
+    assert rec["pipeline"] == "p_md" and rec["predicted_hit_tokens"] == 1984
+    assert rec["inputs"]["bandwidth_bps"] == BW
+
+
+def test_forced_pipeline_is_recorded_as_configured():
+    plan = planner().plan([1] * 50, 10, force=Pipeline.P_RLD_MD)
+    assert plan.pipeline is Pipeline.P_RLD_MD and "configured" in plan.decision.reason
+
+
+def test_mds_answer_repairs_the_view_and_may_make_the_request_singular():
+    p = planner(direct_budget_s=0.2)
+    prompt = list(range(1, 3001))
+    teach(p, prompt)
+    plan = p.plan(prompt + [5] * 40, max_tokens=150)   # believed cached: P->MD
+    assert plan.pipeline is Pipeline.P_MD
+    seen = p.md_answered(plan, 0, 16)                  # MD evicted it all
+    assert seen.wrong and seen.error_tokens == plan.prediction.hit_tokens
+    assert p.view.predict(prompt + [5] * 40).hit_tokens == 0   # repaired
+    assert p.recheck(plan, 0) is None                  # P->MD never gains a relay
+    relayed = p.plan([3] * 3000, max_tokens=400, force=Pipeline.P_RLD_MD)
+    assert p.recheck(relayed, 0) is None               # same hit as planned: unchanged
+    teach(p, [3] * 2992)
+    believed = p.plan([3] * 3000, max_tokens=400)      # hit ~all: P->MD, not rechecked
+    assert believed.pipeline is Pipeline.P_MD
+    # planned through the relay on a believed hit; MD holds nothing: 3 s of KV vs 4 s of RLD
+    # decode still needs MD, but a 100-token output (1 s on RLD) becomes RLD-only.
+    plan2 = p.plan([3] * 2992 + [8] * 400, max_tokens=100, force=Pipeline.P_RLD_MD)
+    changed = p.recheck(plan2, 0)
+    assert changed is not None and changed.pipeline is Pipeline.RLD_ONLY
+    assert p.changed_after_answer == 1
+
+
+def test_estimators_feed_the_next_decision():
+    p = planner(direct_budget_s=0.2)
+    assert p.plan([1] * 500, 10).pipeline is not Pipeline.P_MD    # 0.5 s at 1 MB/s
+    for _ in range(40):
+        p.observe_transfer(8 << 20, 0.1)                             # 80 MB/s observed
+    assert p.plan([1] * 500, 10).pipeline is Pipeline.P_MD
+    p.observe_rtt(0.5)
+    assert p.rtt.srtt > 0.02
+    p.observe_rld_step(0.0)                                          # unknown: ignored
+    assert p.rld_step_s == 0.01
+    counters = p.counters()
+    assert counters["bandwidth_samples"] == 40 and counters["rtt_samples"] == 1
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        PipelinePlanner(PipelinePolicy(), 0, 1.0)
+    with pytest.raises(ValueError, match="rld_step_s"):
+        PipelinePlanner(PipelinePolicy(), 1, 1.0, rld_step_s=0)
