@@ -13,9 +13,11 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from emulation.cli import register_testbed, register_wan
+    from pddnet.bench.cli import register as register_bench
     from pddnet.cluster.cli import register as register_cluster
     from pddnet.engine.cli import register_generate
     from pddnet.model.cli import register_model
+    from pddnet.sim.cli import register as register_sim
 
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -24,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_wan(sub)
     register_testbed(sub)
     register_cluster(sub)
+    register_bench(sub)     # bench, demo, trace
+    register_sim(sub)
     return parser
 
 

@@ -83,7 +83,8 @@ class WanSection:
     stripes: int = 4             # parallel TCP streams for KV chunks
     chunk_tokens: int = 64       # KV tokens per KV_CHUNK frame
     control: str = "127.0.0.1:0"  # the emulator's control API
-    heartbeat_s: float = 1.0     # PING period on WAN control lanes (feeds P's RTT estimate)
+    heartbeat_s: float = 1.0     # PING period on every dialled control lane (P's RTT samples)
+    heartbeat_deadline_s: float = 3.0  # no PONG for this long: the peer is lost (hung, cut off)
 
 
 @dataclass
@@ -134,8 +135,9 @@ class ClusterConfig:
         if pol.rld_max_requests < 1 or pol.rld_max_running_tokens < 0:
             raise ConfigError("policy.rld_max_requests must be >= 1 and "
                               "policy.rld_max_running_tokens >= 0")
-        if self.wan.heartbeat_s <= 0:
-            raise ConfigError(f"wan.heartbeat_s must be > 0, got {self.wan.heartbeat_s}")
+        if not 0 < self.wan.heartbeat_s < self.wan.heartbeat_deadline_s:
+            raise ConfigError(f"need 0 < wan.heartbeat_s < wan.heartbeat_deadline_s, got "
+                              f"{self.wan.heartbeat_s}, {self.wan.heartbeat_deadline_s}")
         if self.wan.shell not in ("auto", "kernel", "packet", "proxy"):
             raise ConfigError(f"wan.shell must be auto|kernel|packet|proxy, got {self.wan.shell!r}")
         for name in ("prefill", "relay", "main_decode"):

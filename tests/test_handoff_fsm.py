@@ -394,3 +394,21 @@ def test_prefill_flow_refusals_and_cancel():
         cancelled.allocated("router", 0)
     with pytest.raises(ValueError, match="hit_tokens 10 outside"):
         PrefillFlow(10, both).allocated("relay", 10)
+
+
+def test_relay_finishes_alone_when_main_decode_is_lost_mid_stream():
+    from pddnet.protocol.handoff import HandoffAbandoned
+
+    fsm = RelayHandoff(10, HandoffPolicy(mode="streaming", chunk=2))
+    for i in range(4):
+        fsm.rld_token(i, 100 + i)
+    acts = fsm.takeover(ready_position=10, chunk_tokens=2, rld_load=0.0)
+    assert fsm.phase is RelayPhase.STREAMING and any(isinstance(a, SendHandoff) for a in acts)
+    lost = fsm.peer_lost()
+    assert [type(a) for a in lost] == [HandoffAbandoned] and "streaming" in lost[0].reason
+    # every later token is RLD's to emit, and nothing goes to MD any more
+    acts = fsm.rld_token(4, 104)
+    assert [type(a) for a in acts] == [EmitTokens]
+    acts = fsm.rld_token(5, 105, "length")
+    assert [type(a) for a in acts] == [EmitTokens, FinishRequest]   # no CancelPeer: MD is gone
+    assert fsm.peer_lost() == []

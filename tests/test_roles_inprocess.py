@@ -118,6 +118,9 @@ def make_config(mode: ClusterMode, handoff: str = "dynamic", **policy) -> Cluste
     cfg.relay.block_size = 4
     cfg.main_decode.block_size = 8
     cfg.wan.stripes, cfg.wan.chunk_tokens = 2, 16
+    # The daemons share this test's event loop, which the reference Engine blocks for seconds:
+    # a 3 s heartbeat deadline would declare healthy peers lost (test_peer_loss uses short ones).
+    cfg.wan.heartbeat_deadline_s = 120.0
     cfg.policy.handoff = handoff
     cfg.policy.pipeline = "p_rld_md"  # these tests exercise the handoff; test_drc picks pipelines
     for key, value in policy.items():

@@ -300,6 +300,19 @@ class ClusterLauncher:
 
     # -- stop -------------------------------------------------------------------------------------
 
+    async def restart(self, role: str, timeout: float = 60.0) -> Daemon:
+        """Start a daemon that died (or was killed) again, same config, ports and namespace,
+        and wait until it serves; the others are not touched (they redial it)."""
+        if role not in self.daemons:
+            raise ValueError(f"no daemon {role!r} in this cluster ({', '.join(self.daemons)})")
+        old = self.daemons[role]
+        if old.proc is not None and old.proc.poll() is None:
+            raise RuntimeError(f"{role} (pid {old.pid}) is still running: stop it first")
+        self._spawn(role)
+        await self._wait_ready(timeout, roles={role}, health=False)
+        self._write_run_file(state="up")  # the new pid
+        return self.daemons[role]
+
     async def stop(self, grace_s: float = 5.0) -> StopReport:
         """Stop every daemon (router first), then the WAN; idempotent."""
         order = [r for r in ("router", "prefill", "relay", "main_decode") if r in self.daemons]

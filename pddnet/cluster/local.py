@@ -60,6 +60,10 @@ class LocalCluster:
         await self.stop()
         self._cleanup(keep=exc_type is not None)
 
+    async def restart(self, role: str, timeout: float = 60.0) -> Any:
+        """Start a killed daemon again (same ports); see ClusterLauncher.restart."""
+        return await self.launcher.restart(role, timeout)
+
     async def stop(self) -> StopReport:
         if self.stop_report is None:
             self.stop_report = await self.launcher.stop()

@@ -75,6 +75,13 @@ class CancelPeer:
 
 
 @dataclass(frozen=True)
+class HandoffAbandoned:
+    """RLD: the main decode tier was lost before the cut; RLD now finishes the request alone."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class HandoffStarted:
     """RLD chose how to hand over (for the timeline)."""
 
@@ -136,7 +143,7 @@ class FirstMainToken:
 
 Action = (EmitTokens | SendHandoff | StopSequence | FinishRequest | CancelPeer | HandoffStarted
           | StartSequence | SendTakeover | AppendTokens | SetChunk | ReleaseHold | HandoffEnded
-          | FirstMainToken)
+          | FirstMainToken | HandoffAbandoned)
 
 
 # -- RLD side -------------------------------------------------------------------------------------
@@ -236,6 +243,19 @@ class RelayHandoff:
         if digested in self._boundaries or self._caught_up(len(self.tokens)):
             return self._cut()
         return []
+
+    def peer_lost(self) -> list[Action]:
+        """MD is gone (dead, hung or cut off) before the cut: RLD is the fallback and decodes
+        the request to its end alone. Until the final HANDOFF every token is RLD's (a
+        streaming handoff only forwarded copies), so nothing is lost or produced twice."""
+        if self.phase in (RelayPhase.CUT, RelayPhase.FINISHED) or not self.hands_off:
+            return []
+        was_streaming = self.phase is RelayPhase.STREAMING
+        self.hands_off = False
+        self.phase = RelayPhase.DECODING
+        self._pending_takeover = None
+        return [HandoffAbandoned("main decode lost" + (" during a streaming handoff"
+                                                        if was_streaming else ""))]
 
     def cancel(self) -> list[Action]:
         """Router cancel, or MD dropped the request: stop decoding."""
@@ -390,5 +410,5 @@ __all__ = [
     "HandoffError", "Action", "EmitTokens", "SendHandoff", "StopSequence", "FinishRequest",
     "CancelPeer", "HandoffStarted", "StartSequence", "SendTakeover", "AppendTokens", "SetChunk",
     "ReleaseHold", "HandoffEnded", "FirstMainToken", "RelayPhase", "RelayHandoff", "MainPhase",
-    "MainHandoff",
+    "MainHandoff", "HandoffAbandoned",
 ]

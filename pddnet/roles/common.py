@@ -32,16 +32,20 @@ from pddnet.protocol import (
     Ping,
     Pong,
     RequestDone,
+    Submit,
     TokenEvent,
 )
 from pddnet.protocol.messages import SamplingFields, Timeline
-from pddnet.transport import Connection, ConnectionClosed, Server, dial_with_retry
+from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
+
+from .peer import Peer
 
 log = logging.getLogger("pddnet.roles")
 
 # How a finished engine sequence ends on the wire (REQUEST_DONE.reason).
 DONE_REASON = {FinishReason.STOP: "eos", FinishReason.LENGTH: "length"}
 CANCELLED_MEMORY = 4096   # recently ended request ids, so a late message cannot resurrect one
+INBOX_LIMIT = 4096        # messages read ahead of the handler on one connection
 
 
 def now() -> float:
@@ -204,6 +208,8 @@ class Daemon:
         self.ended = RecentIds()
         self._router: list[Outbox] = []   # events lanes, most recent last
         self._outboxes: list[Outbox] = []
+        self.peers: list[Peer] = []
+        self.replays: dict[str, Submit] = {}   # decode tiers: requests replayed by token ids
         self._tasks: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
         self._closing = False
@@ -237,6 +243,10 @@ class Daemon:
             await self.close()
             raise
         log.info("%s listening on %s:%d", self.instance_id, sec.host, self.port)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     async def serve_forever(self) -> None:
         await self._closed.wait()
@@ -273,10 +283,31 @@ class Daemon:
         return await dial_with_retry(host, port, role=self.role, instance_id=self.instance_id,
                                      lane=lane, secret=self.secret, attempts=150, delay=0.2)
 
+    async def dial_once(self, address: tuple[str, int], lane: str) -> Connection:
+        """One attempt (a Peer's redial loop does its own backoff)."""
+        host, port = address
+        return await dial(host, port, role=self.role, instance_id=self.instance_id, lane=lane,
+                          secret=self.secret)
+
     def outbox(self, conn: Connection, name: str) -> Outbox:
         box = Outbox(conn, f"{self.instance_id} -> {name}")
         self._outboxes.append(box)
         return box
+
+    def forget_outbox(self, box: Outbox | None) -> None:
+        """A closed connection's outbox (its task has ended): stop counting it."""
+        if box is not None and box in self._outboxes:
+            self._outboxes.remove(box)
+            self.spawn(box.close(), f"close {box.name}")
+
+    def peer(self, address: tuple[str, int], name: str,
+             on_up: Callable[[Connection], Awaitable[None]] | None = None) -> Peer:
+        """A control lane this daemon dials and keeps up (heartbeats, redial)."""
+        wan = self.config.wan
+        p = Peer(self, address, name, heartbeat_s=wan.heartbeat_s,
+                 deadline_s=wan.heartbeat_deadline_s, on_up=on_up)
+        self.peers.append(p)
+        return p
 
     def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)  # type: ignore[arg-type]
@@ -301,14 +332,33 @@ class Daemon:
         await self._serve(conn)
 
     async def _serve(self, conn: Connection) -> None:
-        async for msg in conn:
-            if isinstance(msg, Ping):  # heartbeats are answered at once, on any lane
-                with contextlib.suppress(ConnectionClosed):
-                    await conn.send(Pong(nonce=msg.nonce, time=msg.time))
-                continue
-            if isinstance(msg, Pong):
-                self.on_pong(conn, msg)
-                continue
+        """Read a connection until it closes. Heartbeats are answered by the reader at once;
+        everything else is handled in order by a second task, so a handler waiting for the
+        engine (an allocation behind a long step) never delays a PONG past its deadline."""
+        inbox: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=INBOX_LIMIT)
+        worker = asyncio.get_running_loop().create_task(self._handle_in_order(conn, inbox),
+                                                        name=f"{self.instance_id} handles "
+                                                             f"{conn.peer_role} {conn.lane}")
+        try:
+            async for msg in conn:
+                if isinstance(msg, Ping):  # heartbeats are answered at once, on any lane
+                    with contextlib.suppress(ConnectionClosed):
+                        await conn.send(Pong(nonce=msg.nonce, time=msg.time))
+                elif isinstance(msg, Pong):
+                    self.on_pong(conn, msg)
+                else:
+                    await inbox.put(msg)   # a full inbox stops reading: backpressure
+            await inbox.put(None)
+            await worker
+        finally:
+            if not worker.done():
+                worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await worker
+        self.connection_lost(conn)
+
+    async def _handle_in_order(self, conn: Connection, inbox: asyncio.Queue) -> None:
+        while (msg := await inbox.get()) is not None:
             try:
                 await self.handle(conn, msg)
             except Exception as exc:  # one bad request must not end the connection
@@ -317,13 +367,18 @@ class Daemon:
                               msg.TYPE.name, conn.peer_role)
                 self.counters["errors"] += 1
                 self.error(rid, "internal", f"{self.role} failed on {msg.TYPE.name}: {exc}")
-        self.connection_lost(conn)
 
     def connection_lost(self, conn: Connection) -> None:
         """A connection closed (override to fail the requests that depended on it)."""
 
     def on_pong(self, conn: Connection, msg: Pong) -> None:
-        """A PONG to one of our PINGs (override to use the RTT sample)."""
+        """A PONG to one of our PINGs: the peer is alive."""
+        for p in self.peers:
+            if p.conn is conn:
+                self.on_rtt(conn, p.pong(msg))
+
+    def on_rtt(self, conn: Connection, rtt_s: float) -> None:
+        """A round-trip sample on a dialled lane (override to use it)."""
 
     async def handle(self, conn: Connection, msg: Message) -> None:  # pragma: no cover
         raise NotImplementedError
@@ -359,6 +414,72 @@ class Daemon:
 
     def error(self, rid: str | None, code: str, message: str) -> None:
         self.to_router(ErrorMessage(request_id=rid, code=code, message=message[:4096]))
+
+    # -- replay by token ids (the two decode tiers) ----------------------------------------------
+
+    def replay(self, sub: Submit, serial: Serial | None = None) -> None:
+        """The router lost the daemon that was producing this request and replays it here:
+        prompt + the tokens the client already has (``output_token_ids``), recomputed by one
+        prefill/extend, then decoding on from index len(output_token_ids). Sampling is a pure
+        function of (seed, position), so the continuation is token-exact. ``serial``: the
+        request's own operation queue when this daemon still held it (its stop goes first)."""
+        rid = sub.request_id
+        if rid in self.replays:
+            self.error(rid, "duplicate_request", f"request {rid!r} is already being replayed")
+            return
+        self.replays[rid] = sub
+        self.counters["replays"] += 1
+        self.timeline(rid, "replay_start", len(sub.output_token_ids), self.role)
+        (serial or Serial(f"replay {rid}", self._tasks)).submit(lambda: self._start_replay(sub))
+
+    async def _start_replay(self, sub: Submit) -> None:
+        rid = sub.request_id
+        if self.replays.get(rid) is not sub:
+            return  # cancelled meanwhile
+        try:
+            await self.compute(self.engine.add_request, sub.prompt_token_ids, sub.max_tokens,
+                               sampling_of(sub), rid, ignore_eos=sub.ignore_eos,
+                               output_token_ids=list(sub.output_token_ids))
+        except ValueError as exc:
+            self.replays.pop(rid, None)
+            self.error(rid, "replay_refused", f"{self.role} cannot replay the request: {exc}")
+            return
+        self.wake()
+
+    def replay_step(self, out: StepOutput) -> bool:
+        """Engine output for a replayed request: emit, finish. False if `out` is not one."""
+        sub = self.replays.get(out.request_id)
+        if sub is None:
+            return False
+        reasons = step_end_reasons(out, sub.stop_token_ids)
+        if reasons is None:
+            return True  # our own abort
+        new = out.new_token_ids[:len(reasons)]
+        if new:
+            self.emit_tokens(out.request_id, out.output_index, new)
+        reason = reasons[-1] if reasons else None
+        if reason is not None:
+            del self.replays[out.request_id]
+            self.ended.add(out.request_id)
+            self.request_done(out.request_id, reason, len(sub.prompt_token_ids),
+                              out.output_index + len(new))
+            if not out.finished:  # an extra stop token: the engine does not know it
+                self.spawn(self.compute(self.engine.abort, out.request_id), "replay stop")
+        return True
+
+    def drop_replay(self, rid: str) -> bool:
+        """Cancel a replayed request (router CANCEL). False if it is not one."""
+        if self.replays.pop(rid, None) is None:
+            return False
+        self.ended.add(rid)
+        self.spawn(self.compute(self.engine.abort, rid), f"replay cancel {rid}")
+        return True
+
+    def replays_failed(self, reason: str) -> None:
+        """The engine step failed: fail the replayed requests too."""
+        for rid in list(self.replays):
+            self.replays.pop(rid)
+            self.error(rid, "engine_failed", reason)
 
     # -- KV allocation (the two decode tiers) ---------------------------------------------------
 
@@ -465,14 +586,16 @@ class Daemon:
             lane["bytes_out"] += sum(conn.stats["bytes_out"].values())
         return {"role": self.role, "instance": self.instance_id, "port": self.port,
                 "requests": self.request_stats(), "kv_blocks": blocks, "lanes": lanes,
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters),
+                "peers": {p.name: p.stats() for p in self.peers}}
 
     def request_stats(self) -> dict[str, int]:  # pragma: no cover
         raise NotImplementedError
 
     def decode_request_stats(self, requests: dict[str, Any], *counters: str) -> dict[str, int]:
         """RLD's and MD's request counts: live ones plus the named counters."""
-        return {"active": len(requests), **{name: self.counters[name] for name in counters}}
+        return {"active": len(requests) + len(self.replays),
+                **{name: self.counters[name] for name in counters}}
 
     @staticmethod
     def active_phases(requests: dict[str, Any], limit: int = 16) -> dict[str, str]:

@@ -44,6 +44,7 @@ from pddnet.protocol import (
     KvReceived,
     Message,
     RequestDone,
+    Submit,
     Takeover,
     encode_bytes,
 )
@@ -183,7 +184,13 @@ class MainDecodeDaemon(Daemon):
     # -- messages ------------------------------------------------------------------------------
 
     async def handle(self, conn: Connection, msg: Message) -> None:
-        if isinstance(msg, KvChunk):
+        if isinstance(msg, Submit) and conn.peer_role == "router":
+            old = self.requests.get(msg.request_id)
+            if old is not None:  # its producer elsewhere was lost: stop our part first
+                old.fsm.cancel()
+                self._stop(old)
+            self.replay(msg, old.serial if old is not None else None)
+        elif isinstance(msg, KvChunk):
             await self._chunk(msg)
         elif isinstance(msg, KvAllocRequest):
             await self._alloc(self._p_boxes[conn], msg)
@@ -326,6 +333,8 @@ class MainDecodeDaemon(Daemon):
         self._apply(req, actions)
 
     def _drop(self, rid: str) -> None:
+        if self.drop_replay(rid):
+            return
         self.ended.add(rid)
         req = self.requests.get(rid)
         if req is not None:
@@ -333,9 +342,13 @@ class MainDecodeDaemon(Daemon):
             req.fsm.cancel()
             self._stop(req)
 
-    def _abort(self, req: _Request, reason: str, code: str = "main_decode_failed") -> None:
+    def _abort(self, req: _Request, reason: str, code: str = "main_decode_failed",
+               tell_router: bool = True) -> None:
         log.warning("%s: %s: %s", self.instance_id, req.rid, reason)
-        self.error(req.rid, code, reason)
+        if tell_router:
+            self.error(req.rid, code, reason)
+        else:
+            self.timeline(req.rid, "md_dropped", None, reason[:128])
         req.p_conn.post(KvAbort(request_id=req.rid, reason=reason[:4096]))
         if req.fsm.with_relay and self.rld is not None:
             self.rld.post(Cancel(request_id=req.rid, reason=reason[:4096]))
@@ -346,6 +359,8 @@ class MainDecodeDaemon(Daemon):
 
     def on_step(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
+            if self.replay_step(out):
+                continue
             req = self.requests.get(out.request_id)
             if req is None:
                 continue
@@ -369,6 +384,7 @@ class MainDecodeDaemon(Daemon):
             self._apply(req, actions)
 
     def engine_failed(self, reason: str) -> None:
+        self.replays_failed(reason)
         for req in [r for r in self.requests.values() if r.started]:
             self._abort(req, reason, code="engine_failed")
 
@@ -477,9 +493,12 @@ class MainDecodeDaemon(Daemon):
                 self._abort(req, "prefill control connection closed before the KV was complete")
         if self.rld is not None and conn is self.rld.conn:
             self.rld = None
-            for req in [r for r in self.requests.values()
-                        if r.fsm.with_relay and r.fsm.phase is MainPhase.WAITING_CUT]:
-                self._abort(req, "relay connection closed before the final handoff")
+            # Without the relay there will be no cut: free the copy. Not an error for the
+            # client: either RLD is alive and finishes the request alone (only the RLD -> MD
+            # lane broke), or RLD died and the router replays the request (here or elsewhere).
+            for req in [r for r in self.requests.values() if r.fsm.with_relay]:
+                self._abort(req, "relay connection closed before the final handoff",
+                            tell_router=False)
 
     # -- stats ---------------------------------------------------------------------------------------
 

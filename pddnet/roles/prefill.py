@@ -13,12 +13,10 @@ when, when KV_DONE may go, when P's blocks are free) are pddnet.protocol.request
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
 import secrets
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +36,6 @@ from pddnet.protocol import (
     KvDone,
     KvReceived,
     Message,
-    Ping,
-    Pong,
     Submit,
     payload_from_tensor,
 )
@@ -56,7 +52,8 @@ from pddnet.transport import Connection
 from pddnet.transport.shm_region import RemoteKVRegion
 from pddnet.transport.stripes import StripedSender
 
-from .common import Daemon, Outbox, Serial, log, now, sampling_of
+from .common import Daemon, Serial, log, now, sampling_of
+from .peer import Peer
 
 RELAY, MAIN = "relay", "main_decode"
 FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pipeline.RLD_ONLY}
@@ -99,7 +96,7 @@ class PrefillDaemon(Daemon):
         mode = config.mode
         self.targets: tuple[str, ...] = {ClusterMode.PDD: (RELAY, MAIN), ClusterMode.CROSS_DC: (MAIN,),
                                          ClusterMode.SAME_DC: (RELAY,)}[mode]
-        self.control: dict[str, Outbox] = {}
+        self.control: dict[str, Peer] = {}
         self.planner: PipelinePlanner | None = None   # pdd mode, once the engine exists
         self.stripes: StripedSender | None = None
         self.regions: dict[str, RemoteKVRegion] = {}
@@ -119,29 +116,27 @@ class PrefillDaemon(Daemon):
         if self.config.mode is ClusterMode.PDD:
             self.planner = self._make_planner()
         if RELAY in self.targets:
-            conn = await self.dial(self.config.relay.dial_address(), "control")
-            self.control[RELAY] = self.outbox(conn, "relay control")
-            self.read_loop(conn, "relay control")
+            self.control[RELAY] = self.peer(self.config.relay.dial_address(), "relay control")
+            await self.control[RELAY].connect_first()
         if MAIN in self.targets:
-            address = self.config.main_decode.dial_address()
-            conn = await self.dial(address, "control")
-            self.control[MAIN] = self.outbox(conn, "main-decode control")
-            self.read_loop(conn, "main-decode control")
-            lanes = [await self.dial(address, "bulk") for _ in range(self.config.wan.stripes)]
-            self.stripes = StripedSender(lanes)
-            self.spawn(self._heartbeat(conn), "heartbeat main-decode")
+            self.control[MAIN] = self.peer(self.config.main_decode.dial_address(),
+                                           "main-decode control", on_up=self._main_up)
+            await self.control[MAIN].connect_first()
 
-    async def _heartbeat(self, conn: Connection) -> None:
-        """PING MD's control lane every wan.heartbeat_s: PONG gives P its WAN RTT samples."""
-        nonce = 0
-        while not conn.closed:
-            nonce += 1
-            self.control[MAIN].post(Ping(nonce=nonce, time=time.monotonic()))
-            await asyncio.sleep(self.config.wan.heartbeat_s)
+    async def _main_up(self, conn: Connection) -> None:
+        """MD's control lane is (re)connected: dial its bulk lanes; a new view of its cache
+        starts from the snapshot MD sends first."""
+        address = self.config.main_decode.dial_address()
+        lanes = [await self.dial_once(address, "bulk") for _ in range(self.config.wan.stripes)]
+        old, self.stripes = self.stripes, StripedSender(lanes)
+        if old is not None:
+            self.spawn(old.close(), "close old stripes")
+        if self.planner is not None:
+            self.planner.reset_view()
 
-    def on_pong(self, conn: Connection, msg: Pong) -> None:
+    def on_rtt(self, conn: Connection, rtt_s: float) -> None:
         if conn.peer_role == MAIN and self.planner is not None:
-            self.planner.observe_rtt(max(0.0, time.monotonic() - msg.time))
+            self.planner.observe_rtt(rtt_s)
 
     async def close_extra(self) -> None:
         if self.stripes is not None:
@@ -192,12 +187,26 @@ class PrefillDaemon(Daemon):
             sub = dataclasses.replace(sub, seed=secrets.randbits(63))
         n = len(sub.prompt_token_ids)
         plan = None
+        down = [t for t in self.targets if not self.control[t].alive]
         if self.planner is None:
+            if down:  # a baseline has nobody else to send it to
+                self.error(rid, f"{down[0]}_lost", f"{down[0]} is unreachable: "
+                           f"{self.control[down[0]].last_loss}")
+                return
             pipeline = FIXED_PIPELINES[self.config.mode]
         else:
             forced = self.config.policy.pipeline
-            plan = self.planner.plan(sub.prompt_token_ids, sub.max_tokens,
-                                     force=None if forced == "auto" else Pipeline.from_wire(forced))
+            force = None if forced == "auto" else Pipeline.from_wire(forced)
+            if down == [MAIN]:      # RLD is the fallback while MD is unreachable
+                force = Pipeline.RLD_ONLY
+            elif down == [RELAY]:   # and MD while RLD is
+                force = Pipeline.P_MD
+            elif down:
+                self.error(rid, "no_decode_tier", "neither relay nor main decode is reachable")
+                return
+            plan = self.planner.plan(sub.prompt_token_ids, sub.max_tokens, force=force)
+            if down:
+                self.counters[f"{down[0]}_down_rerouted"] += 1
             pipeline = plan.pipeline
         targets = TARGETS[pipeline] if self.planner is not None else self.targets
         req = _Request(sub, PrefillFlow(n, targets),
@@ -337,9 +346,17 @@ class PrefillDaemon(Daemon):
 
     def _cancel(self, rid: str, reason: str, by: str = "router") -> None:
         req = self.requests.get(rid)
-        self.ended.add(rid)
         if req is None:
+            self.ended.add(rid)
             return
+        relay = req.flow.targets.get(RELAY)
+        if by == MAIN and req.pipeline is Pipeline.P_RLD_MD and relay is not None \
+                and RELAY in req.allocs:
+            # MD dropped its copy (e.g. it lost the relay lane): RLD still serves the request.
+            self._change_pipeline(req, Pipeline.RLD_ONLY, f"main decode dropped it: {reason}")
+            self._run(req, req.flow.drop(MAIN, ""))
+            return
+        self.ended.add(rid)
         main = req.flow.targets.get(MAIN)
         if by == RELAY and main is not None and main.hit is not None and not main.finished:
             # RLD finished the whole output before MD's copy was complete: stop shipping it.
@@ -413,7 +430,6 @@ class PrefillDaemon(Daemon):
         return region.write(own, alloc.block_ids, exported, start, min_position=alloc.hit)
 
     async def _send_chunks(self, req: _Request, start: int, end: int) -> None:
-        assert self.stripes is not None
         alloc = req.allocs[MAIN]
         step = self.config.wan.chunk_tokens
         rid = req.submit.request_id
@@ -427,9 +443,12 @@ class PrefillDaemon(Daemon):
             chunk = KvChunk(request_id=rid, chunk_index=req.chunks, token_start=s, token_end=e,
                             layer_start=0, layer_end=shape[0], block_ids=touched, dtype=dtype,
                             shape=shape, payload=payload)
+            stripes = self.stripes
+            if stripes is None or req.flow.over:
+                return  # MD was lost meanwhile (connection_lost re-routed or failed it)
             req.chunks += 1
             req.wan_bytes += payload.nbytes
-            await self.stripes.send(chunk)
+            await stripes.send(chunk)
 
     def _export(self, rid: str, start: int, end: int):
         """In the engine thread: the KV of positions [start, end) of P's sequence."""
@@ -474,12 +493,27 @@ class PrefillDaemon(Daemon):
             self.counters["completed" if shipped else "aborted"] += 1
 
     def connection_lost(self, conn: Connection) -> None:
-        if conn.lane == "control" and conn.peer_role == MAIN and self.planner is not None:
-            self.planner.reset_view()  # a new connection starts from MD's snapshot
-        if conn.lane == "control" and conn.peer_role in (RELAY, MAIN):
-            for rid in list(self.requests):
-                self._fail(rid, "peer_lost", f"{conn.peer_role} control connection closed: "
-                           f"{conn.close_reason}")
+        if conn.lane != "control" or conn.peer_role not in (RELAY, MAIN):
+            return
+        lost = conn.peer_role
+        why = f"{lost} control connection closed: {conn.close_reason or 'closed'}"
+        if lost == MAIN:
+            if self.planner is not None:
+                self.planner.reset_view()  # the next connection starts from MD's snapshot
+            if self.stripes is not None:
+                stripes, self.stripes = self.stripes, None
+                self.spawn(stripes.close(), "close stripes")
+        for rid, req in list(self.requests.items()):
+            t = req.flow.targets.get(lost)
+            if t is None or t.finished or req.flow.over:
+                continue
+            if lost == MAIN and req.pipeline is Pipeline.P_RLD_MD and RELAY in req.allocs:
+                # RLD is the fallback: it decodes the request to its end (it sees MD gone too).
+                self.counters["main_lost_relay_continues"] += 1
+                self._change_pipeline(req, Pipeline.RLD_ONLY, why)
+                self._run(req, req.flow.drop(MAIN, ""))
+            else:  # the router replays it by token ids on a live decode tier, or fails it
+                self._fail(rid, f"{lost}_lost", why)
 
     # -- stats ---------------------------------------------------------------------------------------
 

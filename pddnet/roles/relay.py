@@ -36,6 +36,7 @@ from pddnet.protocol import (
     KvDone,
     Message,
     RequestDone,
+    Submit,
     Takeover,
     encode_bytes,
 )
@@ -44,6 +45,7 @@ from pddnet.protocol.handoff import (
     CancelPeer,
     EmitTokens,
     FinishRequest,
+    HandoffAbandoned,
     HandoffError,
     HandoffStarted,
     RelayHandoff,
@@ -63,6 +65,7 @@ from .common import (
     sampling_of,
     step_end_reasons,
 )
+from .peer import Peer
 
 HANDS_OFF_PIPELINES = ("p_rld_md",)
 
@@ -100,7 +103,7 @@ class RelayDaemon(Daemon):
                 max_running_tokens=pol.rld_max_running_tokens or sec.num_blocks * sec.block_size,
                 max_blocks=sec.num_blocks, max_requests=pol.rld_max_requests)
         self.step_s = 0.0        # EWMA of decode step time = seconds per token of a request
-        self.md: Outbox | None = None
+        self.md: Peer | None = None
         self.requests: dict[str, _Request] = {}
         self._p_boxes: dict[Connection, Outbox] = {}
         # TAKEOVERs that overtook their request's KV_ALLOC_REQUEST (they come on different
@@ -115,14 +118,19 @@ class RelayDaemon(Daemon):
 
     async def dial_peers(self) -> None:
         if self.hands_off:
-            conn = await self.dial(self.config.main_decode.dial_address(), "control")
-            self.md = self.outbox(conn, "main-decode control")
-            self.read_loop(conn, "main-decode control")
+            self.md = self.peer(self.config.main_decode.dial_address(), "main-decode control")
+            await self.md.connect_first()
 
     # -- messages ------------------------------------------------------------------------------
 
     async def handle(self, conn: Connection, msg: Message) -> None:
-        if isinstance(msg, KvAllocRequest):
+        if isinstance(msg, Submit) and conn.peer_role == "router":
+            old = self.requests.get(msg.request_id)
+            if old is not None:  # its producer elsewhere was lost: stop our part first
+                old.fsm.cancel()
+                self._stop(old)
+            self.replay(msg, old.serial if old is not None else None)
+        elif isinstance(msg, KvAllocRequest):
             await self._alloc(self._p_outbox(conn), msg)
         elif isinstance(msg, KvDone):
             self._kv_done(msg)
@@ -248,6 +256,8 @@ class RelayDaemon(Daemon):
             self.md.post(Cancel(request_id=rid, reason=reason))
 
     def _drop(self, rid: str, reason: str) -> None:
+        if self.drop_replay(rid):
+            return
         self.ended.add(rid)
         self._release_early_takeover(rid, f"ended before the relay allocated it: {reason}"[:4096])
         req = self.requests.get(rid)
@@ -269,6 +279,7 @@ class RelayDaemon(Daemon):
     # -- engine progress -------------------------------------------------------------------------
 
     def on_step(self, outputs: list[StepOutput]) -> None:
+        outputs = [out for out in outputs if not self.replay_step(out)]
         last = self.engine.last_step
         if last is not None and last.num_decode_tokens and not last.num_prefill_tokens:
             # A pure decode step: what one more output token of a request costs right now.
@@ -287,6 +298,7 @@ class RelayDaemon(Daemon):
                 self._apply(req, req.fsm.rld_token(out.output_index + i, tok, reason))
 
     def engine_failed(self, reason: str) -> None:
+        self.replays_failed(reason)
         for req in [r for r in self.requests.values() if r.decoding]:
             self._abort(req, reason, code="engine_failed")
 
@@ -318,6 +330,9 @@ class RelayDaemon(Daemon):
                     self.md.post(Cancel(request_id=rid, reason=a.reason))
             elif isinstance(a, HandoffStarted):
                 self.timeline(rid, "handoff_start", a.backlog_tokens, a.mode)
+            elif isinstance(a, HandoffAbandoned):
+                self.counters["handoffs_abandoned"] += 1
+                self.timeline(rid, "handoff_abandoned", None, a.reason[:128])
 
     def _stop(self, req: _Request) -> None:
         """Free the request's sequence or reservation (in order after its start) and forget it."""
@@ -349,9 +364,11 @@ class RelayDaemon(Daemon):
             for rid in list(self._early_takeovers):  # their allocations will not come now
                 self._release_early_takeover(rid, "prefill connection closed")
         if self.md is not None and conn is self.md.conn:
-            for req in [r for r in self.requests.values() if r.fsm.hands_off
-                        and r.fsm.phase is RelayPhase.STREAMING]:
-                self._abort(req, "main-decode connection closed during the handoff")
+            # RLD is the fallback: whatever MD was to take over, RLD now finishes alone.
+            for req in [r for r in self.requests.values() if r.fsm.hands_off]:
+                self._apply(req, req.fsm.peer_lost())
+            for rid in list(self._early_takeovers):
+                self._early_takeovers.pop(rid, None)
 
     # -- stats ---------------------------------------------------------------------------------------
 

@@ -89,6 +89,11 @@ class RequestState:
     error_status: int = 500
     error_code: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Which daemon is producing the request now (prefill until a decode tier has its KV):
+    # when that one is lost, the router replays the request by token ids elsewhere.
+    owner: str = "prefill"
+    replays: int = 0
+    replay_target: str | None = None
 
     def add_event(self, event: str, t: float, producer: str, detail: Any = None) -> None:
         self.timeline.append({"event": event, "time": t, "producer": producer, "detail": detail})
@@ -107,6 +112,9 @@ class PeerLink:
         self.task: asyncio.Task | None = None
         self.connects = 0
         self.last_error: str | None = None
+        self.last_pong = 0.0
+        self.unanswered = 0
+        self.heartbeat_deadlines = 0
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"router-peer-{self.role}")
@@ -134,6 +142,8 @@ class PeerLink:
             self.last_error = None
             self.connected.set()
             log.info("connected to %s at %s:%d", self.role, *self.address)
+            self.last_pong = time.monotonic()
+            beat = asyncio.create_task(self._heartbeat(conn), name=f"router-beat-{self.role}")
             try:
                 while True:
                     msg = await conn.recv()
@@ -146,11 +156,32 @@ class PeerLink:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("events lane to %s failed", self.role)
             finally:
+                beat.cancel()
                 self.conn = None
                 self.connected.clear()
                 with contextlib.suppress(Exception):
                     await conn.close()
             self.router._on_peer_lost(self)
+
+    async def _heartbeat(self, conn: Any) -> None:
+        """PING every wan.heartbeat_s; a daemon silent past the deadline (hung: SIGSTOP, or cut
+        off) is treated as lost, so its requests are replayed instead of waiting for the
+        request timeout."""
+        wan = self.router.config.wan
+        nonce = 0
+        self.unanswered = 0
+        while not conn.closed:
+            await asyncio.sleep(wan.heartbeat_s)
+            silent = time.monotonic() - self.last_pong
+            # Two PINGs unanswered as well: a stall of our own event loop is not the peer's.
+            if silent > wan.heartbeat_deadline_s and self.unanswered >= 2:
+                self.heartbeat_deadlines += 1
+                await conn.close(f"heartbeat deadline: {self.role} silent for {silent:.1f} s")
+                return
+            nonce += 1
+            self.unanswered += 1
+            with contextlib.suppress(Exception):
+                await conn.send(m.Ping(nonce=nonce, time=time.monotonic()))
 
     async def send(self, msg: m.Message) -> None:
         conn = self.conn
@@ -189,6 +220,7 @@ class Router:
         self._runner: web.AppRunner | None = None
         self._stop = asyncio.Event()
         self._metrics = RouterMetrics()
+        self._tasks: set[asyncio.Task] = set()
         self.app = self._make_app()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -218,6 +250,9 @@ class Router:
 
     async def close(self) -> None:
         self._stop.set()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for state in list(self.requests.values()):
             state.assembler.fail("the router is shutting down")
             state.changed.set()
@@ -244,6 +279,8 @@ class Router:
             await peer.send(m.Pong(nonce=msg.nonce, time=msg.time))
             return
         if isinstance(msg, m.Pong):
+            peer.last_pong = time.monotonic()
+            peer.unanswered = 0
             return
         rid = getattr(msg, "request_id", None)
         state = self.requests.get(rid) if rid is not None else None
@@ -254,6 +291,8 @@ class Router:
                 self.counters["unknown_request_events"] += 1
             return
         if isinstance(msg, m.TokenEvent):
+            if state.replay_target is None or msg.producer == state.replay_target:
+                state.owner = msg.producer
             was = len(state.assembler.tokens)
             state.assembler.feed_tokens(msg.index, msg.token_ids, msg.producer, now)
             if was == 0 and state.assembler.tokens:
@@ -266,12 +305,55 @@ class Router:
             state.assembler.feed_done(msg.reason, msg.num_output_tokens, msg.producer)
         elif isinstance(msg, m.ErrorMessage):
             state.add_event("error", now, peer.role, f"{msg.code}: {msg.message}")
-            state.error_code = msg.code
-            state.error_status = 503 if ("overload" in msg.code or "capacity" in msg.code) else 500
-            state.assembler.fail(f"{peer.role}: {msg.code}: {msg.message}")
+            if state.replay_target is not None and peer.role != state.replay_target:
+                pass  # about the lost attempt: the replay elsewhere carries the request now
+            elif msg.code.endswith("_lost") and await self._replay(state, msg.code[:-5],
+                                                                   msg.message):
+                pass
+            else:
+                self._fail(state, peer.role, msg.code, msg.message)
         elif isinstance(msg, m.Timeline):
             self._on_timeline(state, peer, msg)
         state.changed.set()
+
+    @staticmethod
+    def _fail(state: RequestState, who: str, code: str, message: str) -> None:
+        state.error_code = code
+        unavailable = "overload" in code or "capacity" in code or code.endswith("_lost")
+        state.error_status = 503 if unavailable else 500
+        state.assembler.fail(f"{who}: {code}: {message}")
+        state.changed.set()
+
+    async def _replay(self, state: RequestState, lost: str, why: str) -> bool:
+        """Replay the request by token ids on a live decode tier other than `lost`: prompt +
+        the tokens the client already has, recomputed there by one prefill, decoding on from
+        the next index. Once per request. False when no tier can take it."""
+        asm = state.assembler
+        if asm.finished or state.replays >= 1:
+            return False
+        targets = [r for r in ("relay", "main_decode")
+                   if r in self.peers and r != lost and self.peers[r].conn is not None]
+        if not targets:
+            return False
+        target = targets[0]
+        req = state.req
+        known = tuple(asm.tokens)
+        state.replays += 1
+        state.replay_target = state.owner = target
+        self.counters["replays"] = self.counters.get("replays", 0) + 1
+        state.add_event("replay", self.clock(), "router",
+                        f"{lost} lost ({why[:200]}): replayed on {target} from index {len(known)}")
+        try:
+            await self.peers[target].send(m.Submit(
+                request_id=state.request_id, prompt_token_ids=req.prompt_token_ids,
+                max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k, seed=state.seed, stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, output_token_ids=known))
+        except Exception as exc:
+            self._fail(state, "router", f"{lost}_lost",
+                       f"{why}; replay on {target} failed: {exc}")
+            return True
+        return True
 
     def _on_timeline(self, state: RequestState, peer: PeerLink, msg: m.Timeline) -> None:
         number, label = msg.detail_int, msg.detail_str
@@ -281,6 +363,13 @@ class Router:
             detail = label or number
         state.add_event(msg.event, msg.time, msg.producer or peer.role, detail)
         d = state.details
+        if state.replay_target is None:
+            # Who carries the request now: the decode tier that holds its KV; MD after a cut.
+            if msg.event == "rld_kv_complete" or (msg.event == "md_kv_complete"
+                                                   and d.get("pipeline") == "p_md"):
+                state.owner = msg.producer or peer.role
+            elif msg.event == "handoff_end":
+                state.owner = "main_decode"
         # Figures of the `pdd` object riding on the milestone they belong to.
         if msg.event == "prefill_start" and label:
             d.setdefault("pipeline", label)
@@ -309,12 +398,21 @@ class Router:
             d["prefix_hit_tokens"] = number
 
     def _on_peer_lost(self, peer: PeerLink) -> None:
+        """A daemon's events lane is gone (dead, hung past the heartbeat deadline, cut off):
+        the requests it was producing are replayed elsewhere; the others go on (a daemon that
+        depended on it reports those itself)."""
         for state in list(self.requests.values()):
-            if not state.assembler.finished:
-                state.error_code = "peer_lost"
-                state.error_status = 502
-                state.assembler.fail(f"lost the connection to {peer.role}: {peer.last_error}")
-                state.changed.set()
+            if state.assembler.finished or peer.role not in (state.owner, state.replay_target):
+                continue
+            why = f"lost the connection to {peer.role}: {peer.last_error}"
+            task = asyncio.get_running_loop().create_task(self._replay_or_fail(state, peer.role,
+                                                                               why))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _replay_or_fail(self, state: RequestState, lost: str, why: str) -> None:
+        if not await self._replay(state, lost, why):
+            self._fail(state, "router", f"{lost}_lost", why)
 
     async def _broadcast_cancel(self, state: RequestState, reason: str) -> None:
         for peer in self.peers.values():
@@ -549,6 +647,7 @@ class Router:
             "wan_kv_bytes": d.get("wan_kv_bytes", 0),
             "handoff_bytes": d.get("handoff_bytes", 0),
             "prefix_hit_tokens": d.get("prefix_hit_tokens", 0),
+            "replays": state.replays,
             "pipeline_decision": d.get("pipeline_decision"),
             "pipeline_changes": d.get("pipeline_changes", []),
             "finish_reason": asm.finish_reason,

@@ -1,0 +1,196 @@
+"""drc: WAN KV bytes and TTFT with and without the decode-side RadixCache, on the multi-turn agent
+workload, over the source's seven hit-rate intervals.
+
+Two clusters, one after the other, on the same seeded workload, model and emulated WAN: MD with
+its radix tree (`main_decode.prefix_cache = "radix"`) and without (`"off"`). Every request is
+sent P->MD (`policy.pipeline = "p_md"`) so that both runs ship every request's KV to MD and the
+byte counts compare DRC alone (with the pipeline policy free to choose, DRC's smaller transfers
+would also change pipelines; that is the ttft benchmark's business). Greedy decoding with
+ignore_eos makes the two runs' prompts identical, so requests pair up by index; each is binned
+by the hit MD really had in the DRC run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from pddnet.bench.agent_workload import (
+    AgentWorkloadParams,
+    generate_agent_workload,
+    hit_distribution,
+    ideal_hit_ratios,
+)
+from pddnet.bench.results import summary, write_result
+from pddnet.kv.radix import HIT_INTERVAL_LABELS, hit_interval
+
+QUICK = AgentWorkloadParams(num_conversations=6, conversation_rate_per_s=6.0, think_time_s=0.3,
+                            max_turns=(4, 8), large_tool_len=(200, 800))
+FULL = AgentWorkloadParams(num_conversations=40, conversation_rate_per_s=2.0, think_time_s=1.0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="a few conversations (smoke test)")
+    p.add_argument("--conversations", type=int, default=None, help="override the count")
+    p.add_argument("--model", default="tiny", help="model preset (tiny: 1 KiB KV per token)")
+    p.add_argument("--wan", default="auto", choices=["auto", "packet", "proxy"])
+    p.add_argument("--rtt-ms", type=float, default=30.0)
+    p.add_argument("--bw-mbit", type=float, default=1000.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--md-blocks", type=int, default=8192,
+                   help="MD's KV pool in blocks of 16 (room for the conversations' prefixes)")
+    p.add_argument("--out", default="results", help="folder for results/<bench>/...")
+    p.add_argument("--no-progress", action="store_true")
+
+
+async def run_variant(args: argparse.Namespace, workload: list, prefix_cache: str,
+                      show_progress: bool) -> dict[str, Any]:
+    import aiohttp
+
+    from pddnet.bench.drive import drive_agent, warm_up
+    from pddnet.bench.progress import progress
+    from pddnet.cluster.local import LocalCluster
+
+    overrides = {"policy.pipeline": "p_md", "main_decode.prefix_cache": prefix_cache,
+                 "main_decode.num_blocks": args.md_blocks, "prefill.num_blocks": 2048,
+                 "model.threads": 1}
+    async with LocalCluster(mode="pdd", model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
+                            jitter_ms=0.0, bw_mbit=args.bw_mbit, overrides=overrides) as cluster:
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await warm_up(session, cluster.url, args.model)
+            with progress(len(workload), f"drc {prefix_cache}", enabled=show_progress) as bar:
+                records = await drive_agent(session, cluster.url, workload, args.model, bar)
+        md = await cluster.stats("main_decode")
+        p = await cluster.stats("prefill")
+        shell = cluster.wan.get("shell")
+    errors = [r.error for r in records if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(records)} requests failed, e.g. {errors[0]}")
+    return {"records": records, "md": md, "prefill": p, "shell": shell}
+
+
+def prompt_tokens(pdd: dict[str, Any]) -> int:
+    """The prompt length the router recorded at the request's arrival."""
+    for e in pdd.get("timeline", []):
+        if e["event"] == "arrival" and isinstance(e["detail"], int):
+            return e["detail"]
+    raise RuntimeError(f"request {pdd.get('request_id')} has no arrival event in its timeline")
+
+
+def _per_interval(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for i, label in enumerate(HIT_INTERVAL_LABELS):
+        sel = [r for r in rows if r["interval"] == i]
+        on = sum(r["bytes_drc"] for r in sel)
+        off = sum(r["bytes_no_drc"] for r in sel)
+        out[label] = {"requests": len(sel), "bytes_drc": on, "bytes_no_drc": off,
+                      "reduction": (off / on) if on else None,
+                      "ttft_drc_p50": summary([r["ttft_drc"] for r in sel])["p50"],
+                      "ttft_no_drc_p50": summary([r["ttft_no_drc"] for r in sel])["p50"]}
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    params = QUICK if args.quick else FULL
+    if args.conversations:
+        params = dataclasses.replace(params, num_conversations=args.conversations)
+    workload = generate_agent_workload(params, seed=args.seed)
+    ideal = hit_distribution(ideal_hit_ratios(workload))
+    show = not args.no_progress
+    on = await run_variant(args, workload, "radix", show)
+    off = await run_variant(args, workload, "off", show)
+    rows = []
+    for rec_on, rec_off in zip(on["records"], off["records"], strict=True):
+        if rec_on.token_ids != rec_off.token_ids:
+            raise RuntimeError("the two runs produced different tokens for the same request")
+        hit = rec_on.pdd.get("prefix_hit_tokens", 0)
+        prompt = prompt_tokens(rec_on.pdd)
+        rows.append({"prompt_tokens": prompt, "hit_tokens": hit,
+                     "interval": hit_interval(hit / prompt),
+                     "bytes_drc": rec_on.pdd.get("wan_kv_bytes", 0),
+                     "bytes_no_drc": rec_off.pdd.get("wan_kv_bytes", 0),
+                     "ttft_drc": rec_on.ttft_s, "ttft_no_drc": rec_off.ttft_s})
+    total_on = sum(r["bytes_drc"] for r in rows)
+    total_off = sum(r["bytes_no_drc"] for r in rows)
+    measured = {label: c / len(rows) for label, c in zip(
+        HIT_INTERVAL_LABELS, [sum(r["interval"] == i for r in rows)
+                              for i in range(len(HIT_INTERVAL_LABELS))], strict=True)}
+    mean_hit = sum(r["hit_tokens"] / r["prompt_tokens"] for r in rows) / len(rows)
+    result = {
+        "config": {"model": args.model, "wan_shell": on["shell"], "rtt_ms": args.rtt_ms,
+                   "bw_mbit": args.bw_mbit, "md_blocks": args.md_blocks, "seed": args.seed,
+                   "pipeline": "p_md", "torch_threads_per_daemon": 1,
+                   "workload": dataclasses.asdict(params)},
+        "requests": len(rows), "mean_hit": mean_hit,
+        "hit_distribution_measured": measured, "hit_distribution_ideal": ideal,
+        "wan_kv_bytes_drc": total_on, "wan_kv_bytes_no_drc": total_off,
+        "byte_reduction": (total_off / total_on) if total_on else None,
+        "ttft_drc": summary([r["ttft_drc"] for r in rows]),
+        "ttft_no_drc": summary([r["ttft_no_drc"] for r in rows]),
+        "per_interval": _per_interval(rows),
+        "md_drc_stats": on["md"].get("drc"),
+        "p_view": on["prefill"].get("planner", {}).get("view"),
+        "rows": rows,
+    }
+    path = write_result("drc", result, args.out)
+    result["path"] = str(path)
+    result["plots"] = _plots(result, path)
+    print_table(result)
+    return result
+
+
+def _plots(result: dict[str, Any], path: Path) -> list[str]:
+    from pddnet.bench.plots import grouped_bars
+
+    out = []
+    per = result["per_interval"]
+    mib = {label: {"with DRC": v["bytes_drc"] / 2**20, "without DRC": v["bytes_no_drc"] / 2**20}
+           for label, v in per.items() if v["requests"]}
+    p = grouped_bars(mib, path.with_name(path.stem + "-bytes.png"), "WAN KV MiB",
+                     f"WAN KV bytes by MD hit interval (reduction "
+                     f"{result['byte_reduction'] or 0:.1f}x)")
+    if p is not None:
+        out.append(str(p))
+    share = {label: {"measured": result["hit_distribution_measured"][label] * 100,
+                     "ideal cache": result["hit_distribution_ideal"][label] * 100}
+             for label in HIT_INTERVAL_LABELS}
+    p = grouped_bars(share, path.with_name(path.stem + "-hits.png"), "% of requests",
+                     "prefix hit distribution (source intervals)")
+    if p is not None:
+        out.append(str(p))
+    return out
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(f"\ndrc: {r['requests']} requests, mean MD hit {r['mean_hit']:.3f}, "
+          f"WAN {r['config']['wan_shell']} {r['config']['rtt_ms']:g} ms "
+          f"{r['config']['bw_mbit']:g} Mbit/s, model {r['config']['model']}, 1 torch thread/daemon")
+    print(f"{'hit interval':<12} {'share':>7} {'ideal':>7} {'KV MiB DRC':>11} "
+          f"{'no DRC':>9} {'ratio':>7} {'TTFT p50 DRC':>13} {'no DRC':>8}")
+    for label, v in r["per_interval"].items():
+        ratio = f"{v['reduction']:.1f}x" if v["reduction"] else "-"
+        t_on, t_off = v["ttft_drc_p50"], v["ttft_no_drc_p50"]
+        print(f"{label:<12} {r['hit_distribution_measured'][label]:>7.1%} "
+              f"{r['hit_distribution_ideal'][label]:>7.1%} {v['bytes_drc'] / 2**20:>11.2f} "
+              f"{v['bytes_no_drc'] / 2**20:>9.2f} {ratio:>7} "
+              f"{'-' if t_on is None else f'{t_on * 1e3:.0f} ms':>13} "
+              f"{'-' if t_off is None else f'{t_off * 1e3:.0f} ms':>8}")
+    red = r["byte_reduction"]
+    print(f"total WAN KV: {r['wan_kv_bytes_drc'] / 2**20:.1f} MiB with DRC vs "
+          f"{r['wan_kv_bytes_no_drc'] / 2**20:.1f} MiB without: "
+          f"{'-' if red is None else f'{red:.1f}x'} fewer bytes")
+    t_on, t_off = r["ttft_drc"], r["ttft_no_drc"]
+    print(f"TTFT p50 {t_on['p50'] * 1e3:.0f} ms vs {t_off['p50'] * 1e3:.0f} ms, "
+          f"p99 {t_on['p99'] * 1e3:.0f} ms vs {t_off['p99'] * 1e3:.0f} ms")
+    print(f"results: {r['path']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    asyncio.run(run(p.parse_args(argv)))
+    return 0

@@ -1,0 +1,79 @@
+"""Load drivers shared by the benchmarks and the demo: send a seeded workload to a router and
+record what the client sees (`StreamRecord` per request, in workload order).
+
+- `drive_poisson`: independent requests at their arrival offsets (open loop).
+- `drive_agent`: multi-turn conversations; turn t is sent at max(its arrival, turn t-1 done)
+  and its prompt is built from what turn t-1 really returned (closed loop per conversation).
+Both take a `progress` (pddnet.bench.progress) updated once per finished request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pddnet.bench.agent_workload import AgentRequest, follow_up_prompt
+from pddnet.bench.client import StreamRecord, stream_completion
+from pddnet.bench.workload import BenchRequest
+
+
+def _body(model: str, prompt: Sequence[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
+async def warm_up(session: Any, url: str, model: str) -> None:
+    """One tiny request, so that first-touch costs (allocations, lazy imports) are not measured."""
+    rec = await stream_completion(session, url, _body(model, [1, 2, 3], 2))
+    if rec.error is not None:
+        raise RuntimeError(f"warm-up request failed: {rec.error}")
+
+
+async def drive_poisson(session: Any, url: str, workload: Sequence[BenchRequest], model: str,
+                        progress: Any = None, **extra: Any) -> list[StreamRecord]:
+    start = time.monotonic()
+
+    async def one(req: BenchRequest) -> StreamRecord:
+        await asyncio.sleep(max(0.0, req.arrival_s - (time.monotonic() - start)))
+        rec = await stream_completion(session, url, _body(model, req.prompt_token_ids,
+                                                          req.max_tokens, **extra))
+        if progress is not None:
+            progress.update(1)
+        return rec
+
+    return list(await asyncio.gather(*(one(r) for r in workload)))
+
+
+async def drive_agent(session: Any, url: str, workload: Sequence[AgentRequest], model: str,
+                      progress: Any = None) -> list[StreamRecord]:
+    by_conv: dict[int, list[int]] = {}
+    for i, r in enumerate(workload):
+        by_conv.setdefault(r.conversation_id, []).append(i)
+    records: list[StreamRecord | None] = [None] * len(workload)
+    start = time.monotonic()
+
+    async def conversation(indices: list[int]) -> None:
+        prompt: tuple[int, ...] = ()
+        output: list[int] = []
+        for i in sorted(indices, key=lambda j: workload[j].turn):
+            req = workload[i]
+            await asyncio.sleep(max(0.0, req.arrival_s - (time.monotonic() - start)))
+            prompt = follow_up_prompt(req, prompt, output)
+            rec = await stream_completion(session, url, _body(model, prompt, req.max_tokens))
+            records[i] = rec
+            if progress is not None:
+                progress.update(1)
+            if rec.error is not None:   # the conversation cannot go on without this turn
+                for j in indices:
+                    if records[j] is None:
+                        records[j] = StreamRecord(sent_at=time.time(),
+                                                  error=f"not sent: turn {req.turn} failed")
+                        if progress is not None:
+                            progress.update(1)
+                return
+            output = rec.token_ids
+
+    await asyncio.gather(*(conversation(ix) for ix in by_conv.values()))
+    return [r for r in records if r is not None]

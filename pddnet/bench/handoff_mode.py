@@ -1,0 +1,323 @@
+"""Handoff-mode benchmark: one-shot vs streaming vs dynamic over RLD backlogs of 8..512 tokens.
+
+The backlog is how many tokens RLD has made when MD's KV copy is complete (TAKEOVER). It is
+set here the way it arises in production: by how long MD's copy takes to cross the WAN. One
+PDD cluster runs throughout; before each backlog size the WAN's rate is changed through the
+emulator's control API so that a prompt's KV crosses in about `backlog x decode step` (the
+step measured by a calibration request), and every mode is then run on that link, one request
+at a time (per-request `handoff_mode`), each with a fresh prompt. Measured per request:
+
+- stall: the largest gap between consecutive tokens the client received from the TAKEOVER
+  (token index = backlog) to a few tokens after MD took over -- the step MD spends digesting
+  what it was handed (one-shot: everything at once; streaming: at most `chunk` per step);
+- RLD occupancy: token-seconds of KV RLD held, from its copy landing to its last token
+  (prompt + tokens made so far, integrated over the client's token arrival times);
+- handoff duration: handoff_start (RLD) -> first_md_token (MD);
+- the backlog actually reached (handoff_start's detail) -- plotted on the x axis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from typing import Any
+
+from pddnet.bench.client import StreamRecord, stream_completion
+from pddnet.bench.drive import warm_up
+from pddnet.bench.plots import panels_plot
+from pddnet.bench.progress import progress
+from pddnet.bench.results import write_result
+
+MODES = ("one-shot", "streaming", "dynamic")
+STALL_TAIL_TOKENS = 8    # tokens after the cut that still count as "around the handoff"
+
+
+# -- per request (pure) -----------------------------------------------------------------------
+
+
+def _events(pdd: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for e in pdd.get("timeline", []):
+        out.setdefault(e["event"], e)
+    return out
+
+
+def _value(detail: Any) -> int | None:
+    if isinstance(detail, dict):
+        return detail.get("value")
+    return detail if isinstance(detail, int) else None
+
+
+def handoff_metrics(rec: StreamRecord, prompt_len: int) -> dict[str, Any]:
+    """The handoff figures of one completed PDD request (see the module docstring)."""
+    pdd, times = rec.pdd, rec.token_times
+    ev = _events(pdd)
+    relay = int(pdd.get("relay_tokens", 0))
+    start = ev.get("handoff_start")
+    backlog = _value(start["detail"]) if start else None
+    out: dict[str, Any] = {
+        "ok": rec.error is None, "error": rec.error, "num_tokens": len(rec.token_ids),
+        "relay_tokens": relay, "main_tokens": int(pdd.get("main_tokens", 0)),
+        "mode_used": pdd.get("handoff_mode"), "backlog": backlog,
+        "handed_off": int(pdd.get("main_tokens", 0)) > 0 and backlog is not None,
+        "handoff_bytes": pdd.get("handoff_bytes"), "stall_s": None, "itl_median_s": None,
+        "rld_occupancy_token_s": None, "handoff_s": None}
+    gaps = rec.inter_token_s()
+    if gaps:
+        out["itl_median_s"] = statistics.median(gaps)
+    if backlog is not None and times:
+        lo = max(1, min(backlog, relay))   # gap i is token i-1 -> token i
+        hi = min(len(times) - 1, relay + STALL_TAIL_TOKENS)
+        window = [times[i] - times[i - 1] for i in range(lo, hi + 1)]
+        out["stall_s"] = max(window) if window else None
+    landed = ev.get("rld_kv_complete")
+    if landed is not None and 0 < relay <= len(times):
+        held, t_prev = float(prompt_len), float(landed["time"])
+        occupancy = 0.0
+        for i in range(relay):            # RLD holds prompt + i tokens until token i is out
+            t = times[i]
+            occupancy += held * max(0.0, t - t_prev)
+            held, t_prev = prompt_len + i + 1.0, t
+        out["rld_occupancy_token_s"] = occupancy
+    if start is not None and "first_md_token" in ev:
+        out["handoff_s"] = ev["first_md_token"]["time"] - start["time"]
+    return out
+
+
+def rate_for_backlog(target: int, baseline: int, step_s: float, kv_bytes: int,
+                     max_rate_mbit: float) -> float | None:
+    """WAN rate (Mbit/s) at which `kv_bytes` cross in the time RLD needs for the backlog
+    tokens beyond `baseline` (what it makes anyway on an unlimited link); None = unlimited."""
+    extra_s = (target - baseline) * step_s
+    if extra_s <= 0:
+        return None
+    return min(max_rate_mbit, kv_bytes * 8 / extra_s / 1e6)
+
+
+def fresh_prompt(rng: random.Random, length: int) -> list[int]:
+    return [256] + [rng.randrange(256) for _ in range(length - 1)]
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    apply_quick(args)
+    check_args(args)
+    import aiohttp
+
+    from emulation.control import ControlClient
+    from pddnet.cluster.local import LocalCluster
+    from pddnet.model.config import PRESETS
+
+    kv_per_token = PRESETS[args.model].kv_bytes_per_token if args.model in PRESETS else None
+    overrides = {"model.threads": args.threads, "policy.handoff_chunk": args.chunk,
+                 "policy.handoff_threshold_tokens": args.threshold, "policy.handoff": "dynamic",
+                 # every request must go through RLD: the pipeline policy would send a small
+                 # KV straight to MD, and there would be no handoff to measure
+                 "policy.pipeline": "p_rld_md"}
+    rng = random.Random(args.seed)
+    rows: list[dict[str, Any]] = []
+    calibration: dict[str, Any] = {}
+    async with LocalCluster(mode="pdd", model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
+                            bw_mbit=None, overrides=overrides) as cluster:
+        control = ControlClient(cluster.wan["control_url"])
+        timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await warm_up(session, cluster.url, args.model)
+
+            async def one(mode: str, max_tokens: int) -> StreamRecord:
+                body = {"model": args.model, "prompt": fresh_prompt(rng, args.prompt_len),
+                        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                        "handoff_mode": mode}
+                return await stream_completion(session, cluster.url, body)
+
+            # Calibration on the unlimited link: the decode step, and the backlog RLD reaches
+            # anyway (prefill-to-copy overlap plus the round trip).
+            cal = await one("one-shot", 64)
+            if cal.error is not None:
+                raise RuntimeError(f"calibration request failed: {cal.error}")
+            m = handoff_metrics(cal, args.prompt_len)
+            times = cal.token_times
+            step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.01
+            baseline = m["backlog"] or 0
+            kv_bytes = int(cal.pdd.get("wan_kv_bytes") or
+                           (kv_per_token or 1024) * args.prompt_len)
+            calibration = {"step_s": step, "baseline_backlog": baseline, "kv_bytes": kv_bytes}
+            total = len(args.backlogs) * len(args.modes) * args.repeats
+            with progress(total, "handoff-mode", enabled=not args.no_progress) as bar:
+                for target in args.backlogs:
+                    rate = rate_for_backlog(target, baseline, step, kv_bytes, args.max_rate_mbit)
+                    await control.set("both", rate_mbit=rate)
+                    # room for the backlog overshooting its target and for streaming's
+                    # catch-up, so that MD always takes over before the request ends
+                    max_tokens = 2 * target + 64
+                    for rep in range(args.repeats):
+                        for mode in args.modes:
+                            rec = await one(mode, max_tokens)
+                            row = {"target_backlog": target, "rate_mbit": rate, "mode": mode,
+                                   "repeat": rep, "max_tokens": max_tokens,
+                                   **handoff_metrics(rec, args.prompt_len),
+                                   "pdd": rec.pdd, "token_times": rec.token_times}
+                            rows.append(row)
+                            bar.update(1)
+                            if row["stall_s"] is not None:
+                                bar.set_postfix(backlog=row["backlog"], mode=mode,
+                                                stall=f"{row['stall_s'] * 1e3:.0f}ms")
+            await control.clear("both")
+        md_stats = await cluster.stats("main_decode")
+        relay_stats = await cluster.stats("relay")
+    return finish(args, rows, calibration, md_stats, relay_stats)
+
+
+def aggregate(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, dict[str, Any]]:
+    """Per mode, per target backlog: means over repeats of the measured figures."""
+    out: dict[str, dict[str, Any]] = {}
+    keys = ("backlog", "stall_s", "rld_occupancy_token_s", "handoff_s", "itl_median_s",
+            "relay_tokens", "handoff_bytes")
+    for mode in modes:
+        per: dict[str, Any] = {}
+        for target in sorted({r["target_backlog"] for r in rows}):
+            sel = [r for r in rows if r["mode"] == mode and r["target_backlog"] == target
+                   and r["ok"] and r["handed_off"]]
+            entry: dict[str, Any] = {"n": len(sel),
+                                     "modes_used": sorted({str(r["mode_used"]) for r in sel})}
+            for k in keys:
+                vals = [r[k] for r in sel if r[k] is not None]
+                entry[k] = sum(vals) / len(vals) if vals else None
+            per[str(target)] = entry
+        out[mode] = per
+    return out
+
+
+def threshold_finding(agg: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Where streaming starts to pay: the smallest backlog at which one-shot's stall exceeds
+    streaming's, and what streaming costs there in RLD occupancy."""
+    one, stream = agg.get("one-shot"), agg.get("streaming")
+    if not one or not stream:
+        return {}
+    rows = []
+    for target in one:
+        a, b = one[target], stream.get(target, {})
+        if a.get("stall_s") and b.get("stall_s"):
+            rows.append({"target_backlog": int(target), "backlog": a["backlog"],
+                         "stall_ratio_oneshot_over_streaming": a["stall_s"] / b["stall_s"],
+                         "occupancy_ratio_streaming_over_oneshot":
+                             (b["rld_occupancy_token_s"] / a["rld_occupancy_token_s"])
+                             if a.get("rld_occupancy_token_s") and b.get("rld_occupancy_token_s")
+                             else None})
+    crossing = next((r for r in rows if r["stall_ratio_oneshot_over_streaming"] > 1.0), None)
+    return {"by_backlog": rows,
+            "streaming_pays_from_backlog": crossing["backlog"] if crossing else None}
+
+
+def finish(args: argparse.Namespace, rows: list[dict[str, Any]], calibration: dict[str, Any],
+           md_stats: dict[str, Any], relay_stats: dict[str, Any]) -> dict[str, Any]:
+    agg = aggregate(rows, list(args.modes))
+    finding = threshold_finding(agg)
+    config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
+    consistency = {
+        "tokens_complete": all(r["relay_tokens"] + r["main_tokens"] == r["max_tokens"]
+                               for r in rows if r["ok"]),
+        "md_max_extend_tokens": md_stats.get("max_extend_tokens", {}),
+        "streaming_extend_within_chunk":
+            md_stats.get("max_extend_tokens", {}).get("streaming", 0) <= args.chunk,
+        "not_handed_off": sum(1 for r in rows if r["ok"] and not r["handed_off"]),
+        "errors": [r["error"] for r in rows if not r["ok"]][:5],
+    }
+    path = write_result("handoff-mode", {
+        "config": config, "threads_per_daemon": args.threads, "calibration": calibration,
+        "by_mode": agg, "threshold": finding, "consistency": consistency,
+        "requests": rows, "daemon_stats": {"main_decode": md_stats, "relay": relay_stats}},
+        args.out)
+    series: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    for key in ("stall_s", "rld_occupancy_token_s", "handoff_s"):
+        series[key] = {}
+        for mode, per in agg.items():
+            pts = sorted((e["backlog"], e[key]) for e in per.values()
+                         if e["backlog"] is not None and e[key] is not None)
+            scale = 1.0 if key == "rld_occupancy_token_s" else 1e3
+            series[key][mode] = ([p[0] for p in pts], [p[1] * scale for p in pts])
+    png = panels_plot([("largest inter-token stall (ms)", series["stall_s"]),
+                       ("RLD occupancy (token-seconds)", series["rld_occupancy_token_s"]),
+                       ("handoff duration (ms)", series["handoff_s"])],
+                      path.with_suffix(".png"), "RLD backlog at TAKEOVER (tokens)",
+                      f"Handoff modes, model {args.model}, chunk {args.chunk} "
+                      f"(dynamic threshold {args.threshold})", logx=True)
+    print_table(args, agg, finding, consistency, calibration)
+    print(f"wrote {path}" + (f"\nwrote {png}" if png else ""))
+    return {"path": str(path), "by_mode": agg, "threshold": finding,
+            "consistency": consistency, "plot": str(png) if png else None}
+
+
+def print_table(args: argparse.Namespace, agg: dict[str, Any], finding: dict[str, Any],
+                consistency: dict[str, Any], calibration: dict[str, Any]) -> None:
+    def f(v: float | None, scale: float = 1e3, fmt: str = "7.1f") -> str:
+        return f"{'-':>7}" if v is None else format(v * scale, fmt)
+
+    print(f"\nhandoff-mode benchmark: model {args.model}, prompt {args.prompt_len} tokens, "
+          f"chunk {args.chunk}, dynamic threshold {args.threshold}; decode step "
+          f"{calibration['step_s'] * 1e3:.1f} ms, baseline backlog "
+          f"{calibration['baseline_backlog']} tokens")
+    print(f"{'target':>6} {'mode':>9} {'backlog':>7} {'stall':>7} {'handoff':>7} "
+          f"{'RLD tok-s':>9} {'used':>10}   (ms)")
+    for target in (str(b) for b in args.backlogs):
+        for mode in args.modes:
+            e = agg[mode][target]
+            print(f"{target:>6} {mode:>9} {f(e['backlog'], 1, '7.0f')} {f(e['stall_s'])} "
+                  f"{f(e['handoff_s'])} {f(e['rld_occupancy_token_s'], 1, '9.1f')} "
+                  f"{','.join(e['modes_used']):>10}")
+    for r in finding.get("by_backlog", []):
+        occ = r["occupancy_ratio_streaming_over_oneshot"]
+        print(f"  backlog {r['backlog']:.0f}: one-shot stall / streaming stall "
+              f"{r['stall_ratio_oneshot_over_streaming']:.2f}x"
+              + (f", streaming RLD occupancy / one-shot {occ:.2f}x" if occ else ""))
+    if finding:
+        print(f"  streaming's stall is below one-shot's from backlog "
+              f"{finding['streaming_pays_from_backlog']} on (dynamic's threshold: "
+              f"{args.threshold})")
+    print(f"  MD's largest extend per mode: {consistency['md_max_extend_tokens']}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny model, two backlogs (smoke test)")
+    p.add_argument("--model", default="small")
+    p.add_argument("--backlogs", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=16, help="policy.handoff_chunk")
+    p.add_argument("--threshold", type=int, default=64, help="policy.handoff_threshold_tokens")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--rtt-ms", type=float, default=10.0)
+    p.add_argument("--max-rate-mbit", type=float, default=10000.0)
+    p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="results")
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    if args.quick:
+        args.model, args.backlogs, args.prompt_len, args.repeats = "tiny", [8, 96], 128, 1
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if not args.backlogs or min(args.backlogs) < 1 or args.repeats < 1 or args.chunk < 1:
+        raise ValueError("--backlogs must be >= 1 and --repeats, --chunk >= 1")
+    if args.prompt_len < 2:
+        raise ValueError(f"--prompt-len must be >= 2, got {args.prompt_len}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    asyncio.run(run(args))
+    print(f"({time.monotonic() - t0:.0f} s)")
+    return 0

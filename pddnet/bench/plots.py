@@ -1,0 +1,101 @@
+"""PNG plots for the benchmarks (matplotlib, Agg backend: no display needed).
+
+Every function takes plain numbers, writes one PNG and returns its path -- or None when
+matplotlib is not installed, so a benchmark still writes its JSON and table without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]   # label -> (xs, ys)
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def cdf_plot(samples: Mapping[str, Sequence[float]], path: str | Path, xlabel: str,
+             title: str, scale: float = 1e3) -> Path | None:
+    """Empirical CDFs, one step line per label; values are multiplied by `scale` (s -> ms)."""
+    if not have_matplotlib():
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, values in samples.items():
+        xs = sorted(v * scale for v in values)
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                    label=f"{label} (n={len(xs)})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def panels_plot(panels: Sequence[tuple[str, Series]], path: str | Path, xlabel: str,
+                title: str, logx: bool = False) -> Path | None:
+    """Side-by-side line plots sharing an x axis: one panel per (ylabel, series)."""
+    if not have_matplotlib():
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    for ax, (ylabel, series) in zip(axes[0], panels, strict=True):
+        for label, (xs, ys) in series.items():
+            ax.plot(list(xs), list(ys), marker="o", label=label)
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def grouped_bars(groups: Mapping[str, Mapping[str, float]], path: str | Path, ylabel: str,
+                 title: str) -> Path | None:
+    """One cluster of bars per group (x axis), one bar per label inside it."""
+    if not have_matplotlib():
+        return None
+    plt = _pyplot()
+    names = list(groups)
+    labels = sorted({k for g in groups.values() for k in g}, key=lambda k: (
+        [k in g for g in groups.values()].index(True), k))
+    width = 0.8 / max(len(labels), 1)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(names) * max(len(labels), 1) / 2), 4.2))
+    for j, label in enumerate(labels):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(names))]
+        ax.bar(xs, [groups[n].get(label, 0.0) for n in names], width, label=label)
+    ax.set_xticks(list(range(len(names))), names)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,0 +1,322 @@
+"""Transport benchmark: what pddnet's own plumbing costs, each part against its ideal, in one run.
+
+1. shm: P's one-sided write of a request's KV into RLD's shared-memory pool
+   (`RemoteKVRegion.write`: bounds checks + scatter into blocks) vs a plain memcpy of the same
+   bytes (into private memory, and into the shared mapping). Checked: the region reads back
+   exactly what was written.
+2. WAN: bulk TCP goodput through the proxy-shell emulator vs the link's configured rate.
+3. decode: end-to-end tokens/s of a same-dc pddnet cluster (router + P + one decode daemon,
+   separate processes) vs the reference Engine in one process, same requests (greedy).
+   Checked: both produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pddnet.bench.plots import grouped_bars
+from pddnet.bench.progress import progress
+from pddnet.bench.results import write_result
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- 1. shared memory -----------------------------------------------------------------------
+
+
+def bench_shm(model: str, tokens: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from pddnet.kv.pool import KVPool, KVSpec
+    from pddnet.kv.shm import unique_segment_name
+    from pddnet.kv.transfer import export_kv
+    from pddnet.model.config import ModelConfig
+    from pddnet.transport.shm_region import RemoteKVRegion
+
+    spec = KVSpec.from_model_config(ModelConfig.preset(model), block_size=16)
+    n_blocks = spec.num_blocks_for(tokens)
+    table = list(range(n_blocks))
+    src = KVPool(spec, n_blocks)
+    gen = torch.Generator().manual_seed(0)
+    src.data.copy_(torch.randn(src.data.shape, generator=gen, dtype=torch.float32))
+    exported = export_kv(src, table, 0, tokens)
+    payload = exported.kv.contiguous().view(-1).view(torch.uint8)
+    nbytes = payload.numel()
+    owner = KVPool(spec, n_blocks, shm_name=unique_segment_name("bench"))
+    try:
+        region = RemoteKVRegion.attach(owner.shm_name or "")
+        try:
+            private = torch.empty_like(payload)
+            shared = owner.raw_bytes()[:nbytes]
+
+            def timed(fn: Any) -> float:
+                fn()  # first touch (page faults) is not what we measure
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                return statistics.median(times)
+
+            t_write = timed(lambda: region.write(table, table, exported, 0))
+            exact = bool(torch.equal(owner.read_tokens(table, 0, tokens), exported.kv))
+            t_private = timed(lambda: private.copy_(payload))
+            t_shared = timed(lambda: shared.copy_(payload))
+        finally:
+            region.close()
+    finally:
+        owner.close()
+        src.close()
+    gbps = lambda t: nbytes / t / 1e9  # noqa: E731
+    return {"model": model, "tokens": tokens, "bytes": nbytes, "repeats": repeats,
+            "region_write_s": t_write, "memcpy_private_s": t_private,
+            "memcpy_shared_s": t_shared, "region_write_gb_s": gbps(t_write),
+            "memcpy_private_gb_s": gbps(t_private), "memcpy_shared_gb_s": gbps(t_shared),
+            "write_over_memcpy": t_private / t_write, "read_back_exact": exact}
+
+
+# -- 2. the WAN -----------------------------------------------------------------------------
+
+PROXY = """
+import asyncio, json, sys
+sys.path.insert(0, sys.argv[1])
+from emulation.link import Link
+from emulation.proxy import WanProxy
+async def main():
+    effects = json.loads(sys.argv[3])
+    async with WanProxy(("127.0.0.1", 0), ("127.0.0.1", int(sys.argv[2])), Link(**effects)) as p:
+        print(p.port, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+asyncio.run(main())
+"""
+
+
+def bench_wan_rate(rate_mbit: float, rtt_ms: float, seconds: float) -> dict[str, Any]:
+    """Bulk TCP through a proxy-shell emulator (its own process) at `rate_mbit`."""
+    import json
+    import socket
+
+    from emulation.probes import TcpSink, tcp_send_for
+
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(8)
+    sink = TcpSink(ls)
+    effects = {"rate_mbit": rate_mbit, "delay_ms": rtt_ms / 2}
+    proc = subprocess.Popen([sys.executable, "-c", PROXY, str(ROOT), str(ls.getsockname()[1]),
+                             json.dumps(effects)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the WAN proxy did not start (printed {line!r})")
+        start = time.monotonic()
+        sent = tcp_send_for(socket.socket(), ("127.0.0.1", int(line)), seconds)
+        time.sleep(0.3 + rtt_ms / 1e3)
+    finally:
+        if proc.stdin:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        sink.stop()
+        ls.close()
+    warm = min(0.5, seconds / 3)     # skip slow start and the first burst of the bucket
+    window = sink.bytes_between(start + warm, start + seconds)
+    goodput = window * 8 / (seconds - warm) / 1e6
+    return {"rate_mbit": rate_mbit, "rtt_ms": rtt_ms, "seconds": seconds, "bytes_sent": sent,
+            "bytes_received": sink.total(), "goodput_mbit": goodput,
+            "goodput_over_rate": goodput / rate_mbit}
+
+
+# -- 3. decode daemon vs the reference engine ---------------------------------------------------
+
+
+def make_requests(n: int, prompt_len: int, max_tokens: int, seed: int) -> list[dict[str, Any]]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt": [256] + [rng.randrange(256) for _ in range(prompt_len - 1)],
+             "max_tokens": max_tokens} for _ in range(n)]
+
+
+def reference_engine(model: str, requests: list[dict[str, Any]], threads: int) -> dict[str, Any]:
+    """The colocated Engine, one process, all requests batched as they would be by a daemon."""
+    import torch
+
+    from pddnet.engine.engine import Engine
+    from pddnet.engine.sampling import SamplingParams
+    from pddnet.model.loader import load_model
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        m, tok = load_model(model)
+        with Engine(m, tok, num_blocks=2048, block_size=16) as engine:
+            engine.generate([1, 2, 3], 2, SamplingParams(temperature=0.0))   # warm-up
+            t0 = time.perf_counter()
+            ids = [engine.add_request(r["prompt"], r["max_tokens"],
+                                      SamplingParams(temperature=0.0), ignore_eos=True)
+                   for r in requests]
+            out: dict[str, list[int]] = {rid: [] for rid in ids}
+            while engine.has_work():
+                for o in engine.step():
+                    if o.request_id in out:
+                        out[o.request_id].extend(o.new_token_ids)
+            elapsed = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(old)
+    tokens = [out[rid] for rid in ids]
+    return {"elapsed_s": elapsed, "tokens": sum(map(len, tokens)),
+            "tokens_per_s": sum(map(len, tokens)) / elapsed, "token_ids": tokens}
+
+
+async def decode_daemon(model: str, requests: list[dict[str, Any]], threads: int,
+                        wan: str) -> dict[str, Any]:
+    """The same requests through a same-dc cluster (router, P, one decode daemon)."""
+    import aiohttp
+
+    from pddnet.bench.client import stream_completion
+    from pddnet.bench.drive import warm_up
+    from pddnet.cluster.local import LocalCluster
+
+    async with LocalCluster(mode="same-dc", model=model, wan=wan,
+                            overrides={"model.threads": threads}) as cluster:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            await warm_up(session, cluster.url, model)
+            t0 = time.perf_counter()
+            recs = await asyncio.gather(*(stream_completion(session, cluster.url, {
+                "model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"],
+                "temperature": 0, "ignore_eos": True}) for r in requests))
+            elapsed = time.perf_counter() - t0
+    errors = [r.error for r in recs if r.error]
+    if errors:
+        raise RuntimeError(f"decode daemon requests failed: {errors[:3]}")
+    tokens = [r.token_ids for r in recs]
+    return {"elapsed_s": elapsed, "tokens": sum(map(len, tokens)),
+            "tokens_per_s": sum(map(len, tokens)) / elapsed, "token_ids": tokens}
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    apply_quick(args)
+    check_args(args)
+    steps = 1 + len(args.rates) + 3
+    with progress(steps, "transport", "part", enabled=not args.no_progress) as bar:
+        shm = await asyncio.to_thread(bench_shm, args.model, args.shm_tokens, args.repeats)
+        bar.update(1)
+        wan = []
+        for rate in args.rates:
+            wan.append(await asyncio.to_thread(bench_wan_rate, rate, args.rtt_ms,
+                                               args.wan_seconds))
+            bar.update(1)
+        requests = make_requests(args.decode_requests, args.decode_prompt_len,
+                                 args.decode_max_tokens, args.seed)
+        # The reference runs before and after the daemons, so a change in the machine's load
+        # during the run shows up as a spread instead of skewing the ratio unseen.
+        ref = await asyncio.to_thread(reference_engine, args.model, requests, args.threads)
+        bar.update(1)
+        daemon = await decode_daemon(args.model, requests, args.threads, args.wan)
+        bar.update(1)
+        ref2 = await asyncio.to_thread(reference_engine, args.model, requests, args.threads)
+        bar.update(1)
+    ref_tps = (ref["tokens_per_s"] + ref2["tokens_per_s"]) / 2
+    decode = {"requests": len(requests), "prompt_len": args.decode_prompt_len,
+              "max_tokens": args.decode_max_tokens,
+              "reference": {**{k: v for k, v in ref.items() if k != "token_ids"},
+                            "tokens_per_s": ref_tps,
+                            "tokens_per_s_before_after": [ref["tokens_per_s"],
+                                                          ref2["tokens_per_s"]]},
+              "daemon": {k: v for k, v in daemon.items() if k != "token_ids"},
+              "daemon_over_reference": daemon["tokens_per_s"] / ref_tps,
+              "tokens_identical": daemon["token_ids"] == ref["token_ids"] == ref2["token_ids"]}
+    config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
+    path = write_result("transport", {"config": config, "threads_per_daemon": args.threads,
+                                      "shm": shm, "wan": wan, "decode": decode}, args.out)
+    png = grouped_bars(
+        {"shm write\nvs memcpy (GB/s)": {"pddnet": shm["region_write_gb_s"],
+                                         "ideal": shm["memcpy_private_gb_s"]},
+         **{f"WAN {w['rate_mbit']:g} Mbit/s\n(x rate)": {"pddnet": w["goodput_over_rate"],
+                                                          "ideal": 1.0} for w in wan},
+         "decode\n(x reference tok/s)": {"pddnet": decode["daemon_over_reference"],
+                                         "ideal": 1.0}},
+        path.with_suffix(".png"), "measured (pddnet) vs ideal",
+        f"Transport costs, model {args.model}, one run")
+    print_table(args, shm, wan, decode)
+    print(f"wrote {path}" + (f"\nwrote {png}" if png else ""))
+    return {"path": str(path), "shm": shm, "wan": wan, "decode": decode,
+            "plot": str(png) if png else None}
+
+
+def print_table(args: argparse.Namespace, shm: dict[str, Any], wan: list[dict[str, Any]],
+                decode: dict[str, Any]) -> None:
+    print(f"\ntransport benchmark: model {args.model}, {args.threads} torch thread(s)")
+    print(f"shm   {shm['bytes'] / 2**20:.1f} MiB of KV ({shm['tokens']} tokens): region write "
+          f"{shm['region_write_gb_s']:.2f} GB/s, memcpy {shm['memcpy_private_gb_s']:.2f} GB/s "
+          f"(into shm {shm['memcpy_shared_gb_s']:.2f} GB/s): write / memcpy "
+          f"{shm['write_over_memcpy']:.2f}x, read back exact: {shm['read_back_exact']}")
+    for w in wan:
+        print(f"WAN   configured {w['rate_mbit']:g} Mbit/s, rtt {w['rtt_ms']:g} ms: goodput "
+              f"{w['goodput_mbit']:.1f} Mbit/s = {w['goodput_over_rate']:.1%} of the rate")
+    r, d = decode["reference"], decode["daemon"]
+    before, after = r["tokens_per_s_before_after"]
+    print(f"decode {decode['requests']} x {decode['max_tokens']} tokens: reference Engine "
+          f"{r['tokens_per_s']:.0f} tok/s (before {before:.0f}, after {after:.0f}), pddnet same-dc cluster {d['tokens_per_s']:.0f} tok/s "
+          f"= {decode['daemon_over_reference']:.2f}x; identical tokens: "
+          f"{decode['tokens_identical']}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny model, short runs (smoke test)")
+    p.add_argument("--model", default="small")
+    p.add_argument("--shm-tokens", type=int, default=2048, help="KV tokens per shm write")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--rates", type=float, nargs="+", default=[50.0, 200.0, 1000.0],
+                   help="configured WAN rates (Mbit/s)")
+    p.add_argument("--rtt-ms", type=float, default=30.0)
+    p.add_argument("--wan-seconds", type=float, default=3.0)
+    p.add_argument("--decode-requests", type=int, default=4)
+    p.add_argument("--decode-prompt-len", type=int, default=64)
+    p.add_argument("--decode-max-tokens", type=int, default=128)
+    p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
+    p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default="results")
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    if args.quick:
+        args.model, args.shm_tokens, args.repeats = "tiny", 256, 3
+        args.rates, args.wan_seconds = [20.0], 1.0
+        args.decode_requests, args.decode_prompt_len, args.decode_max_tokens = 2, 16, 24
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.shm_tokens < 1 or args.repeats < 1 or args.decode_requests < 1:
+        raise ValueError("--shm-tokens, --repeats and --decode-requests must be >= 1")
+    if not args.rates or min(args.rates) <= 0:
+        raise ValueError("--rates must be > 0 Mbit/s")
+    if not 0.5 <= args.wan_seconds <= 30:
+        raise ValueError(f"--wan-seconds must be in [0.5, 30], got {args.wan_seconds}")
+    if args.decode_prompt_len < 2 or args.decode_max_tokens < 1:
+        raise ValueError("--decode-prompt-len must be >= 2 and --decode-max-tokens >= 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    asyncio.run(run(p.parse_args(argv)))
+    return 0

@@ -1,0 +1,1 @@
+"""Observability: request traces (Chrome/Perfetto JSON) and Prometheus metrics per daemon."""

@@ -1,0 +1,180 @@
+"""`pdd sim run | plan | reproduce`: the cluster simulator's commands (see docs/simulator.md).
+
+Registration imports nothing heavy; handlers import the simulator when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim", help="simulate PDD at datacenter scale (chips, cost, BCR)",
+                       description=__doc__.splitlines()[0])
+    ss = p.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
+
+    run = ss.add_parser("run", help="simulate the systems of a config; JSON + PNG plots")
+    run.add_argument("--config", required=True, help="simulation config (TOML or JSON)")
+    run.add_argument("--out", default="results/sim", help="output folder")
+    run.add_argument("--seed", type=int, default=None, help="override the config's seed")
+    run.add_argument("--requests", type=int, default=None, help="override workload.requests")
+    run.add_argument("--no-plots", action="store_true")
+    run.set_defaults(handler=cmd_run)
+
+    pl = ss.add_parser("plan", help="search pool sizes for the best benefit-cost ratio")
+    pl.add_argument("--config", required=True)
+    pl.add_argument("--system", default="pdd", help="pdd (P,RLD,MD), same-dc (P,D), ...")
+    pl.add_argument("--prefill", default="1-4", help="P pool sizes: N, A-B or A,B,C")
+    pl.add_argument("--relay", default="1", help="RLD pool sizes (PDD systems)")
+    pl.add_argument("--decode", default="1-4", help="MD (or D) pool sizes")
+    pl.add_argument("--baseline", action="store_true",
+                    help="also plan same-dc on the same grid of P and D sizes; print BCR ratio")
+    pl.add_argument("--out", default="results/sim")
+    pl.add_argument("--no-plots", action="store_true")
+    pl.set_defaults(handler=cmd_plan)
+
+    rp = ss.add_parser("reproduce", help="the source report's scenario, ours beside theirs")
+    rp.add_argument("--quick", action="store_true", help="small scale (seconds, as in tests)")
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--out", default="results/sim")
+    rp.add_argument("--no-plots", action="store_true")
+    rp.set_defaults(handler=cmd_reproduce)
+
+
+def _write(out: str, name: str, data: dict[str, Any]) -> Path:
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(dumps(data))
+    return path
+
+
+def dumps(data: dict[str, Any]) -> str:
+    """The canonical JSON of a result (what byte-identical means)."""
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def _bar(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr,
+                disable=not sys.stderr.isatty())
+
+
+def _load(args: argparse.Namespace) -> Any:
+    import dataclasses
+
+    from pddnet.sim.config import load_config
+
+    cfg = load_config(args.config)
+    if getattr(args, "seed", None) is not None:
+        cfg = dataclasses.replace(cfg, seed=args.seed)
+    if getattr(args, "requests", None) is not None:
+        cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload,
+                                                                    requests=args.requests))
+    return cfg
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pddnet.sim.runner import compare, describe_config, simulate
+
+    try:
+        cfg = _load(args)
+    except ValueError as exc:
+        print(f"pdd sim run: {exc}", file=sys.stderr)
+        return 2
+    results = {}
+    t0 = time.monotonic()
+    for s in cfg.systems:
+        bar = _bar(cfg.workload.requests, f"{s:>15}")
+        results[s] = simulate(cfg, s, (lambda n, b=bar: b.update(n)) if bar else None)
+        if bar is not None:
+            bar.close()
+    data = {"config": describe_config(cfg), "systems": results, "vs_baseline": compare(results)}
+    path = _write(args.out, Path(args.config).stem, data)
+    print_run(data)
+    print(f"wrote {path} ({time.monotonic() - t0:.1f} s of wall time)")
+    if not args.no_plots:
+        from pddnet.sim.plots import plot_run
+
+        for p in plot_run(data, path):
+            print(f"wrote {p}")
+    return 0
+
+
+def print_run(data: dict[str, Any]) -> None:
+    print(f"{'system':>16} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} "
+          f"{'goodput':>8} {'RLD share':>9} {'WAN GB':>9} {'$/h':>8} {'BCR x':>6}")
+    for name, r in data["systems"].items():
+        t = r["ttft_s"]
+        wan = r.get("wan", {}).get("kv_bytes", 0) / 1e9
+        bcr = data["vs_baseline"].get(name, {}).get("bcr_x")
+        print(f"{name:>16} {t['p50'] or 0:9.3f} {t['p90'] or 0:8.3f} {t['p99'] or 0:8.3f} "
+              f"{r['tpot_s']['p50'] or 0:9.4f} {r['goodput_rps']:8.3f} "
+              f"{r['token_share']['rld']:9.1%} {wan:9.1f} {r['cost_per_hour']:8.1f} "
+              f"{'-' if bcr is None else f'{bcr:6.3f}'}")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pddnet.sim.plan import parse_range, plan
+
+    try:
+        cfg = _load(args)
+        p, r, d = parse_range(args.prefill), parse_range(args.relay), parse_range(args.decode)
+    except ValueError as exc:
+        print(f"pdd sim plan: {exc}", file=sys.stderr)
+        return 2
+    plans = {}
+    targets = [args.system] + (["same-dc"] if args.baseline and args.system != "same-dc" else [])
+    for system in targets:
+        ranges = [p, d] if system == "same-dc" else [p, r, d]
+        try:
+            plans[system] = plan(cfg, system, ranges, print)
+        except ValueError as exc:
+            print(f"pdd sim plan: {exc}", file=sys.stderr)
+            return 2
+    for system, pl in plans.items():
+        print(f"\n{system}: frontier (cost -> goodput under SLA)")
+        for c in pl["frontier"]:
+            print(f"  sizes {c['sizes']}  gpus {c['gpus']}  {c['cost_per_hour']:.1f} $/h  "
+                  f"{c['goodput_rps']:.3f} req/s  BCR {c['bcr']:.5f}")
+        b = pl["best"]
+        print(f"  best BCR: sizes {b['sizes']} ({b['bcr']:.5f})")
+    if len(plans) == 2:
+        a, b = plans[args.system]["best"], plans["same-dc"]["best"]
+        if b["bcr"]:
+            print(f"\nBCR {args.system} / same-dc: {a['bcr'] / b['bcr']:.3f}x")
+    path = _write(args.out, f"plan-{Path(args.config).stem}", {"plans": plans})
+    print(f"wrote {path}")
+    if not args.no_plots:
+        from pddnet.sim.plots import plot_frontier
+
+        print(f"wrote {plot_frontier(plans, path.with_suffix('.png'))}")
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from pddnet.sim.reproduce import print_report, reproduce
+
+    t0 = time.monotonic()
+    data = reproduce(quick=args.quick, seed=args.seed,
+                     progress=lambda m: print(m, file=sys.stderr))
+    print_report(data)
+    path = _write(args.out, "reproduce-quick" if args.quick else "reproduce", data)
+    print(f"wrote {path} ({time.monotonic() - t0:.1f} s of wall time)")
+    if not args.no_plots:
+        from pddnet.sim.plots import plot_frontier, plot_run
+
+        for p in plot_run(data, path):
+            print(f"wrote {p}")
+        fr = {s: {"candidates": [], "frontier": f}
+              for s, f in data["ours"]["cost_table"]["frontiers"].items()}
+        print(f"wrote {plot_frontier(fr, path.with_name(path.stem + '-frontier.png'))}")
+    return 0 if all(data["checks"].values()) else 1

@@ -1,0 +1,123 @@
+"""Roofline cost of one forward on one instance (a group of `gpus` chips serving one model copy).
+
+A forward over T new tokens takes  overhead + max(FLOPs / compute, bytes / bandwidth) + comm:
+- FLOPs = 2 x active parameters x T (the matmuls) + 4 x layers x heads x head_dim x attention
+  pairs (QK^T and AV, one pair per (new token, cached or new token it attends to));
+- bytes = weights touched (all dense weights; for an MoE the expected share of experts a batch of
+  T tokens routes to, 1 - (1 - k/E)^T) + KV read (every context token of every sequence) + KV
+  written (T tokens);
+- comm = two activation all-reduces per layer over the scale-up link when gpus > 1.
+So a prefill of thousands of tokens is compute-bound and a decode step memory-bound, without
+saying so anywhere: the max() decides. Extend (MD recomputing RLD's tokens) is the same forward
+with T = decode batch + extend tokens, which is why it costs little more than a decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pddnet.sim.profiles import ChipProfile, ModelProfile
+
+ACTIVATION_BYTES = 2   # bf16 activations on the scale-up link
+
+
+@dataclass(frozen=True)
+class InstanceCost:
+    chip: ChipProfile
+    model: ModelProfile
+    gpus: int = 1
+    memory_utilisation: float = 0.9   # share of HBM for weights + KV (the rest: activations)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            raise ValueError(f"gpus per instance must be an int >= 1, got {self.gpus!r}")
+        if not 0 < self.memory_utilisation <= 1:
+            raise ValueError(f"memory_utilisation must be in (0, 1], got "
+                             f"{self.memory_utilisation!r}")
+        if self.kv_capacity_bytes <= 0:
+            raise ValueError(
+                f"model {self.model.name!r} ({self.model.weight_bytes / 1e9:.1f} GB of weights) "
+                f"does not fit on {self.gpus} x {self.chip.name} "
+                f"({self.gpus * self.chip.memory_gb:g} GB at {self.memory_utilisation:.0%}): "
+                f"use more gpus per instance")
+        m = self.model
+        # Constants of the hot path, computed once.
+        object.__setattr__(self, "_compute", self.gpus * self.chip.flops_per_s(m.compute_dtype)
+                           * self.chip.compute_efficiency)
+        object.__setattr__(self, "_bandwidth", self.gpus * self.chip.memory_bw_gbs * 1e9
+                           * self.chip.bandwidth_efficiency)
+        object.__setattr__(self, "_attn", 4.0 * m.num_layers * m.num_heads * m.head_dim)
+        object.__setattr__(self, "_dense_bytes",
+                           (m.total_params - m.expert_params) * m.weight_bytes_per_param)
+        object.__setattr__(self, "_expert_bytes", m.expert_params * m.weight_bytes_per_param)
+        comm = 0.0
+        if self.gpus > 1:
+            per_token = (2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES
+                         * 2 * (self.gpus - 1) / self.gpus)
+            comm = per_token / (self.chip.scale_up_gbs * 1e9)
+        object.__setattr__(self, "_comm_per_token", comm)
+        object.__setattr__(self, "_kvpt", m.kv_bytes_per_token)
+
+    # -- capacities ---------------------------------------------------------------------------
+
+    @property
+    def kv_capacity_bytes(self) -> float:
+        return (self.gpus * self.chip.memory_gb * 1e9 * self.memory_utilisation
+                - self.model.weight_bytes)
+
+    def kv_capacity_tokens(self) -> int:
+        return int(self.kv_capacity_bytes // self.model.kv_bytes_per_token)
+
+    @property
+    def rdma_bytes_per_s(self) -> float:
+        """Scale-out (RDMA) bandwidth of the instance: one NIC per GPU."""
+        return self.gpus * self.chip.scale_out_gbit * 1e9 / 8
+
+    @property
+    def price_per_hour(self) -> float:
+        return self.gpus * self.chip.price_per_hour
+
+    # -- the roofline -------------------------------------------------------------------------
+
+    def weight_bytes_touched(self, tokens: int) -> float:
+        m = self.model
+        if not m.expert_params:
+            return self._dense_bytes
+        share = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** max(tokens, 1)
+        return self._dense_bytes + self._expert_bytes * share
+
+    def forward_time(self, new_tokens: int, attn_pairs: float, kv_read_tokens: float) -> float:
+        """Seconds for one forward over `new_tokens` tokens attending `attn_pairs` (token,
+        context token) pairs and reading the KV of `kv_read_tokens` cached positions."""
+        flops = 2.0 * self.model.active_params * new_tokens + self._attn * attn_pairs
+        nbytes = (self.weight_bytes_touched(new_tokens)
+                  + (kv_read_tokens + new_tokens) * self._kvpt)
+        return (self.chip.step_overhead_ms * 1e-3 + max(flops / self._compute,
+                                                        nbytes / self._bandwidth)
+                + self._comm_per_token * new_tokens)
+
+    def prefill_chunk_time(self, start: int, end: int) -> float:
+        """One prefill chunk computing positions [start, end) on top of a cached [0, start)."""
+        if not 0 <= start < end:
+            raise ValueError(f"bad prefill chunk [{start}, {end})")
+        pairs = (end * (end + 1) - start * (start + 1)) / 2
+        return self.forward_time(end - start, pairs, start)
+
+    def prefill_time(self, cached: int, total: int, chunk: int) -> float:
+        """A whole prefill of positions [cached, total) in chunks of at most `chunk` tokens."""
+        t, pos = 0.0, cached
+        while pos < total:
+            end = min(total, pos + chunk)
+            t += self.prefill_chunk_time(pos, end)
+            pos = end
+        return t
+
+    def decode_step_time(self, batch: int, context_tokens: float, extend_tokens: int = 0,
+                         extend_pairs: float = 0.0) -> float:
+        """One continuous-batching step: `batch` sequences decode one token each over
+        `context_tokens` cached positions in total, plus `extend_tokens` recomputed tokens
+        (attending `extend_pairs` pairs) batched into the same forward."""
+        if batch + extend_tokens <= 0:
+            return 0.0
+        return self.forward_time(batch + extend_tokens, context_tokens + extend_pairs,
+                                 context_tokens)

@@ -1,0 +1,310 @@
+"""A decode instance with continuous batching, simulated in segments of steps.
+
+Stepping one event per decode step is too slow at datacenter scale (tens of millions of steps),
+so the batch advances in *segments*: runs of steps with the same members, ending when a member
+finishes, a member joins or is cut, an extend is batched in, or after ``segment_steps`` steps (so
+the growing context is re-costed). Inside a segment every step costs the roofline time of the
+batch at the segment's middle context; a member's tokens are the steps it was in the batch.
+
+Extend (MD recomputing the tokens RLD generated, then sampling the next one) rides in ordinary
+steps as extra tokens, at most the member's ``chunk`` per step: a one-shot handoff is one big
+extend step (every other member in the batch sees that longer step: the stall), a streaming
+one a few small ones.
+
+Inter-token gaps go into the owner's histogram weighted by how many members saw them, so the
+cost per segment does not grow with the batch size. A member's first gap on this instance is
+measured from the user-visible time of its previous token (``prev_user``), which is how the
+handoff gap (RLD's last token to MD's first) and the first-token gap are counted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from pddnet.sim.cost import InstanceCost
+from pddnet.sim.events import EventLoop
+from pddnet.sim.metrics import Histogram
+
+
+class Member:
+    """A request on one decode instance."""
+
+    __slots__ = ("state", "ctx0", "remaining", "join_step", "finish_step", "prev_user", "alive",
+                 "extend_left", "extend_chunk", "extend_final", "extend_done", "on_finish",
+                 "on_digested", "cut_requested", "extra_made")
+
+    def __init__(self, state: Any, context: int, remaining: int, prev_user: float,
+                 on_finish: Callable[[Member, float, int], None]) -> None:
+        self.state = state
+        self.ctx0 = context              # context tokens when it joins the batch
+        self.remaining = remaining       # tokens it still decodes here (one per step)
+        self.join_step = -1
+        self.finish_step = -1
+        self.prev_user = prev_user       # user-visible time of its previous token
+        self.alive = True
+        self.extend_left = 0
+        self.extend_chunk = 0
+        self.extend_final = False
+        self.extend_done = 0             # tokens digested so far
+        self.on_finish = on_finish       # (member, time, tokens made here)
+        self.on_digested: Callable[[Member, float], None] | None = None
+        self.cut_requested = False
+        self.extra_made = 0              # tokens sampled by final extend steps
+
+
+class DecodeInstance:
+    def __init__(self, loop: EventLoop, cost: InstanceCost, name: str, max_seqs: int,
+                 user_delay_s: float, itl: Histogram, handoff_gap: Histogram | None = None,
+                 segment_steps: int = 32) -> None:
+        if max_seqs < 1:
+            raise ValueError(f"max_seqs must be >= 1, got {max_seqs!r}")
+        self.loop, self.cost, self.name = loop, cost, name
+        self.max_seqs = max_seqs
+        self.user_delay_s = user_delay_s
+        self.itl = itl
+        self.handoff_gap = handoff_gap
+        self.segment_steps = segment_steps
+        self.step = 0                   # steps completed
+        self.seg_t0 = 0.0
+        self.seg_s0 = 0
+        self.seg_end = 0                # step at which the current segment ends
+        self.tau = 0.0
+        self.busy = False
+        self._token = 0
+        self._seq = itertools.count()
+        self._heap: list[tuple[int, int, Member]] = []
+        self.n = 0                      # members decoding
+        self._ctx_base = 0              # sum(ctx0 - join_step) over decoding members
+        self._pending: list[Member] = []
+        self._waiting: deque[Member] = deque()
+        self._fresh: list[Member] = []
+        self._extending: list[Member] = []
+        self._step_extend: list[tuple[Member, int]] = []
+        self.busy_s = 0.0
+        self.tokens = 0
+        self.steps = 0
+
+    # -- what the flow calls --------------------------------------------------------------------
+
+    @property
+    def load(self) -> int:
+        return self.n + len(self._pending) + len(self._waiting) + len(self._extending)
+
+    def add(self, m: Member) -> None:
+        """Join the batch at the next step boundary (first token at the end of that step)."""
+        if m.remaining <= 0:
+            raise ValueError("a member must have tokens to decode")
+        self._pending.append(m)
+        self._cut_segment()
+
+    def extend(self, m: Member, tokens: int, chunk: int, final: bool,
+               on_digested: Callable[[Member, float], None] | None = None) -> None:
+        """Recompute `tokens` handed-off tokens, at most `chunk` per step. With `final`, the
+        last extend step samples the member's next token and it decodes on (``m.remaining``
+        more tokens after that one); otherwise ``on_digested`` is called once digested."""
+        if tokens <= 0 and final and m.extend_left <= 0:
+            # nothing left to recompute: it decodes its next token in an ordinary step
+            if m in self._extending:
+                self._extending.remove(m)
+            m.ctx0 += m.extend_done
+            m.remaining += 1
+            self.add(m)
+            return
+        m.extend_left += tokens
+        m.extend_chunk = max(1, chunk)
+        m.extend_final = final
+        m.on_digested = on_digested
+        if m not in self._extending:
+            self._extending.append(m)
+        self._cut_segment()
+
+    def cut(self, m: Member) -> None:
+        """Stop the member at the next step boundary (RLD's side of a handoff)."""
+        if not m.alive or m.cut_requested:
+            return
+        m.cut_requested = True
+        self._cut_segment()
+        if m.join_step >= 0:
+            stop = min(m.finish_step, max(self.seg_end, m.join_step))
+            if stop != m.finish_step:
+                m.finish_step = stop
+                heapq.heappush(self._heap, (stop, next(self._seq), m))
+
+    def drop(self, m: Member) -> None:
+        """Remove a member without finishing it (its request ended elsewhere)."""
+        if not m.alive:
+            return
+        m.alive = False
+        if m in self._extending:
+            self._extending.remove(m)
+        if m in self._pending:
+            self._pending.remove(m)
+        elif m in self._waiting:
+            self._waiting.remove(m)
+        elif m.join_step >= 0:
+            self.n -= 1
+            self._ctx_base -= m.ctx0 - m.join_step
+            self._cut_segment()
+
+    def tokens_made(self, m: Member, t: float) -> int:
+        """Tokens the member has produced here by time t (steps completed since it joined)."""
+        if m.join_step < 0:
+            return 0
+        done = self.step
+        if self.busy and self.tau > 0 and t > self.seg_t0:
+            done = min(self.seg_end, self.seg_s0 + int((t - self.seg_t0) / self.tau + 1e-9))
+        return max(0, min(done, m.finish_step) - m.join_step)
+
+    def step_time_estimate(self, extra_context: int = 0) -> float:
+        """Cost of one step if a member with `extra_context` joined now."""
+        ctx = self._ctx_base + self.n * self.step + extra_context
+        return self.cost.decode_step_time(self.n + 1, ctx)
+
+    # -- segments -------------------------------------------------------------------------------
+
+    def _cut_segment(self) -> None:
+        """Something changes at the next step boundary: end the segment there."""
+        now = self.loop.now
+        if not self.busy:
+            self.busy = True
+            self.seg_t0, self.seg_s0, self.seg_end, self.tau = now, self.step, self.step, 0.0
+            self._token += 1
+            self.loop.at(now, self._end_segment, self._token)
+            return
+        if self.tau <= 0:
+            return                       # a boundary is already due now
+        j = int((now - self.seg_t0) / self.tau + 1e-9)
+        boundary = self.seg_s0 + j + 1
+        if boundary < self.seg_end:
+            self.seg_end = boundary
+            self._token += 1
+            self.loop.at(self.seg_t0 + (j + 1) * self.tau, self._end_segment, self._token)
+
+    def _end_segment(self, token: int) -> None:
+        if token != self._token:
+            return
+        now = self.loop.now
+        k = self.seg_end - self.seg_s0
+        tau = self.tau
+        if k > 0:
+            self._account(k, tau, now)
+        self._fresh = []
+        self.step = self.seg_end
+        s1 = self.step
+        # members whose tokens ran out (or were cut) at this boundary
+        heap = self._heap
+        while heap and heap[0][0] <= s1:
+            fs, _, m = heapq.heappop(heap)
+            if not m.alive or fs != m.finish_step:
+                continue
+            self._leave(m, now)
+        # extend progress of the step that just ended
+        for m, chunk in self._step_extend:
+            if not m.alive:
+                continue
+            m.extend_left -= chunk
+            m.extend_done += chunk
+            if m.extend_left > 0:
+                continue
+            self._extending.remove(m)
+            if m.extend_final:
+                # the extend step sampled the member's next token: it emits now and decodes on
+                user = now + self.user_delay_s
+                gap = user - m.prev_user
+                self.itl.add(gap)
+                if self.handoff_gap is not None:
+                    self.handoff_gap.add(gap)
+                m.prev_user = user
+                m.ctx0 += m.extend_done + 1
+                m.extra_made += 1
+                if m.remaining <= 0:
+                    m.alive = False
+                    m.on_finish(m, now, m.extra_made)
+                else:
+                    self._join(m, s1, fresh=False)
+            elif m.on_digested is not None:
+                m.on_digested(m, now)
+        self._step_extend = []
+        for m in self._pending:
+            if self.n < self.max_seqs:
+                self._join(m, s1, fresh=True)
+            else:
+                self._waiting.append(m)
+        self._pending = []
+        while self._waiting and self.n < self.max_seqs:
+            self._join(self._waiting.popleft(), s1, fresh=True)
+        self._plan(now)
+
+    def _join(self, m: Member, s1: int, fresh: bool) -> None:
+        if m.cut_requested:            # cut before it ever ran here: it made nothing
+            m.alive = False
+            m.on_finish(m, self.loop.now, m.extra_made)
+            return
+        m.join_step = s1
+        m.finish_step = s1 + m.remaining
+        self.n += 1
+        self._ctx_base += m.ctx0 - s1
+        heapq.heappush(self._heap, (m.finish_step, next(self._seq), m))
+        if fresh:
+            self._fresh.append(m)
+
+    def _leave(self, m: Member, now: float) -> None:
+        made = m.finish_step - m.join_step
+        self.n -= 1
+        self._ctx_base -= m.ctx0 - m.join_step
+        m.alive = False
+        if made > 0:
+            m.prev_user = now + self.user_delay_s
+        m.on_finish(m, now, made + m.extra_made)
+        while self._waiting and self.n < self.max_seqs:
+            # slots freed: waiting members join at this boundary
+            w = self._waiting.popleft()
+            self._join(w, self.step, fresh=True)
+
+    def _account(self, k: int, tau: float, now: float) -> None:
+        """ITL and token counts of a finished segment of k steps with constant membership."""
+        n = self.n
+        steady = n * k - len(self._fresh)
+        if steady > 0:
+            self.itl.add(tau, steady)
+        first_user = self.seg_t0 + tau + self.user_delay_s
+        for m in self._fresh:       # their first token here: the gap from their previous one
+            self.itl.add(max(0.0, first_user - m.prev_user))
+        self.tokens += n * k
+        self.steps += k
+        self.busy_s += k * tau
+
+    def _plan(self, now: float) -> None:
+        if self.n == 0 and not self._extending:
+            self.busy = False
+            self.tau = 0.0
+            return
+        s1 = self.step
+        ext_tokens, ext_pairs = 0, 0.0
+        self._step_extend = []
+        for m in self._extending:
+            c = min(m.extend_chunk, m.extend_left)
+            if c <= 0:
+                continue
+            self._step_extend.append((m, c))
+            ext_tokens += c
+            ctx = m.ctx0 + m.extend_done
+            ext_pairs += c * (ctx + c / 2)
+        if ext_tokens or self._pending:
+            k = 1
+        else:
+            k = self.segment_steps
+            heap = self._heap
+            while heap and (not heap[0][2].alive or heap[0][0] != heap[0][2].finish_step):
+                heapq.heappop(heap)
+            if heap:
+                k = max(1, min(k, heap[0][0] - s1))
+        ctx_mid = self._ctx_base + self.n * (s1 + (k - 1) / 2)
+        tau = self.cost.decode_step_time(self.n, ctx_mid, ext_tokens, ext_pairs)
+        self.seg_t0, self.seg_s0, self.seg_end, self.tau = now, s1, s1 + k, tau
+        self._token += 1
+        self.loop.at(now + k * tau, self._end_segment, self._token)

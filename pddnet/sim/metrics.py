@@ -1,0 +1,141 @@
+"""Streaming statistics with bounded memory: log-bucketed histograms and a downsampling series.
+
+A million requests never become a list: every latency goes into a ``Histogram`` (buckets of
+constant relative width, 0.5% by default, so a quantile is within 0.25% of the exact value plus
+the exact min / max / mean), and time series (RLD queue depth) into a ``Series`` that halves its
+resolution whenever it would exceed its point budget. Both are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class Histogram:
+    """Weighted histogram of non-negative values with relative-width buckets."""
+
+    def __init__(self, rel_width: float = 0.005, floor: float = 1e-6) -> None:
+        if not 0 < rel_width < 1:
+            raise ValueError(f"rel_width must be in (0, 1), got {rel_width!r}")
+        self._log_base = math.log1p(rel_width)
+        self._floor = floor
+        self.counts: dict[int, float] = {}
+        self.n = 0.0
+        self.total = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+
+    def _bucket(self, value: float) -> int:
+        if value <= self._floor:
+            return -1
+        return int(math.log(value / self._floor) / self._log_base)
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        if weight <= 0:
+            return
+        if value < 0 or value != value:
+            raise ValueError(f"histogram values must be >= 0, got {value!r}")
+        b = self._bucket(value)
+        self.counts[b] = self.counts.get(b, 0.0) + weight
+        self.n += weight
+        self.total += value * weight
+        if value < self.min:
+            self.min = value
+        if value > self.max:
+            self.max = value
+
+    def merge(self, other: Histogram) -> None:
+        if other._log_base != self._log_base or other._floor != self._floor:
+            raise ValueError("cannot merge histograms with different buckets")
+        for b, c in other.counts.items():
+            self.counts[b] = self.counts.get(b, 0.0) + c
+        self.n += other.n
+        self.total += other.total
+        self.min = min(self.min, other.min)
+        self.max = max(self.max, other.max)
+
+    def _value(self, b: int) -> float:
+        if b < 0:
+            return self._floor / 2
+        return self._floor * math.exp((b + 0.5) * self._log_base)   # the bucket's midpoint
+
+    def quantile(self, q: float) -> float | None:
+        """Value at quantile q in [0, 1] (bucket midpoint, clamped to the exact min / max)."""
+        if not 0 <= q <= 1:
+            raise ValueError(f"quantile must be in [0, 1], got {q!r}")
+        if self.n <= 0:
+            return None
+        if q >= 1.0:
+            return self.max
+        rank, seen = q * self.n, 0.0
+        for b in sorted(self.counts):
+            seen += self.counts[b]
+            if seen >= rank:
+                return min(max(self._value(b), self.min), self.max)
+        return self.max
+
+    def fraction_le(self, value: float) -> float:
+        """Share of the weight at or below ``value`` (bucket resolution)."""
+        if self.n <= 0:
+            return 0.0
+        lim = self._bucket(value)
+        return sum(c for b, c in self.counts.items() if b <= lim) / self.n
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+    def summary(self, scale: float = 1.0, digits: int = 6) -> dict[str, Any]:
+        def r(v: float | None) -> float | None:
+            return None if v is None else round(v * scale, digits)
+
+        return {"n": round(self.n), "mean": r(self.mean), "p50": r(self.quantile(0.5)),
+                "p90": r(self.quantile(0.9)), "p99": r(self.quantile(0.99)),
+                "max": r(self.max if self.n else None)}
+
+    def cdf_points(self, max_points: int = 400) -> list[tuple[float, float]]:
+        """(value, cumulative share) pairs for plots."""
+        if self.n <= 0:
+            return []
+        keys = sorted(self.counts)
+        step = max(1, len(keys) // max_points)
+        out, seen = [], 0.0
+        for i, b in enumerate(keys):
+            seen += self.counts[b]
+            if i % step == 0 or i == len(keys) - 1:
+                out.append((self._value(b), seen / self.n))
+        return out
+
+
+class Series:
+    """(time, value) samples at a fixed interval, keeping the max per interval; when the point
+    budget is exceeded, neighbours merge (max) and the interval doubles."""
+
+    def __init__(self, interval_s: float = 1.0, max_points: int = 1024) -> None:
+        if interval_s <= 0 or max_points < 2:
+            raise ValueError("interval_s must be > 0 and max_points >= 2")
+        self.interval_s = interval_s
+        self.max_points = max_points
+        self.values: list[float] = []
+        self._level = 0.0    # the last value observed: it holds until the next observation
+
+    def observe(self, t: float, value: float) -> None:
+        i = int(t / self.interval_s)
+        while i >= self.max_points:
+            self._halve()
+            i = int(t / self.interval_s)
+        if i >= len(self.values):
+            self.values.extend([self._level] * (i + 1 - len(self.values)))
+            self.values[i] = value
+        elif value > self.values[i]:
+            self.values[i] = value
+        self._level = value
+
+    def _halve(self) -> None:
+        v = self.values
+        self.values = [max(v[i:i + 2]) for i in range(0, len(v), 2)]
+        self.interval_s *= 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"interval_s": self.interval_s, "max": list(self.values)}

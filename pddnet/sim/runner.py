@@ -1,0 +1,203 @@
+"""Run systems on a workload and report: latency distributions, SLA goodput, token shares, WAN
+bytes, handoffs, RLD queue depth, hardware cost and the benefit-cost ratio against the baseline.
+
+Results are plain dicts with rounded floats and no wall-clock figures, so the same config and
+seed give byte-identical JSON (``json.dumps(result, sort_keys=True)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pddnet.sim.config import SimConfig
+from pddnet.sim.system import SimulatedSystem
+from pddnet.sim.workload import (
+    SimRequest,
+    agent_params_in_units,
+    agent_stream,
+    trace_stream,
+)
+
+BASELINE = "same-dc"
+
+
+def requests_for(cfg: SimConfig) -> Iterator[SimRequest]:
+    """The config's workload as a stream (rate_scale applied)."""
+    w = cfg.workload
+    if w.kind == "trace":
+        for r in trace_stream(w.path, cfg.tokens_per_unit, w.requests):
+            yield dataclasses.replace(r, arrival_s=round(r.arrival_s / w.rate_scale, 6))
+        return
+    params = agent_params_in_units(w.agent, cfg.tokens_per_unit)
+    params = dataclasses.replace(params, num_conversations=max(params.num_conversations, 1),
+                                 conversation_rate_per_s=params.conversation_rate_per_s
+                                 * w.rate_scale)
+    yield from agent_stream(params, cfg.seed, cfg.tokens_per_unit, w.requests)
+
+
+def simulate(cfg: SimConfig, system: str,
+             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """One system on the config's workload; returns its report."""
+    sim = SimulatedSystem(cfg, system)
+    loop = sim.loop
+    stream = requests_for(cfg)
+    # A conversation's next turn is sent only once its previous turn finished (an agent waits
+    # for the answer): at max(its arrival, previous turn done). Parked turns wait here.
+    busy: set[int] = set()
+    parked: dict[int, list[SimRequest]] = {}
+
+    def send(req: SimRequest) -> None:
+        if req.conversation >= 0:
+            busy.add(req.conversation)
+        sim.arrive(req)
+        if progress is not None:
+            progress(1)
+
+    def feed(req: SimRequest) -> None:
+        if req.conversation >= 0 and req.conversation in busy:
+            parked.setdefault(req.conversation, []).append(req)
+        else:
+            send(req)
+        nxt = next(stream, None)
+        if nxt is not None:
+            loop.at(nxt.arrival_s, feed, nxt)
+
+    def turn_done(req: SimRequest, at: float) -> None:
+        loop.at(max(at, loop.now), next_turn, req)
+
+    def next_turn(req: SimRequest) -> None:
+        conv = req.conversation
+        if conv < 0:
+            return
+        waiting = parked.get(conv)
+        if not waiting:
+            busy.discard(conv)
+            parked.pop(conv, None)
+            return
+        nxt = waiting.pop(0)
+        if not waiting:
+            del parked[conv]
+        send(dataclasses.replace(nxt, arrival_s=loop.now))
+
+    sim.on_request_done = turn_done
+
+    first = next(stream, None)
+    if first is None:
+        raise ValueError("the workload is empty")
+    loop.at(first.arrival_s, feed, first)
+    loop.run()
+    return report(sim)
+
+
+def _r(v: float | None, digits: int = 6) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def report(sim: SimulatedSystem) -> dict[str, Any]:
+    c = sim.counts
+    start = sim.first_arrival or 0.0
+    span = max(sim.last_done, sim.last_arrival) - start
+    arrival_span = sim.last_arrival - start
+    tokens = c["rld_tokens"] + c["md_tokens"]
+    finished = c["finished"]
+    out: dict[str, Any] = {
+        "system": sim.system,
+        "deployment": sim.deployment.describe(),
+        "gpus": sim.deployment.gpus_by_chip(),
+        "cost_per_hour": _r(sim.hardware_cost_per_hour(), 4),
+        "requests": c["requests"], "finished": finished,
+        "unfinished": c["requests"] - finished,
+        "ttft_s": sim.ttft.summary(), "tpot_s": sim.tpot.summary(), "itl_s": sim.itl.summary(),
+        "e2e_s": sim.e2e.summary(),
+        "sla": {"ttft_s": sim.cfg.sla.ttft_s, "tpot_s": sim.cfg.sla.tpot_s,
+                "good": c["good"], "attainment": _r(c["good"] / finished if finished else 0.0)},
+        "makespan_s": _r(span), "arrival_span_s": _r(arrival_span),
+        "offered_rps": _r(c["requests"] / arrival_span if arrival_span > 0 else 0.0),
+        # requests meeting both SLA bounds per second of the window in which they were offered
+        "goodput_rps": _r(c["good"] / arrival_span if arrival_span > 0 else 0.0),
+        "token_share": {"rld": _r(c["rld_tokens"] / tokens if tokens else 0.0),
+                        "md": _r(c["md_tokens"] / tokens if tokens else 0.0)},
+        "pipelines": dict(sim.pipelines), "handoffs": dict(sim.handoffs),
+        "handoff_gap_s": sim.handoff_gap.summary(),
+        "prefix": {"prompt_tokens": c["prompt_tokens"],
+                   "decode_side_hit_tokens": c["md_hit_tokens"],
+                   "decode_side_hit_ratio": _r(c["md_hit_tokens"] / c["prompt_tokens"]
+                                               if c["prompt_tokens"] else 0.0),
+                   "p_hit_tokens": c["p_hit_tokens"],
+                   "hit_intervals": sim.hit_histogram()},
+        "rld": {"refused": c["rld_refused"], "queue_depth": sim.rld_depth.to_dict()},
+        "md_alloc_waits": c["md_alloc_waits"],
+        "busy": {"prefill": _r(_busy(sim.prefill, span)),
+                 "decode": _r(_busy([d.inst for d in sim.decode], span)),
+                 "relay": _r(_busy(sim.relay, span)) if sim.relay else None},
+        "events": sim.loop.events_run, "sim_time_s": _r(sim.loop.now),
+        "ttft_cdf": [[_r(v), _r(f)] for v, f in sim.ttft.cdf_points(200)],
+    }
+    if sim.cross:
+        w = sim.wan.counters()
+        cap = sim.wan.rate_bytes_per_s * span
+        w["utilisation"] = _r(w["bytes_out_a_to_b"] / cap if cap > 0 else 0.0)
+        w["cancelled_transfers"] = c["cancelled_transfers"]
+        w["kv_bytes_per_request"] = _r(w["kv_bytes"] / max(c["requests"], 1), 1)
+        w["view"] = _merge_views(sim)
+        out["wan"] = w
+    return out
+
+
+def _busy(instances: list[Any], span: float) -> float:
+    if not instances or span <= 0:
+        return 0.0
+    return sum(i.busy_s for i in instances) / (len(instances) * span)
+
+
+def _merge_views(sim: SimulatedSystem) -> dict[str, Any]:
+    keys = ("predictions", "wrong", "over_predicted", "under_predicted", "error_tokens", "gaps")
+    out = {k: sum(v.counters()[k] for v in sim.views) for k in keys}
+    out["mispredict_rate"] = _r(out["wrong"] / out["predictions"] if out["predictions"] else 0.0)
+    return out
+
+
+def compare(results: dict[str, dict[str, Any]], baseline: str = BASELINE) -> dict[str, Any]:
+    """Ratios of every system against the baseline: TTFT quantiles, goodput, cost, BCR."""
+    if baseline not in results:
+        return {}
+    b = results[baseline]
+    out: dict[str, Any] = {}
+    for name, r in results.items():
+        bcr = r["goodput_rps"] / r["cost_per_hour"] if r["cost_per_hour"] else 0.0
+        bcr_b = b["goodput_rps"] / b["cost_per_hour"] if b["cost_per_hour"] else 0.0
+        out[name] = {
+            "ttft_p50_x": _ratio(r["ttft_s"]["p50"], b["ttft_s"]["p50"]),
+            "ttft_p90_x": _ratio(r["ttft_s"]["p90"], b["ttft_s"]["p90"]),
+            "ttft_p99_x": _ratio(r["ttft_s"]["p99"], b["ttft_s"]["p99"]),
+            "goodput_x": _ratio(r["goodput_rps"], b["goodput_rps"]),
+            "cost_x": _ratio(r["cost_per_hour"], b["cost_per_hour"]),
+            "bcr_x": _ratio(bcr, bcr_b),
+        }
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 4)
+
+
+def simulate_all(cfg: SimConfig, progress: Callable[[str, int], None] | None = None
+                 ) -> dict[str, Any]:
+    results = {}
+    for s in cfg.systems:
+        cb = (lambda n, s=s: progress(s, n)) if progress else None
+        results[s] = simulate(cfg, s, cb)
+    return {"config": describe_config(cfg), "systems": results, "vs_baseline": compare(results)}
+
+
+def describe_config(cfg: SimConfig) -> dict[str, Any]:
+    return {"seed": cfg.seed, "model": cfg.model.name,
+            "kv_bytes_per_token": cfg.model.kv_bytes_per_token,
+            "tokens_per_unit": cfg.tokens_per_unit, "systems": list(cfg.systems),
+            "pdd": cfg.pdd.describe(), "baseline": cfg.baseline.describe(),
+            "line": dataclasses.asdict(cfg.line), "engine": dataclasses.asdict(cfg.engine),
+            "policy": dataclasses.asdict(cfg.policy), "sla": dataclasses.asdict(cfg.sla),
+            "workload": {**{k: v for k, v in dataclasses.asdict(cfg.workload).items()
+                            if k != "agent"}, **cfg.workload.agent}}

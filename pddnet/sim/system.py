@@ -1,0 +1,543 @@
+"""One simulated system serving one workload: the request flow of docs/architecture.md.
+
+Systems (same workload, same seed):
+- ``same-dc``: homogeneous PD in datacenter A (the baseline): P -> D over RDMA, D keeps a
+  prefix cache, tokens reach the user with no WAN in between.
+- ``cross-dc``: naive cross-datacenter PD: P in A, MD in B, every request P -> MD over the WAN
+  (incremental KV thanks to MD's DRC); the user waits for the KV crossing. In this model it is
+  also "PDD without RLD" (``pdd-no-rld`` is an alias).
+- ``pdd``: the full design: P's pipeline choice (PipelinePolicy with P's DecodeCacheView of MD's
+  RadixCache and the estimators), RLD admission (RelayAdmission), eager RLD decoding, token-id
+  handoff (HandoffPolicy), DRC on MD.
+- ``pdd-no-drc``: PDD with MD caching nothing, so the whole KV of every prompt crosses.
+- ``cross-dc-no-drc``: cross-dc without the DRC (the whole prompt's KV crosses for every
+  request): against ``cross-dc`` it isolates the DRC's bandwidth cut.
+
+What crosses the WAN goes through ``WanLine`` (the emulator's link model): KV pieces and every
+control message (KV_ALLOC request and answer with the piggy-backed CACHE_EVENTS, TAKEOVER,
+HANDOFF with token ids, cancel). Tokens MD emits reach the router in A one line delay later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from pddnet.kv.allocator import BlockAllocator
+from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache
+from pddnet.policy.admission import RelayAdmission
+from pddnet.policy.cache_view import DecodeCacheView
+from pddnet.policy.estimators import BandwidthEstimator, RttEstimator
+from pddnet.policy.handoff import HandoffMode, HandoffPolicy
+from pddnet.policy.pipeline import Pipeline, PipelineInputs, PipelinePolicy
+from pddnet.sim.config import Deployment, SimConfig
+from pddnet.sim.cost import InstanceCost
+from pddnet.sim.decode import DecodeInstance, Member
+from pddnet.sim.events import EventLoop
+from pddnet.sim.metrics import Histogram, Series
+from pddnet.sim.prefill import PrefillInstance
+from pddnet.sim.wan import WanLine
+from pddnet.sim.workload import SimRequest
+
+# Control message sizes on the wire (bytes): a header, plus payload where it has one.
+HEADER_BYTES = 64
+TOKEN_ID_BYTES = 4
+HASH_BYTES = 8
+
+
+class ReqState:
+    __slots__ = ("req", "pipeline", "p", "md", "rld", "md_idx", "rld_idx", "first_user",
+                 "last_user", "rld_tokens", "md_tokens", "finished", "transfer", "table",
+                 "handle", "prediction", "md_hit", "p_hit", "p_progress", "prefill_done",
+                 "prefill_start", "last_chunk_tokens", "alloc_sent", "md_member", "rld_member",
+                 "mode", "sent_ids", "rld_started", "takeover_pending", "md_allocated",
+                 "kv_at_md", "rld_done", "wan_bytes")
+
+    def __init__(self, req: SimRequest) -> None:
+        self.req = req
+        self.pipeline: Pipeline | None = None
+        self.first_user = -1.0
+        self.last_user = -1.0
+        self.rld_tokens = 0
+        self.md_tokens = 0
+        self.finished = False
+        self.transfer = None
+        self.table: list[int] | None = None
+        self.handle = None
+        self.prediction = None
+        self.md_hit = 0
+        self.p_hit = 0
+        self.p_progress = 0
+        self.prefill_done = -1.0
+        self.prefill_start = -1.0
+        self.last_chunk_tokens = 0
+        self.alloc_sent = 0.0
+        self.md_member: Member | None = None
+        self.rld_member: Member | None = None
+        self.mode: HandoffMode | None = None
+        self.sent_ids = 0
+        self.rld_started = False
+        self.takeover_pending = False
+        self.md_allocated = False
+        self.kv_at_md = False
+        self.rld_done = False
+        self.wan_bytes = 0
+
+
+class DecodeSide:
+    """A decode instance plus its KV pool: MD (with the DRC) or the baseline's D."""
+
+    def __init__(self, inst: DecodeInstance, cache: RadixCache, use_cache: bool) -> None:
+        self.inst = inst
+        self.cache = cache
+        self.use_cache = use_cache
+        self.waiting: list[ReqState] = []
+
+
+class SimulatedSystem:
+    def __init__(self, config: SimConfig, system: str) -> None:
+        if system == "pdd-no-rld":
+            system = "cross-dc"
+        self.cfg = config
+        self.system = system
+        self.loop = EventLoop()
+        c, e, pol = config, config.engine, config.policy
+        self.q = c.tokens_per_unit
+        self.block_units = max(1, e.block_tokens // self.q)
+        self.block_tokens = self.block_units * self.q
+        self.kvpt = c.model.kv_bytes_per_token
+        self.cross = system != "same-dc"
+        self.use_rld = system in ("pdd", "pdd-no-drc")
+        self.use_drc = system not in ("pdd-no-drc", "cross-dc-no-drc")
+        dep: Deployment = c.pdd if self.cross else c.baseline
+        self.deployment = dep
+        # statistics
+        self.ttft = Histogram()
+        self.tpot = Histogram()
+        self.itl = Histogram()
+        self.e2e = Histogram()
+        self.handoff_gap = Histogram()
+        self.rld_depth = Series(interval_s=0.5, max_points=512)
+        self.pipelines = {p.value: 0 for p in Pipeline}
+        self.handoffs = {HandoffMode.ONE_SHOT.value: 0, HandoffMode.STREAMING.value: 0}
+        self.counts = {"requests": 0, "finished": 0, "good": 0, "rld_tokens": 0,
+                       "md_tokens": 0, "prompt_tokens": 0, "md_hit_tokens": 0,
+                       "p_hit_tokens": 0, "cancelled_transfers": 0, "md_alloc_waits": 0,
+                       "rld_refused": 0}
+        self.first_arrival = None
+        self.last_arrival = 0.0
+        self.last_done = 0.0
+        owd = c.line.rtt_ms / 2
+        if self.cross:
+            self.wan = WanLine(self.loop, rate_mbit=c.line.bw_gbit * 1e3, delay_ms=owd,
+                               jitter_ms=c.line.jitter_ms,
+                               queue_bytes=int(c.line.queue_mb * (1 << 20)),
+                               piece_bytes=max(1, int(c.line.piece_mb * (1 << 20))),
+                               seed=c.seed)
+            self.bw_est = BandwidthEstimator(initial_bps=c.line.bw_gbit * 1e9 / 8)
+            self.rtt_est = RttEstimator(initial_s=max(c.line.rtt_ms, 0.01) / 1e3)
+        mu = e.memory_utilisation
+        pc = InstanceCost(dep.prefill.chip, c.model, dep.prefill.gpus, mu)
+        self.prefill = [PrefillInstance(self.loop, pc, f"P{i}", self.q, self.block_units,
+                                        e.chunk_tokens, e.p_prefix_cache)
+                        for i in range(dep.prefill.instances)]
+        self.rdma_latency = e.rdma_latency_us / 1e6
+        dc = InstanceCost(dep.decode.chip, c.model, dep.decode.gpus, mu)
+        user_delay = owd / 1e3 if self.cross else 0.0
+        blocks = dc.kv_capacity_tokens() // self.block_tokens
+        self.decode = [DecodeSide(DecodeInstance(self.loop, dc, f"D{i}", e.max_seqs, user_delay,
+                                                 self.itl, self.handoff_gap, e.segment_steps),
+                                  RadixCache(BlockAllocator(blocks), self.block_units),
+                                  self.use_drc)
+                       for i in range(dep.decode.instances)]
+        self.views = [DecodeCacheView(max_hashes=max(1024, blocks)) for _ in self.decode]
+        self.relay: list[DecodeInstance] = []
+        self.admission: list[RelayAdmission] = []
+        if self.use_rld:
+            if dep.relay is None:
+                raise ValueError(f"system {system!r} needs a [pdd].relay pool")
+            rc = InstanceCost(dep.relay.chip, c.model, dep.relay.gpus, mu)
+            cap = rc.kv_capacity_tokens()
+            for i in range(dep.relay.instances):
+                self.relay.append(DecodeInstance(self.loop, rc, f"RLD{i}", e.max_seqs, 0.0,
+                                                 self.itl, None, e.segment_steps))
+                self.admission.append(RelayAdmission(max_running_tokens=cap,
+                                                     max_blocks=max(1, cap // e.block_tokens),
+                                                     max_requests=pol.rld_max_requests))
+        self.pipeline_policy = PipelinePolicy(pol.direct_budget_s, pol.singular_filter,
+                                              pol.singular_margin)
+        self.handoff_policy = HandoffPolicy(HandoffMode.parse(pol.handoff),
+                                            pol.handoff_threshold, pol.handoff_chunk,
+                                            pol.rld_load_limit)
+        self._p_of: dict[int, int] = {}
+        self._d_of: dict[int, int] = {}
+        self._rld_held = 0
+        self.on_request_done: Any = None       # the runner's hook: a conversation may go on
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def _sticky(self, table: dict[int, int], conv: int, loads: list[int],
+                slack: int | None = None) -> int:
+        """The conversation's instance (its prefix is cached there) unless, with ``slack``, its
+        load exceeds the least loaded one's by more than that (cache-aware load balancing)."""
+        i = min(range(len(loads)), key=loads.__getitem__)
+        if conv >= 0 and conv in table:
+            j = table[conv]
+            if slack is None or loads[j] <= loads[i] + slack:
+                return j
+        if conv >= 0:
+            table[conv] = i
+        return i
+
+    # -- arrival ----------------------------------------------------------------------------
+
+    def arrive(self, req: SimRequest) -> None:
+        now = self.loop.now
+        st = ReqState(req)
+        self.counts["requests"] += 1
+        self.counts["prompt_tokens"] += req.prompt_tokens
+        if self.first_arrival is None:
+            self.first_arrival = now
+        self.last_arrival = now
+        st.p = self._sticky(self._p_of, req.conversation, [p.load for p in self.prefill],
+                            slack=self.cfg.engine.p_route_slack)
+        st.md_idx = self._sticky(self._d_of, req.conversation,
+                                 [d.inst.load + len(d.waiting) for d in self.decode])
+        if not self.cross:
+            st.pipeline = Pipeline.P_MD
+            self._alloc(st)
+        else:
+            st.pipeline = self._choose_pipeline(st)
+            if st.pipeline is not Pipeline.RLD_ONLY:
+                st.alloc_sent = now
+                self.wan.message("a_to_b", HEADER_BYTES + TOKEN_ID_BYTES * req.prompt_tokens,
+                                 self._md_alloc, st)
+        self.pipelines[st.pipeline.value] += 1
+        self.prefill[st.p].submit(st, self._on_prefill)
+
+    def _choose_pipeline(self, st: ReqState) -> Pipeline:
+        req = st.req
+        if not self.use_rld:
+            return Pipeline.P_MD
+        hit = 0
+        if self.use_drc:
+            view = self.views[st.md_idx]
+            st.prediction = view.predict(req.units)
+            hit = min(st.prediction.hit_tokens * self.q, req.prompt_tokens)
+        r = min(range(len(self.relay)), key=lambda i: (self.admission[i].load, i))
+        rld = self.relay[r]
+        inputs = PipelineInputs(
+            prompt_tokens=req.prompt_tokens, hit_tokens=hit, max_tokens=req.output_tokens,
+            kv_bytes_per_token=self.kvpt, bandwidth_bps=self.bw_est.bytes_per_s,
+            rtt_s=self.rtt_est.srtt, rld_s_per_token=rld.step_time_estimate(req.prompt_tokens),
+            rld_admits=True)
+        decision = self.pipeline_policy.decide(inputs)
+        if decision.pipeline is Pipeline.P_MD:
+            return Pipeline.P_MD
+        blocks = -(-(req.prompt_tokens + req.output_tokens) // self.cfg.engine.block_tokens)
+        adm = self.admission[r].try_admit(str(req.rid), req.prompt_tokens + req.output_tokens,
+                                          blocks)
+        if not adm.admitted:
+            self.counts["rld_refused"] += 1
+            again = self.pipeline_policy.decide(replace(inputs, rld_admits=False))
+            return again.pipeline
+        st.rld_idx = r
+        self._rld_held += 1
+        self.rld_depth.observe(self.loop.now, self._rld_held)
+        return decision.pipeline
+
+    # -- P --------------------------------------------------------------------------------------
+
+    def _on_prefill(self, st: ReqState, computed: int, t: float, done: bool) -> None:
+        st.p_progress = computed
+        if st.transfer is not None:
+            self.wan.make_sendable(st.transfer, (computed - st.md_hit) * self.kvpt)
+        if not done:
+            return
+        st.prefill_done = t
+        self.counts["p_hit_tokens"] += st.p_hit
+        if st.pipeline is Pipeline.P_MD and self.cross:
+            return                                  # the WAN transfer carries it on
+        # RDMA to RLD (all of the prompt's KV) or to D (what D's cache lacks); chunks left as
+        # they were computed, so the last one arrives a chunk's transfer after the prefill.
+        nbytes = (st.req.prompt_tokens - (st.md_hit if not self.cross else 0)) * self.kvpt
+        bw = self.prefill[st.p].cost.rdma_bytes_per_s
+        arrive = max(t + st.last_chunk_tokens * self.kvpt / bw,
+                     st.prefill_start + nbytes / bw) + self.rdma_latency
+        if self.cross:
+            self.loop.at(arrive, self._rld_start, st)
+        else:
+            st.wan_bytes = 0
+            self.loop.at(arrive, self._d_kv_ready, st)
+
+    # -- MD / D allocation and the DRC -----------------------------------------------------
+
+    def _alloc(self, st: ReqState) -> bool:
+        """Reserve MD's (or D's) blocks: match and lock the cached prefix, allocate the rest."""
+        side = self.decode[st.md_idx]
+        req, bs = st.req, self.block_units
+        cache = side.cache
+        hit_blocks: tuple[int, ...] = ()
+        handle = None
+        if side.use_cache:
+            m = cache.match_prefix(req.units, max_blocks=(len(req.units) - 1) // bs,
+                                   record=False)
+            cache.lock(m.handle)
+            hit_blocks, handle = m.block_ids, m.handle
+        need = -(-(len(req.units) + len(req.output_units)) // bs) - len(hit_blocks)
+        if cache.num_available < need:
+            if handle is not None:
+                cache.unlock(handle)
+            if need > cache.allocator.num_blocks:
+                raise ValueError(f"request {req.rid} needs {need} KV blocks, more than a "
+                                 f"whole decode instance holds ({cache.allocator.num_blocks})")
+            self.counts["md_alloc_waits"] += 1
+            side.waiting.append(st)
+            return False
+        st.table = list(hit_blocks) + cache.allocate(need)
+        st.handle = handle
+        st.md_hit = min(len(hit_blocks) * bs * self.q, req.prompt_tokens - 1)
+        st.md_allocated = True
+        if side.use_cache:
+            cache.record_lookup(len(req.units), len(hit_blocks) * bs)
+        self.counts["md_hit_tokens"] += st.md_hit
+        return True
+
+    def _md_alloc(self, now: float, st: ReqState) -> None:
+        if st.finished:
+            return
+        if self._alloc(st):
+            self._md_answer(st)
+
+    def _md_answer(self, st: ReqState) -> None:
+        side = self.decode[st.md_idx]
+        events = side.cache.drain_events() if side.use_cache else None
+        size = HEADER_BYTES
+        if events is not None:
+            size += HASH_BYTES * (len(events.inserted) + len(events.evicted))
+        self.wan.message("b_to_a", size, self._p_alloc_answer, st, events)
+
+    def _release(self, st: ReqState, keep: bool) -> None:
+        """A request leaves MD / D: with ``keep`` its KV enters the DRC (prompt and output,
+        but the last token, which was sampled and never computed)."""
+        if not st.md_allocated:
+            return
+        st.md_allocated = False
+        side = self.decode[st.md_idx]
+        req = st.req
+        if keep and side.use_cache:
+            side.cache.insert_finished(req.units + req.output_units[:-1], st.table)
+        else:
+            side.cache.release(st.table)
+        st.table = None
+        while side.waiting:
+            nxt = side.waiting[0]
+            if nxt.finished:
+                side.waiting.pop(0)
+                continue
+            if not self._alloc(nxt):
+                side.waiting.pop()      # _alloc re-queued it at the end: keep FIFO order
+                break
+            side.waiting.pop(0)
+            if self.cross:
+                self._md_answer(nxt)
+            else:
+                self._d_allocated(nxt)
+
+    # -- P learns MD's answer; the WAN transfer ---------------------------------------------
+
+    def _p_alloc_answer(self, now: float, st: ReqState, events: Any) -> None:
+        self.rtt_est.observe(now - st.alloc_sent)
+        view = self.views[st.md_idx]
+        if events is not None:
+            view.apply(events)
+        if st.prediction is not None:
+            view.observe(st.prediction, st.md_hit // self.q)
+        if st.finished or st.rld_done:
+            self._cancel_md(st)
+            return
+        total = (st.req.prompt_tokens - st.md_hit) * self.kvpt
+        st.wan_bytes = total
+        st.transfer = self.wan.start_transfer(total, lambda t, st=st: self._kv_at_md(t, st))
+        self.wan.make_sendable(st.transfer, (st.p_progress - st.md_hit) * self.kvpt)
+
+    def _cancel_md(self, st: ReqState) -> None:
+        if st.transfer is not None:
+            self.wan.cancel(st.transfer)
+            self.counts["cancelled_transfers"] += 1
+        self.wan.message("a_to_b", HEADER_BYTES, self._md_cancelled, st)
+
+    def _md_cancelled(self, now: float, st: ReqState) -> None:
+        if st.md_member is not None:
+            self.decode[st.md_idx].inst.drop(st.md_member)
+        self._release(st, keep=False)
+
+    def _kv_at_md(self, t: float, st: ReqState) -> None:
+        tr = st.transfer
+        self.bw_est.observe(tr.total, t - tr.started_at)
+        if st.finished or st.rld_done:
+            return
+        st.kv_at_md = True
+        if st.pipeline is Pipeline.P_MD:
+            user = t + self.decode[st.md_idx].inst.user_delay_s
+            self._first_token(st, user)
+            st.md_tokens = 1
+            self._md_decode(st, user)
+        else:
+            self.wan.message("b_to_a", HEADER_BYTES, self._rld_takeover, st)
+
+    def _md_decode(self, st: ReqState, user: float) -> None:
+        remaining = st.req.output_tokens - 1
+        if remaining <= 0:
+            self._finish(st, user)
+            self._release(st, keep=True)
+            return
+        m = Member(st, st.req.prompt_tokens, remaining, user, self._md_finished)
+        st.md_member = m
+        self.decode[st.md_idx].inst.add(m)
+
+    def _md_finished(self, m: Member, t: float, made: int) -> None:
+        st = m.state
+        st.md_tokens += made
+        self._finish(st, m.prev_user)
+        self._release(st, keep=True)
+
+    # -- same-DC D ---------------------------------------------------------------------------
+
+    def _d_allocated(self, st: ReqState) -> None:
+        if st.prefill_done >= 0 and st.kv_at_md:
+            self._d_start(st)
+
+    def _d_kv_ready(self, st: ReqState) -> None:
+        st.kv_at_md = True
+        if st.md_allocated:
+            self._d_start(st)
+
+    def _d_start(self, st: ReqState) -> None:
+        now = self.loop.now
+        self._first_token(st, now)
+        st.md_tokens = 1
+        self._md_decode(st, now)
+
+    # -- RLD ---------------------------------------------------------------------------------
+
+    def _rld_start(self, st: ReqState) -> None:
+        now = self.loop.now
+        st.rld_started = True
+        self._first_token(st, now)
+        st.rld_tokens = 1
+        remaining = st.req.output_tokens - 1
+        if remaining <= 0:
+            self._rld_left(st, now, done=True)
+            return
+        m = Member(st, st.req.prompt_tokens, remaining, now, self._rld_finished)
+        st.rld_member = m
+        self.relay[st.rld_idx].add(m)
+        if st.takeover_pending:
+            self._rld_takeover(now, st)
+
+    def _rld_takeover(self, now: float, st: ReqState) -> None:
+        """MD has the KV (first TAKEOVER) or has digested what it got (streaming)."""
+        if st.finished or st.rld_done:
+            return
+        if not st.rld_started:
+            st.takeover_pending = True
+            return
+        rld = self.relay[st.rld_idx]
+        if st.mode is not None:                 # streaming: MD caught up, make the final cut
+            rld.cut(st.rld_member)
+            return
+        backlog = 1 + rld.tokens_made(st.rld_member, now)
+        decision = self.handoff_policy.decide(backlog, self.admission[st.rld_idx].load)
+        st.mode = decision.mode
+        self.handoffs[decision.mode.value] += 1
+        if decision.mode is HandoffMode.ONE_SHOT:
+            rld.cut(st.rld_member)
+        else:
+            st.sent_ids = backlog
+            self.wan.message("a_to_b", HEADER_BYTES + TOKEN_ID_BYTES * backlog,
+                             self._md_handoff, st, backlog, False)
+
+    def _rld_finished(self, m: Member, t: float, made: int) -> None:
+        st = m.state
+        st.rld_tokens = 1 + made
+        st.last_user = m.prev_user
+        self._rld_left(st, t, done=st.rld_tokens >= st.req.output_tokens)
+
+    def _rld_left(self, st: ReqState, t: float, done: bool) -> None:
+        st.rld_done = True
+        self.admission[st.rld_idx].release(str(st.req.rid))
+        self._rld_held -= 1
+        self.rld_depth.observe(t, self._rld_held)
+        if done:                                  # RLD produced every token
+            last = st.last_user if st.last_user >= 0 else t
+            self._finish(st, last)
+            if st.pipeline is not Pipeline.RLD_ONLY:
+                self._cancel_md(st)
+            return
+        # cut: the final HANDOFF carries the ids MD has not been sent yet
+        ids = st.rld_tokens - st.sent_ids
+        st.sent_ids = st.rld_tokens
+        self.wan.message("a_to_b", HEADER_BYTES + TOKEN_ID_BYTES * ids, self._md_handoff, st,
+                         ids, True)
+
+    def _md_handoff(self, now: float, st: ReqState, ids: int, final: bool) -> None:
+        if st.finished:
+            return
+        inst = self.decode[st.md_idx].inst
+        m = st.md_member
+        if m is None:
+            m = Member(st, st.req.prompt_tokens, 0, -1.0, self._md_finished)
+            st.md_member = m
+        if final:
+            m.remaining = st.req.output_tokens - st.rld_tokens - 1
+            m.prev_user = st.last_user
+            one_shot = st.mode is HandoffMode.ONE_SHOT
+            inst.extend(m, ids, ids if one_shot else self.handoff_policy.chunk, True)
+        else:
+            inst.extend(m, ids, self.handoff_policy.chunk, False, self._md_digested)
+
+    def _md_digested(self, m: Member, t: float) -> None:
+        self.wan.message("b_to_a", HEADER_BYTES, self._rld_takeover, m.state)
+
+    # -- completion ----------------------------------------------------------------------------
+
+    def _first_token(self, st: ReqState, user: float) -> None:
+        st.first_user = user
+        self.ttft.add(max(0.0, user - st.req.arrival_s))
+
+    def _finish(self, st: ReqState, last_user: float) -> None:
+        if st.finished:
+            return
+        st.finished = True
+        req = st.req
+        last_user = max(last_user, st.first_user)
+        tpot = (last_user - st.first_user) / (req.output_tokens - 1) if req.output_tokens > 1 \
+            else 0.0
+        ttft = st.first_user - req.arrival_s
+        self.tpot.add(tpot)
+        self.e2e.add(last_user - req.arrival_s)
+        c = self.counts
+        c["finished"] += 1
+        c["rld_tokens"] += st.rld_tokens
+        # every token RLD did not make came from MD (or D)
+        c["md_tokens"] += req.output_tokens - st.rld_tokens
+        if ttft <= self.cfg.sla.ttft_s and tpot <= self.cfg.sla.tpot_s:
+            c["good"] += 1
+        self.last_done = max(self.last_done, last_user)
+        if self.on_request_done is not None:
+            self.on_request_done(req, last_user)
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def hardware_cost_per_hour(self) -> float:
+        gpus = sum(p.num_gpus * p.chip.price_per_hour for p in self.deployment.pools().values())
+        line = self.cfg.line.bw_gbit * self.cfg.line.price_per_gbit_hour if self.cross else 0.0
+        return gpus + line
+
+    def hit_histogram(self) -> dict[str, int]:
+        counts = [0] * len(HIT_INTERVAL_LABELS)
+        for d in self.decode:
+            for i, c in enumerate(d.cache.hit_histogram):
+                counts[i] += c
+        return dict(zip(HIT_INTERVAL_LABELS, counts, strict=True))

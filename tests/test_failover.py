@@ -1,0 +1,163 @@
+"""Failure handling in the daemons: heartbeats with deadlines, RLD as the fallback when MD is
+lost before the cut, redial of a restarted peer, and the router's replay by token ids when the
+daemon producing a request dies (the chaos suite in tests/chaos covers more faults)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import aiohttp
+import pytest
+from test_roles_inprocess import all_free, make_config, running
+
+from pddnet.config import ClusterMode
+from pddnet.engine.engine import Engine
+from pddnet.engine.sampling import SamplingParams
+from pddnet.model.loader import load_model
+from pddnet.protocol import Submit
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+def reference(tiny, prompt: list[int], n: int) -> list[int]:
+    model, tok = tiny
+    return Engine(model, tok, num_blocks=512, block_size=16).generate(prompt, n, SamplingParams(),
+                                                                      True)
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 256) for _ in range(n)]
+
+
+async def test_relay_finishes_alone_when_md_is_lost_before_the_cut(tiny):
+    prompt = prompt_of(1, 150)
+    want = reference(tiny, prompt, 300)   # before the daemons share this event loop
+    cfg = make_config(ClusterMode.PDD, pipeline="p_rld_md")
+    cfg.wan.heartbeat_s, cfg.wan.heartbeat_deadline_s = 0.2, 1.0
+    async with running(cfg, md_delay=30.0) as (daemons, col):   # MD's copy never completes
+        p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
+        await col.send("prefill", Submit(request_id="m1", prompt_token_ids=prompt, max_tokens=300,
+                                         ignore_eos=True))
+        await col.wait_until(lambda: len(col.tokens["m1"]) >= 5, what="RLD's first tokens")
+        await md.close()                  # MD goes away before any handoff
+        await col.wait_until(lambda: col.complete("m1"), what="m1 to complete on RLD")
+        assert col.output("m1") == want and set(col.producers("m1")) == {"relay"}
+        assert not col.duplicates and not col.errors
+        assert p.stats()["counters"]["main_lost_relay_continues"] == 1
+        assert rld.stats()["counters"]["handoffs_abandoned"] == 1
+        # While MD is down, new requests stay on RLD (the fallback), and succeed.
+        prompt2 = prompt_of(2, 40)
+        await col.send("prefill", Submit(request_id="m2", prompt_token_ids=prompt2, max_tokens=12,
+                                         ignore_eos=True))
+        await col.wait_until(lambda: col.complete("m2"), what="m2 on RLD while MD is down")
+        assert col.output("m2") == reference(tiny, prompt2, 12)
+        assert p.stats()["counters"]["main_decode_down_rerouted"] == 1
+        assert p.stats()["peers"]["main-decode control"]["up"] is False
+        await all_free({"prefill": p, "relay": rld})
+
+
+# -- real processes: SIGKILL / SIGSTOP, the router's replay ------------------------------------
+
+async def _stream(url: str, body: dict, seen: list[int]) -> dict:
+    """Stream a completion, appending token ids to `seen` as they arrive; return the pdd object
+    (or the error)."""
+    body = {**body, "stream": True, "return_token_ids": True}
+    import json
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                return {"error": chunk["error"]}
+            for c in chunk.get("choices", []):
+                seen.extend(c.get("token_ids") or [])
+            if "pdd" in chunk:
+                return chunk["pdd"]
+    return {}
+
+
+@pytest.mark.timeout(240)
+async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
+    from pddnet.cluster.local import LocalCluster
+
+    prompt = prompt_of(3, 120)
+    want = reference(tiny, prompt, 1500)
+    overrides = {"policy.pipeline": "p_rld_md", "policy.handoff": "one-shot",
+                 "wan.heartbeat_s": 0.25, "wan.heartbeat_deadline_s": 1.5}
+    async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=10.0, jitter_ms=0.0, bw_mbit=200.0,
+                            overrides=overrides) as cluster:
+        seen: list[int] = []
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1500, "temperature": 0,
+                "ignore_eos": True}
+        task = asyncio.create_task(_stream(cluster.url, body, seen))
+        for _ in range(400):   # wait for the cut: MD is now the only producer
+            if (await cluster.stats("main_decode"))["requests"]["handoffs"] >= 1 and len(seen) > 20:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("no handoff happened")
+        md_pid = cluster.daemons["main_decode"].pid
+        os.kill(md_pid, signal.SIGKILL)
+        pdd = await asyncio.wait_for(task, 120)
+        assert "error" not in pdd, pdd
+        assert seen == want                     # token-exact, no index twice, none skipped
+        assert pdd["replays"] == 1
+        replay = [e for e in pdd["timeline"] if e["event"] == "replay"]
+        assert replay and "main_decode lost" in replay[0]["detail"]
+        # MD comes back (same port) and the others redial it: pdd requests work again.
+        await cluster.restart("main_decode")
+        for _ in range(100):
+            ups = [(await cluster.stats(r))["peers"]["main-decode control"]["up"]
+                   for r in ("prefill", "relay")]
+            if all(ups):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("P and RLD did not redial the restarted MD")
+        seen2: list[int] = []
+        prompt2 = prompt_of(4, 60)
+        pdd2 = await _stream(cluster.url, {**body, "prompt": prompt2, "max_tokens": 200}, seen2)
+        assert "error" not in pdd2 and seen2 == reference(tiny, prompt2, 200)
+        assert pdd2["main_tokens"] > 0
+
+
+@pytest.mark.timeout(240)
+async def test_a_hung_md_is_detected_and_its_request_replayed(tiny):
+    from pddnet.cluster.local import LocalCluster
+
+    prompt = prompt_of(5, 100)
+    want = reference(tiny, prompt, 1200)
+    overrides = {"policy.pipeline": "p_rld_md", "policy.handoff": "one-shot",
+                 "wan.heartbeat_s": 0.25, "wan.heartbeat_deadline_s": 1.5}
+    async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=10.0, jitter_ms=0.0, bw_mbit=200.0,
+                            overrides=overrides) as cluster:
+        seen: list[int] = []
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1200, "temperature": 0,
+                "ignore_eos": True}
+        task = asyncio.create_task(_stream(cluster.url, body, seen))
+        for _ in range(400):
+            if (await cluster.stats("main_decode"))["requests"]["handoffs"] >= 1 and len(seen) > 20:
+                break
+            await asyncio.sleep(0.05)
+        md_pid = cluster.daemons["main_decode"].pid
+        os.kill(md_pid, signal.SIGSTOP)           # hung, its sockets still open
+        try:
+            pdd = await asyncio.wait_for(task, 120)
+        finally:
+            os.kill(md_pid, signal.SIGCONT)
+        assert "error" not in pdd, pdd
+        assert seen == want and pdd["replays"] == 1
+        router = await cluster.stats("router")
+        assert router["replays"] == 1

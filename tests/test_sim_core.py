@@ -1,0 +1,64 @@
+"""The simulator's event core and streaming statistics."""
+
+import pytest
+
+from pddnet.sim.events import EventLoop
+from pddnet.sim.metrics import Histogram, Series
+
+
+def test_events_run_in_time_then_scheduling_order():
+    loop = EventLoop()
+    seen = []
+    loop.at(2.0, seen.append, "c")
+    loop.at(1.0, seen.append, "a")
+    loop.at(1.0, seen.append, "b")        # same time: scheduling order
+    loop.after(0.5, lambda: loop.after(1.0, seen.append, "late"))   # scheduled from an event
+    assert loop.run() == 5
+    assert seen == ["a", "b", "late", "c"]
+    assert loop.now == 2.0
+
+
+def test_event_loop_refuses_the_past_and_stops_at_until():
+    loop = EventLoop()
+    loop.at(5.0, lambda: None)
+    loop.run(until=1.0)
+    assert loop.now == 1.0 and len(loop) == 1
+    with pytest.raises(ValueError, match="cannot schedule"):
+        loop.at(0.5, lambda: None)
+    with pytest.raises(ValueError, match="negative delay"):
+        loop.after(-1, lambda: None)
+
+
+def test_histogram_quantiles_within_bucket_resolution():
+    h = Histogram()
+    for i in range(1, 10001):
+        h.add(i / 1000.0)                  # 1 ms .. 10 s, uniform
+    assert h.n == 10000
+    assert h.quantile(0.5) == pytest.approx(5.0, rel=0.005)
+    assert h.quantile(0.99) == pytest.approx(9.9, rel=0.005)
+    assert h.min == 0.001 and h.max == 10.0
+    assert h.mean == pytest.approx(5.0005)
+    s = h.summary()
+    assert s["p90"] == pytest.approx(9.0, rel=0.005)
+
+
+def test_histogram_weights_and_merge():
+    a, b = Histogram(), Histogram()
+    a.add(0.1, 99)
+    b.add(10.0, 1)
+    a.merge(b)
+    assert a.n == 100
+    assert a.quantile(0.5) == pytest.approx(0.1, rel=0.005)
+    assert a.quantile(1.0) == 10.0
+    assert a.fraction_le(0.2) == pytest.approx(0.99)
+    with pytest.raises(ValueError):
+        a.add(-1.0)
+
+
+def test_series_is_bounded_and_keeps_maxima():
+    s = Series(interval_s=1.0, max_points=8)
+    for t in range(100):
+        s.observe(float(t), float(t % 10))
+    assert len(s.values) <= 8
+    assert s.interval_s >= 100 / 8
+    assert max(s.values) == 9.0

@@ -1,0 +1,104 @@
+"""Profiles as data, and the roofline cost model on hand-computed cases."""
+
+import pytest
+
+from pddnet.model.config import ModelConfig
+from pddnet.sim.cost import InstanceCost
+from pddnet.sim.profiles import list_profiles, load_chip, load_model
+
+CHIP = """
+name = "unit-chip"
+memory_gb = 100
+memory_bw_gbs = 100
+scale_up_gbs = 100
+scale_out_gbit = 80
+price_per_hour = 1.0
+compute_efficiency = 1.0
+bandwidth_efficiency = 1.0
+step_overhead_ms = 0.0
+[tflops]
+fp32 = 1.0
+"""
+MODEL = """
+name = "unit-model"
+num_layers = 2
+hidden_size = 64
+num_heads = 4
+num_kv_heads = 2
+head_dim = 16
+total_params = 1e9
+active_params = 1e9
+compute_dtype = "fp32"
+weight_bytes_per_param = 2
+kv_bytes_per_elem = 2
+"""
+
+
+@pytest.fixture
+def unit(tmp_path):
+    (tmp_path / "chip.toml").write_text(CHIP)
+    (tmp_path / "model.toml").write_text(MODEL)
+    return InstanceCost(load_chip(tmp_path / "chip.toml"), load_model(tmp_path / "model.toml"))
+
+
+def test_prefill_time_is_its_flops_over_compute(unit):
+    # 1000 new tokens: 2 * 1e9 * 1000 matmul FLOPs + 4 * 2 layers * 4 heads * 16 * (1000*1001/2)
+    # attention FLOPs, at 1 TFLOP/s; the 2 GB of weights at 100 GB/s take only 0.02 s.
+    want = (2e9 * 1000 + 4 * 2 * 4 * 16 * 1000 * 1001 / 2) / 1e12
+    assert unit.prefill_chunk_time(0, 1000) == pytest.approx(want)
+    assert unit.prefill_time(0, 1000, chunk=1000) == pytest.approx(want)
+
+
+def test_decode_step_time_is_its_bytes_over_bandwidth(unit):
+    kvpt = 2 * 2 * 2 * 16 * 2          # layers * (K,V) * kv heads * head_dim * bytes = 256
+    assert unit.model.kv_bytes_per_token == kvpt
+    # batch 8 over 8000 context tokens: weights + KV read + KV written, at 100 GB/s
+    want = (2e9 + (8000 + 8) * kvpt) / 100e9
+    assert unit.decode_step_time(8, 8000) == pytest.approx(want)
+    # 64 extend tokens batched in: 72 tokens of matmuls make this weak chip compute-bound
+    ext = unit.decode_step_time(8, 8000, extend_tokens=64, extend_pairs=64 * 8000)
+    assert ext == pytest.approx((2e9 * 72 + 4 * 2 * 4 * 16 * (8000 + 64 * 8000)) / 1e12)
+
+
+def test_capacity_and_model_that_does_not_fit(unit, tmp_path):
+    assert unit.kv_capacity_bytes == pytest.approx(100e9 * 0.9 - 2e9)
+    assert unit.kv_capacity_tokens() == int((90e9 - 2e9) // 256)
+    big = load_model("deepseek-v3")
+    with pytest.raises(ValueError, match="does not fit"):
+        InstanceCost(unit.chip, big, gpus=1)
+    assert InstanceCost(load_chip("gpu-b"), big, gpus=8).kv_capacity_tokens() > 0
+
+
+def test_moe_reads_the_experts_a_batch_routes_to():
+    m = load_model("deepseek-v3")
+    c = InstanceCost(load_chip("gpu-a"), m, gpus=16)
+    dense = (m.total_params - m.expert_params) * m.weight_bytes_per_param
+    one = c.weight_bytes_touched(1)
+    assert one == pytest.approx(dense + m.expert_params * 8 / 256)
+    assert c.weight_bytes_touched(4096) == pytest.approx(m.weight_bytes, rel=1e-6)
+
+
+def test_shipped_profiles_load_and_match_the_presets():
+    assert {"gpu-a", "gpu-b", "h100-sxm", "h20"} <= set(list_profiles("chips"))
+    for name in list_profiles("chips"):
+        assert load_chip(name).price_per_hour >= 0
+    for name in ("tiny", "small", "medium"):
+        prof, preset = load_model(name), ModelConfig.preset(name)
+        assert prof.kv_bytes_per_token == preset.kv_bytes_per_token
+        assert prof.total_params == preset.num_parameters
+    assert load_model("deepseek-v3").kv_bytes_per_token == 61 * 576 * 2
+
+
+def test_bad_profiles_are_rejected_with_the_field_named(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text(CHIP.replace("memory_bw_gbs = 100", "memory_bw_gbs = -1"))
+    with pytest.raises(ValueError, match="memory_bw_gbs"):
+        load_chip(p)
+    p.write_text("warp_speed = 9\n" + CHIP)
+    with pytest.raises(ValueError, match="unknown field.*warp_speed"):
+        load_chip(p)
+    with pytest.raises(ValueError, match="unknown chip profile"):
+        load_chip("no-such-chip")
+    p.write_text(CHIP)
+    with pytest.raises(ValueError, match="no bf16 rate"):
+        load_chip(p).flops_per_s("bf16")
