@@ -56,6 +56,7 @@ class DaemonSection:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     prefix_cache: str = "hash"  # hash | radix | off (MD's decode-side cache is the radix tree)
+    metrics_port: int | None = None  # Prometheus /metrics on host:port (0: any); None: off
 
     def dial_address(self) -> tuple[str, int]:
         if self.dial:
@@ -148,6 +149,8 @@ class ClusterConfig:
                     raise ConfigError(f"{name}.{attr} must be >= 1, got {getattr(sec, attr)}")
             if sec.dial:
                 parse_address(sec.dial)
+            if sec.metrics_port is not None:
+                _check_port(f"{name}.metrics_port", sec.metrics_port)
             if sec.prefix_cache not in PREFIX_CACHE_KINDS:
                 raise ConfigError(f"{name}.prefix_cache must be one of "
                                   f"{'|'.join(PREFIX_CACHE_KINDS)}, got {sec.prefix_cache!r}")
@@ -244,7 +247,9 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
-    if isinstance(default, float) or (default is None and isinstance(value, (int, float))):
+    if default is None and isinstance(value, int) and not isinstance(value, bool):
+        return value  # an optional int stays one (a port); optional floats accept ints too
+    if isinstance(default, float) or (default is None and isinstance(value, float)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}")
         return float(value)

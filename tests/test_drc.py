@@ -80,7 +80,7 @@ async def test_only_the_uncached_kv_crosses_and_stays_token_exact(tiny):
         # P's view predicted MD's hit from CACHE_EVENTS alone: nothing was wrong.
         assert view.predictions == 2 and view.wrong == 0 and view.notices >= 1, view.counters()
         drc = daemons["main_decode"].stats()["drc"]
-        assert drc["tokens_hit"] >= hit and sum(drc["hit_histogram"].values()) == 2
+        assert drc["hit_tokens"] >= hit and sum(drc["hit_intervals"].values()) == 2
         await all_free(daemons)
 
 

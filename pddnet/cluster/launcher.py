@@ -72,10 +72,11 @@ class Daemon:
     log: str
     stats_file: str
     proc: Any = field(repr=False, default=None)
+    metrics_port: int | None = None     # the router serves /metrics on its own port
 
     def describe(self) -> dict[str, Any]:
         return {"role": self.role, "pid": self.pid, "host": self.host, "port": self.port,
-                "address": self.address, "namespace": self.namespace, "threads": self.threads,
+                "metrics_port": self.metrics_port, "address": self.address, "namespace": self.namespace, "threads": self.threads,
                 "log": self.log, "stats_file": self.stats_file}
 
 
@@ -156,6 +157,8 @@ class ClusterLauncher:
             sec = getattr(cfg, role)
             if sec.port == 0:
                 sec.port = free_port()
+            if role != "router" and not sec.metrics_port:  # pdd up: /metrics on every daemon
+                sec.metrics_port = free_port()
         self.placement = make_placement(self.choice, cfg)
         self.placement.prepare(cfg)
         if hasattr(self.placement, "log_path"):
@@ -204,7 +207,8 @@ class ClusterLauncher:
         self.daemons[role] = Daemon(role=role, pid=proc.pid, host=sec.host, port=sec.port,
                                     address=address, namespace=self.placement.namespace(role),
                                     threads=cfg.model.threads, log=log_path,
-                                    stats_file=stats_file, proc=proc)
+                                    stats_file=stats_file, proc=proc,
+                                    metrics_port=getattr(sec, "metrics_port", None))
 
     async def _wait_ready(self, timeout: float, roles: set[str] | None = None,
                           health: bool = True) -> None:

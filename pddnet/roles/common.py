@@ -209,6 +209,7 @@ class Daemon:
         self._router: list[Outbox] = []   # events lanes, most recent last
         self._outboxes: list[Outbox] = []
         self.peers: list[Peer] = []
+        self.metrics: Any = None              # pddnet.obs.metrics.MetricsServer, when enabled
         self.replays: dict[str, Submit] = {}   # decode tiers: requests replayed by token ids
         self._tasks: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
@@ -237,6 +238,11 @@ class Daemon:
         self.server = Server(sec.host, sec.port, role=self.role, instance_id=self.instance_id,
                              secret=self.secret, on_connection=self._on_connection)
         self.port = await self.server.start()
+        if sec.metrics_port is not None:
+            from pddnet.obs.metrics import start_metrics_server
+
+            self.metrics = await start_metrics_server(sec.host, sec.metrics_port, self.stats,
+                                                      self.role)
         try:
             await self.dial_peers()
         except BaseException:
@@ -266,6 +272,8 @@ class Daemon:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.close_extra()
+            if self.metrics is not None:
+                await self.metrics.close()
             if self.worker is not None:
                 await self.worker.close()
             if self.engine is not None:
@@ -584,9 +592,14 @@ class Daemon:
             lane = lanes.setdefault(conn.lane, {"bytes_in": 0, "bytes_out": 0})
             lane["bytes_in"] += sum(conn.stats["bytes_in"].values())
             lane["bytes_out"] += sum(conn.stats["bytes_out"].values())
+        queues: dict[str, int] = {}
+        if engine is not None:
+            queues = {"engine_waiting": len(engine.scheduler.waiting),
+                      "engine_running": len(engine.scheduler.running)}
         return {"role": self.role, "instance": self.instance_id, "port": self.port,
+                "metrics_url": self.metrics.url if self.metrics is not None else None,
                 "requests": self.request_stats(), "kv_blocks": blocks, "lanes": lanes,
-                "counters": dict(self.counters),
+                "queues": queues, "counters": dict(self.counters),
                 "peers": {p.name: p.stats() for p in self.peers}}
 
     def request_stats(self) -> dict[str, int]:  # pragma: no cover

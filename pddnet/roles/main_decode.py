@@ -127,6 +127,7 @@ class MainDecodeDaemon(Daemon):
         # Most tokens one step computed for a request after its first HANDOFF, by handoff mode:
         # the one-shot stall vs streaming's `chunk` cap, as measured.
         self.max_extend_tokens: dict[str, int] = {}
+        self.handoffs_by_mode: dict[str, int] = {}
         # CACHE_EVENTS drained in the engine thread, posted to every P from the event loop
         self._cache_notices: deque[CacheEvents] = deque()
 
@@ -412,6 +413,7 @@ class MainDecodeDaemon(Daemon):
                 self.timeline(rid, "first_md_token", a.index)
             elif isinstance(a, HandoffEnded):
                 self.counters["handoffs"] += 1
+                self.handoffs_by_mode[a.mode] = self.handoffs_by_mode.get(a.mode, 0) + 1
                 self.timeline(rid, "handoff_end", req.handoff_bytes, a.mode)
             elif isinstance(a, FinishRequest):
                 self.counters["finished_here"] += 1
@@ -510,16 +512,17 @@ class MainDecodeDaemon(Daemon):
         out = super().stats()
         out["kv_arrival_delay_s"] = self.kv_arrival_delay_s
         out["max_extend_tokens"] = dict(self.max_extend_tokens)
+        out["handoffs"] = dict(self.handoffs_by_mode)
         out["active_phases"] = self.active_phases(self.requests)
         radix = self.radix
         if radix is not None:
-            out["drc"] = {"requests": radix.num_requests, "tokens_asked": radix.tokens_asked,
-                          "tokens_hit": radix.tokens_hit, "hit_rate": round(radix.hit_rate, 6),
+            out["drc"] = {"lookups": radix.num_requests, "lookup_tokens": radix.tokens_asked,
+                          "hit_tokens": radix.tokens_hit, "hit_rate": round(radix.hit_rate, 6),
                           "cached_blocks": radix.num_cached_blocks,
                           "evictable_blocks": radix.num_evictable,
                           "inserted_blocks": radix.num_inserted,
                           "evicted_blocks": radix.num_evicted,
-                          "hit_histogram": dict(zip(HIT_INTERVAL_LABELS, radix.hit_histogram,
+                          "hit_intervals": dict(zip(HIT_INTERVAL_LABELS, radix.hit_histogram,
                                                     strict=True)),
                           "notices_sent": radix.next_event_seq, "events_dropped": radix.events_dropped}
         return out

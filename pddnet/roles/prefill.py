@@ -526,6 +526,11 @@ class PrefillDaemon(Daemon):
         out = super().stats()
         if self.planner is not None:
             out["planner"] = self.planner.counters()
+        out["pipelines"] = {k[len("pipeline_"):]: v for k, v in self.counters.items()
+                            if k.startswith("pipeline_") and "_to_" not in k}
+        bulk = out["lanes"].get("bulk", {}).get("bytes_out", 0)
+        out["wan_bytes"] = {"out": {"kv": bulk, "control": out["lanes"].get("control", {})
+                                    .get("bytes_out", 0)}}
         if self.stripes is not None:
             out["lanes"]["bulk"] = {"bytes_out": sum(sum(c.stats["bytes_out"].values())
                                                      for c in self.stripes.lanes),

@@ -92,6 +92,7 @@ class RequestState:
     # Which daemon is producing the request now (prefill until a decode tier has its KV):
     # when that one is lost, the router replays the request by token ids elsewhere.
     owner: str = "prefill"
+    last_release: float | None = None     # when the client last got tokens (inter-token gaps)
     replays: int = 0
     replay_target: str | None = None
 
@@ -294,7 +295,13 @@ class Router:
             if state.replay_target is None or msg.producer == state.replay_target:
                 state.owner = msg.producer
             was = len(state.assembler.tokens)
-            state.assembler.feed_tokens(msg.index, msg.token_ids, msg.producer, now)
+            released = state.assembler.feed_tokens(msg.index, msg.token_ids, msg.producer, now)
+            if released is not None:
+                if state.last_release is not None:
+                    # what the client sees: one gap per release, then tokens that came with it
+                    gaps = [now - state.last_release] + [0.0] * (len(released.token_ids) - 1)
+                    self._metrics.observe_gaps(gaps)
+                state.last_release = now
             if was == 0 and state.assembler.tokens:
                 state.add_event("first_token", now, "router", state.assembler.producers[0])
             if state.assembler.error:
@@ -575,6 +582,10 @@ class Router:
         self._metrics.observe(asm.finish_reason or "error", asm.counts_by_producer(),
                               None if asm.first_token_time is None
                               else asm.first_token_time - state.arrival)
+        self._metrics.by_pipeline.labels(state.details.get("pipeline", "unknown"),
+                                         asm.finish_reason or "error").inc()
+        if state.replays:
+            self._metrics.replays.inc(state.replays)
         state.add_event("done", self.clock(), "router", asm.finish_reason)
 
     def _error(self, state: RequestState) -> ApiError:
@@ -672,6 +683,19 @@ class RouterMetrics:
                               registry=self.registry)
         self.active = Gauge("pdd_router_active_requests", "requests in flight",
                             registry=self.registry)
+        self.inter_token = Histogram("pdd_router_inter_token_seconds",
+                                     "gap between token releases to the client",
+                                     buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1,
+                                              2.5, 5), registry=self.registry)
+        self.by_pipeline = Counter("pdd_router_requests_by_pipeline",
+                                   "completions by the pipeline that served them",
+                                   ["pipeline", "finish_reason"], registry=self.registry)
+        self.replays = Counter("pdd_router_replays", "requests replayed by token ids after the "
+                               "daemon producing them was lost", registry=self.registry)
+
+    def observe_gaps(self, gaps: list[float]) -> None:
+        for g in gaps:
+            self.inter_token.observe(g)
 
     def observe(self, finish_reason: str, tokens: dict[str, int], ttft: float | None) -> None:
         self.requests.labels(finish_reason).inc()
