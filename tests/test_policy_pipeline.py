@@ -82,3 +82,20 @@ def test_admission_keeps_high_water_marks():
     c = adm.counters()
     assert (c["peak_requests"], c["peak_tokens"], c["peak_blocks"]) == (2, 80, 6)
     assert (c["admitted"], c["refused"], c["requests"]) == (3, 1, 2)
+
+
+def test_singular_traffic_gets_only_its_share_of_rld():
+    adm = RelayAdmission(max_running_tokens=1000, max_blocks=100, max_requests=4,
+                         singular_share=0.5)
+    assert adm.try_admit("s1", 100, 10, singular=True).admitted
+    assert adm.try_admit("s2", 100, 10, singular=True).admitted
+    third = adm.try_admit("s3", 100, 10, singular=True)
+    assert not third.admitted and "singular share" in third.reason
+    assert adm.try_admit("relayed", 100, 10).admitted       # relayed traffic still fits
+    adm.release("s1")
+    assert adm.try_admit("s3", 100, 10, singular=True).admitted
+    assert adm.counters()["singular_requests"] == 2
+    big = adm.try_admit("s4", 10, 1, singular=True)
+    assert not big.admitted
+    with pytest.raises(ValueError, match="singular_share"):
+        RelayAdmission(10, 10, singular_share=1.5)

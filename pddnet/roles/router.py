@@ -489,9 +489,13 @@ class Router:
             raise ApiError(503, f"the server is overloaded ({len(self.requests)} requests in "
                            f"flight, limit {self.config.router.max_concurrent_requests}); retry "
                            f"later", "server_error", None, "overloaded")
-        missing = [r for r, p in self.peers.items() if p.conn is None]
-        if missing:
-            raise ApiError(503, f"not connected to {', '.join(missing)} yet; retry later",
+        # P prefills every request; one live decode tier can serve it (pdd mode: RLD is the
+        # fallback while MD is down, MD while RLD is).
+        decode_up = [r for r in ("relay", "main_decode")
+                     if r in self.peers and self.peers[r].conn is not None]
+        if self.peers["prefill"].conn is None or not decode_up:
+            missing = [r for r, p in self.peers.items() if p.conn is None]
+            raise ApiError(503, f"not connected to {', '.join(missing)}; retry later",
                            "server_error", None, "peers_unavailable")
         state = self._admit(req)
         try:
