@@ -52,6 +52,7 @@ BENCHES: dict[str, BenchSpec] = {s.name: s for s in (
               "shm write vs memcpy, WAN goodput vs rate, decode daemon vs reference engine"),
     BenchSpec("drc", "pddnet.bench.drc",
               "WAN KV bytes and TTFT with and without the decode-side RadixCache"),
+    BenchSpec("handoff", "pddnet.bench.handoff", "token-id vs KV-direct handoff: payload, latency, quiet and jittery WAN"),
 )}
 
 

@@ -600,6 +600,7 @@ class Daemon:
                 "metrics_url": self.metrics.url if self.metrics is not None else None,
                 "requests": self.request_stats(), "kv_blocks": blocks, "lanes": lanes,
                 "queues": queues, "counters": dict(self.counters),
+                "tasks": len(asyncio.all_tasks()),
                 "peers": {p.name: p.stats() for p in self.peers}}
 
     def request_stats(self) -> dict[str, int]:  # pragma: no cover

@@ -1,0 +1,1 @@
+"""The chaos and jitter suite: real daemons, one fault per case, DESIGN.md section 4 checked."""

@@ -1,0 +1,789 @@
+"""The chaos harness: a bounded mixed workload through the router, one fault injected at a chosen
+moment, and the invariants of DESIGN.md section 4 checked afterwards.
+
+    result = await run_case(cluster, "partition 2 s", "partition", bodies, fault)
+    result.assert_invariants()          # raises with every broken invariant and the seed
+
+Every request ends in exactly one of these outcomes:
+  exact         completed, token-exact against the colocated reference engine
+  clear_error   failed with an OpenAI-style error naming the cause ({"error": {"message",
+                "type", "code"}}, HTTP status >= 400 or one SSE error event before [DONE]), and
+                the tokens streamed before the error are a prefix of the reference
+  wrong         tokens differ from the reference (duplicated, skipped or different ids)
+  unclear_error failed, but not with a clear OpenAI-style error
+  lost          no answer within CLIENT_TIMEOUT_S (a hang), or the connection dropped without
+                an error or [DONE]
+After the workload (and the healing of the fault): no KV block, request, shared-memory segment,
+socket/fd (or task, where a daemon reports a task count) is left on any daemon beyond the
+baseline taken before the fault, and a fresh request is served token-exact.
+
+Results go to the process-wide REPORT; `install_report(config)` makes pytest print its table at
+the end of the run and write it as JSON under results/chaos/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import difflib
+import json
+import os
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from pddnet.cluster.launcher import SHM_DIR, shm_segments_of
+from pddnet.cluster.local import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = ROOT / "results" / "chaos"
+MODEL = "tiny"
+# A request with no answer after this long counts as lost (hung). Far above any request of the
+# workloads here (the longest needs a few seconds on a busy 2-core box), far below pytest's timeout.
+CLIENT_TIMEOUT_S = 60.0
+LEAK_TIMEOUT_S = 20.0        # how long daemons get to free what ended requests held
+HEALTH_TIMEOUT_S = 30.0      # how long a healed cluster gets until /health is ok again
+# fds: a closing connection's socket can outlive the request by a moment on either side, and a
+# stats refresh or /health probe of our own may be open while we count.
+FD_SLACK = 3
+# Per-connection tasks (outboxes, heartbeats, readers) come and go with redials: a leak shows as
+# growth with the number of requests, well past this.
+TASK_SLACK = 6
+DAEMON_ROLES = ("prefill", "relay", "main_decode")
+CLEAR_ERROR_TYPES = ("invalid_request_error", "server_error", "rate_limit_error",
+                     "authentication_error", "permission_error", "not_found_error")
+
+
+# -- the reference ---------------------------------------------------------------------------------
+
+_REFERENCE: dict[str, list[int]] = {}
+_MODEL: list[Any] = []
+
+
+def reference_tokens(body: dict[str, Any]) -> list[int]:
+    """The colocated reference engine's tokens for a request body (cached)."""
+    from pddnet.engine.engine import Engine
+    from pddnet.engine.sampling import SamplingParams
+    from pddnet.model.loader import load_model
+
+    key = json.dumps({k: body.get(k) for k in ("prompt", "max_tokens", "temperature", "top_p",
+                                               "top_k", "seed", "ignore_eos")}, sort_keys=True)
+    if key not in _REFERENCE:
+        if not _MODEL:
+            _MODEL.append(load_model(MODEL))
+        model, tok = _MODEL[0]
+        engine = Engine(model, tok, num_blocks=256, block_size=16)
+        try:
+            sp = SamplingParams(temperature=body["temperature"], top_p=body.get("top_p", 1.0),
+                                top_k=body.get("top_k", 0), seed=body.get("seed"))
+            _REFERENCE[key] = engine.generate(body["prompt"], body["max_tokens"], sp,
+                                              ignore_eos=body.get("ignore_eos", False))
+        finally:
+            engine.close()
+    return _REFERENCE[key]
+
+
+# -- the workload ----------------------------------------------------------------------------------
+
+def mixed_workload(n: int, seed: int, long_prompt: tuple[int, int] = (200, 500),
+                   short_prompt: tuple[int, int] = (4, 60),
+                   max_tokens: tuple[int, int] = (8, 160),
+                   first_prompt: int | None = None) -> list[dict[str, Any]]:
+    """`n` request bodies: long prompts (KV that takes a while to cross) alternate with short
+    ones, streamed and whole, greedy and seeded sampling, mostly ignore_eos so outputs are long
+    enough to be handed over. `first_prompt`: the first request's prompt length (a copy that
+    is sure to be crossing the WAN for a while). A pure function of `seed`."""
+    rng = random.Random(seed)
+    bodies = []
+    for i in range(n):
+        lo, hi = long_prompt if i % 2 == 0 else short_prompt
+        plen = rng.randint(lo, hi) if i or first_prompt is None else first_prompt
+        prompt = [256] + [rng.randrange(256) for _ in range(plen)]
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": rng.randint(*max_tokens),
+                                "ignore_eos": rng.random() < 0.85, "return_token_ids": True,
+                                "stream": i % 3 != 2}
+        if i % 2:
+            body.update(temperature=0.8, top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 40]),
+                        seed=rng.randrange(2**63))
+        else:
+            body["temperature"] = 0.0
+        bodies.append(body)
+    return bodies
+
+
+def precompute_references(bodies: list[dict[str, Any]]) -> None:
+    """Compute references before a cluster takes the cores (and before any timing matters)."""
+    for b in bodies:
+        reference_tokens(b)
+
+
+# -- one request -----------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    index: int
+    status: str      # exact | clear_error | cancelled | wrong | unclear_error | lost
+    tokens: list[int]
+    expected_len: int
+    http_status: int | None = None
+    error: dict[str, Any] | None = None
+    duplicated: int = 0
+    skipped: int = 0
+    replaced: int = 0
+    detail: str = ""
+    prompt_len: int = 0
+    stream: bool = False
+    pdd: dict[str, Any] | None = None
+
+    def describe(self) -> str:
+        brief = {}
+        if self.pdd:
+            brief = {k: self.pdd.get(k) for k in ("request_id", "pipeline", "handoff_mode",
+                                                  "relay_tokens", "main_tokens",
+                                                  "prefill_tokens")}
+        return (f"request {self.index} ({self.prompt_len}-token prompt, "
+                f"{'stream' if self.stream else 'whole'}): {self.status}; got {len(self.tokens)}"
+                f"/{self.expected_len} tokens, dup {self.duplicated}, skip {self.skipped}, "
+                f"replaced {self.replaced}; HTTP {self.http_status}; error {self.error}; "
+                f"{self.detail} {brief}".strip())
+
+
+def token_diff(want: list[int], got: list[int], complete: bool) -> tuple[int, int, int]:
+    """(duplicated, skipped, replaced) tokens of `got` against `want`. For a request that failed
+    (`complete` False) `got` only has to be a prefix, so missing tokens at the end are fine."""
+    if got == want or (not complete and got == want[:len(got)]):
+        return 0, 0, 0
+    ops = difflib.SequenceMatcher(a=want, b=got, autojunk=False).get_opcodes()
+    if not complete and ops and ops[-1][0] == "delete":
+        ops = ops[:-1]
+    dup = sum(j2 - j1 for tag, _, _, j1, j2 in ops if tag == "insert")
+    skip = sum(i2 - i1 for tag, i1, i2, _, _ in ops if tag == "delete")
+    repl = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag == "replace")
+    return dup, skip, repl
+
+
+def is_clear_error(err: Any, need_code: bool = True) -> bool:
+    """OpenAI's error shape with a message and (for server-side failures) a code naming the
+    cause: {"error": {"message": "...", "type": "...", "param": ..., "code": "..."}}."""
+    if not isinstance(err, dict) or not isinstance(err.get("error"), dict):
+        return False
+    e = err["error"]
+    message, kind, code = e.get("message"), e.get("type"), e.get("code")
+    if not isinstance(message, str) or len(message.strip()) < 8:
+        return False
+    if kind not in CLEAR_ERROR_TYPES or "param" not in e:
+        return False
+    return not need_code or (isinstance(code, str) and bool(code))
+
+
+def judge(index: int, body: dict[str, Any], tokens: list[int], error: dict[str, Any] | None,
+          http_status: int | None, pdd: dict[str, Any] | None = None,
+          detail: str = "") -> Outcome:
+    want = reference_tokens(body)
+    complete = error is None
+    dup, skip, repl = token_diff(want, tokens, complete)
+    out = Outcome(index=index, status="exact", tokens=tokens, expected_len=len(want),
+                  http_status=http_status, error=error, duplicated=dup, skipped=skip,
+                  replaced=repl, detail=detail, prompt_len=len(body["prompt"]),
+                  stream=bool(body.get("stream")), pdd=pdd)
+    if dup or skip or repl:
+        out.status = "wrong"
+    elif error is not None:
+        out.status = "clear_error" if is_clear_error(error) else "unclear_error"
+    elif tokens != want:
+        out.status = "wrong"
+    elif pdd is not None:
+        made = pdd.get("relay_tokens", 0) + pdd.get("main_tokens", 0) + pdd.get("prefill_tokens", 0)
+        if made != len(tokens):  # the router counted an index twice or not at all
+            out.status = "wrong"
+            out.detail += f" producers account for {made} tokens, the stream has {len(tokens)}"
+    return out
+
+
+async def send(session: aiohttp.ClientSession, url: str, index: int, body: dict[str, Any],
+               read_late_s: float = 0.0, read_pause_s: float = 0.0,
+               timeout_s: float = CLIENT_TIMEOUT_S) -> Outcome:
+    """One completion through the router, judged. `read_late_s`: a slow client that starts
+    reading the stream only that long after the answer began; `read_pause_s` between chunks."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _send(session, url, index, body, read_late_s, read_pause_s)
+    except TimeoutError:
+        return Outcome(index=index, status="lost", tokens=[],
+                       expected_len=len(reference_tokens(body)), prompt_len=len(body["prompt"]),
+                       stream=bool(body.get("stream")),
+                       detail=f"no answer within {timeout_s:g} s: the request hung")
+    except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
+        return Outcome(index=index, status="lost", tokens=[],
+                       expected_len=len(reference_tokens(body)), prompt_len=len(body["prompt"]),
+                       stream=bool(body.get("stream")),
+                       detail=f"the connection ended without an answer: {type(exc).__name__}: {exc}")
+
+
+async def _send(session: aiohttp.ClientSession, url: str, index: int, body: dict[str, Any],
+                read_late_s: float, read_pause_s: float) -> Outcome:
+    payload = {"model": MODEL, **body}
+    async with session.post(url + "/v1/completions", json=payload) as r:
+        if r.status != 200:
+            text = await r.text()
+            try:
+                err = json.loads(text)
+            except ValueError:
+                err = {"unparsed": text[:500]}
+            return judge(index, body, [], err, r.status)
+        if not body.get("stream"):
+            data = await r.json()
+            choice = data["choices"][0]
+            return judge(index, body, list(choice["token_ids"]), None, 200, data.get("pdd"))
+        if read_late_s:
+            await asyncio.sleep(read_late_s)
+        tokens: list[int] = []
+        error = last = None
+        done = False
+        async for raw in r.content:
+            line = raw.strip()
+            if not line:
+                continue
+            if not line.startswith(b"data: "):
+                return judge(index, body, tokens, {"unparsed": line[:200].decode(errors="replace")},
+                             200, detail="a stream line that is not an SSE data event")
+            data = line[6:]
+            if data == b"[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                error = chunk
+                continue
+            tokens += chunk["choices"][0].get("token_ids", [])
+            last = chunk
+            if read_pause_s:
+                await asyncio.sleep(read_pause_s)
+        if not done:
+            return Outcome(index=index, status="lost", tokens=tokens,
+                           expected_len=len(reference_tokens(body)),
+                           prompt_len=len(body["prompt"]), stream=True, http_status=200,
+                           error=error, detail="the stream ended without [DONE]")
+        if error is None and (last is None or last["choices"][0].get("finish_reason") is None):
+            return judge(index, body, tokens, {"unparsed": "no finish_reason"}, 200,
+                         detail="[DONE] without a final chunk")
+        return judge(index, body, tokens, error, 200, (last or {}).get("pdd"))
+
+
+# -- daemon state: the leak baseline ---------------------------------------------------------------
+
+def _count_fds(pid: int) -> tuple[int, int]:
+    """(open fds, of which sockets) of a process, from /proc."""
+    fd_dir = f"/proc/{pid}/fd"
+    fds = sockets = 0
+    for name in os.listdir(fd_dir):
+        fds += 1
+        with contextlib.suppress(OSError):
+            if os.readlink(os.path.join(fd_dir, name)).startswith("socket:"):
+                sockets += 1
+    return fds, sockets
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class DaemonState:
+    role: str
+    pid: int
+    fds: int
+    sockets: int
+    threads: int
+    tasks: int | None                # a daemon's asyncio task count, where its stats report one
+    stats: dict[str, Any]
+
+
+async def daemon_state(cluster: LocalCluster, role: str) -> DaemonState:
+    pid = cluster.daemons[role].pid
+    stats = await cluster.stats(role)
+    fds, sockets = _count_fds(pid)
+    threads = len(os.listdir(f"/proc/{pid}/task"))
+    tasks = stats.get("tasks")
+    return DaemonState(role, pid, fds, sockets, threads,
+                       tasks if isinstance(tasks, int) else None, stats)
+
+
+async def snapshot(cluster: LocalCluster) -> dict[str, DaemonState]:
+    return {role: await daemon_state(cluster, role) for role in cluster.daemons}
+
+
+def _held(role: str, stats: dict[str, Any]) -> list[str]:
+    """What a daemon's stats say it still holds for requests (should be nothing when idle)."""
+    out = []
+    if role == "router":
+        if stats.get("active_requests"):
+            out.append(f"router: {stats['active_requests']} requests still active")
+        return out
+    used = stats.get("kv_blocks", {}).get("used", 0)
+    if used:
+        out.append(f"{role}: {used} KV blocks still used")
+    active = stats.get("requests", {}).get("active", 0)
+    if active:
+        out.append(f"{role}: {active} requests still active "
+                   f"(phases {stats.get('active_phases', {})})")
+    if stats.get("early_takeovers_waiting"):
+        out.append(f"{role}: {stats['early_takeovers_waiting']} early TAKEOVERs still held")
+    return out
+
+
+async def find_leaks(cluster: LocalCluster, baseline: dict[str, DaemonState],
+                     dead_pids: set[int] = frozenset(), timeout_s: float = LEAK_TIMEOUT_S,
+                     ignore_roles: set[str] = frozenset()) -> list[str]:
+    """Poll until nothing is held beyond `baseline`, or `timeout_s`: the leaks still there.
+    `dead_pids`: daemons this case killed (their /dev/shm segments must be gone as well)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leaks: list[str] = []
+        for role, d in cluster.daemons.items():
+            if role in ignore_roles:
+                continue
+            if not pid_alive(d.pid):
+                leaks.append(f"{role} (pid {d.pid}) is not running")
+                continue
+            try:
+                now = await daemon_state(cluster, role)
+            except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as exc:
+                leaks.append(f"{role}: no stats: {exc}")
+                continue
+            leaks += _held(role, now.stats)
+            base = baseline.get(role)
+            if base is None or base.pid != now.pid:
+                continue  # restarted: a new process has no earlier requests to leak
+            if now.fds > base.fds + FD_SLACK:
+                leaks.append(f"{role}: {now.fds} fds open ({now.sockets} sockets), "
+                             f"{base.fds} ({base.sockets} sockets) before")
+            if now.tasks is not None and base.tasks is not None \
+                    and now.tasks > base.tasks + TASK_SLACK:
+                leaks.append(f"{role}: {now.tasks} asyncio tasks, {base.tasks} before")
+        live = [d.pid for d in cluster.daemons.values() if pid_alive(d.pid)]
+        extra = shm_segments_of(sorted(p for p in dead_pids if not pid_alive(p)))
+        relay_pids = [d.pid for r, d in cluster.daemons.items() if r == "relay"]
+        live_segments = shm_segments_of(live)
+        pools = shm_segments_of(relay_pids)
+        if extra:
+            leaks.append(f"/dev/shm segments of killed daemons left: {extra}")
+        if len(live_segments) > len(pools) or len(pools) > len(relay_pids):
+            leaks.append(f"/dev/shm segments beyond RLD's one pool: {live_segments}")
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        await asyncio.sleep(0.3)
+
+
+def remove_segments_of(pids: set[int]) -> list[str]:
+    """Unlink /dev/shm segments of daemons we killed (after counting them): nothing of ours
+    may stay on the machine, and the launcher only cleans up after the daemons it still knows."""
+    names = shm_segments_of(sorted(p for p in pids if not pid_alive(p)))
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    return names
+
+
+# -- recovery --------------------------------------------------------------------------------------
+
+async def wait_healthy(cluster: LocalCluster, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+    """None once the router's /health is ok, else what it last said."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(cluster.url + "/health") as r:
+                    if r.status == 200:
+                        return None
+                    last = f"HTTP {r.status}: {await r.text()}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(0.2)
+    return last
+
+
+FRESH_BODIES = [
+    {"prompt": [256] + list(range(40, 160)), "max_tokens": 24, "temperature": 0.0,
+     "ignore_eos": True, "return_token_ids": True, "stream": True},
+    {"prompt": [256] + list(range(10, 30)), "max_tokens": 12, "temperature": 0.7, "seed": 11,
+     "ignore_eos": True, "return_token_ids": True, "stream": False},
+]
+
+
+async def fresh_requests(cluster: LocalCluster) -> list[Outcome]:
+    """After healing: /health ok, then new requests (one streamed, one whole) token-exact."""
+    unhealthy = await wait_healthy(cluster)
+    if unhealthy is not None:
+        return [Outcome(index=-1, status="lost", tokens=[], expected_len=0,
+                        detail=f"router /health not ok within {HEALTH_TIMEOUT_S:g} s: {unhealthy}")]
+    async with aiohttp.ClientSession() as s:
+        return [await send(s, cluster.url, -1 - i, b) for i, b in enumerate(FRESH_BODIES)]
+
+
+async def restart_daemon(cluster: LocalCluster, role: str, timeout_s: float = 60.0) -> None:
+    """Start a killed daemon again with the same config and port, and wait until it serves."""
+    old = cluster.launcher.daemons[role]
+    if pid_alive(old.pid):
+        raise RuntimeError(f"{role} (pid {old.pid}) is still running: kill it first")
+    await cluster.restart(role, timeout_s)
+
+
+# -- faults ----------------------------------------------------------------------------------------
+
+Trigger = Callable[[LocalCluster], Awaitable[str]]
+
+
+def after(seconds: float) -> Trigger:
+    async def wait(cluster: LocalCluster) -> str:
+        await asyncio.sleep(seconds)
+        return f"{seconds:g} s after the workload started"
+    return wait
+
+
+def when_phase(role: str, phases: tuple[str, ...], settle_s: float = 0.0,
+               poll_s: float = 0.05) -> Trigger:
+    """The moment a request on `role` is in one of `phases` (from its stats' active_phases):
+    e.g. MD receiving_kv = mid-transfer / before handoff, RLD streaming = during a streaming
+    handoff, MD decoding = after the handoff."""
+    async def wait(cluster: LocalCluster) -> str:
+        while True:
+            stats = await cluster.stats(role)
+            hit = {rid: p for rid, p in stats.get("active_phases", {}).items() if p in phases}
+            if hit:
+                if settle_s:
+                    await asyncio.sleep(settle_s)
+                rid, phase = next(iter(hit.items()))
+                return f"{role} had {rid} in phase {phase}"
+            await asyncio.sleep(poll_s)
+    return wait
+
+
+@dataclass
+class Fault:
+    """One fault: `inject` at the moment `at` says, `heal` afterwards (also on failure)."""
+
+    kind: str
+    inject: Callable[[LocalCluster], Awaitable[str]]
+    at: Trigger
+    heal: Callable[[LocalCluster], Awaitable[None]] | None = None
+    destructive: bool = False        # leaves the cluster unfit for further cases
+    killed_roles: tuple[str, ...] = ()
+
+
+def control(cluster: LocalCluster) -> Any:
+    from emulation.control import ControlClient
+
+    url = cluster.wan.get("control_url")
+    if not url:
+        raise RuntimeError(f"this cluster has no WAN control API (shell {cluster.wan.get('shell')})")
+    return ControlClient(url)
+
+
+def link_chaos(kind: str, at: Trigger, duration: float, **params: Any) -> Fault:
+    """A chaos verb of the WAN control API (partition, latency-spike, jitter-storm, ...)."""
+    async def inject(cluster: LocalCluster) -> str:
+        await control(cluster).chaos(kind, duration, **params)
+        extra = ", ".join(f"{k}={v}" for k, v in params.items())
+        await asyncio.sleep(duration)  # the fault lasts this long (it reverts by itself)
+        return f"{kind} for {duration:g} s" + (f" ({extra})" if extra else "")
+
+    async def heal(cluster: LocalCluster) -> None:
+        c = control(cluster)
+        with contextlib.suppress(Exception):
+            await c.heal()
+        await c.clear()
+
+    return Fault(kind=kind, inject=inject, at=at, heal=heal)
+
+
+def reset_connections(at: Trigger) -> Fault:
+    async def inject(cluster: LocalCluster) -> str:
+        res = await control(cluster).reset_connections()
+        return f"reset {res.get('reset')} WAN connections"
+    return Fault(kind="connection-reset", inject=inject, at=at, destructive=True)
+
+
+def sigkill(role: str, at: Trigger, restart: bool = True) -> Fault:
+    killed: set[int] = set()
+
+    async def inject(cluster: LocalCluster) -> str:
+        pid = cluster.daemons[role].pid
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+        return f"SIGKILL {role} (pid {pid})"
+
+    async def heal(cluster: LocalCluster) -> None:
+        d = cluster.daemons[role]
+        if d.proc.poll() is None and d.pid not in killed:
+            return  # the moment never came: nothing was killed
+        for _ in range(100):  # the kernel reaps it at once; wait for the zombie to be collected
+            if d.proc.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        if restart:
+            await restart_daemon(cluster, role)
+
+    return Fault(kind=f"sigkill-{role}", inject=inject, at=at, heal=heal, destructive=True,
+                 killed_roles=(role,))
+
+
+def sigstop(role: str, at: Trigger, hang_s: float) -> Fault:
+    """Hang a daemon (SIGSTOP) for `hang_s`, then SIGCONT."""
+    async def inject(cluster: LocalCluster) -> str:
+        pid = cluster.daemons[role].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(hang_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return f"SIGSTOP {role} (pid {pid}) for {hang_s:g} s, then SIGCONT"
+
+    async def heal(cluster: LocalCluster) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(cluster.daemons[role].pid, signal.SIGCONT)
+
+    return Fault(kind=f"sigstop-{role}", inject=inject, at=at, heal=heal)
+
+
+# -- a case ----------------------------------------------------------------------------------------
+
+@dataclass
+class CaseResult:
+    suite: str
+    case: str
+    fault_kind: str
+    seed: int | None
+    sent: int = 0
+    exact: int = 0
+    clear_errors: int = 0
+    cancelled: int = 0               # abandoned by the client on purpose, prefix-correct
+    wrong: int = 0
+    unclear_errors: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    skipped: int = 0
+    leaks: list[str] = field(default_factory=list)
+    fresh_ok: bool = True
+    fault_injected: bool = True
+    fault_detail: str = ""
+    fuzz_inputs: int = 0
+    duration_s: float = 0.0
+    error_codes: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, outcomes: list[Outcome]) -> None:
+        for o in outcomes:
+            self.sent += 1
+            self.duplicated += o.duplicated
+            self.skipped += o.skipped
+            if o.status == "exact":
+                self.exact += 1
+                continue
+            if o.status == "cancelled":
+                self.cancelled += 1
+                continue
+            if o.status == "clear_error":
+                self.clear_errors += 1
+                code = str(o.error["error"].get("code")) if o.error else "?"
+                self.error_codes[code] = self.error_codes.get(code, 0) + 1
+                continue
+            if o.status == "wrong":
+                self.wrong += 1
+            elif o.status == "unclear_error":
+                self.unclear_errors += 1
+            else:
+                self.lost += 1
+            self.problems.append(o.describe())
+
+    def broken(self) -> list[str]:
+        out = list(self.problems)
+        if not self.fault_injected:
+            out.append(f"the fault was never injected: {self.fault_detail}")
+        out += [f"leak: {leak}" for leak in self.leaks]
+        if not self.fresh_ok:
+            out.append("no fresh request was served after healing")
+        return out
+
+    def assert_invariants(self, logs: Any = None) -> None:
+        """Raise with every broken invariant, the seed to replay and where the logs are."""
+        problems = self.broken()
+        if problems:
+            seed = f" (seed {self.seed}: replay with PDD_CHAOS_SEED={self.seed})" \
+                if self.seed is not None else ""
+            where = f"\n  daemon logs: {logs}" if logs else ""
+            raise AssertionError(f"{self.case}{seed}: {len(problems)} broken invariant(s); "
+                                 f"fault: {self.fault_detail}\n  " + "\n  ".join(problems)
+                                 + where)
+
+
+async def run_case(cluster: LocalCluster, case: str, bodies: list[dict[str, Any]],
+                   fault: Fault | None, seed: int | None = None, concurrency: int = 4,
+                   suite: str = "chaos", read_late_s: float = 0.0, read_pause_s: float = 0.0,
+                   fault_timeout_s: float = 30.0, kind: str | None = None) -> CaseResult:
+    """Run `bodies` through the router `concurrency` at a time, inject `fault` at its moment
+    (concurrently), heal, then check leaks and fresh requests. Recorded in REPORT."""
+    started = time.monotonic()
+    result = CaseResult(suite=suite, case=case,
+                        fault_kind=kind or (fault.kind if fault else "none"), seed=seed)
+    precompute_references(bodies + FRESH_BODIES)
+    baseline = await snapshot(cluster)
+    killed_pids = {cluster.daemons[r].pid for r in (fault.killed_roles if fault else ())}
+    sem = asyncio.Semaphore(concurrency)
+    workload_done = asyncio.Event()
+
+    async def one(i: int, body: dict[str, Any]) -> Outcome:
+        async with sem:
+            return await send(session, cluster.url, i, body, read_late_s, read_pause_s)
+
+    async def inject() -> str:
+        assert fault is not None
+        moment = asyncio.ensure_future(fault.at(cluster))
+        ended = asyncio.ensure_future(workload_done.wait())
+        await asyncio.wait({moment, ended}, return_when=asyncio.FIRST_COMPLETED)
+        if not moment.done():
+            moment.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await moment
+            raise LookupError("the workload ended before the chosen moment came")
+        ended.cancel()
+        when = moment.result()
+        return f"{await fault.inject(cluster)} when {when}"
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            fault_task = asyncio.ensure_future(inject()) if fault else None
+            outcomes = await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+            workload_done.set()
+            if fault_task is not None:
+                try:
+                    result.fault_detail = await asyncio.wait_for(fault_task, fault_timeout_s)
+                except LookupError as exc:
+                    result.fault_injected, result.fault_detail = False, str(exc)
+                except asyncio.TimeoutError:
+                    result.fault_injected = False
+                    result.fault_detail = f"injection did not finish within {fault_timeout_s:g} s"
+        result.add(outcomes)
+    finally:
+        if fault is not None and fault.heal is not None:
+            try:
+                await fault.heal(cluster)
+            except Exception as exc:  # recorded: the case still gets its leak and fresh checks
+                result.problems.append(f"healing the fault failed: {type(exc).__name__}: {exc}")
+    result.leaks = await find_leaks(cluster, baseline, killed_pids)
+    fresh = await fresh_requests(cluster)
+    result.fresh_ok = all(o.status == "exact" for o in fresh)
+    result.problems += [f"after healing: {o.describe()}" for o in fresh if o.status != "exact"]
+    if killed_pids:
+        left = remove_segments_of(killed_pids)
+        if left:
+            result.notes.append(f"removed /dev/shm segments the killed daemon left: {left}")
+    result.duration_s = round(time.monotonic() - started, 2)
+    REPORT.add(result)
+    return result
+
+
+def chaos_seed() -> int:
+    """The seed of a randomised schedule: PDD_CHAOS_SEED to replay one, else a fresh one."""
+    env = os.environ.get("PDD_CHAOS_SEED")
+    return int(env) if env else random.randrange(1 << 31)
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+COLUMNS = [("suite", "suite"), ("case", "case"), ("fault", "fault_kind"), ("sent", "sent"),
+           ("exact", "exact"), ("clear err", "clear_errors"), ("cancelled", "cancelled"), ("lost", "lost"),
+           ("wrong", "wrong"), ("unclear", "unclear_errors"), ("dup", "duplicated"),
+           ("skip", "skipped"), ("leaks", "leaks"), ("fresh ok", "fresh_ok"),
+           ("fuzz inputs", "fuzz_inputs"), ("s", "duration_s")]
+
+
+class SuiteReport:
+    """Every case of this pytest process: the table at the end and results/chaos/report.json."""
+
+    def __init__(self) -> None:
+        self.cases: list[CaseResult] = []
+
+    def add(self, result: CaseResult) -> None:
+        self.cases.append(result)
+
+    def totals(self) -> dict[str, Any]:
+        c = self.cases
+        return {"cases": len(c),
+                "faults_by_kind": dict(Counter(r.fault_kind for r in c if r.fault_kind != "none")),
+                "requests_sent": sum(r.sent for r in c),
+                "completed_token_exact": sum(r.exact for r in c),
+                "failed_with_clear_error": sum(r.clear_errors for r in c),
+                "cancelled_by_client": sum(r.cancelled for r in c),
+                "lost": sum(r.lost for r in c),
+                "wrong_tokens": sum(r.wrong for r in c),
+                "unclear_errors": sum(r.unclear_errors for r in c),
+                "duplicated_tokens": sum(r.duplicated for r in c),
+                "skipped_tokens": sum(r.skipped for r in c),
+                "leaks": sum(len(r.leaks) for r in c),
+                "fresh_request_failures": sum(not r.fresh_ok for r in c),
+                "fuzz_inputs": sum(r.fuzz_inputs for r in c)}
+
+    def table(self) -> str:
+        rows = [[h for h, _ in COLUMNS]]
+        for r in self.cases:
+            row = []
+            for _, key in COLUMNS:
+                v = getattr(r, key)
+                row.append(str(len(v)) if isinstance(v, list) else
+                           ("yes" if v else "NO") if isinstance(v, bool) else str(v))
+            rows.append(row)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+                 for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        t = self.totals()
+        lines.append("")
+        lines.append("totals: " + ", ".join(f"{k} {v}" for k, v in t.items()))
+        return "\n".join(lines)
+
+    def write(self, path: Path | None = None) -> Path:
+        path = path or RESULTS_DIR / "report.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"written_at": time.time(), "totals": self.totals(),
+                "cases": [asdict(r) for r in self.cases]}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+REPORT = SuiteReport()
+_PLUGIN_NAME = "pddnet-chaos-report"
+
+
+class _ReportPlugin:
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not REPORT.cases:
+            return
+        path = REPORT.write()
+        terminalreporter.section("pddnet chaos / fuzz / soak report")
+        terminalreporter.write_line(REPORT.table())
+        terminalreporter.write_line(f"written to {path}")
+        for r in REPORT.cases:
+            for line in r.broken():
+                terminalreporter.write_line(f"  {r.case}: {line}")
+
+
+def install_report(config: Any) -> None:
+    """Print REPORT's table at the end of this pytest run and write it as JSON (once)."""
+    if not config.pluginmanager.has_plugin(_PLUGIN_NAME):
+        config.pluginmanager.register(_ReportPlugin(), _PLUGIN_NAME)
