@@ -31,6 +31,9 @@ class ClusterMode(str, enum.Enum):
 
 
 PIPELINE_CHOICES = ("auto", "p_rld_md", "p_md", "p_rld")
+INTRA_DC_TRANSPORTS = ("shm", "mooncake")   # P -> RLD
+WAN_TRANSPORTS = ("tcp", "mooncake")        # P -> MD
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 PREFIX_CACHE_KINDS = ("hash", "radix", "off")
 
 
@@ -107,6 +110,59 @@ class PolicySection:
 
 
 @dataclass
+class TransportSection:
+    """Which KV backend each path uses (pddnet.transport.backends) and how they are bounded."""
+
+    intra_dc: str = "shm"        # P -> RLD: shm (one machine) | mooncake
+    wan: str = "tcp"             # P -> MD: tcp (striped KV_CHUNK streams) | mooncake
+    deadline_s: float = 10.0     # pddnet's bound on one KV write (a hung receiver)
+    abort_grace_s: float | None = None  # wait for in-flight writes on abort (None: per backend)
+    mooncake_protocol: str = "tcp"      # tcp | rdma (needs RDMA NICs)
+    mooncake_device: str = ""           # rdma: NIC names, e.g. "mlx5_0,mlx5_1"; "": engine's choice
+    progress_timeout_s: int = 2         # the engine's no-progress bound (whole seconds)
+    mooncake_staging_mib: int = 64      # sender's registered staging buffer per destination
+    mooncake_port_min: int = 0          # with _max: the ports the engine binds (0: any)
+    mooncake_port_max: int = 0
+
+    def backend_of(self, path: str) -> str:
+        """The backend of a path: "intra_dc" or "wan"."""
+        if path not in ("intra_dc", "wan"):
+            raise ValueError(f"unknown KV path {path!r}: intra_dc or wan")
+        return self.intra_dc if path == "intra_dc" else self.wan
+
+    def validate(self) -> None:
+        if self.intra_dc not in INTRA_DC_TRANSPORTS:
+            raise ConfigError(f"transport.intra_dc must be {'|'.join(INTRA_DC_TRANSPORTS)}, got "
+                              f"{self.intra_dc!r}" + (" (tcp is the WAN's backend)"
+                                                      if self.intra_dc == "tcp" else ""))
+        if self.wan not in WAN_TRANSPORTS:
+            raise ConfigError(f"transport.wan must be {'|'.join(WAN_TRANSPORTS)}, got "
+                              f"{self.wan!r}" + (" (shm cannot cross datacenters)"
+                                                 if self.wan == "shm" else ""))
+        if self.deadline_s <= 0:
+            raise ConfigError(f"transport.deadline_s must be > 0, got {self.deadline_s}")
+        if self.abort_grace_s is not None and self.abort_grace_s < 0:
+            raise ConfigError(f"transport.abort_grace_s must be >= 0, got {self.abort_grace_s}")
+        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+            raise ConfigError(f"transport.mooncake_protocol must be tcp|rdma, got "
+                              f"{self.mooncake_protocol!r}")
+        if any(c.isspace() for c in self.mooncake_device):
+            raise ConfigError(f"transport.mooncake_device must be NIC names separated by commas "
+                              f"(no spaces), got {self.mooncake_device!r}")
+        if self.progress_timeout_s < 1:
+            raise ConfigError(f"transport.progress_timeout_s must be >= 1 (whole seconds), got "
+                              f"{self.progress_timeout_s}")
+        if not 1 <= self.mooncake_staging_mib <= 16384:
+            raise ConfigError(f"transport.mooncake_staging_mib must be in 1..16384, got "
+                              f"{self.mooncake_staging_mib}")
+        lo, hi = self.mooncake_port_min, self.mooncake_port_max
+        if (lo or hi) and not 0 < lo <= hi <= 65535:
+            raise ConfigError(f"transport.mooncake_port_min..mooncake_port_max must be a port "
+                              f"range (1 <= min <= max <= 65535, or both 0 for any), got "
+                              f"{lo}..{hi}")
+
+
+@dataclass
 class ClusterConfig:
     name: str = "pdd"
     mode: ClusterMode = ClusterMode.PDD
@@ -120,6 +176,7 @@ class ClusterConfig:
                                                                              prefix_cache="radix"))
     wan: WanSection = field(default_factory=WanSection)
     policy: PolicySection = field(default_factory=PolicySection)
+    transport: TransportSection = field(default_factory=TransportSection)
 
     def validate(self) -> ClusterConfig:
         self.mode = _enum(ClusterMode, self.mode, "mode")
@@ -155,6 +212,7 @@ class ClusterConfig:
                 raise ConfigError(f"{name}.prefix_cache must be one of "
                                   f"{'|'.join(PREFIX_CACHE_KINDS)}, got {sec.prefix_cache!r}")
         _check_port("router.port", self.router.port)
+        self.transport.validate()
         if self.model.threads < 1:
             raise ConfigError(f"model.threads must be >= 1, got {self.model.threads}")
         if self.wan.stripes < 1:

@@ -1,6 +1,7 @@
 """The simulated systems: the daemons' policy objects, determinism, the request flow."""
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,7 @@ import pddnet.policy.handoff
 import pddnet.policy.pipeline
 from pddnet.sim.cli import dumps, register
 from pddnet.sim.config import parse_config
-from pddnet.sim.runner import simulate, simulate_all
+from pddnet.sim.runner import Schedule, run_systems, simulate, simulate_all
 from pddnet.sim.system import SimulatedSystem
 from pddnet.sim.workload import trace_stream
 
@@ -62,7 +63,6 @@ def test_same_seed_gives_byte_identical_json_and_another_seed_does_not():
     cfg = small(requests=120)
     a, b = dumps(simulate_all(cfg)), dumps(simulate_all(cfg))
     assert a == b
-    import dataclasses
     c = dumps(simulate_all(dataclasses.replace(cfg, seed=4)))
     assert c != a
 
@@ -101,6 +101,53 @@ def test_the_drc_holds_most_prefixes_and_cuts_wan_bytes(runs):
     assert per_req > 2 * pdd["wan"]["kv_bytes_per_request"]
     view = pdd["wan"]["view"]
     assert view["predictions"] > 0        # P's view of MD's cache was consulted and repaired
+
+
+def test_baseline_arrivals_offer_every_system_the_same_requests_at_the_same_times():
+    closed = small(requests=200)
+    paced = small(requests=200, workload={**closed.source["workload"], "arrivals": "baseline"})
+    res = run_systems(paced, ["pdd", "same-dc"])
+    base, pdd = res["same-dc"], res["pdd"]
+    # the baseline runs closed loop (agents wait for answers: its own schedule binds) ...
+    assert base["deferred_turns"] > 0 and base["arrivals"] == "baseline"
+    # ... and PDD replays its send times: it decodes faster, so hardly a turn has to wait
+    assert pdd["deferred_turns"] <= 0.02 * pdd["requests"]
+    assert pdd["requests"] == base["requests"]
+    assert pdd["offered_rps"] == pytest.approx(base["offered_rps"], rel=0.02)
+    # closed loop instead: the faster system is offered more requests per second
+    alone = {s: simulate(closed, s) for s in ("same-dc", "pdd")}
+    assert alone["pdd"]["offered_rps"] > 1.1 * alone["same-dc"]["offered_rps"]
+    with pytest.raises(ValueError, match="needs the baseline system"):
+        run_systems(paced, ["pdd"])
+
+
+def test_schedule_replays_recorded_times_in_time_order():
+    reqs = [dataclasses.replace(r, arrival_s=float(i)) for i, r in enumerate(
+        trace_like(5))]
+    sched = Schedule()
+    for r, t in zip(reqs, (0.5, 4.0, 2.5, 3.0, 4.5), strict=True):
+        sched.record(r.rid, t)
+    out = list(sched.replay(iter(reqs)))
+    assert [r.rid for r in out] == [0, 2, 3, 1, 4]
+    assert [r.arrival_s for r in out] == [0.5, 2.5, 3.0, 4.0, 4.5]
+    sched.times[3] = -1.0
+    with pytest.raises(ValueError, match="request 3 was never sent"):
+        list(sched.replay(iter(reqs)))
+
+
+def test_open_arrivals_count_turns_sent_before_their_predecessor_finished():
+    cfg = small(requests=120)
+    opened = small(requests=120, workload={**cfg.source["workload"], "arrivals": "open"})
+    r = simulate(opened, "same-dc")
+    assert r["overlapping_turns"] > 0 and r["deferred_turns"] == 0
+    assert simulate(cfg, "same-dc")["overlapping_turns"] == 0
+    with pytest.raises(ValueError, match="arrivals must be one of"):
+        small(workload={**cfg.source["workload"], "arrivals": "sometimes"})
+
+
+def trace_like(n):
+    from pddnet.sim.workload import SimRequest
+    return [SimRequest(i, i % 2, float(i), (i, i + 1), 1024, 64, (7,)) for i in range(n)]
 
 
 def test_trace_replay(tmp_path):

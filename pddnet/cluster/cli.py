@@ -33,6 +33,14 @@ def register(sub: Any) -> None:
     up.add_argument("--run-dir", default=None, metavar="DIR",
                     help="where the run file, config and logs go (default runs/<name>)")
     up.add_argument("--threads", type=int, default=None, help="torch threads per daemon")
+    up.add_argument("--intra-dc-transport", choices=["shm", "mooncake"], default=None,
+                    help="KV backend P -> RLD (default shm; [transport] intra_dc)")
+    up.add_argument("--wan-transport", choices=["tcp", "mooncake"], default=None,
+                    help="KV backend P -> MD (default tcp; [transport] wan)")
+    up.add_argument("--placement", choices=["datacenter", "hosts"], default="datacenter",
+                    help="datacenter: daemons share their datacenter's namespace; hosts: one "
+                         "namespace per daemon, as on separate machines (needs --wan packet|"
+                         "kernel)")
     up.set_defaults(handler=_up)
 
     serve = sub.add_parser("serve", help="run one daemon (prefill|relay|main-decode|router)",
@@ -43,8 +51,12 @@ def register(sub: Any) -> None:
                        help="write the daemon's stats here at start, on SIGUSR1 and at exit")
     serve.set_defaults(handler=_serve)
 
-    status = sub.add_parser("status", help="show the daemons of a cluster started by `pdd up`")
+    status = sub.add_parser("status", help="show the daemons of a cluster (`pdd up`'s run file, or "
+                                           "any cluster from its config)")
     status.add_argument("--run-dir", default="runs/pdd", metavar="DIR")
+    status.add_argument("--config", default=None, metavar="FILE",
+                        help="ask the cluster this file describes (from any host that reaches "
+                             "it): the router's /health and each daemon's port")
     status.add_argument("--json", action="store_true")
     status.set_defaults(handler=_status)
 
@@ -55,7 +67,8 @@ def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": args.mode, "model.name": args.model, "wan.rtt_ms": args.rtt_ms,
             "wan.jitter_ms": args.jitter_ms, "wan.bw_mbit": args.bw_mbit,
             "router.port": args.port, "wan.shell": args.wan, "run_dir": args.run_dir,
-            "model.threads": args.threads}
+            "model.threads": args.threads, "transport.intra_dc": args.intra_dc_transport,
+            "transport.wan": args.wan_transport}
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -69,7 +82,7 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     if args.run_dir is None and args.config is None:
         config.run_dir = os.path.join("runs", config.name)
-    return _run_loop(_up_async(config))
+    return _run_loop(_up_async(config, args.placement))
 
 
 def _run_loop(coro: Any) -> int:
@@ -82,14 +95,14 @@ def _run_loop(coro: Any) -> int:
     return uvloop.run(coro)
 
 
-async def _up_async(config: Any) -> int:
+async def _up_async(config: Any, placement: str = "datacenter") -> int:
     import asyncio
     import signal
 
     from pddnet.cluster.launcher import ClusterLauncher, ClusterStartError
     from pddnet.cluster.wan_setup import WanUnavailable
 
-    launcher = ClusterLauncher(config, config.run_dir)
+    launcher = ClusterLauncher(config, config.run_dir, placement=placement)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -105,7 +118,8 @@ async def _up_async(config: Any) -> int:
         return 130
     try:
         info = start.result()
-    except (ClusterStartError, WanUnavailable, TimeoutError, OSError, ValueError) as exc:
+    except (ClusterStartError, WanUnavailable, TimeoutError, OSError, ValueError,
+            RuntimeError) as exc:
         print(f"pdd up: {exc}", file=sys.stderr)
         return 1
     _print_up(info)
@@ -129,6 +143,8 @@ def _print_up(info: dict[str, Any]) -> None:
     print(f"pddnet cluster {info['name']!r} up, mode {info['mode']}, model {info['model']}")
     print(f"  endpoint:  {info['router_url']}/v1/completions   (OpenAI-compatible)")
     print(f"  WAN shell: {wan['shell']} -- {wan['reason']}")
+    transport = ", ".join(f"{path} {name}" for path, name in info.get("transport", {}).items())
+    print(f"  KV transport: {transport}")
     if wan.get("control_url"):
         print(f"  WAN control: {wan['control_url']}   (pdd wan show --control "
               f"{wan['control_url']})")
@@ -153,11 +169,17 @@ def _serve(args: argparse.Namespace) -> int:
     role = SERVE_ROLES[args.role]
     _setup_logging(role)
     _limit_threads(config.model.threads, role)
-    if args.stats_file is None and role != "router":
-        from pddnet.roles import run_role
+    from pddnet.transport.kv_backend import TransferError
 
-        return _run_loop(run_role(role, config)) or 0
-    return _run_loop(serve_daemon(role, config, args.stats_file)) or 0
+    try:
+        if args.stats_file is None and role != "router":
+            from pddnet.roles import run_role
+
+            return _run_loop(run_role(role, config)) or 0
+        return _run_loop(serve_daemon(role, config, args.stats_file)) or 0
+    except TransferError as exc:  # a KV backend that cannot run here: say why, at start
+        print(f"pdd serve {args.role}: cannot start its KV transport: {exc}", file=sys.stderr)
+        return 1
 
 
 def _setup_logging(role: str) -> None:
@@ -252,7 +274,8 @@ def status_of(run_dir: str) -> dict[str, Any]:
 
     info = read_run_file(run_dir)
     out: dict[str, Any] = {"run_dir": run_dir, "state": info.get("state"), "mode": info["mode"],
-                           "router_url": info["router_url"], "wan": info["wan"], "daemons": []}
+                           "router_url": info["router_url"], "wan": info["wan"], "daemons": [],
+                           "transport": info.get("transport")}
     for d in info["daemons"]:
         out["daemons"].append({**d, "alive": pid_alive(d["pid"])})
     health: dict[str, Any] | None
@@ -267,19 +290,60 @@ def status_of(run_dir: str) -> dict[str, Any]:
     return out
 
 
+def status_from_config(path: str, timeout: float = 3.0) -> dict[str, Any]:
+    """What a cluster.toml's addresses answer: each daemon's port (a TCP connect, no handshake)
+    and the router's /health, which lists what the router itself sees."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from pddnet.config import load_config
+
+    cfg = load_config(path)
+    roles = {"pdd": ("prefill", "relay", "main_decode"), "cross-dc": ("prefill", "main_decode"),
+             "same-dc": ("prefill", "relay")}[cfg.mode.value]
+    daemons = []
+    for role in roles:
+        host, port = getattr(cfg, role).dial_address()
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                reachable, error = True, None
+        except OSError as exc:
+            reachable, error = False, str(exc)
+        daemons.append({"role": role, "address": f"{host}:{port}", "alive": reachable,
+                        **({"error": error} if error else {})})
+    url = f"http://{cfg.router.host}:{cfg.router.port}"
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            health = {**json.loads(r.read()), "http_status": r.status}
+    except urllib.error.HTTPError as exc:
+        health = {**json.loads(exc.read() or b"{}"), "http_status": exc.code}
+    except (OSError, ValueError) as exc:
+        health = {"http_status": None, "error": str(exc)}
+    transport = {"pdd": ("intra_dc", "wan"), "cross-dc": ("wan",),
+                 "same-dc": ("intra_dc",)}[cfg.mode.value]
+    return {"config": path, "state": "reachable" if all(d["alive"] for d in daemons) else
+            "unreachable", "mode": cfg.mode.value, "router_url": url,
+            "wan": {"shell": "configured"}, "daemons": daemons, "health": health,
+            "transport": {p: cfg.transport.backend_of(p) for p in transport}}
+
+
 def _status(args: argparse.Namespace) -> int:
     try:
-        st = status_of(args.run_dir)
-    except FileNotFoundError as exc:
+        st = status_from_config(args.config) if args.config else status_of(args.run_dir)
+    except (FileNotFoundError, ValueError) as exc:  # ConfigError is a ValueError
         print(f"pdd status: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(st, indent=2))
     else:
-        print(f"cluster in {st['run_dir']}: {st['state']}, mode {st['mode']}, router "
-              f"{st['router_url']}, WAN {st['wan']['shell']}")
+        where = st.get("run_dir") or st.get("config")
+        print(f"cluster in {where}: {st['state']}, mode {st['mode']}, router "
+              f"{st['router_url']}, WAN {st['wan']['shell']}, KV transport "
+              f"{', '.join(f'{k} {v}' for k, v in (st.get('transport') or {}).items())}")
         for d in st["daemons"]:
-            print(f"  {d['role']:<12} pid {d['pid']:<7} {'alive' if d['alive'] else 'DEAD':<6} "
+            print(f"  {d['role']:<12} pid {d.get('pid', '-')!s:<7} "
+                  f"{('alive' if d['alive'] else 'DEAD'):<6} "
                   f"{d['address']}")
         h = st["health"]
         print(f"  /health: HTTP {h.get('http_status')} "

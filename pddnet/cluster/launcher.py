@@ -109,8 +109,10 @@ def shm_segments_of(pids: list[int]) -> list[str]:
 
 class ClusterLauncher:
     def __init__(self, config: ClusterConfig, run_dir: str | Path | None = None,
-                 wan: str | None = None, python: str = sys.executable) -> None:
+                 wan: str | None = None, python: str = sys.executable,
+                 placement: str = "datacenter") -> None:
         self.config = config
+        self.placement_name = placement
         self.run_dir = Path(run_dir or config.run_dir).resolve()
         self.requested_wan = wan or config.wan.shell
         self.python = python
@@ -159,7 +161,7 @@ class ClusterLauncher:
                 sec.port = free_port()
             if role != "router" and not sec.metrics_port:  # pdd up: /metrics on every daemon
                 sec.metrics_port = free_port()
-        self.placement = make_placement(self.choice, cfg)
+        self.placement = make_placement(self.choice, cfg, self.placement_name)
         self.placement.prepare(cfg)
         if hasattr(self.placement, "log_path"):
             self.placement.log_path = str(self.run_dir / "logs" / "wan.log")
@@ -267,8 +269,15 @@ class ClusterLauncher:
                 "launcher_pid": os.getpid(), "started_at": time.time(),
                 "run_dir": str(self.run_dir), "config": str(self.config_file),
                 "router_url": self.router_url, "wan": self.placement.describe(),
-                "model": self.config.model.name,
+                "model": self.config.model.name, "transport": self.transport(),
                 "daemons": [d.describe() for d in self.daemons.values()]}
+
+    def transport(self) -> dict[str, str]:
+        """The KV backend of each path this mode uses (P -> RLD: intra_dc, P -> MD: wan)."""
+        t = self.config.transport
+        paths = {ClusterMode.PDD: ("intra_dc", "wan"), ClusterMode.SAME_DC: ("intra_dc",),
+                 ClusterMode.CROSS_DC: ("wan",)}[self.config.mode]
+        return {path: t.backend_of(path) for path in paths}
 
     def _write_run_file(self, state: str) -> None:
         tmp = self.run_file.with_suffix(".tmp")

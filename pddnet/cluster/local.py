@@ -6,6 +6,9 @@
         await c.stats("main_decode")   # that daemon's stats(), fresh
         await c.complete(prompt=[1, 2, 3], max_tokens=8, temperature=0)  # one completion
 
+`placement="hosts"` (with wan="packet" or "kernel") runs every daemon in a namespace of its own,
+as on separate machines (pddnet.cluster.wan_setup.HostsPlacement).
+
 It writes a config into its run directory and starts the daemons as separate processes through
 `ClusterLauncher` (exactly what `pdd up` does); leaving the block stops everything and records
 the stop report (`c.stop_report`). The run directory is a fresh temporary one unless given; it
@@ -28,7 +31,7 @@ class LocalCluster:
                  rtt_ms: float = 30.0, jitter_ms: float = 0.0, bw_mbit: float | None = None,
                  run_dir: str | Path | None = None, config: ClusterConfig | None = None,
                  overrides: dict[str, Any] | None = None, startup_timeout: float = 120.0,
-                 keep_run_dir: bool = False) -> None:
+                 keep_run_dir: bool = False, placement: str = "datacenter") -> None:
         if config is None:
             base: dict[str, Any] = {
                 "mode": mode, "model.name": model, "wan.shell": wan, "wan.rtt_ms": rtt_ms,
@@ -44,7 +47,8 @@ class LocalCluster:
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="pdd-cluster-"))
         self.keep_run_dir = keep_run_dir
         self.startup_timeout = startup_timeout
-        self.launcher = ClusterLauncher(config, self.run_dir, wan=config.wan.shell)
+        self.launcher = ClusterLauncher(config, self.run_dir, wan=config.wan.shell,
+                                        placement=placement)
         self.info: dict[str, Any] = {}
         self.stop_report: StopReport | None = None
 

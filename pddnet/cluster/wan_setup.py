@@ -11,6 +11,12 @@ A `Placement` then tells the launcher where each daemon runs and how peers reach
   RLD run in namespace A and dial MD there, so every MD byte crosses the emulated link. The
   router's HTTP port is forwarded from the host's loopback into namespace A, so users and tests
   reach it at 127.0.0.1 as usual.
+- hosts (`pdd up --placement hosts`, packet / kernel shell): one namespace per daemon, as on
+  separate machines. The testbed's A and B namespaces become the two datacenters' gateways;
+  each daemon's "host" namespace hangs off its datacenter's LAN (a bridge in the gateway:
+  10.78.1.0/24 in A for router, P, RLD; 10.78.2.0/24 in B for MD), and the gateways route the
+  other datacenter's LAN over the emulated WAN. Every daemon listens on and is dialled at its own
+  host address, like `pdd serve` on real hosts (docs/deploy.md); only MD's traffic crosses the WAN.
 - none (same-dc): no WAN at all, everything on loopback.
 """
 
@@ -32,6 +38,7 @@ from typing import Any
 from pddnet.config import ClusterConfig, ClusterMode
 
 WAN_CHOICES = ("auto", "kernel", "packet", "proxy")
+PLACEMENTS = ("datacenter", "hosts")   # daemons share their datacenter's namespace | one each
 LOOPBACK = "127.0.0.1"
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -187,6 +194,10 @@ class ProxyPlacement(Placement):
 
     def prepare(self, config: ClusterConfig) -> None:
         super().prepare(config)
+        if config.transport.wan == "mooncake" and config.mode is not ClusterMode.SAME_DC:
+            raise WanUnavailable("transport.wan = \"mooncake\" needs --wan packet or kernel: the "
+                                 "proxy shell forwards only MD's control port, so Mooncake's own "
+                                 "connections would bypass the emulated WAN")
         if config.wan.loss_pct:
             raise WanUnavailable("the proxy shell carries TCP byte streams and cannot lose "
                                  f"packets (wan.loss_pct={config.wan.loss_pct}); use --wan packet")
@@ -268,7 +279,114 @@ class TestbedPlacement(Placement):
         await self.testbed.close()
 
 
-def make_placement(choice: WanChoice, config: ClusterConfig) -> Placement:
+class HostsPlacement(TestbedPlacement):
+    """One namespace per daemon ("host"), on its datacenter's LAN behind the testbed's A or B
+    namespace, which route between the two LANs over the emulated WAN (see the module doc)."""
+
+    __test__ = False
+    LANS = {"a": "10.78.1", "b": "10.78.2"}
+    HOSTS = {"router": ("a", 10, "r"), "prefill": ("a", 11, "p"), "relay": ("a", 12, "l"),
+             "main_decode": ("b", 11, "m")}
+
+    def __init__(self, choice: WanChoice, config: ClusterConfig) -> None:
+        super().__init__(choice, config)
+        self.hosts = {role: f"{self.testbed_name}-{short}"
+                      for role, (_, _, short) in self.HOSTS.items()}
+        self._made: list[str] = []
+
+    def address(self, role: str) -> str:
+        side, host, _ = self.HOSTS[role]
+        return f"{self.LANS[side]}.{host}"
+
+    def prepare(self, config: ClusterConfig) -> None:
+        Placement.prepare(self, config)
+        for role in ("prefill", "relay", "main_decode"):
+            getattr(config, role).host = self.address(role)
+        config.router.host = self.address("router")
+
+    async def start(self) -> None:
+        await super().start()
+        await asyncio.to_thread(self._make_hosts)
+
+    def _make_hosts(self) -> None:
+        from emulation import netns
+
+        tb = self.testbed
+        for side, gw in (("a", tb.ns_a), ("b", tb.ns_b)):
+            lan = self.LANS[side]
+            other = self.LANS["b" if side == "a" else "a"]
+            peer = tb.addr_b if side == "a" else tb.addr_a
+            _ip("-n", gw, "link", "add", "lan0", "type", "bridge")
+            _ip("-n", gw, "addr", "add", f"{lan}.1/24", "dev", "lan0")
+            _ip("-n", gw, "link", "set", "lan0", "up")
+            _ip("-n", gw, "route", "add", f"{other}.0/24", "via", peer, "dev", "wan0")
+            netns.run_in_netns(gw, _enable_forwarding)
+        for role, host_ns in self.hosts.items():
+            side, _, short = self.HOSTS[role]
+            gw = tb.ns(side)
+            netns.create(host_ns)
+            self._made.append(host_ns)
+            _ip("link", "add", "name", "eth0", "netns", host_ns, "type", "veth", "peer", "name",
+                f"h-{short}", "netns", gw)
+            _ip("-n", gw, "link", "set", f"h-{short}", "master", "lan0", "up")
+            _ip("-n", host_ns, "addr", "add", f"{self.address(role)}/24", "dev", "eth0")
+            _ip("-n", host_ns, "link", "set", "eth0", "up")
+            _ip("-n", host_ns, "route", "add", "default", "via", f"{self.LANS[side]}.1")
+
+    def namespace(self, role: str) -> str | None:
+        return self.hosts[role]
+
+    def spawn(self, role: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        from emulation import netns
+
+        return popen(netns.exec_argv(self.hosts[role], [str(a) for a in argv]), **kwargs)
+
+    async def expose_router(self, port: int) -> str:
+        self.forwarder = NamespaceForwarder(self.hosts["router"], self.address("router"), port)
+        public = await self.forwarder.start(LOOPBACK, port)
+        return f"http://{LOOPBACK}:{public}"
+
+    async def close(self) -> None:
+        from emulation import netns
+
+        if self.forwarder is not None:
+            await self.forwarder.close()
+            self.forwarder = None
+        for host_ns in self._made:  # the launcher stopped the daemons; anything left goes too
+            if netns.exists(host_ns):
+                await asyncio.to_thread(netns.kill_all_in, host_ns)
+                netns.delete(host_ns)
+        self._made.clear()
+        await self.testbed.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "placement": "hosts",
+                "hosts": {role: {"namespace": ns, "address": self.address(role)}
+                          for role, ns in self.hosts.items()}}
+
+
+def _ip(*args: str) -> None:
+    """One iproute2 command; its stderr in the error when it fails."""
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
+
+
+def _enable_forwarding() -> None:
+    # /proc/sys/net is the calling thread's namespace's (run_in_netns moved this thread).
+    with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
+        f.write("1")
+
+
+def make_placement(choice: WanChoice, config: ClusterConfig,
+                   placement: str = "datacenter") -> Placement:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    if placement == "hosts":
+        if choice.shell not in ("packet", "kernel"):
+            raise WanUnavailable(f"--placement hosts needs the testbed (--wan packet or kernel), "
+                                 f"not the {choice.shell} shell: {choice.reason}")
+        return HostsPlacement(choice, config)
     if choice.shell == "proxy":
         return ProxyPlacement(choice, config)
     if choice.shell in ("packet", "kernel"):

@@ -15,7 +15,14 @@ it. What the tree inserted and evicted goes to P as CACHE_EVENTS, drained in the
 within the calls MD makes anyway (reserve, import) and sent just before MD's next KV_ALLOC_RESPONSE
 or KV_RECEIVED -- a new P connection first gets a snapshot (reset=True).
 
-Test hook: ``kv_arrival_delay_s`` delays the import of every KV chunk by that many seconds, so
+The KV path P -> MD is `[transport] wan`: `tcp` (the KV_CHUNK import above; KV_DONE counts
+chunks and bytes) or `mooncake` (MD's pool is registered with the Transfer Engine and P writes
+straight into the reserved blocks; the copy is complete on KV_DONE, which P sends after the
+engine acknowledged every write). A mooncake write may still be in flight when MD drops a
+request before its KV_DONE: the reservation is fenced (kept) until P's KV_ABORT says the writes
+stopped, or a bound passes (see RelayDaemon).
+
+Test hook: ``kv_arrival_delay_s`` delays the import of every KV chunk (with mooncake: the completion) by that many seconds, so
 that an in-process test without the WAN emulator sees MD's copy complete well after RLD's.
 """
 
@@ -65,6 +72,8 @@ from pddnet.protocol.handoff import (
     StopSequence,
 )
 from pddnet.transport import Connection
+from pddnet.transport.kv_backend import KVSink
+from pddnet.transport.kv_paths import KVPaths
 
 from .common import Daemon, Outbox, Serial, first_token_ends, log, sampling_of, step_end_reasons
 
@@ -105,6 +114,7 @@ class _Request:
     first_chunk_at: float | None = None   # monotonic arrival times, for P's goodput estimate
     last_chunk_at: float = 0.0
     first_chunk_bytes: int = 0
+    writes_stopped: bool = False     # P's KV_ABORT came: no one-sided write is in flight
 
     @property
     def rid(self) -> str:
@@ -130,6 +140,36 @@ class MainDecodeDaemon(Daemon):
         self.handoffs_by_mode: dict[str, int] = {}
         # CACHE_EVENTS drained in the engine thread, posted to every P from the event loop
         self._cache_notices: deque[CacheEvents] = deque()
+        self.kv_paths: KVPaths | None = None
+        self.sink: KVSink | None = None
+        self._sink_ready = asyncio.Event()
+        self._fenced: dict[str, KVReservation] = {}   # see the module docstring
+
+    async def start(self) -> None:
+        # The backend first: one that cannot run here fails the start, not the first request.
+        self.kv_paths = await KVPaths.create(self.config, self.section, "main_decode", ("wan",))
+        try:
+            await super().start()
+        except BaseException:
+            await self.kv_paths.close()
+            raise
+
+    async def dial_peers(self) -> None:
+        assert self.kv_paths is not None and self.engine is not None
+        self.sink = await self.kv_paths.backend("wan").register(self.engine.pool)
+        self._sink_ready.set()
+
+    async def close_extra(self) -> None:
+        # Deregister the pool before the engine frees it, then the backend.
+        self._sink_ready.set()
+        if self.sink is not None:
+            await self.sink.close()
+        if self.kv_paths is not None:
+            await self.kv_paths.close()
+
+    @property
+    def one_sided(self) -> bool:
+        return self.sink is not None and self.sink.one_sided
 
     @property
     def radix(self) -> RadixCache | None:
@@ -196,10 +236,16 @@ class MainDecodeDaemon(Daemon):
         elif isinstance(msg, KvAllocRequest):
             await self._alloc(self._p_boxes[conn], msg)
         elif isinstance(msg, KvDone):
-            self._kv_done(msg)
+            if not self._unfence(msg.request_id):
+                self._kv_done(msg)
         elif isinstance(msg, Handoff):
             self._handoff(msg)
+        elif isinstance(msg, KvAbort) and self._unfence(msg.request_id):
+            pass  # P's confirmation that no write of a dropped request is in flight
         elif isinstance(msg, (Cancel, KvAbort)):
+            req = self.requests.get(msg.request_id)
+            if isinstance(msg, KvAbort) and req is not None:
+                req.writes_stopped = True  # P sends KV_ABORT after its writes have stopped
             self._drop(msg.request_id)
         elif isinstance(msg, RequestDone):
             self._drop(msg.request_id)
@@ -212,6 +258,8 @@ class MainDecodeDaemon(Daemon):
         engine = self.engine
         assert engine is not None
         spec = engine.spec
+        await self._sink_ready.wait()  # P may ask while the pool is being registered
+        assert self.sink is not None
         res = await self.reserve_for(p, msg, self.requests)
         if res is None:
             return
@@ -222,12 +270,16 @@ class MainDecodeDaemon(Daemon):
         self._post_cache_events()
         p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
                                block_ids=tuple(res.block_ids), block_size=engine.block_size,
-                               dtype=spec.dtype))
+                               dtype=spec.dtype, region=self.sink.descriptor))
 
     async def _chunk(self, msg: KvChunk) -> None:
         req = self.requests.get(msg.request_id)
         if req is None or req.fsm.phase is not MainPhase.RECEIVING_KV:
             return  # cancelled or unknown: the bytes are simply dropped
+        if self.one_sided:
+            self._abort(req, f"KV_CHUNK {msg.chunk_index} on a {self.sink.backend} path (P writes "
+                        "into the pool itself): P and MD disagree on [transport] wan")
+            return
         res = req.reservation
         assert res is not None
         try:
@@ -291,18 +343,38 @@ class MainDecodeDaemon(Daemon):
             self._abort(req, f"bad KV_DONE: {msg.num_tokens} positions (expected "
                         f"{req.alloc.num_tokens}), repeated={req.done is not None}")
             return
+        if self.one_sided and msg.num_chunks:
+            self._abort(req, f"KV_DONE counts {msg.num_chunks} KV_CHUNK frames on a "
+                        f"{self.sink.backend} path: P and MD disagree on [transport] wan")
+            return
         req.done = msg
+        if self.one_sided:
+            # Every write landed before P sent KV_DONE (the engine acknowledged them).
+            arrived = time.monotonic()
+            req.first_chunk_at, req.last_chunk_at = arrived, arrived
+            req.bytes_in = msg.num_bytes
+            if self.kv_arrival_delay_s:
+                req.imports_pending += 1
+                self.spawn(self._complete_later(req), f"delayed completion {req.rid}")
+                return
+        self._check_complete(req)
+
+    async def _complete_later(self, req: _Request) -> None:
+        await asyncio.sleep(self.kv_arrival_delay_s)
+        req.imports_pending -= 1
         self._check_complete(req)
 
     def _check_complete(self, req: _Request) -> None:
         done = req.done
         if done is None or req.imports_pending or req.fsm.phase is not MainPhase.RECEIVING_KV:
             return
-        if len(req.chunks) > done.num_chunks or req.bytes_in > done.num_bytes:
+        if self.one_sided:
+            pass  # KV_DONE alone says the copy is in (no chunks to count)
+        elif len(req.chunks) > done.num_chunks or req.bytes_in > done.num_bytes:
             self._abort(req, f"received {len(req.chunks)} chunks / {req.bytes_in} bytes, more "
                         f"than KV_DONE's {done.num_chunks} / {done.num_bytes}")
             return
-        if len(req.chunks) < done.num_chunks or req.bytes_in < done.num_bytes:
+        elif len(req.chunks) < done.num_chunks or req.bytes_in < done.num_bytes:
             return  # KV_DONE overtook chunks still on the bulk lanes
         self.timeline(req.rid, "md_kv_complete", req.bytes_in)
         self._post_cache_events()
@@ -472,11 +544,18 @@ class MainDecodeDaemon(Daemon):
             return
         del self.requests[req.rid]
         self.ended.add(req.rid)
+        # P may still be writing into the reservation (one-sided, before KV_DONE / KV_ABORT).
+        sink = self.sink
+        fence = (req.done is None and not req.writes_stopped and sink is not None
+                 and sink.one_sided and sink.backend != "shm")
 
         async def stop() -> None:
             if req.reservation is not None:
                 res, req.reservation = req.reservation, None
-                await self.compute(self.engine.free_reservation, res)
+                if fence:
+                    self._fence(req.rid, res)
+                else:
+                    await self.compute(self.engine.free_reservation, res)
             if req.started:
                 req.started = False
                 await self.compute(self.engine.abort, req.rid)
@@ -486,6 +565,28 @@ class MainDecodeDaemon(Daemon):
                 await self.compute(self._drain_cache_events)
                 self._post_cache_events()
         req.serial.submit(stop)
+
+    def _fence(self, rid: str, res: KVReservation) -> None:
+        self._fenced[rid] = res
+        self.counters["fenced"] += 1
+        t = self.config.transport
+        bound = t.deadline_s + (t.abort_grace_s if t.abort_grace_s is not None
+                                else 2 * t.progress_timeout_s + 1)
+        self.spawn(self._unfence_later(rid, res, bound), f"fence {rid}")
+
+    async def _unfence_later(self, rid: str, res: KVReservation, after_s: float) -> None:
+        await asyncio.sleep(after_s)  # P never confirmed (lost): its writes have ended by now
+        if self._fenced.get(rid) is res:
+            self.counters["fence_expired"] += 1
+            self._unfence(rid)
+
+    def _unfence(self, rid: str) -> bool:
+        """Free a fenced reservation (P's KV_ABORT / KV_DONE came). False if none is fenced."""
+        res = self._fenced.pop(rid, None)
+        if res is None:
+            return False
+        self.spawn(self.compute(self.engine.free_reservation, res), f"unfence {rid}")
+        return True
 
     def connection_lost(self, conn: Connection) -> None:
         box = self._p_boxes.pop(conn, None)
@@ -514,6 +615,10 @@ class MainDecodeDaemon(Daemon):
         out["max_extend_tokens"] = dict(self.max_extend_tokens)
         out["handoffs"] = dict(self.handoffs_by_mode)
         out["active_phases"] = self.active_phases(self.requests)
+        if self.kv_paths is not None:
+            out["transport"] = {"wan": {**self.kv_paths.stats()["wan"],
+                                        "descriptor": self.sink.descriptor if self.sink else None,
+                                        "fenced_reservations": len(self._fenced)}}
         radix = self.radix
         if radix is not None:
             out["drc"] = {"lookups": radix.num_requests, "lookup_tokens": radix.tokens_asked,

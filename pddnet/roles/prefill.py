@@ -6,17 +6,25 @@ from P's view of MD's cache and its WAN estimates: P->MD (MD only), P->RLD->MD (
 admission answer decides whether MD then hears p_rld_md or, refused, p_md), or P->RLD (the
 singular filter: RLD only, the WAN transfer never starts; RLD refusing sends it P->MD). Prefill runs as a prefill-only request in P's
 engine (max_tokens=1, keep_blocks=True), chunked by max_num_batched_tokens; after each chunk its
-KV goes out at once: one-sided writes into RLD's blocks, KV_CHUNK frames (wan.chunk_tokens
-tokens each, all layers) queued on the bulk stripes. The per-request decisions (what to ship
-when, when KV_DONE may go, when P's blocks are free) are pddnet.protocol.request_flow's.
+KV goes out at once through the KV backend of the target's path ([transport] intra_dc for RLD:
+shm | mooncake; wan for MD: tcp | mooncake; pddnet.transport.kv_backend): the chunk is exported
+in the engine thread, then written by the backend off the engine thread -- one-sided into the
+target's blocks (shm, mooncake) or as KV_CHUNK frames on the bulk stripes (tcp). A failed write
+(dead or hung receiver: a TransferError within transport.deadline_s) takes the usual fallback:
+RLD finishes alone when MD's copy fails, otherwise the request fails as `<target>_lost` and the
+router replays it by token ids on the other decode tier. Before any KV_ABORT goes to a target,
+the request's transfer to it is aborted and quiesced, so no write lands after the receiver may
+reuse the blocks. The per-request decisions (what to ship when, when KV_DONE may go, when P's
+blocks are free) are pddnet.protocol.request_flow's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-import math
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +40,10 @@ from pddnet.protocol import (
     KvAbort,
     KvAllocRequest,
     KvAllocResponse,
-    KvChunk,
     KvDone,
     KvReceived,
     Message,
     Submit,
-    payload_from_tensor,
 )
 from pddnet.protocol.request_flow import (
     AbortTarget,
@@ -49,7 +55,17 @@ from pddnet.protocol.request_flow import (
     Transfer,
 )
 from pddnet.transport import Connection
-from pddnet.transport.shm_region import RemoteKVRegion
+from pddnet.transport.kv_backend import (
+    BadRegion,
+    KVTransfer,
+    KVWriter,
+    PeerUnreachable,
+    TransferError,
+    TransferTimeout,
+    WriteTarget,
+    check_descriptor_for,
+)
+from pddnet.transport.kv_paths import KVPaths
 from pddnet.transport.stripes import StripedSender
 
 from .common import Daemon, Serial, log, now, sampling_of
@@ -60,6 +76,7 @@ FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pip
 # Who serves a pipeline, in the order P asks them (MD waits for RLD's admission answer).
 TARGETS = {Pipeline.P_MD: (MAIN,), Pipeline.P_RLD_MD: (RELAY, MAIN),
            Pipeline.RLD_ONLY: (RELAY, MAIN)}
+PATH_OF = {RELAY: "intra_dc", MAIN: "wan"}   # the KV path (and [transport] key) of a target
 
 
 @dataclass
@@ -70,6 +87,7 @@ class _Alloc:
     block_size: int
     hit: int
     region: str = ""
+    target: WriteTarget | None = None       # where the request's KV goes in the target's pool
 
 
 @dataclass
@@ -78,9 +96,9 @@ class _Request:
     flow: PrefillFlow
     serial: dict[str, Serial]               # per target, plus "engine"
     allocs: dict[str, _Alloc] = field(default_factory=dict)
-    chunks: int = 0                         # KV_CHUNK frames queued for MD
+    xfers: dict[str, KVTransfer] = field(default_factory=dict)   # per target, once writing
     wan_bytes: int = 0
-    shm_bytes: int = 0
+    wan_write_s: float = 0.0                # seconds P spent writing MD's copy (goodput sample)
     started: bool = False                   # add_request sent to the engine
     pipeline: Pipeline = Pipeline.P_RLD_MD  # current (may change once, see _relay_answered)
     plan: Plan | None = None                # pdd mode: the planner's decision and inputs
@@ -99,8 +117,21 @@ class PrefillDaemon(Daemon):
         self.control: dict[str, Peer] = {}
         self.planner: PipelinePlanner | None = None   # pdd mode, once the engine exists
         self.stripes: StripedSender | None = None
-        self.regions: dict[str, RemoteKVRegion] = {}
+        self.kv_paths: KVPaths | None = None
+        # per target: the receiver's region descriptor and our writer to it (one at a time)
+        self.writers: dict[str, tuple[str, KVWriter]] = {}
+        self._writer_locks = {t: asyncio.Lock() for t in self.targets}
         self.requests: dict[str, _Request] = {}
+
+    async def start(self) -> None:
+        # The backends first: one that cannot run here fails the start, not the first request.
+        paths = tuple(PATH_OF[t] for t in self.targets)
+        self.kv_paths = await KVPaths.create(self.config, self.section, "prefill", paths)
+        try:
+            await super().start()
+        except BaseException:
+            await self.kv_paths.close()
+            raise
 
     def _make_planner(self) -> PipelinePlanner:
         cfg, pol = self.config, self.config.policy
@@ -129,6 +160,10 @@ class PrefillDaemon(Daemon):
         address = self.config.main_decode.dial_address()
         lanes = [await self.dial_once(address, "bulk") for _ in range(self.config.wan.stripes)]
         old, self.stripes = self.stripes, StripedSender(lanes)
+        wan = self.kv_paths.backend("wan") if self.kv_paths is not None else None
+        if wan is not None and wan.name == "tcp":
+            wan.stripes = self.stripes  # the tcp backend's writers carry KV on these lanes
+            self._forget_writer(MAIN)
         if old is not None:
             self.spawn(old.close(), "close old stripes")
         if self.planner is not None:
@@ -139,11 +174,11 @@ class PrefillDaemon(Daemon):
             self.planner.observe_rtt(rtt_s)
 
     async def close_extra(self) -> None:
+        self.writers.clear()
+        if self.kv_paths is not None:
+            await self.kv_paths.close()  # its writers first (bounded), then the engines
         if self.stripes is not None:
             await self.stripes.close()
-        for region in self.regions.values():
-            region.close()
-        self.regions.clear()
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -272,16 +307,22 @@ class PrefillDaemon(Daemon):
             return
         n = req.flow.num_tokens
         unusable = ""
+        write_target = None
         if len(msg.block_ids) * msg.block_size < n:
             unusable = f"{len(msg.block_ids)} blocks of {msg.block_size} cannot hold {n} positions"
-        elif target == RELAY and not msg.region:
-            unusable = "no shared-memory region named"
+        else:
+            try:
+                check_descriptor_for(self.kv_paths.name(PATH_OF[target]), msg.region)
+                write_target = WriteTarget.from_alloc(msg)
+            except (BadRegion, ValueError) as exc:
+                unusable = str(exc)
         if unusable:  # it did reserve: give that back, then treat the answer as a refusal
             self.control[target].post(KvAbort(request_id=msg.request_id,
                                               reason=f"unusable allocation: {unusable}"))
             self._refused(req, target, f"unusable allocation: {unusable}")
             return
-        req.allocs[target] = _Alloc(msg.block_ids, msg.block_size, msg.hit_tokens, msg.region)
+        req.allocs[target] = _Alloc(msg.block_ids, msg.block_size, msg.hit_tokens, msg.region,
+                                    write_target)
         self._run(req, req.flow.allocated(target, msg.hit_tokens))
         if target == RELAY:
             self._relay_answered(req)
@@ -355,6 +396,7 @@ class PrefillDaemon(Daemon):
             # MD dropped its copy (e.g. it lost the relay lane): RLD still serves the request.
             self._change_pipeline(req, Pipeline.RLD_ONLY, f"main decode dropped it: {reason}")
             self._run(req, req.flow.drop(MAIN, ""))
+            self._abort_target(req, MAIN, f"acknowledged: {reason}")  # MD may be fencing blocks
             return
         self.ended.add(rid)
         main = req.flow.targets.get(MAIN)
@@ -401,7 +443,7 @@ class PrefillDaemon(Daemon):
             elif isinstance(a, SendKvDone):
                 req.serial[a.target].submit(lambda a=a: self._kv_done(req, a))
             elif isinstance(a, AbortTarget):
-                self.control[a.target].post(KvAbort(request_id=rid, reason=a.reason[:4096]))
+                self._abort_target(req, a.target, a.reason)
             elif isinstance(a, ReleaseBlocks):
                 req.serial["engine"].submit(lambda: self._release(req))
             elif isinstance(a, FailRequest):
@@ -411,47 +453,94 @@ class PrefillDaemon(Daemon):
     async def _transfer(self, req: _Request, a: Transfer) -> None:
         if req.flow.over:
             return
-        if a.target == RELAY:
-            written = await self.compute(self._write_shm, req, a.start, a.end)
-            req.shm_bytes += written
-        else:
-            await self._send_chunks(req, a.start, a.end)
-
-    def _write_shm(self, req: _Request, start: int, end: int) -> int:
-        """In the engine thread: export [start, end) and write it into RLD's blocks."""
-        alloc = req.allocs[RELAY]
-        region = self.regions.get(alloc.region)
-        if region is None:
-            region = self.regions[alloc.region] = RemoteKVRegion.attach(alloc.region)
-        table = self.engine.get_sequence(req.submit.request_id).block_table
-        exported = export_kv(self.engine.pool, table, start, end)
-        # Only the blocks past RLD's cached prefix are this request's to write.
-        own = alloc.block_ids[alloc.hit // alloc.block_size:]
-        return region.write(own, alloc.block_ids, exported, start, min_position=alloc.hit)
-
-    async def _send_chunks(self, req: _Request, start: int, end: int) -> None:
-        alloc = req.allocs[MAIN]
-        step = self.config.wan.chunk_tokens
         rid = req.submit.request_id
-        for s in range(start, end, step):
+        try:
+            xfer = await self._transfer_to(req, a.target)
+            if xfer is None or req.flow.over:
+                return
+            exported = await self.compute(self._export, rid, a.start, a.end)
             if req.flow.over:
                 return
-            e = min(end, s + step)
-            exported = await self.compute(self._export, rid, s, e)
-            payload, dtype, shape = payload_from_tensor(exported.kv)
-            touched = alloc.block_ids[s // alloc.block_size:math.ceil(e / alloc.block_size)]
-            chunk = KvChunk(request_id=rid, chunk_index=req.chunks, token_start=s, token_end=e,
-                            layer_start=0, layer_end=shape[0], block_ids=touched, dtype=dtype,
-                            shape=shape, payload=payload)
-            stripes = self.stripes
-            if stripes is None or req.flow.over:
-                return  # MD was lost meanwhile (connection_lost re-routed or failed it)
-            req.chunks += 1
-            req.wan_bytes += payload.nbytes
-            await stripes.send(chunk)
+            began = time.monotonic()
+            written = await xfer.write(exported)
+        except TransferError as exc:
+            self._transfer_failed(req, a.target, exc)
+            return
+        self.counters[f"kv_bytes_{PATH_OF[a.target]}"] += written
+        if a.target == MAIN:
+            req.wan_bytes += written
+            req.wan_write_s += time.monotonic() - began
+
+    async def _transfer_to(self, req: _Request, target: str) -> KVTransfer | None:
+        """The request's transfer to `target`, begun on its first write (None: target gone)."""
+        xfer = req.xfers.get(target)
+        if xfer is not None:
+            return xfer
+        alloc = req.allocs.get(target)
+        if alloc is None or alloc.target is None:
+            return None
+        writer = await self._writer(target, alloc.region)
+        if req.flow.over:
+            return None
+        xfer = req.xfers[target] = writer.begin(req.submit.request_id, alloc.target)
+        self.timeline(req.submit.request_id, "kv_transport", None, f"{target}={writer.backend}")
+        return xfer
+
+    async def _writer(self, target: str, descriptor: str) -> KVWriter:
+        """The writer to a target's region, opened once per descriptor (a receiver that
+        restarted describes a new region: the old writer is closed)."""
+        async with self._writer_locks[target]:
+            cached = self.writers.get(target)
+            if cached is not None and cached[0] == descriptor and not cached[1].closed:
+                return cached[1]
+            self._forget_writer(target)
+            writer = await self.kv_paths.backend(PATH_OF[target]).open(descriptor)
+            self.writers[target] = (descriptor, writer)
+            return writer
+
+    def _forget_writer(self, target: str, writer: KVWriter | None = None) -> None:
+        cached = self.writers.get(target)
+        if cached is not None and (writer is None or cached[1] is writer):
+            del self.writers[target]
+            self.spawn(cached[1].close(), f"close {target} writer")
+
+    def _transfer_failed(self, req: _Request, target: str, exc: TransferError) -> None:
+        """A write failed: the receiver is dead, hung, or refused it. The usual fallback."""
+        rid = req.submit.request_id
+        self.counters[f"transfer_errors_{PATH_OF[target]}"] += 1
+        why = f"KV transfer to {target} failed ({type(exc).__name__}): {exc}"
+        self.timeline(rid, "kv_transfer_failed", None, why[:256])
+        xfer = req.xfers.get(target)
+        if isinstance(exc, (PeerUnreachable, TransferTimeout)) and xfer is not None:
+            self._forget_writer(target, xfer.writer)  # the peer is gone: do not reuse it
+        if req.flow.over:
+            return
+        if target == MAIN and req.pipeline is Pipeline.P_RLD_MD and RELAY in req.allocs:
+            # RLD has (or gets) its copy and decodes the request to its end.
+            self._change_pipeline(req, Pipeline.RLD_ONLY, why)
+            self._run(req, req.flow.drop(MAIN, why))
+        else:  # the router replays it by token ids on the other decode tier, or fails it
+            self._fail(rid, f"{target}_lost", why)
+
+    def _abort_target(self, req: _Request, target: str, reason: str) -> None:
+        """KV_ABORT to a target, after the request's writes to it have stopped."""
+        msg = KvAbort(request_id=req.submit.request_id, reason=reason[:4096])
+        xfer = req.xfers.get(target)
+        if xfer is None:
+            self.control[target].post(msg)
+            return
+
+        async def abort() -> None:
+            if not await xfer.abort(reason):
+                self.counters["abort_not_quiescent"] += 1
+                log.warning("%s: %s: a write to %s is still stuck in the engine after the abort "
+                            "grace", self.instance_id, req.submit.request_id, target)
+            self.control[target].post(msg)
+        self.spawn(abort(), f"abort {req.submit.request_id} -> {target}")
 
     def _export(self, rid: str, start: int, end: int):
-        """In the engine thread: the KV of positions [start, end) of P's sequence."""
+        """In the engine thread: the KV of positions [start, end) of P's sequence (a copy, so
+        the backend writes it while the engine steps on)."""
         table = self.engine.get_sequence(rid).block_table
         return export_kv(self.engine.pool, table, start, end)
 
@@ -460,13 +549,13 @@ class PrefillDaemon(Daemon):
             return
         rid = req.submit.request_id
         n = req.flow.num_tokens
-        if a.target == RELAY:
-            done = KvDone(request_id=rid, num_tokens=n, num_chunks=0, num_bytes=req.shm_bytes,
-                          first_token_id=a.first_token, time=now())
-        else:
-            done = KvDone(request_id=rid, num_tokens=n, num_chunks=req.chunks,
-                          num_bytes=req.wan_bytes, first_token_id=a.first_token, time=now())
-            self.timeline(rid, "wan_kv_sent", req.wan_bytes)
+        xfer = req.xfers.get(a.target)
+        c = xfer.completion() if xfer is not None else None  # None: all of it was cached there
+        done = KvDone(request_id=rid, num_tokens=n, num_chunks=c.num_chunks if c else 0,
+                      num_bytes=c.num_bytes if c else 0, first_token_id=a.first_token,
+                      time=now())
+        if a.target == MAIN:
+            self.timeline(rid, "wan_kv_sent", done.num_bytes)
         self.control[a.target].post(done)
         if a.target == RELAY:  # the one-sided writes are in RLD's memory already
             self._run(req, req.flow.target_finished(a.target))
@@ -474,9 +563,14 @@ class PrefillDaemon(Daemon):
         # transfer can still be cancelled (the singular filter) and P still holds the KV.
 
     def _received(self, msg: KvReceived) -> None:
-        if self.planner is not None:
-            self.planner.observe_transfer(msg.span_bytes, msg.span_s)
         req = self.requests.get(msg.request_id)
+        if self.planner is not None:
+            xfer = req.xfers.get(MAIN) if req is not None else None
+            if xfer is not None and xfer.writer.backend != "tcp":
+                # One-sided: MD sees no chunk arrivals; P timed its acknowledged writes.
+                self.planner.observe_transfer(req.wan_bytes, req.wan_write_s)
+            else:
+                self.planner.observe_transfer(msg.span_bytes, msg.span_s)
         main = req.flow.targets.get(MAIN) if req is not None else None
         if main is not None and main.done_queued and not main.finished:
             self.timeline(msg.request_id, "wan_kv_acked", msg.num_bytes)
@@ -507,6 +601,9 @@ class PrefillDaemon(Daemon):
             t = req.flow.targets.get(lost)
             if t is None or t.finished or req.flow.over:
                 continue
+            xfer = req.xfers.get(lost)
+            if xfer is not None:  # no KV_ABORT can reach it now; stop writing at least
+                self.spawn(xfer.abort(why), f"abort {rid} -> {lost}")
             if lost == MAIN and req.pipeline is Pipeline.P_RLD_MD and RELAY in req.allocs:
                 # RLD is the fallback: it decodes the request to its end (it sees MD gone too).
                 self.counters["main_lost_relay_continues"] += 1
@@ -531,6 +628,11 @@ class PrefillDaemon(Daemon):
         bulk = out["lanes"].get("bulk", {}).get("bytes_out", 0)
         out["wan_bytes"] = {"out": {"kv": bulk, "control": out["lanes"].get("control", {})
                                     .get("bytes_out", 0)}}
+        if self.kv_paths is not None:
+            out["transport"] = {path: {**st, "target": target,
+                                       "writer_open": target in self.writers}
+                                for target, path in PATH_OF.items()
+                                if (st := self.kv_paths.stats().get(path)) is not None}
         if self.stripes is not None:
             out["lanes"]["bulk"] = {"bytes_out": sum(sum(c.stats["bytes_out"].values())
                                                      for c in self.stripes.lanes),

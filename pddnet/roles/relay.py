@@ -11,10 +11,18 @@ In pdd mode RLD is a small pool that must never be flooded: every allocation pas
 pddnet.policy.admission.RelayAdmission first (running tokens, KV blocks, requests); a refusal
 sends the request P->MD instead of queueing it here. Each answer carries RLD's recent decode
 time per token (KV_ALLOC_RESPONSE.step_s), which P's pipeline policy needs for the singular filter.
+
+The KV path P -> RLD is `[transport] intra_dc`: `shm` (the pool lives in a shared-memory segment
+P maps) or `mooncake` (the pool is registered with the Transfer Engine, P's engine writes into
+it across hosts). Either way the pool is a registered sink whose descriptor goes into every
+KV_ALLOC_RESPONSE. With mooncake a write may still be in flight when RLD drops a request before
+its KV_DONE (a cancel): its reservation is then fenced -- kept -- until P confirms with KV_ABORT
+(sent after P quiesced the transfer) or a bound passes, so no late write lands in reused blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import secrets
@@ -54,6 +62,8 @@ from pddnet.protocol.handoff import (
     StopSequence,
 )
 from pddnet.transport import Connection
+from pddnet.transport.kv_backend import KVSink
+from pddnet.transport.kv_paths import KVPaths
 
 from .common import (
     CANCELLED_MEMORY,
@@ -78,6 +88,7 @@ class _Request:
     serial: Serial
     p_conn: Outbox                   # P's control lane (KV_ABORT on failure)
     decoding: bool = False           # the engine sequence exists
+    kv_done: bool = False            # P's KV_DONE came: none of its writes is in flight
     handoff_bytes: int = 0
 
     @property
@@ -112,11 +123,28 @@ class RelayDaemon(Daemon):
         self._early_takeovers: OrderedDict[str, Takeover] = OrderedDict()
         self._shm_name = segment_name(
             f"{instance_id_safe(config.name)}-relay-{os.getpid()}-{secrets.token_hex(3)}")
+        self.kv_paths: KVPaths | None = None
+        self.sink: KVSink | None = None
+        self._sink_ready = asyncio.Event()
+        # Reservations of dropped requests whose one-sided writes may still land (see above)
+        self._fenced: dict[str, KVReservation] = {}
 
-    def kv_shm_name(self) -> str:
-        return self._shm_name
+    def kv_shm_name(self) -> str | None:
+        return self._shm_name if self.config.transport.intra_dc == "shm" else None
+
+    async def start(self) -> None:
+        # The backend first: one that cannot run here fails the start, not the first request.
+        self.kv_paths = await KVPaths.create(self.config, self.section, "relay", ("intra_dc",))
+        try:
+            await super().start()
+        except BaseException:
+            await self.kv_paths.close()
+            raise
 
     async def dial_peers(self) -> None:
+        assert self.kv_paths is not None and self.engine is not None
+        self.sink = await self.kv_paths.backend("intra_dc").register(self.engine.pool)
+        self._sink_ready.set()
         if self.hands_off:
             self.md = self.peer(self.config.main_decode.dial_address(), "main-decode control")
             await self.md.connect_first()
@@ -133,10 +161,16 @@ class RelayDaemon(Daemon):
         elif isinstance(msg, KvAllocRequest):
             await self._alloc(self._p_outbox(conn), msg)
         elif isinstance(msg, KvDone):
-            self._kv_done(msg)
+            if not self._unfence(msg.request_id):
+                self._kv_done(msg)
         elif isinstance(msg, Takeover):
             self._takeover(msg)
+        elif isinstance(msg, KvAbort) and self._unfence(msg.request_id):
+            pass  # P's confirmation that no write of a dropped request is in flight
         elif isinstance(msg, (Cancel, KvAbort)):
+            req = self.requests.get(msg.request_id)
+            if isinstance(msg, KvAbort) and req is not None:
+                req.kv_done = True  # P sends KV_ABORT after its writes have stopped
             self._drop(msg.request_id, msg.reason)
         elif isinstance(msg, RequestDone):
             self._drop(msg.request_id, f"{msg.producer} finished the request")
@@ -154,6 +188,8 @@ class RelayDaemon(Daemon):
         rid = msg.request_id
         engine = self.engine
         assert engine is not None
+        await self._sink_ready.wait()  # P may ask while the pool is being registered
+        assert self.sink is not None
         if self.admission is not None and rid not in self.requests:
             total = msg.num_tokens + msg.max_tokens
             verdict = self.admission.try_admit(rid, total, -(-(total - 1) // engine.block_size))
@@ -179,7 +215,7 @@ class RelayDaemon(Daemon):
         self.counters["allocated"] += 1
         p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
                                block_ids=tuple(res.block_ids), block_size=engine.block_size,
-                               dtype=engine.spec.dtype, region=self._shm_name,
+                               dtype=engine.spec.dtype, region=self.sink.descriptor,
                                step_s=round(self.step_s, 6)))
         early = self._early_takeovers.pop(rid, None)
         if early is not None:  # MD's copy was complete before this allocation was made
@@ -190,6 +226,7 @@ class RelayDaemon(Daemon):
         req = self.requests.get(msg.request_id)
         if req is None or req.decoding or req.fsm.phase is not RelayPhase.DECODING:
             return
+        req.kv_done = True
         alloc = req.alloc
         if msg.num_tokens != alloc.num_tokens:
             self._abort(req, f"KV_DONE covers {msg.num_tokens} positions, expected "
@@ -340,14 +377,50 @@ class RelayDaemon(Daemon):
             return
         self._forget(req)
 
+        fence = self._needs_fence(req)
+
         async def stop() -> None:
             if req.reservation is not None:
                 res, req.reservation = req.reservation, None
-                await self.compute(self.engine.free_reservation, res)
+                if fence:
+                    self._fence(req.rid, res)
+                else:
+                    await self.compute(self.engine.free_reservation, res)
             if req.decoding:
                 req.decoding = False
                 await self.compute(self.engine.abort, req.rid)
         req.serial.submit(stop)
+
+    # -- fencing dropped one-sided writes -------------------------------------------------------
+
+    def _needs_fence(self, req: _Request) -> bool:
+        """P may still be writing into this reservation (one-sided, no KV_DONE yet). shm writes
+        are local copies bounded by P's engine thread, as before; mooncake's cross the network."""
+        sink = self.sink
+        return (req.reservation is not None and not req.kv_done and sink is not None
+                and sink.one_sided and sink.backend != "shm")
+
+    def _fence(self, rid: str, res: KVReservation) -> None:
+        self._fenced[rid] = res
+        self.counters["fenced"] += 1
+        t = self.config.transport
+        bound = t.deadline_s + (t.abort_grace_s if t.abort_grace_s is not None
+                                else 2 * t.progress_timeout_s + 1)
+        self.spawn(self._unfence_later(rid, res, bound), f"fence {rid}")
+
+    async def _unfence_later(self, rid: str, res: KVReservation, after_s: float) -> None:
+        await asyncio.sleep(after_s)  # P never confirmed (lost): its writes have ended by now
+        if self._fenced.get(rid) is res:
+            self.counters["fence_expired"] += 1
+            self._unfence(rid)
+
+    def _unfence(self, rid: str) -> bool:
+        """Free a fenced reservation (P's KV_ABORT / KV_DONE came). False if none is fenced."""
+        res = self._fenced.pop(rid, None)
+        if res is None:
+            return False
+        self.spawn(self.compute(self.engine.free_reservation, res), f"unfence {rid}")
+        return True
 
     def _forget(self, req: _Request) -> None:
         if self.requests.get(req.rid) is req:
@@ -376,9 +449,21 @@ class RelayDaemon(Daemon):
         return self.decode_request_stats(self.requests, "allocated", "finished_here", "handed_off",
                                          "cancelled", "refused")
 
+    async def close_extra(self) -> None:
+        # Deregister the pool before the engine frees it, then the backend.
+        self._sink_ready.set()
+        if self.sink is not None:
+            await self.sink.close()
+        if self.kv_paths is not None:
+            await self.kv_paths.close()
+
     def stats(self) -> dict[str, Any]:
         out = super().stats()
-        out["shm_region"] = self._shm_name
+        out["shm_region"] = self.kv_shm_name()
+        out["transport"] = {"intra_dc": {**self.kv_paths.stats()["intra_dc"],
+                                         "descriptor": self.sink.descriptor if self.sink else None,
+                                         "fenced_reservations": len(self._fenced)}} \
+            if self.kv_paths is not None else {}
         out["load"] = self.load() if self.engine is not None else 0.0
         out["active_phases"] = self.active_phases(self.requests)
         out["early_takeovers_waiting"] = len(self._early_takeovers)

@@ -83,20 +83,33 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pddnet.sim.runner import compare, describe_config, simulate
+    from pddnet.sim.runner import compare, describe_config, run_systems
 
     try:
         cfg = _load(args)
     except ValueError as exc:
         print(f"pdd sim run: {exc}", file=sys.stderr)
         return 2
-    results = {}
     t0 = time.monotonic()
-    for s in cfg.systems:
-        bar = _bar(cfg.workload.requests, f"{s:>15}")
-        results[s] = simulate(cfg, s, (lambda n, b=bar: b.update(n)) if bar else None)
-        if bar is not None:
-            bar.close()
+    bars: dict[str, Any] = {}
+
+    def progress(system: str, n: int) -> None:
+        if system not in bars:
+            for b in bars.values():
+                if b is not None:
+                    b.close()
+            bars[system] = _bar(cfg.workload.requests, f"{system:>15}")
+        if bars[system] is not None:
+            bars[system].update(n)
+
+    try:
+        results = run_systems(cfg, cfg.systems, progress)
+    except ValueError as exc:
+        print(f"pdd sim run: {exc}", file=sys.stderr)
+        return 2
+    for b in bars.values():
+        if b is not None:
+            b.close()
     data = {"config": describe_config(cfg), "systems": results, "vs_baseline": compare(results)}
     path = _write(args.out, Path(args.config).stem, data)
     print_run(data)

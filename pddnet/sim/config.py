@@ -18,14 +18,15 @@
     prefill = { chip = "a", instances = 4, gpus = 16 }
     decode = { chip = "a", instances = 6, gpus = 16 }
 
-    [line]      bw_gbit, rtt_ms, jitter_ms, queue_mb, piece_mb, price_per_gbit_hour
+    [line]      bw_gbit, rtt_ms, jitter_ms, queue_mb, piece_mb, piece_ms, price_per_gbit_hour
     [engine]    block_tokens, chunk_tokens, max_seqs, memory_utilisation, segment_steps,
                 rdma_latency_us, p_prefix_cache
     [policy]    direct_budget_s, singular_filter, singular_margin, handoff, handoff_threshold,
                 handoff_chunk, rld_load_limit, rld_max_requests
     [sla]       ttft_s, tpot_s, attainment
-    [workload]  kind = "agent" | "trace", requests, rate_scale, path (trace), and any
-                AgentWorkloadParams field with lengths in tokens
+    [workload]  kind = "agent" | "trace", requests, rate_scale, path (trace),
+                arrivals = "closed" | "baseline" | "open", and any AgentWorkloadParams field with lengths
+                in tokens
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+ARRIVALS = ("closed", "baseline", "open")
 SYSTEMS = ("same-dc", "cross-dc", "cross-dc-no-drc", "pdd", "pdd-no-drc", "pdd-no-rld")
 
 
@@ -87,7 +89,14 @@ class Line:
     jitter_ms: float = 0.0
     queue_mb: float = 64.0
     piece_mb: float = 64.0
+    # A KV piece is also at least this much line time, so a fast line does not cost more link
+    # items per byte than a slow one (round-robin fairness stays at the same time resolution).
+    piece_ms: float = 20.0
     price_per_gbit_hour: float = 0.5
+
+    def piece_bytes(self) -> int:
+        by_time = self.bw_gbit * 1e9 / 8 * self.piece_ms / 1e3
+        return max(1, int(max(self.piece_mb * (1 << 20), by_time)))
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,6 @@ class Engine:
     segment_steps: int = 32
     rdma_latency_us: float = 20.0
     p_prefix_cache: bool = True
-    p_route_slack: int = 1          # leave a conversation's P when it queues this much more
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,12 @@ class WorkloadSpec:
     requests: int = 10000
     rate_scale: float = 1.0       # multiplies the conversation (agent) or replay (trace) rate
     path: str | None = None
+    # "closed": a conversation's next turn waits for the previous one to finish (an agent needs
+    # the answer), so a faster system is offered more requests per second. "baseline": the
+    # baseline runs closed loop and every other system is offered the baseline's send times
+    # (equal offered load; causality still holds). "open": every request at its own time,
+    # whatever the system does (trace replay; a turn may overlap its predecessor, counted).
+    arrivals: str = "closed"
     agent: dict[str, Any] = field(default_factory=dict)
 
 
@@ -235,7 +249,7 @@ def parse_config(data: dict[str, Any], base_dir: Path | None = None) -> SimConfi
                           _pool(d[decode_key], chips, f"[{name}].{decode_key}"), relay)
 
     wl = dict(data.get("workload", {}))
-    spec_keys = {"kind", "requests", "rate_scale", "path"}
+    spec_keys = {"kind", "requests", "rate_scale", "path", "arrivals"}
     spec = _section(WorkloadSpec, {k: v for k, v in wl.items() if k in spec_keys and k != "path"},
                     "workload")
     path = wl.get("path")
@@ -244,6 +258,9 @@ def parse_config(data: dict[str, Any], base_dir: Path | None = None) -> SimConfi
     spec = replace(spec, path=path, agent={k: v for k, v in wl.items() if k not in spec_keys})
     if spec.kind not in ("agent", "trace"):
         raise ValueError(f"[workload] kind must be 'agent' or 'trace', got {spec.kind!r}")
+    if spec.arrivals not in ARRIVALS:
+        raise ValueError(f"[workload] arrivals must be one of {', '.join(ARRIVALS)}, "
+                         f"got {spec.arrivals!r}")
     if spec.kind == "trace" and not spec.path:
         raise ValueError("[workload] kind = 'trace' needs path = 'FILE.jsonl'")
     if spec.requests < 1 or spec.rate_scale <= 0:

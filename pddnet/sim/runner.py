@@ -8,7 +8,9 @@ seed give byte-identical JSON (``json.dumps(result, sort_keys=True)``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import heapq
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pddnet.sim.config import SimConfig
@@ -37,26 +39,70 @@ def requests_for(cfg: SimConfig) -> Iterator[SimRequest]:
     yield from agent_stream(params, cfg.seed, cfg.tokens_per_unit, w.requests)
 
 
+class Schedule:
+    """Send times by request id, recorded from one run (the baseline's) and replayed in others,
+    so every system is offered the very same requests at the very same times."""
+
+    def __init__(self) -> None:
+        self.times = array("d")
+
+    def record(self, rid: int, t: float) -> None:
+        if rid >= len(self.times):
+            self.times.extend([-1.0] * (rid + 1 - len(self.times)))
+        self.times[rid] = t
+
+    def replay(self, source: Iterator[SimRequest]) -> Iterator[SimRequest]:
+        """``source`` (in generated order) re-timed to the recorded send times, in that order.
+        A recorded time is never before the generated arrival, so a request may leave the
+        buffer once the generator has reached its time: the buffer holds only the requests the
+        recorded run had deferred, never the whole workload."""
+        heap: list[tuple[float, int, SimRequest]] = []
+        for r in source:
+            if r.rid >= len(self.times) or self.times[r.rid] < 0:
+                raise ValueError(f"request {r.rid} was never sent in the recorded run")
+            heapq.heappush(heap, (self.times[r.rid], r.rid, r))
+            while heap and heap[0][0] <= r.arrival_s:
+                t, _, x = heapq.heappop(heap)
+                yield dataclasses.replace(x, arrival_s=t)
+        while heap:
+            t, _, x = heapq.heappop(heap)
+            yield dataclasses.replace(x, arrival_s=t)
+
+
 def simulate(cfg: SimConfig, system: str,
-             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """One system on the config's workload; returns its report."""
+             progress: Callable[[int], None] | None = None,
+             replay: Schedule | None = None, record: Schedule | None = None) -> dict[str, Any]:
+    """One system on the config's workload; returns its report.
+
+    Arrivals (``workload.arrivals``): "closed" and "baseline" keep agents causal -- a
+    conversation's next turn is sent only once its previous turn finished, at max(its time,
+    previous turn done); "open" sends every request at its own time regardless. With
+    ``record`` the send times are stored; with ``replay`` the requests are offered at a
+    recorded run's send times (then only a turn whose predecessor is slower here than there
+    waits, and is counted in ``deferred_turns``)."""
     sim = SimulatedSystem(cfg, system)
     loop = sim.loop
-    stream = requests_for(cfg)
-    # A conversation's next turn is sent only once its previous turn finished (an agent waits
-    # for the answer): at max(its arrival, previous turn done). Parked turns wait here.
-    busy: set[int] = set()
+    stream = requests_for(cfg) if replay is None else replay.replay(requests_for(cfg))
+    causal = cfg.workload.arrivals != "open"
+    live: dict[int, int] = {}           # conversation -> its turns being served
     parked: dict[int, list[SimRequest]] = {}
 
     def send(req: SimRequest) -> None:
-        if req.conversation >= 0:
-            busy.add(req.conversation)
+        conv = req.conversation
+        if conv >= 0:
+            n = live.get(conv, 0)
+            if n:
+                sim.counts["overlapping_turns"] += 1
+            live[conv] = n + 1
+        if record is not None:
+            record.record(req.rid, loop.now)
         sim.arrive(req)
         if progress is not None:
             progress(1)
 
     def feed(req: SimRequest) -> None:
-        if req.conversation >= 0 and req.conversation in busy:
+        if causal and req.conversation >= 0 and req.conversation in live:
+            sim.counts["deferred_turns"] += 1
             parked.setdefault(req.conversation, []).append(req)
         else:
             send(req)
@@ -71,14 +117,18 @@ def simulate(cfg: SimConfig, system: str,
         conv = req.conversation
         if conv < 0:
             return
+        n = live[conv] - 1
+        if n:
+            live[conv] = n
+        else:
+            del live[conv]
         waiting = parked.get(conv)
         if not waiting:
-            busy.discard(conv)
-            parked.pop(conv, None)
             return
         nxt = waiting.pop(0)
         if not waiting:
             del parked[conv]
+        sim.deferral.add(loop.now - nxt.arrival_s)
         send(dataclasses.replace(nxt, arrival_s=loop.now))
 
     sim.on_request_done = turn_done
@@ -111,6 +161,7 @@ def report(sim: SimulatedSystem) -> dict[str, Any]:
         "unfinished": c["requests"] - finished,
         "ttft_s": sim.ttft.summary(), "tpot_s": sim.tpot.summary(), "itl_s": sim.itl.summary(),
         "e2e_s": sim.e2e.summary(),
+        "ttft_by_pipeline_s": {p: h.summary() for p, h in sim.ttft_by_pipeline.items()},
         "sla": {"ttft_s": sim.cfg.sla.ttft_s, "tpot_s": sim.cfg.sla.tpot_s,
                 "good": c["good"], "attainment": _r(c["good"] / finished if finished else 0.0)},
         "makespan_s": _r(span), "arrival_span_s": _r(arrival_span),
@@ -129,6 +180,8 @@ def report(sim: SimulatedSystem) -> dict[str, Any]:
                    "hit_intervals": sim.hit_histogram()},
         "rld": {"refused": c["rld_refused"], "queue_depth": sim.rld_depth.to_dict()},
         "md_alloc_waits": c["md_alloc_waits"],
+        "arrivals": sim.cfg.workload.arrivals, "overlapping_turns": c["overlapping_turns"],
+        "deferred_turns": c["deferred_turns"], "deferral_s": sim.deferral.summary(),
         "busy": {"prefill": _r(_busy(sim.prefill, span)),
                  "decode": _r(_busy([d.inst for d in sim.decode], span)),
                  "relay": _r(_busy(sim.relay, span)) if sim.relay else None},
@@ -185,11 +238,29 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def simulate_all(cfg: SimConfig, progress: Callable[[str, int], None] | None = None
                  ) -> dict[str, Any]:
-    results = {}
-    for s in cfg.systems:
-        cb = (lambda n, s=s: progress(s, n)) if progress else None
-        results[s] = simulate(cfg, s, cb)
+    results = run_systems(cfg, cfg.systems, progress)
     return {"config": describe_config(cfg), "systems": results, "vs_baseline": compare(results)}
+
+
+def run_systems(cfg: SimConfig, systems: Sequence[str],
+                progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """Each system on the config's workload. With ``arrivals = "baseline"`` the baseline runs
+    first (closed loop) and every other system is offered its send times: the same requests
+    at the same times, so latency comparisons are at equal offered load."""
+    paced = cfg.workload.arrivals == "baseline"
+    if paced and BASELINE not in systems:
+        raise ValueError(f'arrivals = "baseline" needs the baseline system {BASELINE!r} in '
+                         f"systems")
+    order = sorted(systems, key=lambda s: s != BASELINE) if paced else list(systems)
+    schedule = Schedule() if paced else None
+    results: dict[str, Any] = {}
+    for s in order:
+        cb = (lambda n, s=s: progress(s, n)) if progress else None
+        if paced and s == BASELINE:
+            results[s] = simulate(cfg, s, cb, record=schedule)
+        else:
+            results[s] = simulate(cfg, s, cb, replay=schedule)
+    return {s: results[s] for s in systems}
 
 
 def describe_config(cfg: SimConfig) -> dict[str, Any]:

@@ -51,7 +51,7 @@ class ReqState:
                  "handle", "prediction", "md_hit", "p_hit", "p_progress", "prefill_done",
                  "prefill_start", "last_chunk_tokens", "alloc_sent", "md_member", "rld_member",
                  "mode", "sent_ids", "rld_started", "takeover_pending", "md_allocated",
-                 "kv_at_md", "rld_done", "wan_bytes")
+                 "kv_at_md", "rld_done", "wan_bytes", "p_estimate")
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
@@ -82,6 +82,7 @@ class ReqState:
         self.kv_at_md = False
         self.rld_done = False
         self.wan_bytes = 0
+        self.p_estimate = 0.0
 
 
 class DecodeSide:
@@ -117,13 +118,15 @@ class SimulatedSystem:
         self.itl = Histogram()
         self.e2e = Histogram()
         self.handoff_gap = Histogram()
+        self.ttft_by_pipeline = {p.value: Histogram() for p in Pipeline}
+        self.deferral = Histogram()       # how long deferred turns waited for their predecessor
         self.rld_depth = Series(interval_s=0.5, max_points=512)
         self.pipelines = {p.value: 0 for p in Pipeline}
         self.handoffs = {HandoffMode.ONE_SHOT.value: 0, HandoffMode.STREAMING.value: 0}
         self.counts = {"requests": 0, "finished": 0, "good": 0, "rld_tokens": 0,
                        "md_tokens": 0, "prompt_tokens": 0, "md_hit_tokens": 0,
                        "p_hit_tokens": 0, "cancelled_transfers": 0, "md_alloc_waits": 0,
-                       "rld_refused": 0}
+                       "rld_refused": 0, "overlapping_turns": 0, "deferred_turns": 0}
         self.first_arrival = None
         self.last_arrival = 0.0
         self.last_done = 0.0
@@ -132,7 +135,7 @@ class SimulatedSystem:
             self.wan = WanLine(self.loop, rate_mbit=c.line.bw_gbit * 1e3, delay_ms=owd,
                                jitter_ms=c.line.jitter_ms,
                                queue_bytes=int(c.line.queue_mb * (1 << 20)),
-                               piece_bytes=max(1, int(c.line.piece_mb * (1 << 20))),
+                               piece_bytes=c.line.piece_bytes(),
                                seed=c.seed)
             self.bw_est = BandwidthEstimator(initial_bps=c.line.bw_gbit * 1e9 / 8)
             self.rtt_est = RttEstimator(initial_s=max(c.line.rtt_ms, 0.01) / 1e3)
@@ -169,25 +172,50 @@ class SimulatedSystem:
         self.handoff_policy = HandoffPolicy(HandoffMode.parse(pol.handoff),
                                             pol.handoff_threshold, pol.handoff_chunk,
                                             pol.rld_load_limit)
-        self._p_of: dict[int, int] = {}
+        self._p_of: dict[int, tuple[int, int]] = {}   # conversation -> (P, last prompt tokens)
         self._d_of: dict[int, int] = {}
+        # The routers' load signals, kept up to date instead of scanned per arrival: estimated
+        # prefill seconds routed to each P and not done yet; requests on each MD / D.
+        self._p_backlog = [0.0] * len(self.prefill)
+        self._d_load = [0] * len(self.decode)
         self._rld_held = 0
         self.on_request_done: Any = None       # the runner's hook: a conversation may go on
 
     # -- routing ----------------------------------------------------------------------------
 
-    def _sticky(self, table: dict[int, int], conv: int, loads: list[int],
-                slack: int | None = None) -> int:
-        """The conversation's instance (its prefix is cached there) unless, with ``slack``, its
-        load exceeds the least loaded one's by more than that (cache-aware load balancing)."""
-        i = min(range(len(loads)), key=loads.__getitem__)
-        if conv >= 0 and conv in table:
-            j = table[conv]
-            if slack is None or loads[j] <= loads[i] + slack:
-                return j
+    def _route_decode(self, conv: int) -> int:
+        """MD / D: the conversation's instance (its prefix is cached there), else the one with
+        the fewest requests (a counter per instance, so one C-speed ``min``)."""
         if conv >= 0:
-            table[conv] = i
+            j = self._d_of.get(conv)
+            if j is not None:
+                return j
+        loads = self._d_load
+        i = loads.index(min(loads))
+        if conv >= 0:
+            self._d_of[conv] = i
         return i
+
+    def _route_prefill(self, req: SimRequest) -> tuple[int, float]:
+        """P: cache-aware by estimated work. The conversation's P (where its previous prompt
+        is likely cached) unless starting on the least backlogged P, without that prefix,
+        would give the first token sooner. Returns (instance, estimated prefill seconds)."""
+        backlog = self._p_backlog
+        i = backlog.index(min(backlog))
+        cost = self.prefill[i].cost
+        chunk = self.cfg.engine.chunk_tokens
+        n = req.prompt_tokens
+        fresh = cost.prefill_time(0, n, chunk)
+        conv = req.conversation
+        j, cached = self._p_of.get(conv, (-1, 0)) if conv >= 0 else (-1, 0)
+        if j >= 0:
+            cached = min(cached, n - 1)
+            warm = cost.prefill_time(cached, n, chunk)
+            if backlog[j] + warm <= backlog[i] + fresh:
+                i, fresh = j, warm
+        if conv >= 0:
+            self._p_of[conv] = (i, n)
+        return i, fresh
 
     # -- arrival ----------------------------------------------------------------------------
 
@@ -199,10 +227,10 @@ class SimulatedSystem:
         if self.first_arrival is None:
             self.first_arrival = now
         self.last_arrival = now
-        st.p = self._sticky(self._p_of, req.conversation, [p.load for p in self.prefill],
-                            slack=self.cfg.engine.p_route_slack)
-        st.md_idx = self._sticky(self._d_of, req.conversation,
-                                 [d.inst.load + len(d.waiting) for d in self.decode])
+        st.p, st.p_estimate = self._route_prefill(req)
+        st.md_idx = self._route_decode(req.conversation)
+        self._p_backlog[st.p] += st.p_estimate
+        self._d_load[st.md_idx] += 1
         if not self.cross:
             st.pipeline = Pipeline.P_MD
             self._alloc(st)
@@ -255,6 +283,8 @@ class SimulatedSystem:
         if not done:
             return
         st.prefill_done = t
+        # max(): float sums do not cancel exactly, and an idle P must not look busy
+        self._p_backlog[st.p] = max(0.0, self._p_backlog[st.p] - st.p_estimate)
         self.counts["p_hit_tokens"] += st.p_hit
         if st.pipeline is Pipeline.P_MD and self.cross:
             return                                  # the WAN transfer carries it on
@@ -504,12 +534,15 @@ class SimulatedSystem:
 
     def _first_token(self, st: ReqState, user: float) -> None:
         st.first_user = user
-        self.ttft.add(max(0.0, user - st.req.arrival_s))
+        ttft = max(0.0, user - st.req.arrival_s)
+        self.ttft.add(ttft)
+        self.ttft_by_pipeline[st.pipeline.value].add(ttft)
 
     def _finish(self, st: ReqState, last_user: float) -> None:
         if st.finished:
             return
         st.finished = True
+        self._d_load[st.md_idx] -= 1
         req = st.req
         last_user = max(last_user, st.first_user)
         tpot = (last_user - st.first_user) / (req.output_tokens - 1) if req.output_tokens > 1 \

@@ -315,6 +315,11 @@ class MooncakeWriter(KVWriter):
 
     # -- closing -------------------------------------------------------------------------------
 
+    @property
+    def released_done(self) -> bool:
+        """Closed and its staging buffer deregistered (no engine call of it is left)."""
+        return self.released is not None and self.released.done()
+
     def _release(self) -> None:
         if self._staging is not None:
             self._owner._unregister_sync(self._staging_ptr)
@@ -449,6 +454,8 @@ class MooncakeBackend(KVBackend):
         except BaseException:
             writer._thread.stop()
             raise
+        # Writers closed and released (a receiver that went away) are forgotten here.
+        self.writers = [w for w in self.writers if not w.closed or not w.released_done]
         self.writers.append(writer)
         return writer
 
@@ -469,7 +476,10 @@ class MooncakeBackend(KVBackend):
         return {"backend": NAME, "protocol": self.settings.protocol,
                 "session": f"{self.settings.local_host}:{self.rpc_port}",
                 "registered_buffers": len(self.registered),
-                "writers": len(self.writers), "sinks": len(self.sinks),
+                "writers": sum(1 for w in self.writers if not w.closed),
+                "releases_pending": sum(1 for w in self.writers
+                                        if w.closed and not w.released_done),
+                "sinks": sum(1 for s in self.sinks if not s.closed),
                 "stuck_writers": sum(1 for w in self.writers
                                      if w._stuck is not None and not w._stuck.done()),
                 "bytes_written": sum(w.bytes_written for w in self.writers),
