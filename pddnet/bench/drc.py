@@ -27,8 +27,8 @@ from pddnet.bench.agent_workload import (
 from pddnet.bench.results import summary, write_result
 from pddnet.kv.radix import HIT_INTERVAL_LABELS, hit_interval
 
-QUICK = AgentWorkloadParams(num_conversations=6, conversation_rate_per_s=6.0, think_time_s=0.3,
-                            max_turns=(4, 8), large_tool_len=(200, 800))
+QUICK = AgentWorkloadParams(num_conversations=4, conversation_rate_per_s=6.0, think_time_s=0.2,
+                            max_turns=(4, 6), large_tool_len=(200, 600))
 FULL = AgentWorkloadParams(num_conversations=40, conversation_rate_per_s=2.0, think_time_s=1.0)
 
 

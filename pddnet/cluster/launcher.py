@@ -321,6 +321,9 @@ class ClusterLauncher:
         old = self.daemons[role]
         if old.proc is not None and old.proc.poll() is None:
             raise RuntimeError(f"{role} (pid {old.pid}) is still running: stop it first")
+        for name in shm_segments_of([old.pid]):  # a killed RLD's pool: its owner is dead
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
         self._spawn(role)
         await self._wait_ready(timeout, roles={role}, health=False)
         self._write_run_file(state="up")  # the new pid

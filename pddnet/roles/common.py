@@ -364,6 +364,10 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await worker
         self.connection_lost(conn)
+        # The connection's outboxes wait for messages that can no longer go anywhere.
+        for box in [b for b in self._outboxes if b.conn is conn]:
+            self.forget_outbox(box)
+        self._router = [b for b in self._router if b.conn is not conn]
 
     async def _handle_in_order(self, conn: Connection, inbox: asyncio.Queue) -> None:
         while (msg := await inbox.get()) is not None:

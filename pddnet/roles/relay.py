@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import os
 import secrets
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,7 @@ from .common import (
 from .peer import Peer
 
 HANDS_OFF_PIPELINES = ("p_rld_md",)
+EARLY_TAKEOVER_TTL_S = 30.0   # a parked TAKEOVER whose allocation has not come by then never will
 
 
 @dataclass
@@ -121,6 +123,7 @@ class RelayDaemon(Daemon):
         # connections, and P's allocation may still wait for this engine): applied once the
         # request is allocated here, or answered with CANCEL when it is refused or ends first.
         self._early_takeovers: OrderedDict[str, Takeover] = OrderedDict()
+        self._early_since: dict[str, float] = {}   # when each was parked (monotonic)
         self._shm_name = segment_name(
             f"{instance_id_safe(config.name)}-relay-{os.getpid()}-{secrets.token_hex(3)}")
         self.kv_paths: KVPaths | None = None
@@ -192,7 +195,9 @@ class RelayDaemon(Daemon):
         assert self.sink is not None
         if self.admission is not None and rid not in self.requests:
             total = msg.num_tokens + msg.max_tokens
-            verdict = self.admission.try_admit(rid, total, -(-(total - 1) // engine.block_size))
+            # P->RLD requests stay here to the end: only their share of RLD (never flooded)
+            verdict = self.admission.try_admit(rid, total, -(-(total - 1) // engine.block_size),
+                                               singular=msg.pipeline == "p_rld")
             if not verdict.admitted:
                 self._release_early_takeover(rid, "relay refused the request")
                 self.refuse_alloc(p, rid, f"admission: {verdict.reason}")
@@ -218,6 +223,7 @@ class RelayDaemon(Daemon):
                                dtype=engine.spec.dtype, region=self.sink.descriptor,
                                step_s=round(self.step_s, 6)))
         early = self._early_takeovers.pop(rid, None)
+        self._early_since.pop(rid, None)
         if early is not None:  # MD's copy was complete before this allocation was made
             self.counters["early_takeovers"] += 1
             self._takeover(early)
@@ -267,8 +273,14 @@ class RelayDaemon(Daemon):
             # but on another connection, so MD's TAKEOVER can overtake it. Keep it until the
             # allocation is made (or refused); answering CANCEL now would turn a request RLD
             # is about to take into one RLD decodes alone.
+            now_s = time.monotonic()
             self._early_takeovers[rid] = msg
             self._early_takeovers.move_to_end(rid)
+            self._early_since[rid] = now_s
+            # An allocation comes within a round trip or never: drop the ones parked too long.
+            for old in [r for r, t in self._early_since.items()
+                        if now_s - t > EARLY_TAKEOVER_TTL_S]:
+                self._release_early_takeover(old, "relay never received the request")
             while len(self._early_takeovers) > CANCELLED_MEMORY:
                 self._release_early_takeover(next(iter(self._early_takeovers)),
                                              "relay never received the request")
@@ -289,6 +301,7 @@ class RelayDaemon(Daemon):
 
     def _release_early_takeover(self, rid: str, reason: str) -> None:
         """A parked TAKEOVER's request will not be allocated here: MD must not wait for a cut."""
+        self._early_since.pop(rid, None)
         if self._early_takeovers.pop(rid, None) is not None and self.md is not None:
             self.md.post(Cancel(request_id=rid, reason=reason))
 
@@ -440,8 +453,8 @@ class RelayDaemon(Daemon):
             # RLD is the fallback: whatever MD was to take over, RLD now finishes alone.
             for req in [r for r in self.requests.values() if r.fsm.hands_off]:
                 self._apply(req, req.fsm.peer_lost())
-            for rid in list(self._early_takeovers):
-                self._early_takeovers.pop(rid, None)
+            self._early_takeovers.clear()
+            self._early_since.clear()
 
     # -- stats ---------------------------------------------------------------------------------------
 

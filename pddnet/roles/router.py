@@ -231,7 +231,9 @@ class Router:
             peer.start()
         # handler_cancellation: a client that disconnects cancels its handler, which then sends
         # CANCEL to every daemon holding the request.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # shutdown_timeout: at close, give in-flight handlers (already failed) 2 s, not 60
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.router.host, self.config.router.port)
         await site.start()
@@ -260,8 +262,8 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        for peer in self.peers.values():
-            await peer.close()
+        # all at once: each close may wait up to a second for its peer to take the last bytes
+        await asyncio.gather(*(peer.close() for peer in self.peers.values()))
 
     def stats(self) -> dict[str, Any]:
         return {"role": "router", "instance_id": self.instance_id, "mode": self.config.mode.value,
@@ -393,6 +395,9 @@ class Router:
                 d.setdefault("pipeline_changes", []).append(record)
         elif msg.event in ("handoff_start", "handoff_end") and label:
             d["handoff_mode"] = label
+        elif msg.event == "kv_transport" and label and "=" in label:
+            path, _, backend = label.partition("=")   # e.g. "relay=mooncake"
+            d.setdefault("transport", {})[path] = backend
         if number is None:
             return
         if msg.event == "handoff_end":
@@ -663,6 +668,7 @@ class Router:
             "handoff_bytes": d.get("handoff_bytes", 0),
             "prefix_hit_tokens": d.get("prefix_hit_tokens", 0),
             "replays": state.replays,
+            "transport": d.get("transport", {}),
             "pipeline_decision": d.get("pipeline_decision"),
             "pipeline_changes": d.get("pipeline_changes", []),
             "finish_reason": asm.finish_reason,
