@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import socket
 import struct
 import time
@@ -37,6 +38,7 @@ from emulation.link import Link, LinkDirection, earliest
 
 PROXY_RESTRICTION = ("the proxy shell carries TCP byte streams, which cannot lose, duplicate or "
                      "reorder bytes; use the packet shell (pdd wan packet) for that")
+log = logging.getLogger("pddnet.wan.proxy")
 _EOF = object()           # an end-of-stream marker travelling through the model like data
 _SPIN_S = 0.0015          # wake this much early for precise departures, then spin
 _PRECISE_MAX_ITEMS = 8    # spin only on a lightly loaded link: under load it would burn a core
@@ -64,7 +66,8 @@ class _Conn:
             transport = writer.transport
             sock = transport.get_extra_info("socket")
             if rst and sock is not None:
-                with contextlib.suppress(OSError):
+                # ValueError: uvloop's pseudo-socket of a transport that closed already
+                with contextlib.suppress(OSError, ValueError):
                     # linger 0: close sends RST, as a middlebox reset would
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             transport.abort()
@@ -190,7 +193,20 @@ class _Lane:
             return
         self.in_model -= len(payload)
         if not conn.closed:
-            conn.writer_for(self.name).write(payload)
+            try:
+                conn.writer_for(self.name).write(payload)
+            except (OSError, RuntimeError):
+                # The far end vanished (uvloop raises on a closed transport): reset this
+                # connection as a middlebox would. Never let it escape: it would end the
+                # lane's driver and freeze every other connection in this direction.
+                conn.abort(rst=True)
+                self.proxy._conns.pop(conn.id, None)
+
+
+def _lane_ended(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("WAN proxy lane %s stopped: every connection in that direction is frozen",
+                  task.get_name(), exc_info=task.exception())
 
 
 def _resolve(fut: asyncio.Future) -> None:
@@ -231,6 +247,7 @@ class WanProxy:
     async def start(self) -> WanProxy:
         for lane in self._lanes.values():
             lane.task = asyncio.create_task(lane.drive(), name=f"wan-proxy-{lane.name}")
+            lane.task.add_done_callback(_lane_ended)
         self._server = await asyncio.start_server(self._accept, self.listen[0], self.listen[1],
                                                   limit=self.chunk_bytes * 2)
         self.port = self._server.sockets[0].getsockname()[1]

@@ -371,6 +371,11 @@ class Daemon:
 
     async def _handle_in_order(self, conn: Connection, inbox: asyncio.Queue) -> None:
         while (msg := await inbox.get()) is not None:
+            if conn.peer_role != "router" and getattr(msg, "request_id", None) in self.replays:
+                # About the attempt that was lost (e.g. MD cancelling its half of a request the
+                # router now replays here): the replay belongs to the router alone.
+                self.counters["stale_messages_for_replays"] += 1
+                continue
             try:
                 await self.handle(conn, msg)
             except Exception as exc:  # one bad request must not end the connection
