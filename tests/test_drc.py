@@ -209,7 +209,7 @@ async def test_pipelines_over_the_emulated_wan(tiny):
         out_b, pb = await _complete(cluster, b, 16)
         exact(b, 16, out_b)
         hit = pb["prefix_hit_tokens"]
-        assert pb["pipeline"] == "p_md" and hit >= 2600 - 16
+        assert pb["pipeline"] == "p_md" and hit >= 2600 - 16, pb["pipeline_decision"]
         assert pb["wan_kv_bytes"] == (len(b) - hit) * kvb and pb["relay_tokens"] == 0
         # Long input, two output tokens: RLD finishes it alone; the WAN copy never starts.
         c = rand_prompt(22, 2000)

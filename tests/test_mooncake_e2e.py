@@ -107,7 +107,9 @@ async def wait_for(cond, timeout: float, what: str, step: float = 0.05):
 async def test_receiver_killed_or_stopped_during_a_mooncake_write(victim, sig):
     # A long prompt prefilled in small chunks: P writes it as ~150 pieces, over a 4 Mbit/s WAN
     # to MD (seconds), so the signal lands while writes are in flight on either path.
-    body = {"prompt": [256] + [(7 * i) % 256 for i in range(1199)], "max_tokens": 40,
+    # 400 tokens: RLD is still decoding when the fault lands, so the transfer must fail
+    # (with 40, a quiet machine's RLD finished first and the WAN copy was simply cancelled)
+    body = {"prompt": [256] + [(7 * i) % 256 for i in range(1199)], "max_tokens": 400,
             "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
     want = reference(body)
     overrides = {"transport.intra_dc": "mooncake", "transport.wan": "mooncake",

@@ -86,3 +86,12 @@ def test_bad_arguments_are_refused():
         PipelinePlanner(PipelinePolicy(), 0, 1.0)
     with pytest.raises(ValueError, match="rld_step_s"):
         PipelinePlanner(PipelinePolicy(), 1, 1.0, rld_step_s=0)
+
+
+def test_queueing_on_the_wan_does_not_inflate_the_transfer_estimate():
+    p = planner(direct_budget_s=0.2)
+    p.observe_rtt(0.02)
+    for _ in range(5):
+        p.observe_rtt(0.45)   # PINGs stuck behind a bulk transfer in the bottleneck queue
+    assert p.rtt.srtt > 0.1 and p.rtt.min_s == 0.02
+    assert p.plan([1] * 40, 10).pipeline is Pipeline.P_MD   # 40 KB: 20 ms + 40 ms

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -47,9 +48,11 @@ class RttEstimator:
     """RFC 6298 style smoothed RTT and variance (seconds)."""
 
     initial_s: float = 0.03
+    window: int = 16               # samples the minimum is taken over
     srtt: float = field(default=0.0, init=False)
     rttvar: float = field(default=0.0, init=False)
     samples: int = field(default=0, init=False)
+    _recent: deque = field(default_factory=deque, init=False)
 
     def __post_init__(self) -> None:
         if self.initial_s <= 0:
@@ -66,6 +69,15 @@ class RttEstimator:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt_s)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt_s
         self.samples += 1
+        self._recent.append(rtt_s)
+        if len(self._recent) > self.window:
+            self._recent.popleft()
+
+    @property
+    def min_s(self) -> float:
+        """The smallest recent sample: the path's propagation delay without the queueing that
+        other transfers add (what a transfer estimate of rtt + bytes / goodput should use)."""
+        return min(self._recent) if self._recent else self.initial_s
 
     @property
     def timeout_s(self) -> float:

@@ -68,7 +68,8 @@ class PipelinePlanner:
         inputs = PipelineInputs(
             prompt_tokens=len(prompt_token_ids), hit_tokens=prediction.hit_tokens,
             max_tokens=max_tokens, kv_bytes_per_token=self.kv_bytes_per_token,
-            bandwidth_bps=self.bandwidth.bytes_per_s, rtt_s=self.rtt.srtt,
+            # the propagation RTT: queueing behind other transfers is not this request's
+            bandwidth_bps=self.bandwidth.bytes_per_s, rtt_s=self.rtt.min_s,
             rld_s_per_token=self.rld_step_s, rld_admits=rld_admits)
         decision = self.policy.decide(inputs)
         if force is not None:
@@ -111,5 +112,6 @@ class PipelinePlanner:
         return {"chosen": dict(self.chosen), "changed_after_answer": self.changed_after_answer,
                 "bandwidth_bps": round(self.bandwidth.bytes_per_s, 1),
                 "bandwidth_samples": self.bandwidth.samples, "srtt_s": round(self.rtt.srtt, 6),
+                "min_rtt_s": round(self.rtt.min_s, 6),
                 "rtt_samples": self.rtt.samples, "rld_step_s": round(self.rld_step_s, 6),
                 "view": self.view.counters()}

@@ -43,6 +43,7 @@ async def _run(chaos_clusters, case, fault, seed):
     result.assert_invariants(logs=cluster.run_dir / "logs")
 
 
+@pytest.mark.heavy  # CI covers the hang by tests/test_failover.py (SIGSTOP of MD -> replay)
 async def test_sigstop_md_then_sigcont(chaos_clusters):
     """MD hangs for 3 s while requests are handed over to it, then resumes."""
     fault = sigstop("main_decode", when_phase("main_decode", ("receiving_kv", "waiting_cut")),
