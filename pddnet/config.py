@@ -75,6 +75,7 @@ class RouterSection:
     max_tokens_limit: int = 4096
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 300.0
+    stall_timeout_s: float = 30.0   # no event for a request this long: replay it (once)
 
 
 @dataclass
@@ -212,6 +213,9 @@ class ClusterConfig:
                 raise ConfigError(f"{name}.prefix_cache must be one of "
                                   f"{'|'.join(PREFIX_CACHE_KINDS)}, got {sec.prefix_cache!r}")
         _check_port("router.port", self.router.port)
+        if self.router.stall_timeout_s <= 0:
+            raise ConfigError(f"router.stall_timeout_s must be > 0, got "
+                              f"{self.router.stall_timeout_s}")
         self.transport.validate()
         if self.model.threads < 1:
             raise ConfigError(f"model.threads must be >= 1, got {self.model.threads}")

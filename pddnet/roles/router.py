@@ -547,16 +547,27 @@ class Router:
                         ignore_eos=req.ignore_eos, handoff_mode=req.handoff_mode)
 
     async def _next_change(self, state: RequestState, deadline: float) -> bool:
-        """Wait until something happened to the request; False at the deadline."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        try:
-            await asyncio.wait_for(state.changed.wait(), remaining)
-        except asyncio.TimeoutError:
-            return False
-        state.changed.clear()
-        return True
+        """Wait until something happened to the request; False at the deadline. A request no
+        daemon has said anything about for `router.stall_timeout_s` is replayed by token ids
+        (once): whatever swallowed it, a live decode tier carries it on."""
+        stall = self.config.router.stall_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(state.changed.wait(), min(remaining, stall))
+            except asyncio.TimeoutError:
+                if time.monotonic() < deadline and not state.assembler.finished \
+                        and state.replays == 0 and state.assembler.finish_reason is None:
+                    self.counters["stalls"] = self.counters.get("stalls", 0) + 1
+                    why = f"no progress for {stall:g} s (last carried by {state.owner})"
+                    # elsewhere than the silent carrier if possible, else wherever is live
+                    if not await self._replay(state, state.owner, why):
+                        await self._replay(state, "none", why)
+                continue
+            state.changed.clear()
+            return True
 
     async def _wait_done_notice(self, state: RequestState) -> None:
         """The stream is complete; give REQUEST_DONE and the last TIMELINEs a moment."""
