@@ -50,7 +50,9 @@ class ClusterPool:
             await self.drop(key)
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
+# Package scope: the clusters go when the chaos suite ends, so that no idle cluster (its WAN
+# shell, heartbeats) shares the cores with the tests that measure the emulated link afterwards.
+@pytest_asyncio.fixture(scope="package", loop_scope="session")
 async def chaos_clusters():
     pool = ClusterPool()
     try:
