@@ -107,9 +107,12 @@ async def wait_for(cond, timeout: float, what: str, step: float = 0.05):
 async def test_receiver_killed_or_stopped_during_a_mooncake_write(victim, sig):
     # A long prompt prefilled in small chunks: P writes it as ~150 pieces, over a 4 Mbit/s WAN
     # to MD (seconds), so the signal lands while writes are in flight on either path.
-    # 400 tokens: RLD is still decoding when the fault lands, so the transfer must fail
-    # (with 40, a quiet machine's RLD finished first and the WAN copy was simply cancelled)
-    body = {"prompt": [256] + [(7 * i) % 256 for i in range(1199)], "max_tokens": 400,
+    # When MD is the victim RLD must still be decoding when pddnet's deadline fires, or P simply
+    # cancels the WAN copy and there is no transfer error to see: 2400 tokens keep a fast CI
+    # machine's RLD (~2 ms/token) busy for ~5 s, past DEADLINE_S + SLACK_S (400 were not enough
+    # there). When RLD is the victim the fault lands on its first write, so 400 suffice.
+    max_tokens = 2400 if victim == "main_decode" else 400
+    body = {"prompt": [256] + [(7 * i) % 256 for i in range(1199)], "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
     want = reference(body)
     overrides = {"transport.intra_dc": "mooncake", "transport.wan": "mooncake",
