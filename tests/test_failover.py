@@ -18,6 +18,7 @@ from pddnet.engine.engine import Engine
 from pddnet.engine.sampling import SamplingParams
 from pddnet.model.loader import load_model
 from pddnet.protocol import Submit
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,6 +89,14 @@ async def _stream(url: str, body: dict, seen: list[int]) -> dict:
     return {}
 
 
+async def after_the_cut(cluster, seen: list[int]) -> None:
+    """Until MD has taken the request over and is the only producer (tokens past the cut)."""
+    async def cut() -> bool:
+        return (await cluster.stats("main_decode"))["requests"]["handoffs"] >= 1 \
+            and len(seen) > 20
+    await wait_for(cut, 20, "the handoff to MD")
+
+
 @pytest.mark.timeout(240)
 async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
     from pddnet.cluster.local import LocalCluster
@@ -102,12 +111,7 @@ async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1500, "temperature": 0,
                 "ignore_eos": True}
         task = asyncio.create_task(_stream(cluster.url, body, seen))
-        for _ in range(400):   # wait for the cut: MD is now the only producer
-            if (await cluster.stats("main_decode"))["requests"]["handoffs"] >= 1 and len(seen) > 20:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("no handoff happened")
+        await after_the_cut(cluster, seen)
         md_pid = cluster.daemons["main_decode"].pid
         os.kill(md_pid, signal.SIGKILL)
         pdd = await asyncio.wait_for(task, 120)
@@ -118,14 +122,10 @@ async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
         assert replay and "main_decode lost" in replay[0]["detail"]
         # MD comes back (same port) and the others redial it: pdd requests work again.
         await cluster.restart("main_decode")
-        for _ in range(100):
-            ups = [(await cluster.stats(r))["peers"]["main-decode control"]["up"]
-                   for r in ("prefill", "relay")]
-            if all(ups):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("P and RLD did not redial the restarted MD")
+        async def redialled() -> bool:
+            return all([(await cluster.stats(r))["peers"]["main-decode control"]["up"]
+                        for r in ("prefill", "relay")])
+        await wait_for(redialled, 10, "P and RLD to redial the restarted MD", step=0.1)
         seen2: list[int] = []
         prompt2 = prompt_of(4, 60)
         pdd2 = await _stream(cluster.url, {**body, "prompt": prompt2, "max_tokens": 200}, seen2)
@@ -147,10 +147,7 @@ async def test_a_hung_md_is_detected_and_its_request_replayed(tiny):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1200, "temperature": 0,
                 "ignore_eos": True}
         task = asyncio.create_task(_stream(cluster.url, body, seen))
-        for _ in range(400):
-            if (await cluster.stats("main_decode"))["requests"]["handoffs"] >= 1 and len(seen) > 20:
-                break
-            await asyncio.sleep(0.05)
+        await after_the_cut(cluster, seen)
         md_pid = cluster.daemons["main_decode"].pid
         os.kill(md_pid, signal.SIGSTOP)           # hung, its sockets still open
         try:

@@ -23,6 +23,7 @@ from pddnet.roles.relay import RelayDaemon
 from pddnet.transport.backends import mooncake_import_error
 from pddnet.transport.kv_backend import BackendUnavailable
 from tests.conftest import root_netns_missing_reason
+from tests.polling import wait_for
 from tests.test_cluster_e2e import post, reference
 from tests.test_roles_inprocess import all_free, make_config, run_workload, running, workload
 
@@ -84,16 +85,6 @@ async def test_mooncake_over_the_proxy_shell_is_refused_at_start(tmp_path):
 # -- faults in the testbed ----------------------------------------------------------------------
 
 PATH = {"main_decode": "wan", "relay": "intra_dc"}
-
-
-async def wait_for(cond, timeout: float, what: str, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(step)
 
 
 @pytest.mark.root

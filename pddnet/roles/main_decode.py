@@ -143,7 +143,6 @@ class MainDecodeDaemon(Daemon):
         self.kv_paths: KVPaths | None = None
         self.sink: KVSink | None = None
         self._sink_ready = asyncio.Event()
-        self._fenced: dict[str, KVReservation] = {}   # see the module docstring
 
     async def start(self) -> None:
         # The backend first: one that cannot run here fails the start, not the first request.
@@ -236,11 +235,11 @@ class MainDecodeDaemon(Daemon):
         elif isinstance(msg, KvAllocRequest):
             await self._alloc(self._p_boxes[conn], msg)
         elif isinstance(msg, KvDone):
-            if not self._unfence(msg.request_id):
+            if not self.unfence(msg.request_id):
                 self._kv_done(msg)
         elif isinstance(msg, Handoff):
             self._handoff(msg)
-        elif isinstance(msg, KvAbort) and self._unfence(msg.request_id):
+        elif isinstance(msg, KvAbort) and self.unfence(msg.request_id):
             pass  # P's confirmation that no write of a dropped request is in flight
         elif isinstance(msg, (Cancel, KvAbort)):
             req = self.requests.get(msg.request_id)
@@ -545,15 +544,13 @@ class MainDecodeDaemon(Daemon):
         del self.requests[req.rid]
         self.ended.add(req.rid)
         # P may still be writing into the reservation (one-sided, before KV_DONE / KV_ABORT).
-        sink = self.sink
-        fence = (req.done is None and not req.writes_stopped and sink is not None
-                 and sink.one_sided and sink.backend != "shm")
+        fence = self.writes_may_land(self.sink, req.done is not None or req.writes_stopped)
 
         async def stop() -> None:
             if req.reservation is not None:
                 res, req.reservation = req.reservation, None
                 if fence:
-                    self._fence(req.rid, res)
+                    self.fence(req.rid, res)
                 else:
                     await self.compute(self.engine.free_reservation, res)
             if req.started:
@@ -565,28 +562,6 @@ class MainDecodeDaemon(Daemon):
                 await self.compute(self._drain_cache_events)
                 self._post_cache_events()
         req.serial.submit(stop)
-
-    def _fence(self, rid: str, res: KVReservation) -> None:
-        self._fenced[rid] = res
-        self.counters["fenced"] += 1
-        t = self.config.transport
-        bound = t.deadline_s + (t.abort_grace_s if t.abort_grace_s is not None
-                                else 2 * t.progress_timeout_s + 1)
-        self.spawn(self._unfence_later(rid, res, bound), f"fence {rid}")
-
-    async def _unfence_later(self, rid: str, res: KVReservation, after_s: float) -> None:
-        await asyncio.sleep(after_s)  # P never confirmed (lost): its writes have ended by now
-        if self._fenced.get(rid) is res:
-            self.counters["fence_expired"] += 1
-            self._unfence(rid)
-
-    def _unfence(self, rid: str) -> bool:
-        """Free a fenced reservation (P's KV_ABORT / KV_DONE came). False if none is fenced."""
-        res = self._fenced.pop(rid, None)
-        if res is None:
-            return False
-        self.spawn(self.compute(self.engine.free_reservation, res), f"unfence {rid}")
-        return True
 
     def connection_lost(self, conn: Connection) -> None:
         box = self._p_boxes.pop(conn, None)
@@ -618,7 +593,7 @@ class MainDecodeDaemon(Daemon):
         if self.kv_paths is not None:
             out["transport"] = {"wan": {**self.kv_paths.stats()["wan"],
                                         "descriptor": self.sink.descriptor if self.sink else None,
-                                        "fenced_reservations": len(self._fenced)}}
+                                        "fenced_reservations": len(self.fenced)}}
         radix = self.radix
         if radix is not None:
             out["drc"] = {"lookups": radix.num_requests, "lookup_tokens": radix.tokens_asked,

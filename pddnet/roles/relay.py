@@ -129,8 +129,6 @@ class RelayDaemon(Daemon):
         self.kv_paths: KVPaths | None = None
         self.sink: KVSink | None = None
         self._sink_ready = asyncio.Event()
-        # Reservations of dropped requests whose one-sided writes may still land (see above)
-        self._fenced: dict[str, KVReservation] = {}
 
     def kv_shm_name(self) -> str | None:
         return self._shm_name if self.config.transport.intra_dc == "shm" else None
@@ -164,11 +162,11 @@ class RelayDaemon(Daemon):
         elif isinstance(msg, KvAllocRequest):
             await self._alloc(self._p_outbox(conn), msg)
         elif isinstance(msg, KvDone):
-            if not self._unfence(msg.request_id):
+            if not self.unfence(msg.request_id):
                 self._kv_done(msg)
         elif isinstance(msg, Takeover):
             self._takeover(msg)
-        elif isinstance(msg, KvAbort) and self._unfence(msg.request_id):
+        elif isinstance(msg, KvAbort) and self.unfence(msg.request_id):
             pass  # P's confirmation that no write of a dropped request is in flight
         elif isinstance(msg, (Cancel, KvAbort)):
             req = self.requests.get(msg.request_id)
@@ -390,50 +388,19 @@ class RelayDaemon(Daemon):
             return
         self._forget(req)
 
-        fence = self._needs_fence(req)
+        fence = req.reservation is not None and self.writes_may_land(self.sink, req.kv_done)
 
         async def stop() -> None:
             if req.reservation is not None:
                 res, req.reservation = req.reservation, None
                 if fence:
-                    self._fence(req.rid, res)
+                    self.fence(req.rid, res)
                 else:
                     await self.compute(self.engine.free_reservation, res)
             if req.decoding:
                 req.decoding = False
                 await self.compute(self.engine.abort, req.rid)
         req.serial.submit(stop)
-
-    # -- fencing dropped one-sided writes -------------------------------------------------------
-
-    def _needs_fence(self, req: _Request) -> bool:
-        """P may still be writing into this reservation (one-sided, no KV_DONE yet). shm writes
-        are local copies bounded by P's engine thread, as before; mooncake's cross the network."""
-        sink = self.sink
-        return (req.reservation is not None and not req.kv_done and sink is not None
-                and sink.one_sided and sink.backend != "shm")
-
-    def _fence(self, rid: str, res: KVReservation) -> None:
-        self._fenced[rid] = res
-        self.counters["fenced"] += 1
-        t = self.config.transport
-        bound = t.deadline_s + (t.abort_grace_s if t.abort_grace_s is not None
-                                else 2 * t.progress_timeout_s + 1)
-        self.spawn(self._unfence_later(rid, res, bound), f"fence {rid}")
-
-    async def _unfence_later(self, rid: str, res: KVReservation, after_s: float) -> None:
-        await asyncio.sleep(after_s)  # P never confirmed (lost): its writes have ended by now
-        if self._fenced.get(rid) is res:
-            self.counters["fence_expired"] += 1
-            self._unfence(rid)
-
-    def _unfence(self, rid: str) -> bool:
-        """Free a fenced reservation (P's KV_ABORT / KV_DONE came). False if none is fenced."""
-        res = self._fenced.pop(rid, None)
-        if res is None:
-            return False
-        self.spawn(self.compute(self.engine.free_reservation, res), f"unfence {rid}")
-        return True
 
     def _forget(self, req: _Request) -> None:
         if self.requests.get(req.rid) is req:
@@ -475,7 +442,7 @@ class RelayDaemon(Daemon):
         out["shm_region"] = self.kv_shm_name()
         out["transport"] = {"intra_dc": {**self.kv_paths.stats()["intra_dc"],
                                          "descriptor": self.sink.descriptor if self.sink else None,
-                                         "fenced_reservations": len(self._fenced)}} \
+                                         "fenced_reservations": len(self.fenced)}} \
             if self.kv_paths is not None else {}
         out["load"] = self.load() if self.engine is not None else 0.0
         out["active_phases"] = self.active_phases(self.requests)

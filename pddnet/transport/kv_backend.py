@@ -34,7 +34,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pddnet.kv.pool import KVSpec, dtype_name
 
@@ -397,6 +397,44 @@ class KVBackend(ABC):
 
     def stats(self) -> dict[str, Any]:
         return {"backend": self.name}
+
+
+W = TypeVar("W", bound=KVWriter)
+
+
+class TrackingBackend(KVBackend):
+    """A backend whose sinks and writers need no engine of their own (shm, tcp): it keeps what
+    it made to close it and to count it. Subclasses set `sink_class` and implement `open`,
+    passing each new writer through `track`."""
+
+    sink_class: type[KVSink]
+
+    def __init__(self, *, deadline_s: float = 10.0, abort_grace_s: float = 2.0) -> None:
+        self.deadline_s = deadline_s
+        self.abort_grace_s = abort_grace_s
+        self.sinks: list[KVSink] = []
+        self.writers: list[KVWriter] = []
+
+    async def register(self, pool: KVPool) -> KVSink:
+        sink = self.sink_class(pool)
+        self.sinks.append(sink)
+        return sink
+
+    def track(self, writer: W) -> W:
+        self.writers.append(writer)
+        return writer
+
+    async def close(self) -> None:
+        for w in self.writers:
+            await w.close()
+        for s in self.sinks:
+            await s.close()
+        self.writers.clear()
+        self.sinks.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": self.name, "writers": len(self.writers), "sinks": len(self.sinks),
+                "bytes_written": sum(w.bytes_written for w in self.writers)}
 
 
 def check_descriptor_for(backend: str, descriptor: str) -> None:

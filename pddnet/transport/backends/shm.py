@@ -9,17 +9,17 @@ sender's event loop keeps answering while large prefills land.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pddnet.kv.shm import SharedMemoryError
 from pddnet.transport.kv_backend import (
     BadRegion,
-    KVBackend,
     KVSink,
     KVTransfer,
     KVWriter,
     PeerUnreachable,
     RegionLayout,
+    TrackingBackend,
     TransferAborted,
     TransferTimeout,
     WriteRefused,
@@ -97,19 +97,9 @@ class ShmWriter(KVWriter):
         self._thread.stop()
 
 
-class ShmBackend(KVBackend):
+class ShmBackend(TrackingBackend):
     name = NAME
-
-    def __init__(self, *, deadline_s: float = 10.0, abort_grace_s: float = 2.0) -> None:
-        self.deadline_s = deadline_s
-        self.abort_grace_s = abort_grace_s
-        self.sinks: list[ShmSink] = []
-        self.writers: list[ShmWriter] = []
-
-    async def register(self, pool: KVPool) -> ShmSink:
-        sink = ShmSink(pool)
-        self.sinks.append(sink)
-        return sink
+    sink_class = ShmSink
 
     async def open(self, descriptor: str) -> ShmWriter:
         check_descriptor_for(NAME, descriptor)
@@ -121,18 +111,5 @@ class ShmBackend(KVBackend):
                                   backend=NAME, peer=descriptor) from None
         except ValueError as exc:
             raise BadRegion(str(exc), backend=NAME, peer=descriptor) from None
-        writer = ShmWriter(region, self.deadline_s, self.abort_grace_s)
-        self.writers.append(writer)
-        return writer
+        return self.track(ShmWriter(region, self.deadline_s, self.abort_grace_s))
 
-    async def close(self) -> None:
-        for w in self.writers:
-            await w.close()
-        for s in self.sinks:
-            await s.close()
-        self.writers.clear()
-        self.sinks.clear()
-
-    def stats(self) -> dict[str, Any]:
-        return {"backend": NAME, "writers": len(self.writers), "sinks": len(self.sinks),
-                "bytes_written": sum(w.bytes_written for w in self.writers)}

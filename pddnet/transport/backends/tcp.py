@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import TYPE_CHECKING, Any
 
 from pddnet.kv.transfer import ExportedKV, KVExportMeta, import_kv
 from pddnet.protocol import KvChunk, payload_from_tensor
 from pddnet.transport.kv_backend import (
-    KVBackend,
     KVSink,
     KVTransfer,
     KVWriter,
     PeerUnreachable,
+    TrackingBackend,
     TransferAborted,
     TransferError,
     TransferTimeout,
@@ -30,9 +29,6 @@ from pddnet.transport.kv_backend import (
     check_descriptor_for,
 )
 from pddnet.transport.stripes import LaneFailed, StripedSender
-
-if TYPE_CHECKING:  # pragma: no cover
-    from pddnet.kv.pool import KVPool
 
 NAME = "tcp"
 # A chunk slice bigger than this is made contiguous in a worker thread, not on the event loop.
@@ -133,42 +129,23 @@ class TcpWriter(KVWriter):
         self.closed = True
 
 
-class TcpBackend(KVBackend):
+class TcpBackend(TrackingBackend):
     """Receivers need nothing; senders give it their bulk lanes (`stripes`)."""
 
     name = NAME
+    sink_class = TcpSink
 
     def __init__(self, stripes: StripedSender | None = None, *, chunk_tokens: int = 64,
                  deadline_s: float = 10.0, abort_grace_s: float = 2.0) -> None:
+        super().__init__(deadline_s=deadline_s, abort_grace_s=abort_grace_s)
         self.stripes = stripes
         self.chunk_tokens = chunk_tokens
-        self.deadline_s = deadline_s
-        self.abort_grace_s = abort_grace_s
-        self.sinks: list[TcpSink] = []
-        self.writers: list[TcpWriter] = []
-
-    async def register(self, pool: KVPool) -> TcpSink:
-        sink = TcpSink(pool)
-        self.sinks.append(sink)
-        return sink
 
     async def open(self, descriptor: str) -> TcpWriter:
         check_descriptor_for(NAME, descriptor)
         if self.stripes is None:
             raise TransferError("this tcp backend has no bulk lanes: a sender constructs "
                                 "TcpBackend(stripes=StripedSender(lanes))", backend=NAME)
-        writer = TcpWriter(self.stripes, self.chunk_tokens, self.deadline_s, self.abort_grace_s)
-        self.writers.append(writer)
-        return writer
+        return self.track(TcpWriter(self.stripes, self.chunk_tokens, self.deadline_s,
+                                    self.abort_grace_s))
 
-    async def close(self) -> None:
-        for w in self.writers:
-            await w.close()
-        for s in self.sinks:
-            await s.close()
-        self.writers.clear()
-        self.sinks.clear()
-
-    def stats(self) -> dict[str, Any]:
-        return {"backend": NAME, "writers": len(self.writers), "sinks": len(self.sinks),
-                "bytes_written": sum(w.bytes_written for w in self.writers)}
