@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -30,8 +31,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from emulation import netns
+from emulation import lifetime, netns
 from emulation.faults import ProcessFaults
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = "/run/pddnet"
 SHELLS = ("packet", "kernel", "auto")
@@ -173,7 +176,8 @@ def teardown(name: str, directory: str | None = None) -> dict[str, Any]:
     recorded = [p for p in state.get("processes", []) if _same_process(p)]
     _end_processes([p["pid"] for p in recorded])
     report["processes"] += [p["pid"] for p in recorded]
-    for ns in (ns_a, ns_b):
+    adopted = [ns for ns in state.get("adopted_namespaces", []) if isinstance(ns, str)]
+    for ns in (*adopted, ns_a, ns_b):
         if netns.exists(ns):
             report["processes"] += netns.kill_all_in(ns)
     emulators = set(find_emulators(name))
@@ -182,7 +186,7 @@ def teardown(name: str, directory: str | None = None) -> dict[str, Any]:
         emulators.add(emulator["pid"])
     _end_processes(sorted(emulators), grace_s=2.0)
     report["emulators"] = sorted(emulators)
-    for ns in (ns_a, ns_b):
+    for ns in (*adopted, ns_a, ns_b):
         if netns.delete(ns):
             report["namespaces"].append(ns)
     for path in (state_path(name, directory), _ready_path(name, directory),
@@ -194,6 +198,20 @@ def teardown(name: str, directory: str | None = None) -> dict[str, Any]:
         except FileNotFoundError:
             pass
     return report
+
+
+def reap_orphans(directory: str | None = None) -> list[str]:
+    """Tear down testbeds whose owner (a process that held one for its own life, e.g. a
+    LocalCluster) died without closing them -- killed by a signal, so its cleanup never ran.
+    Testbeds without an owner (`pdd testbed up`) are left alone. Returns the names reaped."""
+    reaped = []
+    for name in list_testbeds(directory):
+        state = load_state(name, directory) or {}
+        owner = state.get("owned_by")
+        if isinstance(owner, dict) and not _same_process(owner):
+            teardown(name, directory)
+            reaped.append(name)
+    return reaped
 
 
 def _ready_path(name: str, directory: str) -> str:
@@ -293,7 +311,7 @@ class Testbed:
                  bw_mbit: float | None = None, loss_pct: float = 0.0, mtu: int = 9000,
                  shell: str = "auto", addr_a: str = "10.77.0.1", addr_b: str = "10.77.0.2",
                  jitter_dist: str | None = None, queue_bytes: int | None = None, seed: int = 0,
-                 state_dir: str | None = None) -> None:
+                 state_dir: str | None = None, die_with_parent: bool = False) -> None:
         from emulation.tun import TunConfig
 
         self.name = check_testbed_name(name)
@@ -309,6 +327,9 @@ class Testbed:
         self.shell: str | None = None
         self.addr_a, self.addr_b, self.mtu, self.seed = addr_a, addr_b, mtu, seed
         self.state_dir = state_dir or current_state_dir()
+        # An owner that holds the testbed only for its own life (a LocalCluster) wants the
+        # emulator gone with it even when it is killed; `pdd testbed up` wants it to stay.
+        self.die_with_parent = die_with_parent
         self.control_url: str | None = None
         self.emulator_pid: int | None = None
         self._emulator: subprocess.Popen | None = None
@@ -331,6 +352,8 @@ class Testbed:
         reason = unavailable_reason()
         if reason is not None:
             raise PermissionError(f"cannot start testbed {self.name!r}: {reason}")
+        for name in await asyncio.to_thread(reap_orphans, self.state_dir):
+            log.warning("removed testbed %s: its owner died without closing it", name)
         self._refuse_if_present()
         try:
             await asyncio.to_thread(self._start_sync)
@@ -354,8 +377,11 @@ class Testbed:
             "namespaces": {"a": self.ns_a, "b": self.ns_b},
             "addr_a": self.addr_a, "addr_b": self.addr_b, "mtu": self.mtu,
             "effects": self.effects, "created_at": time.time(), "creator_pid": os.getpid(),
-            "control_url": None, "emulator": None, "processes": [],
+            "control_url": None, "emulator": None, "processes": [], "adopted_namespaces": [],
         }
+        if self.die_with_parent:  # see reap_orphans
+            self._state["owned_by"] = {"pid": os.getpid(),
+                                       "start_ticks": proc_start_ticks(os.getpid())}
         # Written before anything is made, so a crash at any point leaves a record for `down`.
         _save_state(self._state, self.state_dir)
         netns.create(self.ns_a)
@@ -380,8 +406,10 @@ class Testbed:
         with open(_log_path(self.name, self.state_dir), "ab") as log:
             # Its own session: `pdd testbed up` returns while the emulator keeps running, and a
             # Ctrl-C in the terminal that started it does not reach it.
-            self._emulator = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                              stderr=log, env=env, start_new_session=True)
+            self._emulator = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                start_new_session=True,
+                preexec_fn=lifetime.die_with_parent() if self.die_with_parent else None)
         self.emulator_pid = self._emulator.pid
         self._state["emulator"] = {"pid": self._emulator.pid, "argv": argv,
                                    "start_ticks": proc_start_ticks(self._emulator.pid)}
@@ -429,6 +457,12 @@ class Testbed:
 
     def addr(self, side: str) -> str:
         return self.addr_a if self.ns(side) == self.ns_a else self.addr_b
+
+    def adopt_namespace(self, ns: str) -> None:
+        """Record a namespace its owner made around the testbed (e.g. one per host), so that
+        teardown removes it with the testbed's own, even after the owner died."""
+        self._state.setdefault("adopted_namespaces", []).append(ns)
+        _save_state(self._state, self.state_dir)
 
     def exec(self, side: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
         """Start argv inside namespace `side` ('a' or 'b'); the process is tracked by PID and

@@ -102,3 +102,61 @@ def test_bad_profiles_are_rejected_with_the_field_named(tmp_path):
     p.write_text(CHIP)
     with pytest.raises(ValueError, match="no bf16 rate"):
         load_chip(p).flops_per_s("bf16")
+
+
+def _host_terms(tmp_path, per_seq_us: float, per_ctx_ns: float) -> InstanceCost:
+    # the [tflops] table must stay last: the new keys go before it
+    head, table = CHIP.split("[tflops]")
+    text = head + f"step_per_seq_us = {per_seq_us}\nstep_per_ctx_token_ns = {per_ctx_ns}\n" \
+        + "[tflops]" + table
+    (tmp_path / "host.toml").write_text(text)
+    (tmp_path / "model.toml").write_text(MODEL)
+    return InstanceCost(load_chip(tmp_path / "host.toml"), load_model(tmp_path / "model.toml"))
+
+
+def test_per_sequence_and_per_context_terms_add_to_a_decode_step(tmp_path):
+    c = _host_terms(tmp_path, per_seq_us=500.0, per_ctx_ns=200.0)
+    kvpt = 256
+    roofline = (2e9 + (8000 + 8) * kvpt) / 100e9          # as in the memory-bound case above
+    # 8 sequences x 0.5 ms, and 8000 cached + 8 new context tokens x 200 ns
+    want = roofline + 8 * 500e-6 + (8000 + 8) * 200e-9
+    assert c.decode_step_time(8, 8000) == pytest.approx(want)
+    # the batch grows: each extra sequence costs its 0.5 ms plus its context and KV bytes
+    one = c.decode_step_time(1, 1000)
+    assert one == pytest.approx((2e9 + 1001 * kvpt) / 100e9 + 500e-6 + 1001 * 200e-9)
+
+
+def test_host_terms_in_prefill_and_extend(tmp_path):
+    c = _host_terms(tmp_path, per_seq_us=500.0, per_ctx_ns=200.0)
+    flops = 2e9 * 1000 + 4 * 2 * 4 * 16 * 1000 * 1001 / 2
+    # a prefill chunk is one sequence; it attends its 1000 new tokens
+    assert c.prefill_chunk_time(0, 1000) == pytest.approx(flops / 1e12 + 500e-6 + 1000 * 200e-9)
+    # a chunk on a cached prefix [0, 3000) also gathers the 3000 cached positions
+    pairs = (4000 * 4001 - 3000 * 3001) / 2
+    want = (2e9 * 1000 + 4 * 2 * 4 * 16 * pairs) / 1e12 + 500e-6 + 4000 * 200e-9
+    assert c.prefill_chunk_time(3000, 4000) == pytest.approx(want)
+    # an extend batched into a decode step adds one sequence (default) or the ones given
+    ext = c.decode_step_time(8, 8000, extend_tokens=64, extend_pairs=64 * 8000)
+    compute = (2e9 * 72 + 4 * 2 * 4 * 16 * (8000 + 64 * 8000)) / 1e12
+    assert ext == pytest.approx(compute + 9 * 500e-6 + (8000 + 72) * 200e-9)
+    two = c.decode_step_time(8, 8000, extend_tokens=64, extend_pairs=64 * 8000, extend_seqs=2)
+    assert two - ext == pytest.approx(500e-6)
+
+
+def test_host_terms_default_to_zero_so_gpu_profiles_are_pure_roofline(unit):
+    assert unit.chip.step_per_seq_us == 0 and unit.chip.step_per_ctx_token_ns == 0
+    for name in list_profiles("chips"):
+        chip = load_chip(name)
+        if name != "cpu-local":
+            assert chip.step_per_seq_us == 0 and chip.step_per_ctx_token_ns == 0, name
+
+
+def test_negative_host_terms_are_rejected(tmp_path):
+    head, table = CHIP.split("[tflops]")
+    p = tmp_path / "bad.toml"
+    p.write_text(head + "step_per_seq_us = -1\n[tflops]" + table)
+    with pytest.raises(ValueError, match="step_per_seq_us"):
+        load_chip(p)
+    p.write_text(head + 'step_per_ctx_token_ns = "fast"\n[tflops]' + table)
+    with pytest.raises(ValueError, match="step_per_ctx_token_ns"):
+        load_chip(p)

@@ -132,6 +132,50 @@ async def test_an_exception_inside_the_block_still_removes_everything(state_dir)
     assert machine(name, state_dir) == before
 
 
+OWNER = """
+import asyncio, sys
+from emulation import netns
+from emulation.testbed import Testbed
+
+async def main():
+    tb = Testbed(name=sys.argv[1], shell="packet", die_with_parent=True)
+    await tb.start()
+    tb.adopt_namespace(sys.argv[1] + "-h")   # as a LocalCluster's one-namespace-per-host does
+    netns.create(sys.argv[1] + "-h")
+    print(tb.emulator_pid, flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+@root
+async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_the_rest(
+        state_dir):
+    name = "pddtt-owner"
+    before = machine(name, state_dir)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, name], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        emulator = int(owner.stdout.readline())
+        owner.kill()                 # no cleanup runs in the owner
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while find_emulators(name):  # PR_SET_PDEATHSIG: the emulator goes with its owner
+            assert time.monotonic() < deadline, f"emulator {emulator} outlived its owner"
+            await asyncio.sleep(0.05)
+        assert netns.exists(f"{name}-h") and load_state(name, state_dir) is not None
+        # Starting any testbed removes the dead owner's: namespaces, adopted ones, state.
+        async with Testbed(name="pddtt-next", shell="packet", die_with_parent=True):
+            assert not netns.exists(f"{name}-a") and not netns.exists(f"{name}-h")
+            assert load_state(name, state_dir) is None
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        teardown(name, state_dir)
+    assert machine(name, state_dir) == before
+
+
 async def median_rtt(tb: Testbed, port: int) -> float:
     server = tb.socket("b", socket.AF_INET, socket.SOCK_DGRAM)
     server.bind((tb.addr_b, port))

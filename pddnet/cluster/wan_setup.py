@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from emulation.lifetime import die_with_parent
 from pddnet.config import ClusterConfig, ClusterMode
 
 WAN_CHOICES = ("auto", "kernel", "packet", "proxy")
@@ -112,31 +113,11 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-_prctl: list[Any] = []
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher dies, so a crashed `pdd up` leaves
-    no orphans (PR_SET_PDEATHSIG survives exec). Only calls what the parent resolved: nothing
-    that could take a lock runs between fork and exec."""
-    if _prctl:
-        _prctl[0](1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-
-
-def _resolve_prctl() -> None:
-    if not _prctl:
-        import ctypes
-
-        with contextlib.suppress(Exception):
-            _prctl.append(ctypes.CDLL(None, use_errno=True).prctl)
-
-
 def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """Start a daemon: its own session (a terminal's Ctrl-C reaches only the launcher, which
     stops everything in order) and tied to the launcher's life."""
-    _resolve_prctl()
     return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=_die_with_parent, **kwargs)
+                            preexec_fn=die_with_parent(), **kwargs)
 
 
 class Placement:
@@ -243,7 +224,7 @@ class TestbedPlacement(Placement):
         wan = config.wan
         self.testbed = Testbed(name=self.testbed_name, rtt_ms=wan.rtt_ms, jitter_ms=wan.jitter_ms,
                                bw_mbit=wan.bw_mbit, loss_pct=wan.loss_pct, shell=choice.shell,
-                               seed=config.model.seed)
+                               seed=config.model.seed, die_with_parent=True)
         self.forwarder: NamespaceForwarder | None = None
 
     def prepare(self, config: ClusterConfig) -> None:
@@ -263,9 +244,8 @@ class TestbedPlacement(Placement):
 
     def spawn(self, role: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         side = "b" if role == "main_decode" else "a"
-        _resolve_prctl()
         return self.testbed.exec(side, list(argv), stdin=subprocess.DEVNULL,
-                                 start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+                                 start_new_session=True, preexec_fn=die_with_parent(), **kwargs)
 
     async def expose_router(self, port: int) -> str:
         self.forwarder = NamespaceForwarder(self.testbed.ns_a, LOOPBACK, port)
@@ -324,6 +304,7 @@ class HostsPlacement(TestbedPlacement):
         for role, host_ns in self.hosts.items():
             side, _, short = self.HOSTS[role]
             gw = tb.ns(side)
+            tb.adopt_namespace(host_ns)   # recorded first: a crash from here on leaves no trace
             netns.create(host_ns)
             self._made.append(host_ns)
             _ip("link", "add", "name", "eth0", "netns", host_ns, "type", "veth", "peer", "name",

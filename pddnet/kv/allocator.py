@@ -62,6 +62,12 @@ class BlockAllocator:
 
     def incref(self, block_ids: Iterable[int]) -> None:
         ids = list(block_ids)
+        rc = self._refcount
+        if self.plain_ids(ids) and (not ids or min(map(rc.__getitem__, ids)) > 0):
+            # fast path (a prefix cache's whole path at once): ids checked at C speed
+            for b in ids:
+                rc[b] += 1
+            return
         for b in ids:
             self._check(b)
             if self._refcount[b] == 0:
@@ -72,6 +78,18 @@ class BlockAllocator:
     def decref(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference per id; returns the ids that became free (count reached 0)."""
         ids = list(block_ids)
+        rc = self._refcount
+        if (self.plain_ids(ids) and len(set(ids)) == len(ids)
+                and (not ids or min(map(rc.__getitem__, ids)) > 0)):
+            # fast path: distinct valid ids that are all referenced (what a request releases)
+            freed = []
+            free = self._free
+            for b in ids:
+                rc[b] -= 1
+                if not rc[b]:
+                    free.append(b)
+                    freed.append(b)
+            return freed
         pending: dict[int, int] = {}
         for b in ids:
             self._check(b)
@@ -85,6 +103,19 @@ class BlockAllocator:
                 self._free.append(b)
                 freed.append(b)
         return freed
+
+    def refcounts(self) -> list[int]:
+        """The reference counts by block id, READ ONLY: the fast path for a cache that walks
+        blocks it owns (ids known valid) block by block; mutate only through the methods."""
+        return self._refcount
+
+    def plain_ids(self, ids: list[int]) -> bool:
+        """True when every id is a plain int in range, checked at C speed; False sends the
+        caller to the per-id checks (which raise the errors, or accept int subclasses)."""
+        if not ids:
+            return True
+        return (set(map(type, ids)) == {int} and min(ids) >= 0
+                and max(ids) < self.num_blocks)
 
     def _check(self, block_id: int) -> None:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:

@@ -33,12 +33,36 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import xxhash
+
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 from pddnet.kv.prefix_cache import PrefixMatch, hash_block
+
+_PARENT = struct.Struct("<Q")
+_digest = xxhash.xxh3_64_intdigest
+
+
+def chained_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int = 0) -> list[int]:
+    """``prefix_cache.block_hashes(token_ids, block_size, parent_hash)``, the same values,
+    computed faster: the token ids are packed once and each block is one one-shot digest of
+    (parent hash || block) -- xxh3 of a concatenation equals the streamed ``hash_block``."""
+    full = len(token_ids) // block_size
+    if full <= 0:
+        return []
+    step = 8 * block_size
+    buf = struct.pack(f"<{full * block_size}q", *token_ids[:full * block_size])
+    out = []
+    h = parent_hash
+    pack = _PARENT.pack
+    for off in range(0, full * step, step):
+        h = _digest(pack(h) + buf[off:off + step])
+        out.append(h)
+    return out
 
 # Per-request hit ratio histogram: the source report's seven intervals. The first is closed
 # [0, 20%]; the others are (lo, hi], so the top one is exactly "hit more than 95%".
@@ -98,6 +122,8 @@ class _Node:
     last_locked: int = -1          # index of the deepest locked block here (-1: none)
     locked_below: int = 0          # strict descendants holding a locked block
     evictable: int = 0             # blocks of this node repeated leaf eviction could free
+    heap_at: int = -1              # last_access of its live eviction-heap entry (-1: none)
+    heap_epoch: int = 0            # ... in that heap generation
 
 
 class RadixCache:
@@ -118,6 +144,13 @@ class RadixCache:
         self._leaves: set[_Node] = set()
         self._num_evictable = 0
         self._clock = 0
+        self._rc = allocator.refcounts()          # read-only fast path for owned ids
+        # Eviction order (least recently used evictable leaf) kept incrementally: a heap of
+        # (last_access, uid, node) entries pushed when a leaf becomes evictable or is touched,
+        # validated when popped (stale ones skipped), rebuilt when stale ones pile up; so an
+        # eviction costs O(log leaves), not a pass over every leaf.
+        self._lru: list[tuple[int, int, _Node]] = []
+        self._lru_epoch = 0
         # statistics
         self.tokens_asked = 0
         self.tokens_hit = 0
@@ -222,8 +255,9 @@ class RadixCache:
         if not match.block_ids:
             return
         self.allocator.incref(match.block_ids)
-        self._touch_path(self._node_of[match.block_ids[-1]])
-        self._relock(match.block_ids)
+        nodes = self._nodes(match.block_ids)
+        self._touch_path(nodes[-1])
+        self._relock_nodes(nodes)
 
     def lock(self, handle: PrefixMatch) -> None:
         """Protect a matched path for a request (one reference per block); see ``unlock``."""
@@ -292,11 +326,10 @@ class RadixCache:
         Cached blocks become most recently used."""
         ids = list(block_ids)
         freed = self.allocator.decref(ids)
-        cached = [b for b in ids if b in self._node_of]
-        if cached:
-            for node, _ in self._group(cached):
-                self._touch_path(node)
-            self._relock(cached)
+        nodes = self._nodes(ids)
+        if nodes:
+            self._touch_paths(nodes)
+            self._relock_nodes(nodes)
         return freed
 
     # -- eviction and allocation -------------------------------------------------------------------
@@ -306,13 +339,15 @@ class RadixCache:
         returns the freed block ids (now free in the allocator)."""
         if n < 0:
             raise ValueError(f"cannot evict {n} blocks")
-        heap = [(x.last_access, x.uid, x) for x in self._leaves if x.evictable]
-        heapq.heapify(heap)
+        heap = self._lru
         freed: list[int] = []
         while len(freed) < n and heap:
-            _, _, node = heapq.heappop(heap)
-            if node.children or not node.evictable or node.parent is None:
-                continue  # no longer an evictable leaf (cannot happen within one call; cheap)
+            at, _, node = heapq.heappop(heap)
+            if at == node.heap_at and node.heap_epoch == self._lru_epoch:
+                node.heap_at = -1                    # its live entry is used up
+            if (at != node.last_access or node.children or not node.evictable
+                    or node.parent is None):
+                continue  # a stale entry: touched since, no longer a leaf or not evictable
             key = node.tokens[:self.block_size]
             for _ in range(min(n - len(freed), node.evictable)):
                 b = node.blocks.pop()
@@ -324,11 +359,9 @@ class RadixCache:
                     raise AssertionError(f"evicted block {b} was still referenced")
                 freed.append(b)
             node.tokens = node.tokens[:len(node.blocks) * self.block_size]
-            self._refresh(node)
+            self._refresh(node)                      # re-enters the heap if still evictable
             if not node.blocks:
-                parent = self._detach(node, key)
-                if parent is not self._root and not parent.children and parent.evictable:
-                    heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+                self._offer_leaf(self._detach(node, key))
         self.num_evicted += len(freed)
         return freed
 
@@ -476,10 +509,10 @@ class RadixCache:
         duplicates: list[int] = []
         i = 0
         for node, m in path:
-            for j in range(m):
-                hashes.append(node.hashes[j])
-                if node.blocks[j] != block_ids[i + j]:
-                    duplicates.append(block_ids[i + j])
+            hashes += node.hashes[:m]
+            mine = block_ids[i:i + m]
+            if node.blocks[:m] != list(mine):
+                duplicates += [b for b, own in zip(mine, node.blocks, strict=False) if b != own]
             i += m
         new = [int(b) for b in block_ids[i:full]]
         if not new:
@@ -488,32 +521,30 @@ class RadixCache:
             return hashes, [], duplicates
         if len(set(new)) != len(new):
             raise ValueError(f"block table repeats a block id: {new}")
-        for b in new:
-            if b in self._node_of:
-                raise ValueError(f"block {b} is already cached for another prefix")
-            if self.allocator.refcount(b) == 0:
-                raise ValueError(f"cannot cache free block {b}")
+        rc = self._rc
+        if (not self._node_of.keys().isdisjoint(new) or not self.allocator.plain_ids(new)
+                or min(map(rc.__getitem__, new)) == 0):
+            for b in new:                     # find the offending block, in order
+                if b in self._node_of:
+                    raise ValueError(f"block {b} is already cached for another prefix")
+                if self.allocator.refcount(b) == 0:
+                    raise ValueError(f"cannot cache free block {b}")
         parent = self._root
         if path:  # split only when something hangs below the match point
             last, m = path[-1]
             parent = self._split(last, m) if m < len(last.blocks) else last
-        h = hashes[-1] if hashes else 0
-        new_hashes = []
-        for k in range(i, full):
-            h = hash_block(h, tokens[k * bs:(k + 1) * bs])
-            new_hashes.append(h)
+        new_hashes = chained_hashes(tokens[i * bs:full * bs], bs, hashes[-1] if hashes else 0)
         self.allocator.incref(new)  # the tree's own reference
         leaf = _Node(next(self._uids), parent, tokens[i * bs:full * bs], new, new_hashes)
         parent.children[leaf.tokens[:bs]] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
-        for b in new:
-            self._node_of[b] = leaf
+        self._node_of.update(dict.fromkeys(new, leaf))
         for h in new_hashes:
             self._note(h, True)
         self.num_inserted += len(new)
-        self._recount(leaf)
         self._touch_path(leaf)
+        self._recount(leaf)          # after the touch: its heap entry gets the new mark
         return hashes + new_hashes, new, duplicates
 
     def _split(self, node: _Node, m: int) -> _Node:
@@ -563,16 +594,44 @@ class RadixCache:
 
     def _scan(self, node: _Node) -> None:
         """Recompute a node's deepest locked block, scanning from the tail (a request in use
-        locks whole paths, so this usually stops at once)."""
-        last = len(node.blocks) - 1
-        while last >= 0 and not self._locked(node.blocks[last]):
-            last -= 1
+        locks whole paths, so this usually stops at once). Owned ids are valid: unchecked."""
+        blocks, rc, pins = node.blocks, self._rc, self._pins
+        last = len(blocks) - 1
+        if pins:
+            while last >= 0 and rc[blocks[last]] <= 1 and pins.get(blocks[last], 0) <= 0:
+                last -= 1
+        else:
+            while last >= 0 and rc[blocks[last]] <= 1:
+                last -= 1
         node.last_locked = last
 
     def _refresh(self, node: _Node) -> None:
         want = 0 if node.locked_below else len(node.blocks) - (node.last_locked + 1)
         self._num_evictable += want - node.evictable
         node.evictable = want
+        if want and not node.children:
+            self._offer_leaf(node)
+
+    def _offer_leaf(self, node: _Node) -> None:
+        """Give an evictable leaf its entry in the eviction heap at its current last_access
+        (unless it has that entry already)."""
+        if (node.children or not node.evictable or node.parent is None
+                or (node.heap_at == node.last_access and node.heap_epoch == self._lru_epoch)):
+            return
+        heap = self._lru
+        if len(heap) > 2 * len(self._leaves) + 64:
+            # mostly stale entries: rebuild from the evictable leaves (amortised O(1) a push)
+            self._lru_epoch += 1
+            heap.clear()
+            for x in self._leaves:
+                if x.evictable and x.parent is not None:
+                    x.heap_at, x.heap_epoch = x.last_access, self._lru_epoch
+                    heap.append((x.last_access, x.uid, x))
+            heapq.heapify(heap)
+            if node.heap_at == node.last_access and node.heap_epoch == self._lru_epoch:
+                return
+        node.heap_at, node.heap_epoch = node.last_access, self._lru_epoch
+        heapq.heappush(heap, (node.last_access, node.uid, node))
 
     def _recount(self, node: _Node) -> None:
         """A node's lock state may have changed: rescan it, propagate to its ancestors."""
@@ -588,20 +647,78 @@ class RadixCache:
             up = up.parent
 
     def _relock(self, block_ids: Iterable[int]) -> None:
-        nodes = {self._node_of[b] for b in block_ids if b in self._node_of}
-        # Deepest first is not required (each recount propagates its own delta exactly).
-        for node in nodes:
-            self._recount(node)
+        nodes = self._nodes(block_ids)
+        if nodes:
+            self._relock_nodes(nodes)
+
+    def _nodes(self, block_ids: Iterable[int]) -> list[_Node]:
+        """The distinct nodes owning the given (cached) blocks, in first-seen order."""
+        get = self._node_of.get
+        return [x for x in dict.fromkeys(map(get, block_ids)) if x is not None]
+
+    def _chain(self, node: _Node) -> list[_Node]:
+        """A node and its ancestors below the root, deepest first."""
+        chain = []
+        root = self._root
+        while node is not None and node is not root:
+            chain.append(node)
+            node = node.parent  # type: ignore[assignment]
+        return chain
+
+    def _relock_nodes(self, nodes: list[_Node]) -> None:
+        """Recount nodes whose blocks' lock state may have changed. When they all lie on one
+        root path (a request's blocks: the usual case) this is one bottom-up pass carrying the
+        change in ``locked_below``, instead of one walk to the root per node; the result is
+        the same (each node's counts depend only on the final lock states)."""
+        chain = self._chain(nodes[-1])
+        todo = set(nodes)
+        if len(todo) > 1 and not todo.issubset(chain):
+            for node in nodes:    # not one path: each recount propagates its own delta
+                self._recount(node)
+            return
+        carry, left = 0, len(todo)
+        for node in chain:
+            if node in todo:
+                before = node.last_locked >= 0
+                self._scan(node)
+                node.locked_below += carry
+                self._refresh(node)
+                carry += (node.last_locked >= 0) - before
+                left -= 1
+            elif carry:
+                node.locked_below += carry
+                self._refresh(node)
+            elif not left:
+                break
 
     def _touch_path(self, node: _Node) -> None:
         """Mark a node and its ancestors most recently used (the node itself the newest)."""
-        chain = []
-        while node is not None and node is not self._root:
-            chain.append(node)
-            node = node.parent  # type: ignore[assignment]
+        chain = self._chain(node)
         for n in reversed(chain):
             self._clock += 1
             n.last_access = self._clock
+        if chain:
+            self._offer_leaf(chain[0])
+
+    def _touch_paths(self, nodes: list[_Node]) -> None:
+        """``_touch_path`` of each node in order. When every node is an ancestor of the last
+        one (a request's path) only the last touch's marks survive: do that one, with the clock
+        advanced exactly as the whole sequence would have (same values, one walk)."""
+        if len(nodes) == 1:
+            self._touch_path(nodes[0])
+            return
+        chain = self._chain(nodes[-1])
+        depth = {n: len(chain) - i for i, n in enumerate(chain)}
+        if not all(n in depth for n in nodes):
+            for node in nodes:
+                self._touch_path(node)
+            return
+        self._clock += sum(depth[n] for n in nodes[:-1])
+        for n in reversed(chain):
+            self._clock += 1
+            n.last_access = self._clock
+        if chain:
+            self._offer_leaf(chain[0])
 
     def _group(self, block_ids: Sequence[int]) -> list[tuple[_Node, int]]:
         """(node, number of the given blocks in it) for cached blocks, in first-seen order."""

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pddnet.kv.prefix_cache import block_hashes
+from pddnet.kv.radix import chained_hashes
 
 
 class CacheEventsLike(Protocol):
@@ -136,14 +136,36 @@ class DecodeCacheView:
             return HitPrediction(n, 0, (), self.block_size or 0, self.stale)
         bs = self.block_size
         limit = (n - 1) // bs if max_blocks is None else max(0, min(max_blocks, n // bs))
-        hashes = tuple(block_hashes(prompt_token_ids[:limit * bs], bs))
+        return self._predict(n, tuple(chained_hashes(prompt_token_ids[:limit * bs], bs)))
+
+    def predict_from_hashes(self, num_tokens: int, hashes: Sequence[int], block_size: int,
+                            max_blocks: int | None = None) -> HitPrediction:
+        """``predict`` for a prompt of ``num_tokens`` tokens whose chained block hashes the
+        caller already has (at least its full blocks up to the match limit, at ``block_size``,
+        e.g. kept per conversation and extended turn by turn): the same prediction, without
+        hashing the prompt again."""
+        n = num_tokens
+        if self.block_size is None or n == 0:
+            return HitPrediction(n, 0, (), self.block_size or 0, self.stale)
+        if block_size != self.block_size:
+            raise ValueError(f"hashes at block size {block_size}, the view's is "
+                             f"{self.block_size}")
+        bs = self.block_size
+        limit = (n - 1) // bs if max_blocks is None else max(0, min(max_blocks, n // bs))
+        if len(hashes) < limit:
+            raise ValueError(f"{len(hashes)} hashes for a {n}-token prompt: the prediction "
+                             f"needs its first {limit}")
+        return self._predict(n, tuple(hashes[:limit]))
+
+    def _predict(self, n: int, hashes: tuple[int, ...]) -> HitPrediction:
+        known = self._hashes
         hit = 0
         for h in hashes:
-            if h not in self._hashes:
+            if h not in known:
                 break
-            self._hashes.move_to_end(h)
+            known.move_to_end(h)
             hit += 1
-        return HitPrediction(n, hit * bs, hashes, bs, self.stale)
+        return HitPrediction(n, hit * self.block_size, hashes, self.block_size, self.stale)
 
     def observe(self, prediction: HitPrediction, actual_hit_tokens: int,
                 block_size: int | None = None) -> Observation:

@@ -1,12 +1,23 @@
 """Roofline cost of one forward on one instance (a group of `gpus` chips serving one model copy).
 
-A forward over T new tokens takes  overhead + max(FLOPs / compute, bytes / bandwidth) + comm:
+A forward over T new tokens of S sequences takes
+
+    overhead + max(FLOPs / compute, bytes / bandwidth) + comm + S x per_seq + A x per_ctx
+
+where
 - FLOPs = 2 x active parameters x T (the matmuls) + 4 x layers x heads x head_dim x attention
   pairs (QK^T and AV, one pair per (new token, cached or new token it attends to));
 - bytes = weights touched (all dense weights; for an MoE the expected share of experts a batch of
   T tokens routes to, 1 - (1 - k/E)^T) + KV read (every context token of every sequence) + KV
   written (T tokens);
-- comm = two activation all-reduces per layer over the scale-up link when gpus > 1.
+- comm = two activation all-reduces per layer over the scale-up link when gpus > 1;
+- per_seq (chip ``step_per_seq_us``) and per_ctx (chip ``step_per_ctx_token_ns``, A = the context
+  tokens the S sequences attend to, cached plus new) are serial host-side work the roofline has no
+  term for: pddnet's CPU engine runs attention sequence by sequence in Python and gathers each
+  sequence's paged KV into a contiguous copy per layer, so on a CPU a decode step grows with
+  the batch and its context far faster than the bytes read (batch 1 -> 16: ~3x). Both default
+  to 0, so GPU profiles (fused, batched attention kernels) are pure roofline; a profile fitted
+  by ``scripts/sim_calibrate.py`` sets them.
 So a prefill of thousands of tokens is compute-bound and a decode step memory-bound, without
 saying so anywhere: the max() decides. Extend (MD recomputing RLD's tokens) is the same forward
 with T = decode batch + extend tokens, which is why it costs little more than a decode step.
@@ -57,6 +68,8 @@ class InstanceCost:
             comm = per_token / (self.chip.scale_up_gbs * 1e9)
         object.__setattr__(self, "_comm_per_token", comm)
         object.__setattr__(self, "_kvpt", m.kv_bytes_per_token)
+        object.__setattr__(self, "_per_seq", self.chip.step_per_seq_us * 1e-6)
+        object.__setattr__(self, "_per_ctx", self.chip.step_per_ctx_token_ns * 1e-9)
 
     # -- capacities ---------------------------------------------------------------------------
 
@@ -86,15 +99,18 @@ class InstanceCost:
         share = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** max(tokens, 1)
         return self._dense_bytes + self._expert_bytes * share
 
-    def forward_time(self, new_tokens: int, attn_pairs: float, kv_read_tokens: float) -> float:
-        """Seconds for one forward over `new_tokens` tokens attending `attn_pairs` (token,
-        context token) pairs and reading the KV of `kv_read_tokens` cached positions."""
+    def forward_time(self, new_tokens: int, attn_pairs: float, kv_read_tokens: float,
+                     seqs: int = 1) -> float:
+        """Seconds for one forward over `new_tokens` tokens of `seqs` sequences attending
+        `attn_pairs` (token, context token) pairs and reading the KV of `kv_read_tokens` cached
+        positions."""
         flops = 2.0 * self.model.active_params * new_tokens + self._attn * attn_pairs
         nbytes = (self.weight_bytes_touched(new_tokens)
                   + (kv_read_tokens + new_tokens) * self._kvpt)
         return (self.chip.step_overhead_ms * 1e-3 + max(flops / self._compute,
                                                         nbytes / self._bandwidth)
-                + self._comm_per_token * new_tokens)
+                + self._comm_per_token * new_tokens + self._per_seq * seqs
+                + self._per_ctx * (kv_read_tokens + new_tokens))
 
     def prefill_chunk_time(self, start: int, end: int) -> float:
         """One prefill chunk computing positions [start, end) on top of a cached [0, start)."""
@@ -113,11 +129,15 @@ class InstanceCost:
         return t
 
     def decode_step_time(self, batch: int, context_tokens: float, extend_tokens: int = 0,
-                         extend_pairs: float = 0.0) -> float:
+                         extend_pairs: float = 0.0, extend_seqs: int | None = None) -> float:
         """One continuous-batching step: `batch` sequences decode one token each over
         `context_tokens` cached positions in total, plus `extend_tokens` recomputed tokens
-        (attending `extend_pairs` pairs) batched into the same forward."""
+        (attending `extend_pairs` pairs) of `extend_seqs` sequences (default: one when there
+        are extend tokens) batched into the same forward. The per-context term counts the
+        decoding sequences' context only (an extend's own context is not passed in)."""
         if batch + extend_tokens <= 0:
             return 0.0
+        if extend_seqs is None:
+            extend_seqs = 1 if extend_tokens > 0 else 0
         return self.forward_time(batch + extend_tokens, context_tokens + extend_pairs,
-                                 context_tokens)
+                                 context_tokens, seqs=batch + extend_seqs)

@@ -2,7 +2,9 @@
 
 A chip is the source report's four dimensions plus cost: peak dense compute per dtype, memory
 capacity, memory bandwidth, scale-up and scale-out interconnect bandwidth, price per hour, and
-the achievable fractions of peak (the roofline's efficiency factors). A model is its shape: what
+the achievable fractions of peak (the roofline's efficiency factors), plus two optional host-side
+terms a CPU engine needs and a GPU does not (``step_per_seq_us``, ``step_per_ctx_token_ns``: see
+pddnet/sim/cost.py; 0 by default). A model is its shape: what
 the cost model needs to count FLOPs per token, bytes read per decode step and KV bytes per token.
 """
 
@@ -34,6 +36,8 @@ class ChipProfile:
     compute_efficiency: float = 0.55
     bandwidth_efficiency: float = 0.75
     step_overhead_ms: float = 1.5
+    step_per_seq_us: float = 0.0        # serial work per sequence in a forward (CPU engines)
+    step_per_ctx_token_ns: float = 0.0  # serial work per context token attended (KV gather)
 
     def __post_init__(self) -> None:
         for f in ("memory_gb", "memory_bw_gbs", "scale_up_gbs", "scale_out_gbit"):
@@ -44,8 +48,10 @@ class ChipProfile:
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"chip {self.name!r}: {f} must be in (0, 1], got "
                                  f"{getattr(self, f)!r}")
-        if self.step_overhead_ms < 0:
-            raise ValueError(f"chip {self.name!r}: step_overhead_ms must be >= 0")
+        for f in ("step_overhead_ms", "step_per_seq_us", "step_per_ctx_token_ns"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"chip {self.name!r}: {f} must be a number >= 0, got {v!r}")
         if not self.tflops:
             raise ValueError(f"chip {self.name!r}: [tflops] needs at least one dtype")
         for k, v in self.tflops.items():

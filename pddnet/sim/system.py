@@ -20,11 +20,12 @@ HANDOFF with token ids, cancel). Tokens MD emits reach the router in A one line 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
 from pddnet.kv.allocator import BlockAllocator
-from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache
+from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache, chained_hashes
 from pddnet.policy.admission import RelayAdmission
 from pddnet.policy.cache_view import DecodeCacheView
 from pddnet.policy.estimators import BandwidthEstimator, RttEstimator
@@ -38,6 +39,10 @@ from pddnet.sim.metrics import Histogram, Series
 from pddnet.sim.prefill import PrefillInstance
 from pddnet.sim.wan import WanLine
 from pddnet.sim.workload import SimRequest
+
+# Conversations whose last prompt's chained block hashes are kept, so a next turn (its prompt
+# extends the previous one) hashes only what it appends. Speed only: the hashes are the same.
+HASH_MEMO_CONVERSATIONS = 1 << 12
 
 # Control message sizes on the wire (bytes): a header, plus payload where it has one.
 HEADER_BYTES = 64
@@ -179,6 +184,7 @@ class SimulatedSystem:
         self._p_backlog = [0.0] * len(self.prefill)
         self._d_load = [0] * len(self.decode)
         self._rld_held = 0
+        self._hash_memo: OrderedDict[int, tuple[tuple[int, ...], list[int]]] = OrderedDict()
         self.on_request_done: Any = None       # the runner's hook: a conversation may go on
 
     # -- routing ----------------------------------------------------------------------------
@@ -250,7 +256,8 @@ class SimulatedSystem:
         hit = 0
         if self.use_drc:
             view = self.views[st.md_idx]
-            st.prediction = view.predict(req.units)
+            st.prediction = view.predict_from_hashes(len(req.units), self._prompt_hashes(req),
+                                                     self.block_units)
             hit = min(st.prediction.hit_tokens * self.q, req.prompt_tokens)
         r = min(range(len(self.relay)), key=lambda i: (self.admission[i].load, i))
         rld = self.relay[r]
@@ -273,6 +280,26 @@ class SimulatedSystem:
         self._rld_held += 1
         self.rld_depth.observe(self.loop.now, self._rld_held)
         return decision.pipeline
+
+    def _prompt_hashes(self, req: SimRequest) -> list[int]:
+        """Chained hashes of the prompt's full blocks (MD's block size), extending the ones of
+        the conversation's previous prompt when this one starts with it."""
+        units, bs = req.units, self.block_units
+        conv = req.conversation
+        memo = self._hash_memo
+        known = memo.pop(conv, None) if conv >= 0 else None
+        if known is not None and len(units) >= len(known[0]) and \
+                units[:len(known[0])] == known[0]:
+            hashes = known[1]
+            done = len(hashes)
+            hashes += chained_hashes(units[done * bs:], bs, hashes[-1] if done else 0)
+        else:
+            hashes = chained_hashes(units, bs)
+        if conv >= 0:
+            memo[conv] = (units, hashes)
+            if len(memo) > HASH_MEMO_CONVERSATIONS:
+                memo.popitem(last=False)
+        return hashes
 
     # -- P --------------------------------------------------------------------------------------
 
