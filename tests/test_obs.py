@@ -195,3 +195,48 @@ async def test_metrics_server_serves_a_real_daemons_stats():
         await md.close()
     with pytest.raises(ValueError, match="metrics port"):
         MetricsServer("127.0.0.1", 70000, md.stats)
+
+
+def test_step_times_split_decode_from_prefill_and_sum_decode_by_batch():
+    from pddnet.engine.engine import StepStats
+    from pddnet.obs.step_times import StepTimes, batch_bucket
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 127, 128, 500)] == \
+        ["1", "2-3", "2-3", "4-7", "4-7", "8-15", "64-127", "128+", "128+"]
+    with pytest.raises(ValueError, match="at least one"):
+        batch_bucket(0)
+    st = StepTimes()
+    #          step, seconds, seqs, tokens, prefill tokens, decode tokens, sampled
+    st.observe(StepStats(1, 0.300, 1, 100, 100, 0, 1))    # a prefill
+    st.observe(StepStats(2, 0.010, 1, 1, 0, 1, 1))        # decode, batch 1
+    st.observe(StepStats(3, 0.030, 1, 1, 0, 1, 1))
+    st.observe(StepStats(4, 0.040, 3, 3, 0, 3, 3))        # decode, batch 3
+    st.observe(StepStats(5, 0.050, 2, 9, 8, 1, 2))        # an extend batched with a decode
+    out = st.to_stats()
+    assert out["histograms"]["engine_prefill_step_s"]["count"] == 2
+    assert out["histograms"]["engine_decode_step_s"]["count"] == 3
+    assert out["engine_steps"]["prefill_tokens"] == 108
+    assert out["decode_step_ms_by_batch"] == pytest.approx({"1": 20.0, "2-3": 40.0})
+    assert out["engine_steps"]["decode_by_batch"]["2-3"]["mean_batch"] == 3
+
+
+async def test_daemons_report_the_step_times_their_engine_measured():
+    from test_roles_inprocess import make_config, run_workload, running, workload
+
+    from pddnet.config import ClusterMode
+    from pddnet.model.loader import load_model
+
+    tiny = load_model("tiny")
+    cfg = make_config(ClusterMode.PDD, "one-shot")
+    async with running(cfg) as (daemons, col):
+        await run_workload(tiny, col, workload(2))
+        stats = {role: d.stats() for role, d in daemons.items()}
+    assert stats["prefill"]["histograms"]["engine_prefill_step_s"]["count"] >= 2
+    for role in ("relay", "main_decode"):
+        steps = stats[role]["engine_steps"]["decode_by_batch"]
+        assert sum(b["steps"] for b in steps.values()) > 0, role
+        assert all(b["mean_ms"] > 0 for b in steps.values())
+        assert stats[role]["threads"] == cfg.model.threads
+    m = {f.name: f.samples for f in text_string_to_metric_families(
+        render(registry_for(lambda: stats["relay"], "relay"))[0].decode())}
+    assert "pdd_engine_decode_step_s" in m and "pdd_stat_decode_step_ms_by_batch" in m

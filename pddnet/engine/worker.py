@@ -7,7 +7,8 @@ worker. The loop talks to it in two ways:
 - `await worker.call(fn, *args)` runs `fn(*args)` in the worker thread *between* steps (e.g.
   `engine.add_request`, `engine.append_tokens`, `engine.abort`) and returns its result;
 - after every step that did something, `on_outputs(outputs)` is invoked on the loop
-  (`call_soon_threadsafe`); a step's exception goes to `on_error(exc)` on the loop.
+  (`call_soon_threadsafe`); a step's exception goes to `on_error(exc)` on the loop;
+- `on_step_stats(step)`, if given, is called in the engine thread with each step's timing.
 
 The thread steps while `engine.has_work()` and sleeps on a threading.Event otherwise; `call()`
 and `wake()` set it. A step that makes no progress (everything held, or the pool cannot admit
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from pddnet.engine.engine import Engine, StepOutput
+from pddnet.engine.engine import Engine, StepOutput, StepStats
 
 log = logging.getLogger("pddnet.engine.worker")
 T = TypeVar("T")
@@ -44,12 +45,16 @@ class EngineWorker:
     def __init__(self, engine: Engine, on_outputs: Callable[[list[StepOutput]], None],
                  threads: int = 1, name: str = "engine", *,
                  on_error: Callable[[BaseException], None] | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None,
+                 on_step_stats: Callable[[StepStats], None] | None = None) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         self.engine = engine
         self.on_outputs = on_outputs
         self.on_error = on_error
+        # Called in the engine thread after each step that ran (keep it cheap, no locks)
+        self.on_step_stats = on_step_stats
+        self._last_seen = -1
         self.threads = threads
         self.name = name
         self.loop = loop if loop is not None else asyncio.get_running_loop()
@@ -151,6 +156,10 @@ class EngineWorker:
             return
         self.in_step = False
         self.num_steps += 1
+        step = self.engine.last_step
+        if self.on_step_stats is not None and step is not None and step.step != self._last_seen:
+            self._last_seen = step.step   # an empty step() leaves last_step as it was
+            self.on_step_stats(step)
         if outputs:
             self._deliver(self.on_outputs, outputs)
         else:

@@ -24,6 +24,7 @@ from pddnet.engine.sequence import FinishReason
 from pddnet.engine.worker import EngineWorker
 from pddnet.kv.allocator import OutOfBlocks
 from pddnet.model.loader import load_model
+from pddnet.obs.step_times import StepTimes
 from pddnet.protocol import (
     ErrorMessage,
     KvAllocRequest,
@@ -205,6 +206,7 @@ class Daemon:
         self.server: Server | None = None
         self.port: int | None = None
         self.counters: Counter[str] = Counter()
+        self.step_times = StepTimes()   # every engine step's wall time, as measured here
         # Reservations of dropped requests whose one-sided writes may still land (`fence`)
         self.fenced: dict[str, KVReservation] = {}
         self.ended = RecentIds()
@@ -236,7 +238,8 @@ class Daemon:
                              enable_prefix_cache=sec.prefix_cache != "off",
                              prefix_cache_kind="radix" if sec.prefix_cache == "radix" else "hash")
         self.worker = EngineWorker(self.engine, self._on_outputs, threads=model_cfg.threads,
-                                   name=f"{self.role}-engine", on_error=self._on_engine_error)
+                                   name=f"{self.role}-engine", on_error=self._on_engine_error,
+                                   on_step_stats=self.step_times.observe)
         self.server = Server(sec.host, sec.port, role=self.role, instance_id=self.instance_id,
                              secret=self.secret, on_connection=self._on_connection)
         self.port = await self.server.start()
@@ -646,6 +649,7 @@ class Daemon:
                 "metrics_url": self.metrics.url if self.metrics is not None else None,
                 "requests": self.request_stats(), "kv_blocks": blocks, "lanes": lanes,
                 "queues": queues, "counters": dict(self.counters),
+                "threads": self.config.model.threads, **self.step_times.to_stats(),
                 "tasks": len(asyncio.all_tasks()),
                 "peers": {p.name: p.stats() for p in self.peers}}
 
