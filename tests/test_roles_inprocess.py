@@ -534,3 +534,38 @@ def test_run_role_serves_until_sigterm_and_cleans_up(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_finished_prefill_is_copied_to_rld_while_the_next_prefill_runs(tiny):
+    # P's KV export runs beside the engine: A's copy to RLD (and so its first token) must not
+    # wait for B's prefill step that is running when the copy can start. Here RLD answers A's
+    # KV_ALLOC_REQUEST just after A's prefill ended, while B's last step runs (steps of 2048
+    # tokens: A's 1500 with B's first 548, then B's other 2048) -- as a busy RLD or P event loop
+    # does (the calibration run saw copies wait up to 4.7 s). In the engine thread the export
+    # would run only after that step, i.e. after B's prefill had ended.
+    cfg = make_config(ClusterMode.SAME_DC)
+    cfg.prefill.max_num_batched_tokens, cfg.prefill.num_blocks = 2048, 512
+    cfg.relay.num_blocks = 4096
+    reqs = [dict(request_id=rid, prompt_token_ids=[(13 * j + k) % 250 + 1 for j in range(n)],
+                 max_tokens=4, temperature=0.0, top_p=1.0, seed=None, ignore_eos=True)
+            for rid, n, k in (("A", 1500, 1), ("B", 2596, 2))]
+    async with running(cfg) as (daemons, col):
+        relay = daemons["relay"]
+        answer = relay._alloc
+
+        async def after_a_prefilled(p, msg):
+            if msg.request_id == "A":
+                await col.wait_until(lambda: "prefill_end" in col.events("A"), what="A prefilled")
+                await asyncio.sleep(0.05)
+            await answer(p, msg)
+        relay._alloc = after_a_prefilled
+        for r in reqs:
+            await col.send("prefill", Submit(**r))
+        for r in reqs:
+            await col.wait_until(lambda r=r: col.complete(r["request_id"]),
+                                 what=f"{r['request_id']} to complete")
+        await all_free(daemons)
+    a, b = col.events("A"), col.events("B")
+    assert a["rld_kv_complete"].time < b["prefill_end"].time, (
+        f"A's copy completed {a['rld_kv_complete'].time - b['prefill_end'].time:+.3f} s after "
+        "B's prefill ended: it waited behind B's step")

@@ -30,7 +30,7 @@ from typing import Any
 
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
-from pddnet.kv.transfer import export_kv
+from pddnet.kv.transfer import ExportedKV, export_kv
 from pddnet.policy.pipeline import Pipeline, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner, Plan
 from pddnet.protocol import (
@@ -55,6 +55,7 @@ from pddnet.protocol.request_flow import (
     Transfer,
 )
 from pddnet.transport import Connection
+from pddnet.transport.backends.call_thread import CallThread
 from pddnet.transport.kv_backend import (
     BadRegion,
     KVTransfer,
@@ -103,6 +104,8 @@ class _Request:
     pipeline: Pipeline = Pipeline.P_RLD_MD  # current (may change once, see _relay_answered)
     plan: Plan | None = None                # pdd mode: the planner's decision and inputs
     asked: set[str] = field(default_factory=set)   # targets sent KV_ALLOC_REQUEST
+    exporting: int = 0                      # exports reading this sequence's blocks right now
+    exports_idle: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class PrefillDaemon(Daemon):
@@ -122,6 +125,9 @@ class PrefillDaemon(Daemon):
         self.writers: dict[str, tuple[str, KVWriter]] = {}
         self._writer_locks = {t: asyncio.Lock() for t in self.targets}
         self.requests: dict[str, _Request] = {}
+        # KV exports run here, not in the engine thread, so a finished prefill's copy to RLD
+        # does not wait behind the next request's prefill step (see _export)
+        self._exporter = CallThread(f"{self.instance_id}-export")
 
     async def start(self) -> None:
         # The backends first: one that cannot run here fails the start, not the first request.
@@ -174,6 +180,8 @@ class PrefillDaemon(Daemon):
             self.planner.observe_rtt(rtt_s)
 
     async def close_extra(self) -> None:
+        self._exporter.stop()   # after the exports already queued (each a bounded copy)
+        await asyncio.to_thread(self._exporter.join, 5.0)
         self.writers.clear()
         if self.kv_paths is not None:
             await self.kv_paths.close()  # its writers first (bounded), then the engines
@@ -453,12 +461,11 @@ class PrefillDaemon(Daemon):
     async def _transfer(self, req: _Request, a: Transfer) -> None:
         if req.flow.over:
             return
-        rid = req.submit.request_id
         try:
             xfer = await self._transfer_to(req, a.target)
             if xfer is None or req.flow.over:
                 return
-            exported = await self.compute(self._export, rid, a.start, a.end)
+            exported = await self._export(req, a.start, a.end)
             if req.flow.over:
                 return
             began = time.monotonic()
@@ -538,11 +545,26 @@ class PrefillDaemon(Daemon):
             self.control[target].post(msg)
         self.spawn(abort(), f"abort {req.submit.request_id} -> {target}")
 
-    def _export(self, rid: str, start: int, end: int):
-        """In the engine thread: the KV of positions [start, end) of P's sequence (a copy, so
-        the backend writes it while the engine steps on)."""
-        table = self.engine.get_sequence(rid).block_table
-        return export_kv(self.engine.pool, table, start, end)
+    async def _export(self, req: _Request, start: int, end: int) -> ExportedKV:
+        """The KV of positions [start, end) of P's sequence (a copy the backend then writes).
+
+        Not in the engine thread: there it would wait for the step running at that moment --
+        typically the next request's whole prefill, seconds on a CPU -- before RLD could have
+        its copy and emit the first token. Reading the pool beside a step is safe because the
+        positions are computed (the engine never writes them again), a live sequence's block
+        table only grows, and its blocks stay referenced until `_release`, which waits for the
+        request's exports to end before it frees them."""
+        seq = self.engine.get_sequence(req.submit.request_id)
+        table = list(seq.block_table)  # append-only while the sequence lives: a safe snapshot
+        req.exporting += 1
+        req.exports_idle.clear()
+        try:
+            return await asyncio.wrap_future(
+                self._exporter.submit(export_kv, self.engine.pool, table, start, end))
+        finally:
+            req.exporting -= 1
+            if not req.exporting:
+                req.exports_idle.set()
 
     async def _kv_done(self, req: _Request, a: SendKvDone) -> None:
         if req.flow.over:
@@ -578,6 +600,8 @@ class PrefillDaemon(Daemon):
 
     async def _release(self, req: _Request) -> None:
         rid = req.submit.request_id
+        if req.exporting:  # an export still reads the blocks (see _export)
+            await req.exports_idle.wait()
         if req.started:
             await self.compute(self.engine.abort, rid)  # frees kept blocks or stops prefill
         if self.requests.get(rid) is req:
