@@ -171,19 +171,15 @@ class LinkDirection:
         It may be early (e.g. the head of the queue leaving the bottleneck, or a timed change):
         polling then returns nothing and next_wakeup() moves on.
         """
-        times = []
-        if self._in_flight:
-            times.append(self._in_flight[0].departure)
+        wake = self._in_flight[0].departure if self._in_flight else None
         if self._queue:
             head_exit = self._head_exit()
-            if head_exit is not None:
-                times.append(head_exit)
-        if not times:
+            if head_exit is not None and (wake is None or head_exit < wake):
+                wake = head_exit
+        if wake is None:
             return None
         event = self._next_event_time()
-        if event is not None:
-            times.append(event)
-        return min(times)
+        return wake if event is None or wake <= event else event
 
     def next_departure(self) -> float | None:
         """When the next item already past the bottleneck leaves (None: none in flight)."""
@@ -304,19 +300,18 @@ class LinkDirection:
         self._serve(t)
 
     def _next_event_time(self) -> float | None:
-        times = []
-        if self._reverts:
-            times.append(self._reverts[0].at)
-        if self._next_step is not None:
-            times.append(self._next_step[0])
-        return min(times) if times else None
+        step = self._next_step
+        if not self._reverts:
+            return None if step is None else step[0]
+        at = self._reverts[0].at
+        return at if step is None else min(at, step[0])
 
     def _catch_up(self, now: float) -> float:
         """Advance to `now`, applying timed changes at their exact times in order."""
         now = float(now)
         if now < self._now:
             now = self._now  # a shell's clock must not move the model backwards
-        while True:
+        while self._reverts or self._next_step is not None:  # (nothing timed: skip the loop)
             event = self._next_event_time()
             if event is None or event > now:
                 break

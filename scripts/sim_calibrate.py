@@ -1,32 +1,35 @@
 """Calibrate the simulator against the real testbed: same workload, TTFT and ITL side by side.
 
-1. Fit run (its own seed, wider prompt range): the workload on a real PDD cluster (LocalCluster,
-   mode pdd, proxy WAN, 1 torch thread per daemon), first a few requests one at a time (the
-   probe), then Poisson arrivals. The chip profiles are fitted to what the daemons did there,
-   contention included (P, RLD and MD share this machine's cores with the router, the WAN
-   proxy, the client and whatever else runs), from every request's timeline (`pdd.timeline`,
-   the daemons' own milestones) and the client's token arrival times:
+The box is shared (other engineers' CPU-heavy jobs come and go), so fit and comparison must see
+the same outside load: ONE cluster (LocalCluster, mode pdd, proxy WAN, 1 torch thread per
+daemon) runs, after a warm-up,
+1. the probe: PROBE_REQUESTS prompts one at a time; with ``--rate auto`` their prefill times
+   set the rate to ``--target-util`` of P (default 0.5) over the mix of prompt lengths.
+   Calibrate at moderate load: near P's saturation the queueing tail magnifies any
+   service-time error, so agreement there says little about the model;
+2. one Poisson arrival stream merging two seeded workloads, each request tagged: "fit"
+   (seed + 1000, wider prompt range) and "compare" (``--seed``). The counts shrink together
+   if their window would exceed ``--window-s``. The load average is printed at the start and
+   end of every phase and sampled every 10 s during the stream.
+Then, from the fit-tagged requests only (the compare-tagged ones count only as the batch and
+the P load they share): the chip profiles, contention included --
    - P: isolated prefills (no other prefill overlapping), t = overhead + FLOPs / rate;
    - the P -> RLD path: t = latency + KV bytes / bandwidth, plus the fixed daemon latencies
      before P (router, KV_ALLOC) and after RLD's copy lands (first token to the client);
    - RLD and MD, each its own profile: every inter-token gap a role produced, against the
-     batch it ran in (requests whose decode span on that role covers the gap) and their
-     context, t = a + b x batch + c x context tokens (least squares, the slowest 1% of gaps
-     left out as stalls), mapped onto the roofline plus the per-sequence and per-context
-     terms of pddnet/sim/cost.py.
-2. The rate: with ``--rate auto`` the probe's prefill times set it to ``--target-util`` of P
-   (default 0.5). Calibrate at moderate load: near P's saturation the queueing tail magnifies
-   any service-time error (at rho 0.9 a 5% slower P doubles the mean wait), so agreement there
-   says little about the model; at 40-60% queueing is present but not explosive.
-3. Compare run (``--seed``, another workload): the same cluster setup, measured by a
-   streaming client; the same requests (their real token ids as units, tokens_per_unit = 1)
-   in the simulator with the fitted profiles, the testbed's pool sizes, policy settings and
-   WAN (the proxy's link model: rate, delay, jitter, 1 MiB queue, 32 KiB pieces).
-4. Print TTFT and ITL P50/P90/P99 side by side with the errors (goal: medians within 15%, P90
-   within 25%); write results/sim/calibration.json, calibration.png (CDFs, decode fit) and
-   calibration_runs.json (the raw testbed records; ``--reuse`` re-fits and re-simulates them).
+     batch it ran in and their context, t = a + b x batch + c x context tokens (least
+     squares, the slowest 1% of gaps left out as stalls), mapped onto the roofline plus the
+     per-sequence and per-context terms of pddnet/sim/cost.py; the gaps' spread around that
+     mean (split by whether P was prefilling, which is most of it) becomes the profile's
+     ``step_jitter_cv`` unless ``--step-jitter off``.
+The whole stream (both tags, their real token ids as units, tokens_per_unit = 1) is replayed
+in the simulator with those profiles, the testbed's pool sizes, policy settings and WAN (the
+proxy's link model); TTFT and ITL of the compare-tagged requests are set side by side (goal:
+medians within 15%, P90 within 25%). Writes results/sim/calibration.json, calibration.png
+(CDFs, decode fit) and calibration_runs.json (the raw testbed records; ``--reuse`` re-fits and
+re-simulates them without the testbed).
 
-Heavy: ~2 x (requests / rate) seconds of both cores. Run it wrapped in `timeout -s INT`.
+Heavy: ~(requests / rate) seconds of both cores plus ~1 min. Run it wrapped in `timeout -s INT`.
 """
 
 from __future__ import annotations
@@ -70,9 +73,67 @@ def record_of(req: Any, rec: Any, t0: float) -> dict[str, Any]:
             "handoff_mode": rec.pdd.get("handoff_mode"), "events": events}
 
 
-async def run_testbed(workload: list[Any], args: argparse.Namespace, desc: str,
-                      probe: list[Any] | None = None) -> dict[str, Any]:
-    """The workload on a fresh PDD cluster; with `probe`, those requests first, one at a time."""
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def phase_load(phase: str, when: str) -> tuple[float, float, float]:
+    """Print and return the load average: the box is shared, so every phase says what it saw."""
+    la = os.getloadavg()
+    print(f"[load] {phase} {when}: {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} (1/5/15 min)", flush=True)
+    return la
+
+
+def probe_rate(points: list[tuple[int, float]], prof: Any, mix: list[tuple[tuple[int, int], int]],
+               target_util: float) -> tuple[float, float]:
+    """Rate putting P at `target_util`: prefill time fitted to the probe (alone, one at a
+    time), averaged over the prompt lengths of the interleaved mix (range, request count)."""
+    a, slope = lstsq([[1.0] * len(points), [prefill_flops(prof, n) for n, _ in points]],
+                     [t for _, t in points])
+    total = sum(k for _, k in mix)
+    mean_s = sum(k * statistics.fmean(a + slope * prefill_flops(prof, n)
+                                      for n in range(lo, hi + 1))
+                 for (lo, hi), k in mix) / total
+    if mean_s <= 0:
+        raise RuntimeError(f"probe gave a non-positive mean prefill time {mean_s:.3f} s")
+    return target_util / mean_s, mean_s
+
+
+def interleaved_workload(args: argparse.Namespace, rate: float, n_fit: int, n_cmp: int,
+                         fit_seed: int) -> list[tuple[str, Any]]:
+    """Two seeded Poisson streams merged into one arrival stream, each request tagged: the
+    fit stream (its own seed and wider prompt range) and the compare stream (--seed). Each
+    gets its share of the total rate, so both span the same window and see the same outside
+    load; a merge of Poisson streams is Poisson at the summed rate."""
+    from pddnet.bench.workload import poisson_long_prompts
+
+    total = n_fit + n_cmp
+    fit = poisson_long_prompts(n_fit, rate * n_fit / total, tuple(args.fit_prompt_len),
+                               tuple(args.max_tokens), seed=fit_seed)
+    cmp_ = poisson_long_prompts(n_cmp, rate * n_cmp / total, tuple(args.prompt_len),
+                                tuple(args.max_tokens), seed=args.seed)
+    merged = [("fit", r) for r in fit] + [("compare", r) for r in cmp_]
+    merged.sort(key=lambda x: (x[1].arrival_s, x[0]))
+    return merged
+
+
+def sized_counts(args: argparse.Namespace, rate: float) -> tuple[int, int]:
+    """--fit-requests and --requests, scaled down together when their arrival window at `rate`
+    would exceed --window-s (a loaded box gives a slow probe, a low rate, a long run)."""
+    n_fit, n_cmp = args.fit_requests, args.requests
+    window = (n_fit + n_cmp) / rate
+    if window > args.window_s:
+        k = args.window_s / window
+        n_fit, n_cmp = max(20, int(n_fit * k)), max(40, int(n_cmp * k))
+        print(f"window {window:.0f} s at {rate:.3f}/s exceeds --window-s {args.window_s:g}: "
+              f"{n_fit} fit + {n_cmp} compare requests")
+    return n_fit, n_cmp
+
+
+async def run_testbed(args: argparse.Namespace, prof: Any, fit_seed: int) -> dict[str, Any]:
+    """One PDD cluster for everything: warm-up, the probe (PROBE_REQUESTS prompts one at a
+    time; with --rate auto it sets the rate), then the fit and compare streams interleaved in
+    one arrival stream, so both see the same outside load."""
     import aiohttp
     from tqdm import tqdm
 
@@ -83,7 +144,7 @@ async def run_testbed(workload: list[Any], args: argparse.Namespace, desc: str,
         return {"model": args.model, "prompt": list(req.prompt_token_ids),
                 "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True}
 
-    out: dict[str, Any] = {"load_before": os.getloadavg()}
+    out: dict[str, Any] = {"phases": {}}
     async with LocalCluster(mode="pdd", model=args.model, wan="proxy", rtt_ms=args.rtt_ms,
                             jitter_ms=args.jitter_ms, bw_mbit=args.bw_mbit,
                             overrides={"model.threads": 1}) as cluster:
@@ -94,27 +155,56 @@ async def run_testbed(workload: list[Any], args: argparse.Namespace, desc: str,
                     "model": args.model, "prompt": [1, 2, 3] * 50, "max_tokens": 4})
                 if warm.error:
                     raise RuntimeError(f"testbed warm-up failed: {warm.error}")
-            if probe:
-                t0 = time.time()
-                recs = []
-                for req in tqdm(probe, desc=f"{desc} probe", unit="req", leave=False):
-                    recs.append(record_of(req, await stream_completion(
-                        session, cluster.url, body(req)), t0))
-                out["probe"] = recs
-            bar = tqdm(total=len(workload), desc=desc, unit="req")
+            probe = probe_requests(tuple(args.fit_prompt_len), args.max_tokens[1], fit_seed + 1)
+            la0 = phase_load("probe", "start")
+            t0 = time.time()
+            recs = []
+            for req in tqdm(probe, desc="testbed probe", unit="req", leave=False):
+                recs.append(record_of(req, await stream_completion(
+                    session, cluster.url, body(req)), t0))
+            out["phases"]["probe"] = {"start": la0, "end": phase_load("probe", "end")}
+            pts = [(r["prompt"], r["events"]["prefill_end"] - r["events"]["prefill_start"])
+                   for r in ok_records(recs) if "prefill_end" in r["events"]]
+            n_fit, n_cmp = args.fit_requests, args.requests
+            mix = [(tuple(args.fit_prompt_len), n_fit), (tuple(args.prompt_len), n_cmp)]
+            if len(pts) < 3:
+                raise RuntimeError(f"only {len(pts)} probe requests completed")
+            rate, mean_s = probe_rate(pts, prof, mix, args.target_util)
+            if args.rate != "auto":
+                rate = float(args.rate)
+            n_fit, n_cmp = sized_counts(args, rate)
+            out["probe"] = {"points": pts, "mean_prefill_s": mean_s, "rate": rate}
+            print(f"probe: mean prefill {mean_s:.3f} s alone -> rate {rate:.3f}/s (P at "
+                  f"{mean_s * rate:.0%}); {n_fit} fit + {n_cmp} compare requests interleaved, "
+                  f"~{(n_fit + n_cmp) / rate:.0f} s", flush=True)
+            out["rate"] = rate
+            workload = interleaved_workload(args, rate, n_fit, n_cmp, fit_seed)
+            bar = tqdm(total=len(workload), desc="testbed fit+compare", unit="req")
+            out["phases"]["run"] = {"start": phase_load("fit+compare run", "start")}
+            samples: list[tuple[float, float]] = []
             t0, m0 = time.time(), time.monotonic()
 
-            async def one(req: Any) -> dict[str, Any]:
+            async def sample_load() -> None:
+                while True:
+                    samples.append((time.monotonic() - m0, load1()))
+                    bar.set_postfix(load=f"{samples[-1][1]:.1f}")
+                    await asyncio.sleep(10.0)
+
+            async def one(i: int, tag: str, req: Any) -> dict[str, Any]:
                 await asyncio.sleep(max(0.0, req.arrival_s - (time.monotonic() - m0)))
                 rec = await stream_completion(session, cluster.url, body(req))
                 bar.update(1)
-                return record_of(req, rec, t0)
+                return {"i": i, "tag": tag, **record_of(req, rec, t0)}
 
+            sampler = asyncio.create_task(sample_load())
             try:
-                out["records"] = list(await asyncio.gather(*(one(r) for r in workload)))
+                out["records"] = list(await asyncio.gather(
+                    *(one(i, tag, r) for i, (tag, r) in enumerate(workload))))
             finally:
+                sampler.cancel()
                 bar.close()
-    out["load_after"] = os.getloadavg()
+            out["phases"]["run"]["end"] = phase_load("fit+compare run", "end")
+            out["load_samples"] = samples
     return out
 
 
@@ -183,8 +273,14 @@ def busy_fraction(records: list[dict[str, Any]]) -> float:
     return busy / span if span > 0 else 0.0
 
 
+def fitted(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("tag", "fit") == "fit"]
+
+
 def fit_prefill(records: list[dict[str, Any]], prof: Any) -> dict[str, Any]:
-    iso = isolated_prefills(records)
+    """P's service time from fit-tagged prefills that overlapped no other prefill (isolation
+    is judged against every request: the compare stream's prefills queue on the same P)."""
+    iso = fitted(isolated_prefills(records))
     if len(iso) < 4:
         raise RuntimeError(f"only {len(iso)} isolated prefills in the fit run: P was saturated; "
                            f"lower --rate or --target-util")
@@ -204,7 +300,8 @@ def fit_prefill(records: list[dict[str, Any]], prof: Any) -> dict[str, Any]:
 def fit_relay_path(records: list[dict[str, Any]], kvpt: int) -> dict[str, Any]:
     """P -> RLD: KV copy time against its bytes, and RLD's copy -> the client's first token,
     over requests whose prefill ran alone (a full RLD would add its admission wait)."""
-    rows = [r for r in isolated_prefills(records) if "rld_kv_complete" in r["events"] and "prefill_end" in r["events"]
+    rows = [r for r in fitted(isolated_prefills(records)) if "rld_kv_complete" in r["events"]
+            and "prefill_end" in r["events"]
             and r["events"]["rld_kv_complete"] >= r["events"]["prefill_end"]]
     if len(rows) < 4:
         raise RuntimeError("too few requests went through RLD in the fit run to fit P -> RLD")
@@ -223,10 +320,35 @@ def fit_relay_path(records: list[dict[str, Any]], kvpt: int) -> dict[str, Any]:
             "to_client_s": statistics.median(emit) if emit else 0.0, "samples": len(rows)}
 
 
-def decode_gaps(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, int, float]]]:
-    """(batch, context tokens, gap) for every inter-token gap RLD or MD produced. A request
-    is in a role's batch from its first to its last token from that role (client times); the
-    handoff gap (RLD's last token -> MD's first) is an extend plus the line, not a step."""
+def prefill_intervals(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Union of P's prefill intervals (daemon timelines), sorted."""
+    iv = sorted((r["events"]["prefill_start"], r["events"]["prefill_end"]) for r in records
+                if "prefill_start" in r["events"] and "prefill_end" in r["events"])
+    out: list[tuple[float, float]] = []
+    for s, e in iv:
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def decode_gaps(records: list[dict[str, Any]]
+                ) -> dict[str, list[tuple[int, int, float, bool]]]:
+    """(batch, context tokens, gap, P busy) for every inter-token gap RLD or MD produced for a
+    fit-tagged request. A request (of either tag: they share the batch) is in a role's batch
+    from its first to its last token from that role (client times); the handoff gap (RLD's
+    last token -> MD's first) is an extend plus the line, not a step. "P busy": P was
+    prefilling at the gap's midpoint (it competes for the same two cores)."""
+    import bisect
+
+    busy = prefill_intervals(records)
+    starts = [s for s, _ in busy]
+
+    def p_busy(t: float) -> bool:
+        k = bisect.bisect_right(starts, t) - 1
+        return k >= 0 and t <= busy[k][1]
+
     spans: dict[str, list[tuple[float, float, dict[str, Any]]]] = {"relay": [], "main_decode": []}
     split = {}
     for k, r in enumerate(records):
@@ -237,8 +359,10 @@ def decode_gaps(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, int,
             spans["relay"].append((t[0], t[n_rld - 1], r))
         if n_rld < len(t):
             spans["main_decode"].append((t[n_rld], t[-1], r))
-    out: dict[str, list[tuple[int, int, float]]] = {"relay": [], "main_decode": []}
+    out: dict[str, list[tuple[int, int, float, bool]]] = {"relay": [], "main_decode": []}
     for k, r in enumerate(records):
+        if r.get("tag", "fit") != "fit":
+            continue
         t, n_rld = r["tokens"], split[k]
         for i in range(1, len(t)):
             if i == n_rld:
@@ -249,16 +373,16 @@ def decode_gaps(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, int,
             for s, e, o in spans[role]:
                 if s <= mid <= e:
                     batch += 1
-                    ctx += o["prompt"] + sum(1 for x in o["tokens"] if x <= mid)
-            out[role].append((max(batch, 1), ctx, t[i] - t[i - 1]))
+                    ctx += o["prompt"] + bisect.bisect_right(o["tokens"], mid)
+            out[role].append((max(batch, 1), ctx, t[i] - t[i - 1], p_busy(mid)))
     return out
 
 
-def fit_decode(rows: list[tuple[int, int, float]]) -> dict[str, Any]:
+def fit_decode(rows: list[tuple[int, int, float, bool]]) -> dict[str, Any]:
     """Mean step time t = a + b x batch + c x context (least squares, stalls left out)."""
     if len(rows) < 30:
         raise RuntimeError(f"only {len(rows)} decode gaps for a role in the fit run")
-    cut = sorted(g for *_, g in rows)[int(STALL_QUANTILE * (len(rows) - 1))]
+    cut = sorted(x[2] for x in rows)[int(STALL_QUANTILE * (len(rows) - 1))]
     kept = [x for x in rows if x[2] <= cut]
     ones = [1.0] * len(kept)
     b_col = [float(x[0]) for x in kept]
@@ -273,12 +397,15 @@ def fit_decode(rows: list[tuple[int, int, float]]) -> dict[str, Any]:
         a, c = lstsq([ones, c_col], ys)
         c = max(c, 0.0)
     by_batch: dict[int, list[float]] = {}
-    for bb, _, g in rows:
+    ctx_of: dict[int, list[int]] = {}
+    for bb, cc, g, _ in rows:
         by_batch.setdefault(bb, []).append(g)
+        ctx_of.setdefault(bb, []).append(cc)
     return {"a_s": a, "b_s_per_seq": b, "c_s_per_ctx": c, "gaps": len(rows),
             "stall_cut_s": cut,
             "by_batch": {str(k): {"n": len(v), "median_s": statistics.median(v),
-                                  "mean_s": statistics.fmean(v)}
+                                  "mean_s": statistics.fmean(v),
+                                  "mean_context": statistics.fmean(ctx_of[k])}
                          for k, v in sorted(by_batch.items())}}
 
 
@@ -304,24 +431,46 @@ def fit_all(records: list[dict[str, Any]], model: str) -> dict[str, Any]:
     path = fit_relay_path(recs, prof.kv_bytes_per_token)
     gaps = decode_gaps(recs)
     dec = {role: fit_decode(rows) for role, rows in gaps.items()}
+    for role, rows in gaps.items():
+        dec[role]["contention"] = contention_split(dec[role], rows)
     terms = {role: decode_chip_terms(f, prof.weight_bytes, prof.kv_bytes_per_token)
              for role, f in dec.items()}
     return {"prefill": pre, "relay_path": path, "decode": dec, "decode_terms": terms,
-            "p_busy_fraction": busy_fraction(recs), "completed": len(recs),
-            "requests": len(records)}
+            "p_busy_fraction": busy_fraction(recs), "completed": len(fitted(recs)),
+            "requests": len(fitted(records))}
 
 
-def chip_toml(name: str, fit: dict[str, Any], memory_gb: float, role: str) -> str:
+def contention_split(fit: dict[str, Any], rows: list[tuple[int, int, float, bool]]
+                     ) -> dict[str, Any]:
+    """Decode gaps over the fitted mean step, split by whether P was prefilling: how much of
+    the step-time spread is the daemons competing for the cores (stalls left out)."""
+    out: dict[str, Any] = {}
+    for name, flags in (("p_busy", (True,)), ("p_idle", (False,)), ("all", (True, False))):
+        r = [g / (fit["a_s"] + fit["b_s_per_seq"] * b + fit["c_s_per_ctx"] * c)
+             for b, c, g, f in rows if f in flags and g <= fit["stall_cut_s"]]
+        out[name] = {"gaps": len(r), "mean_ratio": statistics.fmean(r) if r else None,
+                     "median_ratio": statistics.median(r) if r else None,
+                     "cv": (statistics.pstdev(r) / statistics.fmean(r)) if len(r) > 1 else None}
+    return out
+
+
+def chip_toml(name: str, fit: dict[str, Any], memory_gb: float, role: str,
+              jitter: bool = True) -> str:
     """One role's fitted profile: compute from P's prefills, the RDMA path from P -> RLD,
-    decode terms from that role's own steps (P's memory bandwidth: MD's, it barely matters)."""
+    decode terms from that role's own steps (P's memory bandwidth: MD's, it barely matters);
+    with `jitter`, the decode roles' step spread: the coefficient of variation of the fit-run
+    gaps around the fitted mean (stalls left out) -- the cores shared with P, the other roles
+    and outside jobs make a step's time vary that much."""
     tf = fit["prefill"]["flops_per_s"] / 1e12
     gbit = fit["relay_path"]["bytes_per_s"] * 8 / 1e9
     if role == "prefill":
         terms = dict(fit["decode_terms"]["main_decode"], step_per_seq_us=0.0,
                      step_per_ctx_token_ns=0.0,
                      step_overhead_ms=fit["prefill"]["overhead_s"] * 1e3)
+        cv = 0.0
     else:
         terms = fit["decode_terms"][role]
+        cv = (fit["decode"][role]["contention"]["all"]["cv"] or 0.0) if jitter else 0.0
     return (f'# fitted by scripts/sim_calibrate.py to the testbed ({role}), contention included\n'
             f'name = "{name}"\nmemory_gb = {memory_gb:.6f}\n'
             f'memory_bw_gbs = {terms["memory_bw_gbs"]:.6f}\nscale_up_gbs = 10\n'
@@ -329,16 +478,74 @@ def chip_toml(name: str, fit: dict[str, Any], memory_gb: float, role: str) -> st
             f"bandwidth_efficiency = 1.0\nstep_overhead_ms = {terms['step_overhead_ms']:.6f}\n"
             f"step_per_seq_us = {terms['step_per_seq_us']:.3f}\n"
             f"step_per_ctx_token_ns = {terms['step_per_ctx_token_ns']:.3f}\n"
+            f"step_jitter_cv = {cv:.4f}\n"
             f"[tflops]\nfp32 = {tf:.9f}\nbf16 = {tf:.9f}\nfp8 = {tf:.9f}\n")
 
 
 # -- the simulator ---------------------------------------------------------------------------
 
 
-def simulate_same(records: list[dict[str, Any]], workload: list[Any], chips: dict[str, Path],
-                  fit: dict[str, Any], args: argparse.Namespace, tmp: Path) -> tuple[Any, Any]:
-    """The compare workload in the simulator with the testbed's settings; returns the report
-    and the SimulatedSystem (for its histograms' CDFs)."""
+def tagged_system_class(tags: list[str]) -> tuple[type, dict[str, Any]]:
+    """A SimulatedSystem that also files every request's TTFT and ITL gaps under its tag (trace
+    rid = line = position in the interleaved stream), so the comparison covers compare-tagged
+    requests only. It taps the per-member accounting of pddnet/sim/decode.py (each member of a
+    segment of k steps makes k gaps of the step time; a fresh member's first gap is from its
+    previous token; a final extend emits one gap) and checks it against the run's own ITL
+    histogram at the end."""
+    from pddnet.sim.decode import DecodeInstance
+    from pddnet.sim.metrics import Histogram
+    from pddnet.sim.system import SimulatedSystem
+
+    hists = {tag: {"ttft": Histogram(), "itl": Histogram()} for tag in set(tags)}
+    got = {"ttft": 0}
+
+    def tag_of(m: Any) -> str:
+        return tags[m.state.req.rid]
+
+    class TaggedDecode(DecodeInstance):
+        def _account(self, k: int, tau: float, now: float) -> None:
+            fresh = {id(m) for m in self._fresh}
+            first_user = self.seg_t0 + tau + self.user_delay_s
+            for fs, _, m in self._heap:
+                if not (m.alive and fs == m.finish_step and m.join_step >= 0):
+                    continue
+                h = hists[tag_of(m)]["itl"]
+                if id(m) in fresh:
+                    h.add(tau, k - 1)
+                    h.add(max(0.0, first_user - m.prev_user))
+                else:
+                    h.add(tau, k)
+            super()._account(k, tau, now)
+
+        def _end_segment(self, token: int) -> None:
+            ending = [(m, m.prev_user) for m, c in self._step_extend
+                      if token == self._token and m.alive and m.extend_final
+                      and m.extend_left - c <= 0]
+            super()._end_segment(token)
+            for m, before in ending:          # the final extend step's token
+                if m.prev_user != before:
+                    hists[tag_of(m)]["itl"].add(m.prev_user - before)
+
+    class TaggedSystem(SimulatedSystem):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            for inst in [*self.relay, *(d.inst for d in self.decode)]:
+                inst.__class__ = TaggedDecode
+
+        def _first_token(self, st: Any, user: float) -> None:
+            super()._first_token(st, user)
+            hists[tags[st.req.rid]]["ttft"].add(max(0.0, user - st.req.arrival_s))
+            got["ttft"] += 1
+
+    return TaggedSystem, hists
+
+
+def simulate_same(workload: list[tuple[str, Any]], chips: dict[str, Path],
+                  fit: dict[str, Any], args: argparse.Namespace, tmp: Path
+                  ) -> tuple[Any, Any, dict[str, Any]]:
+    """The whole interleaved stream (both tags: both loaded P, RLD and MD) in the simulator
+    with the testbed's settings; returns the report, the SimulatedSystem and the per-tag
+    TTFT / ITL histograms."""
     from tqdm import tqdm
 
     import pddnet.sim.runner as runner
@@ -347,7 +554,7 @@ def simulate_same(records: list[dict[str, Any]], workload: list[Any], chips: dic
 
     trace = tmp / "calib.jsonl"
     with trace.open("w") as f:
-        for r in workload:
+        for _, r in workload:
             f.write(json.dumps({"arrival_s": r.arrival_s, "prompt_tokens": len(r.prompt_token_ids),
                                 "output_tokens": r.max_tokens,
                                 "prefix_ids": list(r.prompt_token_ids)}) + "\n")
@@ -379,20 +586,27 @@ def simulate_same(records: list[dict[str, Any]], workload: list[Any], chips: dic
         "workload": {"kind": "trace", "path": str(trace), "requests": len(workload),
                      "arrivals": "open"}})
     captured: dict[str, Any] = {}
-    original = runner.report
+    original, original_system = runner.report, runner.SimulatedSystem
+    system_cls, hists = tagged_system_class([tag for tag, _ in workload])
 
     def capture(sim: Any) -> dict[str, Any]:   # the report drops the ITL histogram's CDF
         captured["sim"] = sim
         return original(sim)
 
     bar = tqdm(total=len(workload), desc="simulator", unit="req")
-    runner.report = capture
+    runner.report, runner.SimulatedSystem = capture, system_cls
     try:
         rep = runner.simulate(cfg, "pdd", progress=bar.update)
     finally:
-        runner.report = original
+        runner.report, runner.SimulatedSystem = original, original_system
         bar.close()
-    return rep, captured["sim"]
+    sim = captured["sim"]
+    n_itl = sum(h["itl"].n for h in hists.values())
+    n_ttft = sum(h["ttft"].n for h in hists.values())
+    if abs(n_itl - sim.itl.n) > 1e-6 or n_ttft != sim.ttft.n:
+        raise RuntimeError(f"per-tag tap lost samples: ITL {n_itl} of {sim.itl.n}, TTFT "
+                           f"{n_ttft} of {sim.ttft.n} (pddnet/sim/decode.py changed?)")
+    return rep, sim, hists
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -409,6 +623,7 @@ def plot(path: Path, real_ttft: list[float], real_itl: list[float], sim: Any,
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for ax, name, real, hist, scale, unit in (
@@ -421,6 +636,9 @@ def plot(path: Path, real_ttft: list[float], real_itl: list[float], sim: Any,
         ax.plot([v * scale for v, _ in pts], [f for _, f in pts], label="simulator", lw=2,
                 ls="--")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        if name == "ITL":    # below 1 ms: tokens the router coalesced into one SSE chunk
+            ax.set_xlim(left=1.0)
         ax.set_xlabel(f"{name} ({unit})")
         ax.set_ylabel("CDF")
         ax.grid(alpha=0.3)
@@ -433,8 +651,9 @@ def plot(path: Path, real_ttft: list[float], real_itl: list[float], sim: Any,
         ax.plot(bb, [f["by_batch"][str(k)]["mean_s"] * 1e3 for k in bb], mk, label=f"{role} mean")
         ax.plot(bb, [f["by_batch"][str(k)]["median_s"] * 1e3 for k in bb], mk, mfc="none",
                 label=f"{role} median")
-        line = [(f["a_s"] + f["b_s_per_seq"] * k) * 1e3 for k in bb]
-        ax.plot(bb, line, "-", alpha=0.6, label=f"{role} fit (at context 0)")
+        line = [(f["a_s"] + f["b_s_per_seq"] * k + f["c_s_per_ctx"]
+                 * f["by_batch"][str(k)]["mean_context"]) * 1e3 for k in bb]
+        ax.plot(bb, line, "-", alpha=0.6, label=f"{role} fit (at its mean context)")
     ax.set_xlabel("decode batch (requests)")
     ax.set_ylabel("inter-token gap (ms)")
     ax.set_title("fit run: decode step vs batch")
@@ -449,8 +668,8 @@ def plot(path: Path, real_ttft: list[float], real_itl: list[float], sim: Any,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
-    ap.add_argument("--requests", type=int, default=200, help="compare run")
-    ap.add_argument("--fit-requests", type=int, default=150)
+    ap.add_argument("--requests", type=int, default=240, help="compare-tagged requests")
+    ap.add_argument("--fit-requests", type=int, default=120, help="fit-tagged requests")
     ap.add_argument("--rate", default="auto",
                     help="requests/s of both runs, or 'auto' (--target-util of P's probe time)")
     ap.add_argument("--target-util", type=float, default=0.5)
@@ -462,69 +681,75 @@ def main() -> int:
     ap.add_argument("--bw-mbit", type=float, default=100.0)
     ap.add_argument("--seed", type=int, default=0, help="compare run (fit run: seed + 1000)")
     ap.add_argument("--out", default="results/sim")
+    ap.add_argument("--window-s", type=float, default=900.0,
+                    help="cap on the arrival window: request counts shrink to fit it")
+    ap.add_argument("--step-jitter", choices=("fit", "off"), default="fit",
+                    help="decode-step spread in the fitted profiles (step_jitter_cv): the fit "
+                         "run's measured spread, or none")
     ap.add_argument("--reuse", action="store_true",
                     help="re-fit and re-simulate OUT/calibration_runs.json (no testbed)")
     args = ap.parse_args()
     if not 0 < args.target_util < 1:
         ap.error("--target-util must be in (0, 1)")
 
-    from pddnet.bench.workload import poisson_long_prompts
-    from pddnet.config import load_config as load_cluster
     from pddnet.sim.profiles import load_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs_path = out / "calibration_runs.json"
     prof = load_model(args.model)
-    fit_seed = args.seed + 1000
     if args.reuse:
         runs = json.loads(runs_path.read_text())
-        rate = runs["rate"]
+        if "records" not in runs.get("run", {}):
+            raise SystemExit(f"{runs_path} is not an interleaved run (older format): run "
+                             f"without --reuse")
     else:
-        probe = probe_requests(tuple(args.fit_prompt_len), args.max_tokens[1], fit_seed + 1)
         runs = {"args": vars(args)}
-        if args.rate == "auto":
-            # a few prompts one at a time on a cluster of their own: P's time alone
-            probe_run = asyncio.run(run_testbed([], args, "probe", probe))
-            pts = [(r["prompt"], r["events"]["prefill_end"] - r["events"]["prefill_start"])
-                   for r in ok_records(probe_run["probe"]) if "prefill_end" in r["events"]]
-            a, slope = lstsq([[1.0] * len(pts), [prefill_flops(prof, n) for n, _ in pts]],
-                             [t for _, t in pts])
-            mean_s = statistics.fmean(a + slope * prefill_flops(prof, n)
-                                      for n in range(args.prompt_len[0], args.prompt_len[1] + 1))
-            rate = args.target_util / mean_s
-            runs["probe"] = {"points": pts, "mean_prefill_s": mean_s,
-                             "load": probe_run["load_after"]}
-            print(f"probe: mean prefill {mean_s:.3f} s alone -> rate {rate:.3f}/s "
-                  f"(P at {args.target_util:.0%}); load {os.getloadavg()[0]:.2f}")
-        else:
-            rate = float(args.rate)
-        runs["rate"] = rate
-        fit_wl = poisson_long_prompts(args.fit_requests, rate, tuple(args.fit_prompt_len),
-                                      tuple(args.max_tokens), seed=fit_seed)
-        runs["fit"] = asyncio.run(run_testbed(fit_wl, args, "testbed fit run"))
-        cmp_wl = poisson_long_prompts(args.requests, rate, tuple(args.prompt_len),
-                                      tuple(args.max_tokens), seed=args.seed)
-        runs["compare"] = asyncio.run(run_testbed(cmp_wl, args, "testbed compare run"))
+        runs["run"] = asyncio.run(run_testbed(args, prof, args.seed + 1000))
+        runs["rate"] = runs["run"]["rate"]
         runs_path.write_text(json.dumps(runs))
-    cmp_wl = poisson_long_prompts(args.requests if not args.reuse else runs["args"]["requests"],
-                                  rate, tuple(runs["args"]["prompt_len"]),
-                                  tuple(runs["args"]["max_tokens"]), seed=runs["args"]["seed"])
-    fit = fit_all(runs["fit"]["records"], args.model)
+    return analyse(runs, args, out, runs_path)
+
+
+def analyse(runs: dict[str, Any], args: argparse.Namespace, out: Path, runs_path: Path) -> int:
+    """Fit on the fit-tagged requests, simulate the whole interleaved stream, compare the
+    compare-tagged requests."""
+    from types import SimpleNamespace
+
+    from pddnet.config import load_config as load_cluster
+    from pddnet.sim.profiles import load_model
+
+    run_args = argparse.Namespace(**runs["args"])
+    prof = load_model(run_args.model)
+    rate, run = runs["rate"], runs["run"]
+    all_records = run["records"]
+    n_tag = {t: sum(1 for r in all_records if r["tag"] == t) for t in ("fit", "compare")}
+    workload = interleaved_workload(run_args, rate, n_tag["fit"], n_tag["compare"],
+                                    run_args.seed + 1000)
+    for (tag, req), r in zip(workload, all_records, strict=True):   # the same stream?
+        if tag != r["tag"] or abs(req.arrival_s - r["arrival_s"]) > 1e-6 \
+                or len(req.prompt_token_ids) != r["prompt"]:
+            raise RuntimeError(f"{runs_path}: request {r['i']} does not match the regenerated "
+                               f"workload (other seeds or arguments?)")
+    phase_load("fit + simulation", "start")
+    fit = fit_all(all_records, run_args.model)
     pf, rp = fit["prefill"], fit["relay_path"]
-    print(f"fit ({fit['completed']}/{fit['requests']} requests, P busy "
+    print(f"fit ({fit['completed']}/{fit['requests']} fit-tagged requests, P busy "
           f"{fit['p_busy_fraction']:.0%}): prefill {pf['flops_per_s'] / 1e9:.1f} GFLOP/s + "
           f"{pf['overhead_s'] * 1e3:.1f} ms ({pf['isolated']} isolated), P->RLD "
           f"{rp['bytes_per_s'] / 1e9:.2f} GB/s + {rp['latency_s'] * 1e3:.1f} ms, fixed "
           f"{(pf['to_engine_s'] + rp['to_client_s']) * 1e3:.1f} ms")
     for role in ("relay", "main_decode"):
         d = fit["decode"][role]
+        c = d["contention"]
         print(f"  {role}: step = {d['a_s'] * 1e3:.1f} ms + {d['b_s_per_seq'] * 1e3:.2f} ms/seq "
-              f"+ {d['c_s_per_ctx'] * 1e6:.2f} us/context token ({d['gaps']} gaps)")
+              f"+ {d['c_s_per_ctx'] * 1e6:.2f} us/context token ({d['gaps']} gaps)\n"
+              f"    gap / fitted step: P prefilling {fmt_ratio(c['p_busy'])}; P idle "
+              f"{fmt_ratio(c['p_idle'])}; all {fmt_ratio(c['all'])}")
 
     cl = load_cluster(None, {})
     chips_text: dict[str, str] = {}
-    records = ok_records(runs["compare"]["records"])
+    records = [r for r in ok_records(all_records) if r["tag"] == "compare"]
     real_ttft = [r["tokens"][0] - r["sent"] for r in records]
     real_itl = [b - a for r in records for a, b in zip(r["tokens"], r["tokens"][1:],
                                                        strict=False)]
@@ -533,17 +758,26 @@ def main() -> int:
         for role in ROLES:
             blocks = getattr(cl, role).num_blocks * getattr(cl, role).block_size
             mem = (prof.weight_bytes + blocks * prof.kv_bytes_per_token) / 1e9
-            chips_text[role] = chip_toml(f"cpu-fitted-{role}", fit, mem, role)
+            chips_text[role] = chip_toml(f"cpu-fitted-{role}", fit, mem, role,
+                                         jitter=args.step_jitter == "fit")
             chips[role] = Path(tmp) / f"cpu-fitted-{role}.toml"
             chips[role].write_text(chips_text[role])
-        rep, sim = simulate_same(records, cmp_wl, chips, fit, args, Path(tmp))
+        rep, sim, hists = simulate_same(workload, chips, fit, run_args, Path(tmp))
+    phase_load("fit + simulation", "end")
+    sim_cmp = SimpleNamespace(ttft=hists["compare"]["ttft"], itl=hists["compare"]["itl"])
 
+    def hsum(h: Any) -> dict[str, float | None]:
+        return {"n": h.n, "mean": h.total / h.n if h.n else None,
+                **{f"p{q}": h.quantile(q / 100) for q in (50, 90, 99)}, "max": h.max}
+
+    sim_q = {"TTFT": hsum(sim_cmp.ttft), "ITL": hsum(sim_cmp.itl)}
     rows = []
     real = {"TTFT": quantiles(real_ttft), "ITL": quantiles(real_itl)}
-    print(f"\n{'metric':<10} {'testbed':>10} {'sim':>10} {'error':>8}   (seconds)")
-    for name, simd in (("TTFT", rep["ttft_s"]), ("ITL", rep["itl_s"])):
+    print(f"\ncompare-tagged requests ({len(records)} of {n_tag['compare']} completed)")
+    print(f"{'metric':<10} {'testbed':>10} {'sim':>10} {'error':>8}   (seconds)")
+    for name in ("TTFT", "ITL"):
         for q in ("p50", "p90", "p99"):
-            a, b = real[name][q], simd[q]
+            a, b = real[name][q], sim_q[name][q]
             err = None if not a or b is None else (b - a) / a
             rows.append({"metric": name, "q": q, "testbed": a, "sim": b, "error": err})
             print(f"{name + ' ' + q:<10} {a or 0:10.4f} {b or 0:10.4f} "
@@ -560,32 +794,47 @@ def main() -> int:
         modes[str(r["handoff_mode"])] = modes.get(str(r["handoff_mode"]), 0) + 1
     rld_tok = sum(r["relay_tokens"] or 0 for r in records)
     all_tok = sum(len(r["tokens"]) for r in records)
-    cmp_busy = busy_fraction(records)
-    print(f"testbed: P busy {cmp_busy:.0%}, pipelines {pipes}, handoffs {modes}, RLD token share "
-          f"{rld_tok / max(all_tok, 1):.1%}")
-    print(f"sim:     P busy {rep['busy']['prefill']:.0%}, pipelines {rep['pipelines']}, "
-          f"handoffs {rep['handoffs']}, RLD token share {rep['token_share']['rld']:.1%}")
-    loads = {k: {"before": runs[k].get("load_before"), "after": runs[k].get("load_after")}
-             for k in ("fit", "compare")}
-    print(f"load average (1/5/15 min) fit run: {loads['fit']}, compare run: {loads['compare']}")
+    p_busy = busy_fraction(ok_records(all_records))
+    print(f"testbed (compare-tagged): pipelines {pipes}, handoffs {modes}, RLD token share "
+          f"{rld_tok / max(all_tok, 1):.1%}; P busy {p_busy:.0%} (whole stream)")
+    print(f"sim (whole stream): P busy {rep['busy']['prefill']:.0%}, pipelines "
+          f"{rep['pipelines']}, handoffs {rep['handoffs']}, RLD token share "
+          f"{rep['token_share']['rld']:.1%}")
+    samples = [x[1] for x in run.get("load_samples", [])]
+    load = {"phases": run["phases"], "run_1min_samples": {
+        "min": min(samples, default=None), "median": statistics.median(samples)
+        if samples else None, "max": max(samples, default=None), "n": len(samples)}}
+    print(f"load average during the run (1 min, every 10 s): {load['run_1min_samples']}")
     result = {
-        "rate_per_s": rate, "target_util": args.target_util, "probe": runs.get("probe"),
-        "fit": fit, "chip_profiles": chips_text, "rows": rows, "goal": goal,
-        "testbed": {"completed": len(records), "requests": len(runs["compare"]["records"]),
-                    "ttft_s": real["TTFT"], "itl_s": real["ITL"], "p_busy_fraction": cmp_busy,
+        "rate_per_s": rate, "target_util": run_args.target_util, "probe": run.get("probe"),
+        "requests": n_tag, "fit": fit, "chip_profiles": chips_text, "rows": rows, "goal": goal,
+        "testbed": {"completed": len(records), "requests": n_tag["compare"],
+                    "ttft_s": real["TTFT"], "itl_s": real["ITL"], "p_busy_fraction": p_busy,
                     "pipelines": pipes, "handoffs": modes,
                     "rld_token_share": rld_tok / max(all_tok, 1)},
-        "sim": {k: rep[k] for k in ("ttft_s", "itl_s", "pipelines", "handoffs", "token_share",
-                                    "busy", "rld", "wan", "handoff_gap_s", "unfinished")},
-        "load_average": loads, "args": runs["args"], "reused": args.reuse}
+        "sim": {"compare_ttft_s": sim_q["TTFT"], "compare_itl_s": sim_q["ITL"],
+                "whole_stream": {k: rep[k] for k in (
+                    "ttft_s", "itl_s", "pipelines", "handoffs", "token_share", "busy", "rld",
+                    "wan", "handoff_gap_s", "unfinished")}},
+        "load_average": load, "load_samples": run.get("load_samples"),
+        "args": runs["args"], "reused": args.reuse, "step_jitter": args.step_jitter}
     path = out / "calibration.json"
     path.write_text(json.dumps(result, indent=1, default=str))
-    title = (f"{len(records)} requests at {rate:.2f}/s, {args.model}, {args.bw_mbit:g} Mbit/s "
-             f"{args.rtt_ms:g} ms RTT; load avg {loads['compare']['after'][0]:.1f}; "
-             f"goal {'met' if all(goal.values()) else 'missed'}")
-    plot(out / "calibration.png", real_ttft, real_itl, sim, fit, title)
+    title = (f"{len(records)} compare-tagged of {sum(n_tag.values())} interleaved requests at "
+             f"{rate:.2f}/s, {run_args.model}, {run_args.bw_mbit:g} Mbit/s {run_args.rtt_ms:g} "
+             f"ms RTT; load avg {load['run_1min_samples']['min']:.1f}-"
+             f"{load['run_1min_samples']['max']:.1f}; step jitter {args.step_jitter}; goal "
+             f"{'met' if all(goal.values()) else 'missed'}")
+    plot(out / "calibration.png", real_ttft, real_itl, sim_cmp, fit, title)
     print(f"wrote {path}, {out / 'calibration.png'}, {runs_path}")
     return 0
+
+
+def fmt_ratio(c: dict[str, Any]) -> str:
+    if not c["gaps"]:
+        return "-"
+    return f"x{c['mean_ratio']:.2f} (median x{c['median_ratio']:.2f}, cv {c['cv']:.2f}, " \
+           f"{c['gaps']} gaps)"
 
 
 if __name__ == "__main__":

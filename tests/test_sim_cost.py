@@ -160,3 +160,68 @@ def test_negative_host_terms_are_rejected(tmp_path):
     p.write_text(head + 'step_per_ctx_token_ns = "fast"\n[tflops]' + table)
     with pytest.raises(ValueError, match="step_per_ctx_token_ns"):
         load_chip(p)
+
+
+def _jittery(tmp_path, cv: float, name: str = "unit-chip") -> InstanceCost:
+    head, table = CHIP.split("[tflops]")
+    p = tmp_path / f"jitter-{cv}-{name}.toml"
+    p.write_text(head.replace('name = "unit-chip"', f'name = "{name}"')
+                 + f"step_jitter_cv = {cv}\n[tflops]" + table)
+    (tmp_path / "model.toml").write_text(MODEL)
+    return InstanceCost(load_chip(p), load_model(tmp_path / "model.toml"))
+
+
+def test_step_jitter_defaults_to_zero_everywhere_so_steps_are_the_roofline(unit):
+    assert unit.chip.step_jitter_cv == 0
+    for name in list_profiles("chips"):
+        assert load_chip(name).step_jitter_cv == 0, name
+    mean = (2e9 + (8000 + 8) * 256) / 100e9
+    assert [unit.decode_step_time(8, 8000) for _ in range(3)] == [pytest.approx(mean)] * 3
+
+
+def test_step_jitter_is_a_seeded_lognormal_factor_of_mean_one(tmp_path):
+    import math
+    import random
+
+    from pddnet.sim.cost import jitter_seed
+
+    cv = 0.5
+    c = _jittery(tmp_path, cv)
+    mean = c.decode_step_time(8, 8000, jitter=False)
+    assert mean == pytest.approx((2e9 + (8000 + 8) * 256) / 100e9)
+    got = [c.decode_step_time(8, 8000) for _ in range(4000)]
+    # by hand: log-normal with sigma^2 = ln(1 + cv^2) and mu = -sigma^2 / 2 (mean 1), drawn
+    # from the stream seeded by the chip's name
+    sigma = math.sqrt(math.log(1 + cv * cv))
+    rng = random.Random(jitter_seed("unit-chip"))
+    want = [mean * rng.lognormvariate(-sigma * sigma / 2, sigma) for _ in range(4000)]
+    assert got == pytest.approx(want)
+    # the same chip gives the same stream in a fresh instance (deterministic runs); another
+    # chip name another stream
+    again = _jittery(tmp_path, cv)
+    assert [again.decode_step_time(8, 8000) for _ in range(4000)] == got
+    other = _jittery(tmp_path, cv, name="other-chip")
+    assert other.decode_step_time(8, 8000) != got[0]
+    # its moments: mean 1 x the roofline, the coefficient of variation asked for
+    m = sum(got) / len(got)
+    sd = math.sqrt(sum((g - m) ** 2 for g in got) / len(got))
+    assert m == pytest.approx(mean, rel=0.03)
+    assert sd / m == pytest.approx(cv, rel=0.1)
+    assert min(got) > 0
+
+
+def test_step_jitter_leaves_prefill_and_estimates_alone(tmp_path):
+    c = _jittery(tmp_path, 0.5)
+    flops = 2e9 * 1000 + 4 * 2 * 4 * 16 * 1000 * 1001 / 2
+    assert [c.prefill_chunk_time(0, 1000) for _ in range(3)] == [pytest.approx(flops / 1e12)] * 3
+    est = [c.decode_step_time(4, 100, jitter=False) for _ in range(3)]
+    assert est[0] == est[1] == est[2]
+
+
+def test_bad_step_jitter_is_rejected(tmp_path):
+    head, table = CHIP.split("[tflops]")
+    p = tmp_path / "bad.toml"
+    for bad in ("-0.1", "inf", "true"):
+        p.write_text(head + f"step_jitter_cv = {bad}\n[tflops]" + table)
+        with pytest.raises(ValueError, match="step_jitter_cv"):
+            load_chip(p)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from itertools import repeat
 
 
 class OutOfBlocks(RuntimeError):
@@ -62,12 +63,8 @@ class BlockAllocator:
 
     def incref(self, block_ids: Iterable[int]) -> None:
         ids = list(block_ids)
-        rc = self._refcount
-        if self.plain_ids(ids) and (not ids or min(map(rc.__getitem__, ids)) > 0):
-            # fast path (a prefix cache's whole path at once): ids checked at C speed
-            for b in ids:
-                rc[b] += 1
-            return
+        if self.plain_ids(ids) and self._incref_or_undo(ids):
+            return                    # fast path: ids checked at C speed, counts on the way
         for b in ids:
             self._check(b)
             if self._refcount[b] == 0:
@@ -78,18 +75,10 @@ class BlockAllocator:
     def decref(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference per id; returns the ids that became free (count reached 0)."""
         ids = list(block_ids)
-        rc = self._refcount
-        if (self.plain_ids(ids) and len(set(ids)) == len(ids)
-                and (not ids or min(map(rc.__getitem__, ids)) > 0)):
-            # fast path: distinct valid ids that are all referenced (what a request releases)
-            freed = []
-            free = self._free
-            for b in ids:
-                rc[b] -= 1
-                if not rc[b]:
-                    free.append(b)
-                    freed.append(b)
-            return freed
+        if self.plain_ids(ids):
+            freed = self._decref_or_undo(ids)
+            if freed is not None:
+                return freed          # fast path: ids checked at C speed, counts on the way
         pending: dict[int, int] = {}
         for b in ids:
             self._check(b)
@@ -104,6 +93,58 @@ class BlockAllocator:
                 freed.append(b)
         return freed
 
+    def _incref_or_undo(self, ids: list[int]) -> bool:
+        """incref valid ids; on a free one, undo and return False (the checked path raises)."""
+        rc = self._refcount
+        for k, b in enumerate(ids):
+            if not rc[b]:
+                for u in ids[:k]:
+                    rc[u] -= 1
+                return False
+            rc[b] += 1
+        return True
+
+    def _decref_or_undo(self, ids: list[int]) -> list[int] | None:
+        """decref valid ids; if one would go below zero, undo everything and return None (the
+        checked path raises), so a rejected call still changes nothing."""
+        rc = self._refcount
+        free = self._free
+        freed = []
+        for k, b in enumerate(ids):
+            c = rc[b] - 1
+            if c < 0:
+                for u in reversed(ids[:k]):     # newest first: a freed id is the free tail
+                    if not rc[u]:
+                        free.pop()
+                        freed.pop()
+                    rc[u] += 1
+                return None
+            rc[b] = c
+            if not c:
+                free.append(b)
+                freed.append(b)
+        return freed
+
+    def incref_unchecked(self, block_ids: list[int]) -> None:
+        """``incref`` without validation, for a caller that vouches for every id (a valid
+        int of a referenced block), e.g. a cache taking references on blocks it owns."""
+        rc = self._refcount
+        for b in block_ids:
+            rc[b] += 1
+
+    def decref_unchecked(self, block_ids: list[int]) -> list[int]:
+        """``decref`` without validation, for a caller that vouches for every id (a valid
+        int, referenced at least as often as it appears here); returns the freed ids."""
+        rc = self._refcount
+        free = self._free
+        freed = []
+        for b in block_ids:
+            rc[b] -= 1
+            if not rc[b]:
+                free.append(b)
+                freed.append(b)
+        return freed
+
     def refcounts(self) -> list[int]:
         """The reference counts by block id, READ ONLY: the fast path for a cache that walks
         blocks it owns (ids known valid) block by block; mutate only through the methods."""
@@ -114,7 +155,7 @@ class BlockAllocator:
         caller to the per-id checks (which raise the errors, or accept int subclasses)."""
         if not ids:
             return True
-        return (set(map(type, ids)) == {int} and min(ids) >= 0
+        return (all(map(isinstance, ids, repeat(int))) and min(ids) >= 0
                 and max(ids) < self.num_blocks)
 
     def _check(self, block_id: int) -> None:

@@ -36,6 +36,7 @@ import itertools
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import NamedTuple
 
 import xxhash
@@ -218,12 +219,29 @@ class RadixCache:
 
     def match(self, token_ids: Sequence[int], max_blocks: int | None = None) -> PrefixMatch:
         """Longest cached chain of leading full blocks (no references, no accounting, no LRU)."""
+        return self._match_path(token_ids, max_blocks)[0]
+
+    def _match_path(self, token_ids: Sequence[int],
+                    max_blocks: int | None) -> tuple[PrefixMatch, list[tuple[_Node, int]]]:
         blocks: list[int] = []
         hashes: list[int] = []
-        for node, m in self._walk(tuple(token_ids), self._limit(token_ids, max_blocks)):
+        path = self._walk(tuple(token_ids), self._limit(token_ids, max_blocks))
+        for node, m in path:
             blocks += node.blocks[:m]
             hashes += node.hashes[:m]
-        return PrefixMatch(tuple(blocks), tuple(hashes), self.block_size)
+        return PrefixMatch(tuple(blocks), tuple(hashes), self.block_size), path
+
+    def match_and_lock(self, token_ids: Sequence[int],
+                       max_blocks: int | None = None) -> RadixMatch:
+        """``match_prefix(token_ids, max_blocks, record=False)`` then ``lock`` of its handle,
+        in one walk: the same effect, without re-validating a match just made."""
+        m, path = self._match_path(token_ids, max_blocks)
+        if path:
+            self.allocator.incref_unchecked(list(m.block_ids))   # the tree's own ids
+            nodes = [node for node, _ in path]
+            self._touch_path(nodes[-1])
+            self._relock_nodes(nodes, path=True)
+        return RadixMatch(m.block_ids, m.num_tokens, m)
 
     def match_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None,
                      record: bool = True) -> RadixMatch:
@@ -251,13 +269,15 @@ class RadixCache:
 
     def take(self, match: PrefixMatch) -> None:
         """Take one reference per block of a still valid match (a request now uses them)."""
-        self._check_valid(match)
-        if not match.block_ids:
+        nodes = self._check_valid(match)
+        if not nodes:
             return
         self.allocator.incref(match.block_ids)
-        nodes = self._nodes(match.block_ids)
         self._touch_path(nodes[-1])
-        self._relock_nodes(nodes)
+        # a match from match() is a root path: then one bottom-up pass recounts it
+        path = nodes[0].parent is self._root and all(
+            b.parent is a for a, b in zip(nodes, nodes[1:], strict=False))
+        self._relock_nodes(nodes, path=path)
 
     def lock(self, handle: PrefixMatch) -> None:
         """Protect a matched path for a request (one reference per block); see ``unlock``."""
@@ -328,8 +348,8 @@ class RadixCache:
         freed = self.allocator.decref(ids)
         nodes = self._nodes(ids)
         if nodes:
-            self._touch_paths(nodes)
-            self._relock_nodes(nodes)
+            chain = self._touch_paths(nodes)
+            self._relock_nodes(nodes, chain=chain)
         return freed
 
     # -- eviction and allocation -------------------------------------------------------------------
@@ -349,15 +369,19 @@ class RadixCache:
                     or node.parent is None):
                 continue  # a stale entry: touched since, no longer a leaf or not evictable
             key = node.tokens[:self.block_size]
-            for _ in range(min(n - len(freed), node.evictable)):
-                b = node.blocks.pop()
-                h = node.hashes.pop()
-                del self._node_of[b]
-                self._note(h, False)
-                got = self.allocator.decref([b])
-                if got != [b]:
-                    raise AssertionError(f"evicted block {b} was still referenced")
-                freed.append(b)
+            k = min(n - len(freed), node.evictable)
+            # the node's k tail blocks, tail first (the order they are noted and freed in)
+            gone, hashes = node.blocks[:-k - 1:-1], node.hashes[:-k - 1:-1]
+            del node.blocks[-k:], node.hashes[-k:]
+            node_of = self._node_of
+            for b in gone:
+                del node_of[b]
+            self._note_all(hashes, False)
+            got = self.allocator.decref_unchecked(gone)     # the tree's own ids
+            if got != gone:
+                raise AssertionError(f"evicted blocks {sorted(set(gone) - set(got))} were "
+                                     f"still referenced")
+            freed += gone
             node.tokens = node.tokens[:len(node.blocks) * self.block_size]
             self._refresh(node)                      # re-enters the heap if still evictable
             if not node.blocks:
@@ -415,15 +439,18 @@ class RadixCache:
             stack.extend(node.children.values())
         return out
 
-    def _note(self, h: int, present: bool) -> None:
-        self._pending.pop(h, None)   # re-append: drain order follows the latest change
-        self._pending[h] = present
-        if len(self._pending) > self.max_pending_events:
-            # Nobody drains: forget the log and skip a notice number, so the receiver sees a
-            # gap and knows its view is stale instead of silently missing events.
-            self.events_dropped += len(self._pending)
-            self._pending.clear()
-            self._event_seq += 1
+    def _note_all(self, hashes: list[int], present: bool) -> None:
+        """Log that these prefixes were inserted (``present``) or evicted, in order."""
+        pending, cap = self._pending, self.max_pending_events
+        for h in hashes:
+            pending.pop(h, None)   # re-append: drain order follows the latest change
+            pending[h] = present
+            if len(pending) > cap:
+                # Nobody drains: forget the log and skip a notice number, so the receiver sees
+                # a gap and knows its view is stale instead of silently missing events.
+                self.events_dropped += len(pending)
+                pending.clear()
+                self._event_seq += 1
 
     # -- invariants (tests and debugging) --------------------------------------------------------------
 
@@ -483,16 +510,24 @@ class RadixCache:
             child = node.children.get(tokens[i * bs:(i + 1) * bs])
             if child is None:
                 break
-            n = min(len(child.blocks), limit - i)
-            if child.tokens[:n * bs] == tokens[i * bs:(i + n) * bs]:
-                m = n
+            nb = len(child.blocks)
+            n = nb if nb <= limit - i else limit - i
+            if n == 1 or (child.tokens if n == nb else child.tokens[:n * bs]) \
+                    == tokens[i * bs:(i + n) * bs]:
+                m = n                      # (the first block matched: it is the key)
             else:
-                m = 1
-                while child.tokens[m * bs:(m + 1) * bs] == tokens[(i + m) * bs:(i + m + 1) * bs]:
-                    m += 1
+                # the longest matching run of blocks, 1 <= m < n: bisect on equal prefixes
+                lo, hi = 1, n
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if child.tokens[:mid * bs] == tokens[i * bs:(i + mid) * bs]:
+                        lo = mid
+                    else:
+                        hi = mid
+                m = lo
             path.append((child, m))
             i += m
-            if m < len(child.blocks):
+            if m < nb:
                 break
             node = child
         return path
@@ -507,14 +542,15 @@ class RadixCache:
         path = self._walk(tokens, full)
         hashes: list[int] = []
         duplicates: list[int] = []
+        ids = block_ids if type(block_ids) is list else list(block_ids)
         i = 0
         for node, m in path:
             hashes += node.hashes[:m]
-            mine = block_ids[i:i + m]
-            if node.blocks[:m] != list(mine):
+            mine = ids[i:i + m]
+            if mine != (node.blocks if m == len(node.blocks) else node.blocks[:m]):
                 duplicates += [b for b, own in zip(mine, node.blocks, strict=False) if b != own]
             i += m
-        new = [int(b) for b in block_ids[i:full]]
+        new = [int(b) for b in ids[i:full]]
         if not new:
             if path:
                 self._touch_path(path[-1][0])
@@ -529,19 +565,19 @@ class RadixCache:
                     raise ValueError(f"block {b} is already cached for another prefix")
                 if self.allocator.refcount(b) == 0:
                     raise ValueError(f"cannot cache free block {b}")
+        # from here on every id in `new` is a plain, valid, referenced int
         parent = self._root
         if path:  # split only when something hangs below the match point
             last, m = path[-1]
             parent = self._split(last, m) if m < len(last.blocks) else last
         new_hashes = chained_hashes(tokens[i * bs:full * bs], bs, hashes[-1] if hashes else 0)
-        self.allocator.incref(new)  # the tree's own reference
+        self.allocator.incref_unchecked(new)  # the tree's own reference (checked above)
         leaf = _Node(next(self._uids), parent, tokens[i * bs:full * bs], new, new_hashes)
         parent.children[leaf.tokens[:bs]] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
         self._node_of.update(dict.fromkeys(new, leaf))
-        for h in new_hashes:
-            self._note(h, True)
+        self._note_all(new_hashes, True)
         self.num_inserted += len(new)
         self._touch_path(leaf)
         self._recount(leaf)          # after the touch: its heap entry gets the new mark
@@ -597,6 +633,10 @@ class RadixCache:
         locks whole paths, so this usually stops at once). Owned ids are valid: unchecked."""
         blocks, rc, pins = node.blocks, self._rc, self._pins
         last = len(blocks) - 1
+        if last >= 0 and rc[blocks[last]] <= 1 and not pins and \
+                max(map(rc.__getitem__, blocks)) <= 1:
+            node.last_locked = -1          # nothing locked (a request just let go): C speed
+            return
         if pins:
             while last >= 0 and rc[blocks[last]] <= 1 and pins.get(blocks[last], 0) <= 0:
                 last -= 1
@@ -653,8 +693,9 @@ class RadixCache:
 
     def _nodes(self, block_ids: Iterable[int]) -> list[_Node]:
         """The distinct nodes owning the given (cached) blocks, in first-seen order."""
-        get = self._node_of.get
-        return [x for x in dict.fromkeys(map(get, block_ids)) if x is not None]
+        # a node's blocks come in runs: group at C speed, then dedupe the (few) runs
+        runs = [x for x, _ in groupby(map(self._node_of.get, block_ids)) if x is not None]
+        return list(dict.fromkeys(runs)) if len(runs) > 1 else runs
 
     def _chain(self, node: _Node) -> list[_Node]:
         """A node and its ancestors below the root, deepest first."""
@@ -665,14 +706,17 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
         return chain
 
-    def _relock_nodes(self, nodes: list[_Node]) -> None:
+    def _relock_nodes(self, nodes: list[_Node], path: bool = False,
+                      chain: list[_Node] | None = None) -> None:
         """Recount nodes whose blocks' lock state may have changed. When they all lie on one
-        root path (a request's blocks: the usual case) this is one bottom-up pass carrying the
-        change in ``locked_below``, instead of one walk to the root per node; the result is
-        the same (each node's counts depend only on the final lock states)."""
-        chain = self._chain(nodes[-1])
+        root path (a request's blocks: the usual case; ``path``: known to be the whole chain
+        of the last) this is one bottom-up pass carrying the change in ``locked_below``,
+        instead of one walk to the root per node; the result is the same (each node's counts
+        depend only on the final lock states). ``chain``: the last node's, when known."""
+        if chain is None:
+            chain = self._chain(nodes[-1])
         todo = set(nodes)
-        if len(todo) > 1 and not todo.issubset(chain):
+        if not path and len(todo) > 1 and not todo.issubset(chain):
             for node in nodes:    # not one path: each recount propagates its own delta
                 self._recount(node)
             return
@@ -694,31 +738,35 @@ class RadixCache:
     def _touch_path(self, node: _Node) -> None:
         """Mark a node and its ancestors most recently used (the node itself the newest)."""
         chain = self._chain(node)
+        clock = self._clock
         for n in reversed(chain):
-            self._clock += 1
-            n.last_access = self._clock
+            clock += 1
+            n.last_access = clock
+        self._clock = clock
         if chain:
             self._offer_leaf(chain[0])
 
-    def _touch_paths(self, nodes: list[_Node]) -> None:
-        """``_touch_path`` of each node in order. When every node is an ancestor of the last
-        one (a request's path) only the last touch's marks survive: do that one, with the clock
-        advanced exactly as the whole sequence would have (same values, one walk)."""
-        if len(nodes) == 1:
-            self._touch_path(nodes[0])
-            return
+    def _touch_paths(self, nodes: list[_Node]) -> list[_Node]:
+        """``_touch_path`` of each node in order; returns the last node's chain. When every
+        node is an ancestor of the last one (a request's path) only the last touch's marks
+        survive: do that one, with the clock advanced exactly as the whole sequence would
+        have (same values, one walk)."""
         chain = self._chain(nodes[-1])
-        depth = {n: len(chain) - i for i, n in enumerate(chain)}
-        if not all(n in depth for n in nodes):
-            for node in nodes:
-                self._touch_path(node)
-            return
-        self._clock += sum(depth[n] for n in nodes[:-1])
+        if len(nodes) > 1:
+            depth = {n: len(chain) - i for i, n in enumerate(chain)}
+            if not all(n in depth for n in nodes):
+                for node in nodes[:-1]:
+                    self._touch_path(node)
+            else:
+                self._clock += sum(depth[n] for n in nodes[:-1])
+        clock = self._clock
         for n in reversed(chain):
-            self._clock += 1
-            n.last_access = self._clock
+            clock += 1
+            n.last_access = clock
+        self._clock = clock
         if chain:
             self._offer_leaf(chain[0])
+        return chain
 
     def _group(self, block_ids: Sequence[int]) -> list[tuple[_Node, int]]:
         """(node, number of the given blocks in it) for cached blocks, in first-seen order."""
@@ -729,7 +777,8 @@ class RadixCache:
                 out[node] = out.get(node, 0) + 1
         return list(out.items())
 
-    def _check_valid(self, match: PrefixMatch) -> None:
+    def _check_valid(self, match: PrefixMatch) -> list[_Node]:
+        """Raise unless the match still names cached blocks; returns the nodes it covers."""
         if match.block_size != self.block_size:
             raise ValueError(f"match at block size {match.block_size}, cache uses "
                              f"{self.block_size}")
@@ -738,6 +787,7 @@ class RadixCache:
             raise ValueError("prefix match has different numbers of blocks and hashes")
         # A match runs from the root, so it covers whole nodes from their first block on.
         i = 0
+        nodes = []
         while i < len(ids):
             node = self._node_of.get(ids[i])
             k = min(len(node.blocks), len(ids) - i) if node is not None else 0
@@ -745,5 +795,7 @@ class RadixCache:
                     or node.hashes[:k] != hashes[i:i + k]):
                 raise ValueError(f"prefix match is stale: block {ids[i]} is no longer cached "
                                  f"for that prefix")
+            nodes.append(node)
             i += k
+        return nodes
 

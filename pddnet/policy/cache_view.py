@@ -17,9 +17,10 @@ hash only makes the estimate lower; the next answer teaches it back).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat, takewhile
 from typing import Protocol
 
 from pddnet.kv.radix import chained_hashes
@@ -108,8 +109,7 @@ class DecodeCacheView:
             self.stale = True
         self.next_seq = events.seq + 1
         self.notices += 1
-        for h in events.evicted:
-            self._hashes.pop(h, None)
+        _consume(map(self._hashes.pop, events.evicted, repeat(None)))
         self._add(events.inserted)
         return True
 
@@ -159,13 +159,11 @@ class DecodeCacheView:
 
     def _predict(self, n: int, hashes: tuple[int, ...]) -> HitPrediction:
         known = self._hashes
-        hit = 0
-        for h in hashes:
-            if h not in known:
-                break
-            known.move_to_end(h)
-            hit += 1
-        return HitPrediction(n, hit * self.block_size, hashes, self.block_size, self.stale)
+        # the leading run of known hashes, each marked recently used (C-speed loops)
+        hit = list(takewhile(known.__contains__, hashes))
+        _consume(map(known.move_to_end, hit))
+        return HitPrediction(n, len(hit) * self.block_size, hashes, self.block_size,
+                             self.stale)
 
     def observe(self, prediction: HitPrediction, actual_hit_tokens: int,
                 block_size: int | None = None) -> Observation:
@@ -186,8 +184,7 @@ class DecodeCacheView:
         if held < len(prediction.hashes):
             # MD matched up to `held` blocks although it could have matched more: it lacks
             # block `held` of this chain, and so every deeper block of it.
-            for h in prediction.hashes[held:]:
-                self._hashes.pop(h, None)
+            _consume(map(self._hashes.pop, prediction.hashes[held:], repeat(None)))
         return Observation(prediction.hit_tokens, actual_hit_tokens)
 
     @property
@@ -215,9 +212,17 @@ class DecodeCacheView:
         self.block_size = block_size
 
     def _add(self, hashes: Iterable[int]) -> None:
-        for h in hashes:
-            self._hashes[h] = None
-            self._hashes.move_to_end(h)
+        hashes = hashes if isinstance(hashes, (tuple, list)) else list(hashes)
+        fresh = dict.fromkeys(hashes)
+        if len(fresh) == len(hashes):
+            # distinct (chained hashes always are): drop and re-append them all at C speed,
+            # the same order as setting and moving each to the end in turn
+            _consume(map(self._hashes.pop, hashes, repeat(None)))
+            self._hashes.update(fresh)
+        else:
+            for h in hashes:
+                self._hashes[h] = None
+                self._hashes.move_to_end(h)
         while len(self._hashes) > self.max_hashes:
             self._hashes.popitem(last=False)
             self.dropped_by_cap += 1
@@ -233,3 +238,8 @@ class DecodeCacheView:
                 self.over_predicted += 1
             else:
                 self.under_predicted += 1
+
+
+def _consume(it: Iterable[object]) -> None:
+    """Run an iterator to its end at C speed (for map() over a method)."""
+    deque(it, maxlen=0)

@@ -173,12 +173,51 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+class TqdmProgress:
+    """reproduce()'s progress as one tqdm bar per stage (to stderr; throttled when stderr is
+    not a terminal, so a log file gets a few lines, not thousands)."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+        self.t0 = time.monotonic()
+
+    def stage(self, name: str, total: int, unit: str) -> None:
+        self.close()
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover
+            print(f"{name}: {total} {unit}(s)", file=sys.stderr)
+            return
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=f"{name:>14}", unit=unit, file=sys.stderr,
+                        mininterval=0.5 if tty else 30.0, dynamic_ncols=tty)
+
+    def advance(self, n: int = 1, note: str | None = None) -> None:
+        if self.bar is None:
+            if note:
+                print(note, file=sys.stderr)
+            return
+        if note and n == 1 and self.bar.unit == "candidate":
+            self.bar.write(f"  {note}", file=sys.stderr)
+        elif note:
+            self.bar.set_postfix_str(note, refresh=False)
+        self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from pddnet.sim.reproduce import print_report, reproduce
 
     t0 = time.monotonic()
-    data = reproduce(quick=args.quick, seed=args.seed,
-                     progress=lambda m: print(m, file=sys.stderr))
+    bars = TqdmProgress()
+    try:
+        data = reproduce(quick=args.quick, seed=args.seed, progress=bars)
+    finally:
+        bars.close()
     print_report(data)
     path = _write(args.out, "reproduce-quick" if args.quick else "reproduce", data)
     print(f"wrote {path} ({time.monotonic() - t0:.1f} s of wall time)")
@@ -187,7 +226,6 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
         for p in plot_run(data, path):
             print(f"wrote {p}")
-        fr = {s: {"candidates": [], "frontier": f}
-              for s, f in data["ours"]["cost_table"]["frontiers"].items()}
-        print(f"wrote {plot_frontier(fr, path.with_name(path.stem + '-frontier.png'))}")
+        plans = data["ours"]["cost_table"]["plans"]
+        print(f"wrote {plot_frontier(plans, path.with_name(path.stem + '-frontier.png'))}")
     return 0 if all(data["checks"].values()) else 1

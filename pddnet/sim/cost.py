@@ -18,6 +18,14 @@ where
   the batch and its context far faster than the bytes read (batch 1 -> 16: ~3x). Both default
   to 0, so GPU profiles (fused, batched attention kernels) are pure roofline; a profile fitted
   by ``scripts/sim_calibrate.py`` sets them.
+A chip's ``step_jitter_cv`` (default 0: none) multiplies every decode / extend step by a random
+factor of mean 1 and that coefficient of variation (log-normal, so never negative), drawn from a
+stream seeded by the chip's name: deterministic for a run, like everything in the simulator.
+It stands for a chip shared with other work -- on the calibration's CPU box the daemons and other
+jobs take turns on two cores, so a step's time depends on who else runs -- and is fitted there
+from the spread of measured steps around their fitted mean. pddnet/sim/decode.py costs a segment
+of steps with constant membership by one call, so the spread is drawn per segment (tens of
+steps, about one contending prefill on that box); estimates should pass ``jitter=False``.
 So a prefill of thousands of tokens is compute-bound and a decode step memory-bound, without
 saying so anywhere: the max() decides. Extend (MD recomputing RLD's tokens) is the same forward
 with T = decode batch + extend tokens, which is why it costs little more than a decode step.
@@ -25,6 +33,8 @@ with T = decode batch + extend tokens, which is why it costs little more than a 
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
 from pddnet.sim.profiles import ChipProfile, ModelProfile
@@ -70,6 +80,10 @@ class InstanceCost:
         object.__setattr__(self, "_kvpt", m.kv_bytes_per_token)
         object.__setattr__(self, "_per_seq", self.chip.step_per_seq_us * 1e-6)
         object.__setattr__(self, "_per_ctx", self.chip.step_per_ctx_token_ns * 1e-9)
+        cv = self.chip.step_jitter_cv
+        sigma = math.sqrt(math.log1p(cv * cv))       # log-normal with mean 1 and this cv
+        object.__setattr__(self, "_jitter", (-sigma * sigma / 2, sigma) if cv > 0 else None)
+        object.__setattr__(self, "_jitter_rng", random.Random(jitter_seed(self.chip.name)))
 
     # -- capacities ---------------------------------------------------------------------------
 
@@ -129,15 +143,26 @@ class InstanceCost:
         return t
 
     def decode_step_time(self, batch: int, context_tokens: float, extend_tokens: int = 0,
-                         extend_pairs: float = 0.0, extend_seqs: int | None = None) -> float:
+                         extend_pairs: float = 0.0, extend_seqs: int | None = None,
+                         jitter: bool = True) -> float:
         """One continuous-batching step: `batch` sequences decode one token each over
         `context_tokens` cached positions in total, plus `extend_tokens` recomputed tokens
         (attending `extend_pairs` pairs) of `extend_seqs` sequences (default: one when there
         are extend tokens) batched into the same forward. The per-context term counts the
-        decoding sequences' context only (an extend's own context is not passed in)."""
+        decoding sequences' context only (an extend's own context is not passed in). With the
+        chip's ``step_jitter_cv`` > 0 and ``jitter``, the time is multiplied by one seeded
+        random factor of mean 1; ``jitter=False`` gives the mean (for estimates)."""
         if batch + extend_tokens <= 0:
             return 0.0
         if extend_seqs is None:
             extend_seqs = 1 if extend_tokens > 0 else 0
-        return self.forward_time(batch + extend_tokens, context_tokens + extend_pairs,
-                                 context_tokens, seqs=batch + extend_seqs)
+        t = self.forward_time(batch + extend_tokens, context_tokens + extend_pairs,
+                              context_tokens, seqs=batch + extend_seqs)
+        if jitter and self._jitter is not None:
+            t *= self._jitter_rng.lognormvariate(*self._jitter)
+        return t
+
+
+def jitter_seed(chip_name: str) -> str:
+    """Seed of a chip's step-jitter stream (a str seed: stable across runs and processes)."""
+    return f"pddnet-sim-step-jitter:{chip_name}"

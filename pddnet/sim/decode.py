@@ -162,7 +162,8 @@ class DecodeInstance:
     def step_time_estimate(self, extra_context: int = 0) -> float:
         """Cost of one step if a member with `extra_context` joined now."""
         ctx = self._ctx_base + self.n * self.step + extra_context
-        return self.cost.decode_step_time(self.n + 1, ctx)
+        # the mean, not a draw: a policy's estimate must not consume the step-jitter stream
+        return self.cost.decode_step_time(self.n + 1, ctx, jitter=False)
 
     # -- segments -------------------------------------------------------------------------------
 
@@ -304,7 +305,8 @@ class DecodeInstance:
             if heap:
                 k = max(1, min(k, heap[0][0] - s1))
         ctx_mid = self._ctx_base + self.n * (s1 + (k - 1) / 2)
-        tau = self.cost.decode_step_time(self.n, ctx_mid, ext_tokens, ext_pairs)
+        tau = self.cost.decode_step_time(self.n, ctx_mid, ext_tokens, ext_pairs,
+                                         extend_seqs=len(self._step_extend))
         self.seg_t0, self.seg_s0, self.seg_end, self.tau = now, s1, s1 + k, tau
         self._token += 1
         self.loop.at(now + k * tau, self._end_segment, self._token)

@@ -36,7 +36,8 @@ class Histogram:
             return
         if value < 0 or value != value:
             raise ValueError(f"histogram values must be >= 0, got {value!r}")
-        b = self._bucket(value)
+        # _bucket, inlined (the hottest call of a run)
+        b = -1 if value <= self._floor else int(math.log(value / self._floor) / self._log_base)
         self.counts[b] = self.counts.get(b, 0.0) + weight
         self.n += weight
         self.total += value * weight

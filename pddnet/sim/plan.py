@@ -2,7 +2,11 @@
 
 For every candidate deployment it finds the *capacity*: the largest arrival rate (as a multiple
 of the workload's own rate) at which at least ``sla.attainment`` of the requests meet both the
-TTFT and the TPOT bound, by doubling / halving and then bisecting. Goodput under SLA is that
+TTFT and the TPOT bound, by stepping up or down by ``factor`` from ``start`` until the bound is
+bracketed and then bisecting. Neighbouring candidates of a grid have similar capacities, so
+``plan(warm_start=True)`` starts each search at the previous candidate's capacity with a finer
+step: fewer simulations per candidate at the same resolution (a simulation at a datacenter-sized
+load costs tens of seconds). Goodput under SLA is that
 rate times the attainment; BCR is goodput per dollar-hour. The frontier is the set of candidates
 no other candidate beats on both cost and goodput.
 """
@@ -19,8 +23,13 @@ from pddnet.sim.runner import simulate
 
 
 def capacity(cfg: SimConfig, system: str, lo: float = 0.1, hi: float = 16.0,
-             steps: int = 3) -> dict[str, Any]:
-    """Largest rate_scale meeting the SLA attainment (and the run at that scale)."""
+             steps: int = 3, start: float = 1.0, factor: float = 2.0) -> dict[str, Any]:
+    """Largest rate_scale meeting the SLA attainment (and the run at that scale); the answer
+    is within ``factor ** (1 / 2 ** steps)`` of the true one."""
+    if factor <= 1.0:
+        raise ValueError(f"factor must be > 1, got {factor!r}")
+    if not lo <= start <= hi:
+        raise ValueError(f"start {start!r} outside [{lo!r}, {hi!r}]")
     target = cfg.sla.attainment
     cache: dict[float, dict[str, Any]] = {}
 
@@ -39,21 +48,21 @@ def capacity(cfg: SimConfig, system: str, lo: float = 0.1, hi: float = 16.0,
         r = run(scale)
         return r["unfinished"] == 0 and r["sla"]["attainment"] >= target
 
-    scale = 1.0
+    scale = round(start, 6)
     if ok(scale):
         good, bad = scale, None
-        while bad is None and good * 2 <= hi:
-            if ok(good * 2):
-                good *= 2
+        while bad is None and good * factor <= hi:
+            if ok(good * factor):
+                good *= factor
             else:
-                bad = good * 2
+                bad = good * factor
     else:
         good, bad = None, scale
-        while good is None and bad / 2 >= lo:
-            if ok(bad / 2):
-                good = bad / 2
+        while good is None and bad / factor >= lo:
+            if ok(bad / factor):
+                good = bad / factor
             else:
-                bad /= 2
+                bad /= factor
     if good is None:
         return {"rate_scale": 0.0, "goodput_rps": 0.0, "run": run(lo if lo in cache else bad)}
     if bad is not None:
@@ -83,23 +92,31 @@ def with_pools(cfg: SimConfig, system: str, sizes: Sequence[int]) -> SimConfig:
 
 
 def plan(cfg: SimConfig, system: str, ranges: Sequence[Sequence[int]],
-         progress: Callable[[str], None] | None = None, steps: int = 3) -> dict[str, Any]:
+         progress: Callable[[str], None] | None = None, steps: int = 3,
+         warm_start: bool = False, factor: float = 2.0) -> dict[str, Any]:
     """Evaluate every combination of pool sizes in ``ranges``; returns candidates (cost,
-    goodput, BCR), the frontier and the best-BCR candidate."""
+    goodput, BCR), the frontier and the best-BCR candidate. With ``warm_start`` each
+    capacity search starts at the previous candidate's capacity (see the module docstring)."""
     want = 2 if system == "same-dc" else 3
     if len(ranges) != want:
         names = "P, D" if want == 2 else "P, RLD, MD"
         raise ValueError(f"{system}: give {want} ranges of pool sizes ({names})")
     candidates = []
+    start = 1.0
     for sizes in itertools.product(*ranges):
         c = with_pools(cfg, system, sizes)
-        cap = capacity(c, system, steps=steps)
+        cap = capacity(c, system, steps=steps, start=start, factor=factor)
+        if warm_start and cap["rate_scale"] > 0:
+            start = min(max(cap["rate_scale"], 0.1), 16.0)
         run = cap["run"]
         cost = run["cost_per_hour"]
         row = {"sizes": list(sizes), "gpus": run["gpus"], "cost_per_hour": cost,
                "rate_scale": cap["rate_scale"], "goodput_rps": cap["goodput_rps"],
                "bcr": round(cap["goodput_rps"] / cost, 8) if cost else 0.0,
-               "ttft_p99_s": run["ttft_s"]["p99"], "tpot_p50_s": run["tpot_s"]["p50"]}
+               "ttft_p99_s": run["ttft_s"]["p99"], "tpot_p50_s": run["tpot_s"]["p50"],
+               # what binds at capacity: the line, RLD or the pools
+               "wan_utilisation": run["wan"]["utilisation"] if "wan" in run else None,
+               "rld_refused": run["rld"]["refused"], "busy": run["busy"]}
         candidates.append(row)
         if progress is not None:
             progress(f"{system} {sizes}: goodput {row['goodput_rps']:.3f} rps, "

@@ -32,7 +32,9 @@ class PrefillInstance:
             blocks = cost.kv_capacity_tokens() // (block_units * tokens_per_unit)
             if blocks < 1:
                 raise ValueError(f"{name}: no room for a single KV block")
-            self.cache = RadixCache(BlockAllocator(blocks), block_units)
+            # Nobody reads P's cache events (only MD's feed P's view): keep the log at one
+            # entry instead of filling 64K entries per P before it resets (memory only).
+            self.cache = RadixCache(BlockAllocator(blocks), block_units, max_pending_events=1)
         self.queue: deque[tuple[Any, Progress]] = deque()
         self.busy = False
         self.busy_s = 0.0
@@ -58,8 +60,9 @@ class PrefillInstance:
         hit, handle, table = 0, None, None
         if self.cache is not None:
             bs = self.block_units
-            m = self.cache.match_prefix(req.units, max_blocks=(len(req.units) - 1) // bs)
-            self.cache.lock(m.handle)
+            m = self.cache.match_and_lock(req.units, max_blocks=(len(req.units) - 1) // bs)
+            if req.units:
+                self.cache.record_lookup(len(req.units), m.hit_tokens)
             handle = m.handle
             hit = min(m.hit_tokens * self.q, req.prompt_tokens - 1)
             need = -(-len(req.units) // bs) - len(m.block_ids)

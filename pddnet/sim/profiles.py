@@ -4,12 +4,15 @@ A chip is the source report's four dimensions plus cost: peak dense compute per 
 capacity, memory bandwidth, scale-up and scale-out interconnect bandwidth, price per hour, and
 the achievable fractions of peak (the roofline's efficiency factors), plus two optional host-side
 terms a CPU engine needs and a GPU does not (``step_per_seq_us``, ``step_per_ctx_token_ns``: see
-pddnet/sim/cost.py; 0 by default). A model is its shape: what
+pddnet/sim/cost.py; 0 by default), and ``step_jitter_cv``, a seeded random spread of decode-step
+times for a chip shared with other work (0 by default: GPU profiles are deterministic rooflines).
+A model is its shape: what
 the cost model needs to count FLOPs per token, bytes read per decode step and KV bytes per token.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -38,6 +41,7 @@ class ChipProfile:
     step_overhead_ms: float = 1.5
     step_per_seq_us: float = 0.0        # serial work per sequence in a forward (CPU engines)
     step_per_ctx_token_ns: float = 0.0  # serial work per context token attended (KV gather)
+    step_jitter_cv: float = 0.0         # decode-step spread (coefficient of variation, mean 1)
 
     def __post_init__(self) -> None:
         for f in ("memory_gb", "memory_bw_gbs", "scale_up_gbs", "scale_out_gbit"):
@@ -48,10 +52,12 @@ class ChipProfile:
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"chip {self.name!r}: {f} must be in (0, 1], got "
                                  f"{getattr(self, f)!r}")
-        for f in ("step_overhead_ms", "step_per_seq_us", "step_per_ctx_token_ns"):
+        for f in ("step_overhead_ms", "step_per_seq_us", "step_per_ctx_token_ns",
+                  "step_jitter_cv"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"chip {self.name!r}: {f} must be a number >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"chip {self.name!r}: {f} must be a finite number >= 0, got "
+                                 f"{v!r}")
         if not self.tflops:
             raise ValueError(f"chip {self.name!r}: [tflops] needs at least one dtype")
         for k, v in self.tflops.items():

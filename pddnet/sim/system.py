@@ -337,9 +337,7 @@ class SimulatedSystem:
         hit_blocks: tuple[int, ...] = ()
         handle = None
         if side.use_cache:
-            m = cache.match_prefix(req.units, max_blocks=(len(req.units) - 1) // bs,
-                                   record=False)
-            cache.lock(m.handle)
+            m = cache.match_and_lock(req.units, max_blocks=(len(req.units) - 1) // bs)
             hit_blocks, handle = m.block_ids, m.handle
         need = -(-(len(req.units) + len(req.output_units)) // bs) - len(hit_blocks)
         if cache.num_available < need:
@@ -431,7 +429,7 @@ class SimulatedSystem:
 
     def _kv_at_md(self, t: float, st: ReqState) -> None:
         tr = st.transfer
-        self.bw_est.observe(tr.total, t - tr.started_at)
+        self.bw_est.observe(*tr.goodput_sample())  # the sample the daemons' P gets
         if st.finished or st.rld_done:
             return
         st.kv_at_md = True

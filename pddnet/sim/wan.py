@@ -26,7 +26,7 @@ class Transfer:
     """One request's KV on the WAN; bytes become sendable as P computes them."""
 
     __slots__ = ("total", "sendable", "offered", "delivered", "on_done", "cancelled",
-                 "started_at", "done_at")
+                 "started_at", "done_at", "first_at", "first_bytes")
 
     def __init__(self, total: int, on_done: Callable[[float], None], now: float) -> None:
         self.total = total
@@ -37,6 +37,18 @@ class Transfer:
         self.cancelled = False
         self.started_at = now
         self.done_at: float | None = None
+        # When the first piece arrived, and its size: what MD's KV_RECEIVED reports to P's
+        # bandwidth estimator (bytes after the first chunk over the first-to-last arrival span)
+        self.first_at: float | None = None
+        self.first_bytes = 0
+
+    def goodput_sample(self) -> tuple[int, float]:
+        """(bytes, seconds) as MD measures a finished transfer on its own clock: the bytes after
+        the first piece over the span from the first piece's arrival to the last's. Waiting for
+        P's prefill before the first byte, or in the line's queue before it, is not in it."""
+        if self.first_at is None or self.done_at is None:
+            return 0, 0.0
+        return self.total - self.first_bytes, self.done_at - self.first_at
 
 
 class _Message:
@@ -72,6 +84,7 @@ class WanLine:
         self.rate_bytes_per_s = rate_mbit * 1e6 / 8
         self.one_way_s = delay_ms / 1e3
         self._burst = self.link.a_to_b.effects()["burst_bytes"]
+        self._dirs = {"a_to_b": self.link.a_to_b, "b_to_a": self.link.b_to_a}
         self._ready: deque[Transfer] = deque()      # transfers with sendable, unoffered bytes
         # control messages not yet accepted by the bottleneck queue (their TCP send buffer)
         self._control: dict[str, deque[tuple[int, _Message]]] = {"a_to_b": deque(),
@@ -114,7 +127,8 @@ class WanLine:
     def message(self, direction: str, size: int, callback: Callable[..., None],
                 *args: Any) -> None:
         """A control message; ``callback(arrival_time, *args)`` when it arrives."""
-        self.link.direction(direction)          # validates the name
+        if direction not in self._dirs:
+            self.link.direction(direction)      # raises: not a direction's name
         self.messages += 1
         self._control[direction].append((size, _Message(callback, args)))
         self._pump_now(direction)
@@ -137,7 +151,7 @@ class WanLine:
             return
         self._pump_at[direction] = None
         now = self.loop.now
-        d = self.link.direction(direction)
+        d = self._dirs[direction]
         for item in d.poll(now):
             if isinstance(item, _Piece):
                 self._delivered(item, now)
@@ -184,6 +198,8 @@ class WanLine:
     def _complete(self, piece: _Piece) -> None:
         now = self.loop.now
         tr = piece.transfer
+        if tr.first_at is None:
+            tr.first_at, tr.first_bytes = now, piece.size
         tr.delivered += piece.size
         if tr.delivered >= tr.total and not tr.cancelled and tr.done_at is None:
             tr.done_at = now

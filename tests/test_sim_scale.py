@@ -1,0 +1,125 @@
+"""The fast paths the simulator's scale relies on do exactly what the paths they replace do.
+
+Each fast path (chained hashes, a prediction from kept hashes, a fused match-and-lock, the
+allocator's counted-on-the-way checks, the eviction heap) is compared with the slow form on
+the same inputs, so a speed-up can never change a result.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pddnet.kv.allocator import BlockAllocator
+from pddnet.kv.prefix_cache import block_hashes
+from pddnet.kv.radix import RadixCache, chained_hashes
+from pddnet.policy.cache_view import DecodeCacheView
+from pddnet.sim.config import parse_config
+from pddnet.sim.reproduce import scenario
+from pddnet.sim.system import SimulatedSystem
+from pddnet.sim.workload import SimRequest
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(-(1 << 40), 1 << 40), max_size=40),
+       bs=st.integers(1, 5), parent=st.integers(0, (1 << 64) - 1))
+def test_chained_hashes_are_block_hashes(tokens: list[int], bs: int, parent: int) -> None:
+    assert chained_hashes(tokens, bs, parent) == block_hashes(tokens, bs, parent)
+
+
+def _view_with(prefixes: list[list[int]], bs: int) -> DecodeCacheView:
+    c = RadixCache(BlockAllocator(256), bs)
+    for p in prefixes:
+        c.insert_finished(p, c.allocate(-(-len(p) // bs)))
+    v = DecodeCacheView(max_hashes=64)
+    v.apply(c.drain_events())
+    return v
+
+
+def test_prediction_from_kept_hashes_equals_hashing_the_prompt() -> None:
+    rng = random.Random(3)
+    for bs in (1, 4):
+        base = [rng.randrange(9) for _ in range(40)]
+        a, b = _view_with([base[:24], base[:9] + [99] * 8], bs), \
+            _view_with([base[:24], base[:9] + [99] * 8], bs)
+        for cut in (0, 1, 5, 9, 17, 24, 33, 40):
+            prompt = base[:cut]
+            slow = a.predict(prompt)
+            fast = b.predict_from_hashes(len(prompt), block_hashes(prompt, bs), bs)
+            assert fast == slow
+        assert list(a._hashes) == list(b._hashes)          # the same LRU order after
+    v = _view_with([[1, 2, 3, 4]], 2)
+    with pytest.raises(ValueError, match="block size 4, the view's is 2"):
+        v.predict_from_hashes(8, [1, 2], 4)
+    with pytest.raises(ValueError, match="needs its first 3"):
+        v.predict_from_hashes(8, [1, 2], 2)
+
+
+def _twin_caches(seed: int) -> tuple[RadixCache, RadixCache, list[list[int]]]:
+    """Two caches fed the same random conversations, and prompts to look up."""
+    rng = random.Random(seed)
+    caches = (RadixCache(BlockAllocator(48), 2), RadixCache(BlockAllocator(48), 2))
+    prompts = []
+    for _ in range(30):
+        p = [rng.randrange(3) for _ in range(rng.randrange(2, 14))]
+        prompts.append(p)
+        for c in caches:
+            need = -(-len(p) // 2)
+            if c.num_available >= need:
+                c.insert_finished(p, c.allocate(need))
+    return caches[0], caches[1], prompts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_match_and_lock_is_match_prefix_then_lock(seed: int) -> None:
+    slow, fast, prompts = _twin_caches(seed)
+    held = []
+    for p in prompts:
+        m1 = slow.match_prefix(p, max_blocks=(len(p) - 1) // 2, record=False)
+        slow.lock(m1.handle)
+        m2 = fast.match_and_lock(p, max_blocks=(len(p) - 1) // 2)
+        assert m1 == m2
+        held.append((m1, m2))
+        slow.check_invariants()
+        fast.check_invariants()
+    # the same state: the same evictions, in the same order, once the locks are gone
+    for m1, m2 in held:
+        slow.unlock(m1.handle)
+        fast.unlock(m2.handle)
+    assert slow.evict(1000) == fast.evict(1000)
+    assert slow.drain_events() == fast.drain_events()
+
+
+def test_rejected_allocator_calls_change_nothing() -> None:
+    a = BlockAllocator(6)
+    x = a.allocate(3)
+    before = [a.refcount(b) for b in range(6)], a.num_free
+    with pytest.raises(ValueError, match="double free"):
+        a.decref([x[0], x[1], x[1]])        # x[1] goes below zero after freeing x[0]
+    with pytest.raises(ValueError, match="incref of free block 5"):
+        a.incref([x[0], x[2], 5])
+    with pytest.raises(ValueError, match="outside 0..5"):
+        a.decref([x[0], -1])
+    with pytest.raises(ValueError, match="outside 0..5"):
+        a.incref([x[0], 1.0])               # not an int: rejected, as every non-int is
+    assert ([a.refcount(b) for b in range(6)], a.num_free) == before
+    assert a.decref([x[0], x[2]]) == [x[0], x[2]]
+    assert a.allocate(3) == [3, 4, 5]       # FIFO reuse order unchanged by the fast path
+
+
+def test_simulator_prompt_hashes_follow_a_conversation() -> None:
+    cfg = parse_config({**scenario(quick=True), "tokens_per_unit": 4})
+    sim = SimulatedSystem(cfg, "pdd")
+    bs = sim.block_units
+    assert bs == 4
+    units: tuple[int, ...] = ()
+    rng = random.Random(1)
+    for turn in range(6):
+        units = units + tuple(rng.randrange(50) for _ in range(rng.randrange(1, 11)))
+        if turn == 4:
+            units = (7,) + units[1:]           # not an extension: hashed from scratch
+        req = SimRequest(turn, 42, 0.0, units, len(units) * 4, 4, (1,))
+        assert sim._prompt_hashes(req) == block_hashes(units, bs)
