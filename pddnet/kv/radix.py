@@ -737,7 +737,11 @@ class RadixCache:
 
     def _touch_path(self, node: _Node) -> None:
         """Mark a node and its ancestors most recently used (the node itself the newest)."""
-        chain = self._chain(node)
+        self._mark_chain(self._chain(node))
+
+    def _mark_chain(self, chain: list[_Node]) -> None:
+        """Stamp a node's chain (the node first, the root's child last) with the next clock
+        values, the root side oldest, and offer the node to the eviction heap."""
         clock = self._clock
         for n in reversed(chain):
             clock += 1
@@ -759,13 +763,7 @@ class RadixCache:
                     self._touch_path(node)
             else:
                 self._clock += sum(depth[n] for n in nodes[:-1])
-        clock = self._clock
-        for n in reversed(chain):
-            clock += 1
-            n.last_access = clock
-        self._clock = clock
-        if chain:
-            self._offer_leaf(chain[0])
+        self._mark_chain(chain)
         return chain
 
     def _group(self, block_ids: Sequence[int]) -> list[tuple[_Node, int]]:
