@@ -26,7 +26,7 @@ class Transfer:
     """One request's KV on the WAN; bytes become sendable as P computes them."""
 
     __slots__ = ("total", "sendable", "offered", "delivered", "on_done", "cancelled",
-                 "started_at", "done_at", "first_at", "first_bytes")
+                 "started_at", "done_at")
 
     def __init__(self, total: int, on_done: Callable[[float], None], now: float) -> None:
         self.total = total
@@ -37,18 +37,6 @@ class Transfer:
         self.cancelled = False
         self.started_at = now
         self.done_at: float | None = None
-        # When the first piece arrived, and its size: what MD's KV_RECEIVED reports to P's
-        # bandwidth estimator (bytes after the first chunk over the first-to-last arrival span)
-        self.first_at: float | None = None
-        self.first_bytes = 0
-
-    def goodput_sample(self) -> tuple[int, float]:
-        """(bytes, seconds) as MD measures a finished transfer on its own clock: the bytes after
-        the first piece over the span from the first piece's arrival to the last's. Waiting for
-        P's prefill before the first byte, or in the line's queue before it, is not in it."""
-        if self.first_at is None or self.done_at is None:
-            return 0, 0.0
-        return self.total - self.first_bytes, self.done_at - self.first_at
 
 
 class _Message:
@@ -198,8 +186,6 @@ class WanLine:
     def _complete(self, piece: _Piece) -> None:
         now = self.loop.now
         tr = piece.transfer
-        if tr.first_at is None:
-            tr.first_at, tr.first_bytes = now, piece.size
         tr.delivered += piece.size
         if tr.delivered >= tr.total and not tr.cancelled and tr.done_at is None:
             tr.done_at = now
