@@ -375,3 +375,20 @@ def test_choose_wan_says_which_and_why():
             choose_wan("packet", ClusterMode.PDD)
     with pytest.raises(ValueError, match="--wan must be one of"):
         choose_wan("carrier-pigeon", ClusterMode.PDD)
+
+
+def test_daemon_ports_come_from_below_the_ephemeral_range_and_never_twice():
+    # An ephemeral port probed free can be taken by any outgoing connection before the daemon
+    # binds it (CI once saw the router fail with EADDRINUSE); ports below the range cannot.
+    import socket
+
+    from pddnet.cluster import wan_setup
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    ports = [wan_setup.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    if wan_setup._below_ephemeral() is not None:
+        assert all(1024 <= p < ephemeral_low for p in ports), ports
+    with socket.socket() as s:   # and each one is bindable
+        s.bind(("127.0.0.1", ports[-1]))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import secrets
 import signal
 import socket
@@ -97,11 +98,46 @@ def choose_wan(requested: str, mode: ClusterMode) -> WanChoice:
                               f"so the proxy shell on loopback")
 
 
+_HANDED_OUT: set[int] = set()   # ports this process gave out: never the same one twice
+
+
+def _below_ephemeral() -> tuple[int, int] | None:
+    """A range of ports just below the kernel's ephemeral range, or None if there is none."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (low - 12000, low) if low - 12000 >= 1024 else None
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A port free right now on `host` (the usual bind-to-0 race is acceptable here)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free right now on `host`, for a daemon to bind a moment later.
+
+    Not from bind-to-0: that hands out an ephemeral port, and between our probe and the daemon's
+    bind any outgoing connection on the machine may take the same number (CI saw the router fail
+    with EADDRINUSE that way). Ports just below the ephemeral range are never picked by the
+    kernel for outgoing connections; we take a random free one there (random, so two launchers
+    at once rarely meet), never twice in one process."""
+    span = _below_ephemeral()
+    if span is not None:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(*span)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no such range: the old way
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _HANDED_OUT.add(port)
+    return port
 
 
 def child_env(threads: int) -> dict[str, str]:
