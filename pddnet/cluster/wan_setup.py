@@ -283,15 +283,24 @@ class TestbedPlacement(Placement):
         return self.testbed.exec(side, list(argv), stdin=subprocess.DEVNULL,
                                  start_new_session=True, preexec_fn=die_with_parent(), **kwargs)
 
+    def router_endpoint(self) -> tuple[str, str]:
+        """(namespace, address) the router listens on."""
+        return self.testbed.ns_a, LOOPBACK
+
     async def expose_router(self, port: int) -> str:
-        self.forwarder = NamespaceForwarder(self.testbed.ns_a, LOOPBACK, port)
+        ns, address = self.router_endpoint()
+        self.forwarder = NamespaceForwarder(ns, address, port)
         public = await self.forwarder.start(LOOPBACK, port)
         return f"http://{LOOPBACK}:{public}"
+
+    async def remove_extra_namespaces(self) -> None:
+        """Before the testbed goes: namespaces a subclass made around it."""
 
     async def close(self) -> None:
         if self.forwarder is not None:
             await self.forwarder.close()
             self.forwarder = None
+        await self.remove_extra_namespaces()
         await self.testbed.close()
 
 
@@ -358,23 +367,17 @@ class HostsPlacement(TestbedPlacement):
 
         return popen(netns.exec_argv(self.hosts[role], [str(a) for a in argv]), **kwargs)
 
-    async def expose_router(self, port: int) -> str:
-        self.forwarder = NamespaceForwarder(self.hosts["router"], self.address("router"), port)
-        public = await self.forwarder.start(LOOPBACK, port)
-        return f"http://{LOOPBACK}:{public}"
+    def router_endpoint(self) -> tuple[str, str]:
+        return self.hosts["router"], self.address("router")
 
-    async def close(self) -> None:
+    async def remove_extra_namespaces(self) -> None:
         from emulation import netns
 
-        if self.forwarder is not None:
-            await self.forwarder.close()
-            self.forwarder = None
         for host_ns in self._made:  # the launcher stopped the daemons; anything left goes too
             if netns.exists(host_ns):
                 await asyncio.to_thread(netns.kill_all_in, host_ns)
                 netns.delete(host_ns)
         self._made.clear()
-        await self.testbed.close()
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "placement": "hosts",

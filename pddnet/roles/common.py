@@ -207,8 +207,6 @@ class Daemon:
         self.port: int | None = None
         self.counters: Counter[str] = Counter()
         self.step_times = StepTimes()   # every engine step's wall time, as measured here
-        # Reservations of dropped requests whose one-sided writes may still land (`fence`)
-        self.fenced: dict[str, KVReservation] = {}
         self.ended = RecentIds()
         self._router: list[Outbox] = []   # events lanes, most recent last
         self._outboxes: list[Outbox] = []
@@ -545,41 +543,6 @@ class Daemon:
             refuse("request was cancelled")
             return None
         return res
-
-    # -- fencing dropped one-sided writes (RLD and MD) -------------------------------------------
-
-    @staticmethod
-    def writes_may_land(sink: Any, writes_stopped: bool) -> bool:
-        """Whether P may still be writing into a dropped request's reservation: one-sided writes
-        that have not ended (no KV_DONE / KV_ABORT yet). shm writes are local copies bounded by
-        P's engine thread; Mooncake's cross the network and may land late."""
-        return (not writes_stopped and sink is not None and sink.one_sided
-                and sink.backend != "shm")
-
-    def fence(self, rid: str, res: KVReservation) -> None:
-        """Keep a dropped request's blocks out of reuse until P confirms its writes have ended
-        (KV_ABORT / KV_DONE), or until they must have (deadline + abort grace)."""
-        self.fenced[rid] = res
-        self.counters["fenced"] += 1
-        t = self.config.transport
-        bound = t.deadline_s + (t.abort_grace_s if t.abort_grace_s is not None
-                                else 2 * t.progress_timeout_s + 1)
-        self.spawn(self._unfence_later(rid, res, bound), f"fence {rid}")
-
-    async def _unfence_later(self, rid: str, res: KVReservation, after_s: float) -> None:
-        await asyncio.sleep(after_s)  # P never confirmed (lost): its writes have ended by now
-        if self.fenced.get(rid) is res:
-            self.counters["fence_expired"] += 1
-            self.unfence(rid)
-
-    def unfence(self, rid: str) -> bool:
-        """Free a fenced reservation (P's KV_ABORT / KV_DONE came). False if none is fenced."""
-        res = self.fenced.pop(rid, None)
-        if res is None:
-            return False
-        assert self.engine is not None
-        self.spawn(self.compute(self.engine.free_reservation, res), f"unfence {rid}")
-        return True
 
     def reserve_in_engine(self, token_ids: tuple[int, ...], max_tokens: int) -> KVReservation:
         """In the engine thread: the reservation (MD also drains its cache events here, in the

@@ -72,10 +72,9 @@ from pddnet.protocol.handoff import (
     StopSequence,
 )
 from pddnet.transport import Connection
-from pddnet.transport.kv_backend import KVSink
-from pddnet.transport.kv_paths import KVPaths
 
-from .common import Daemon, Outbox, Serial, first_token_ends, log, sampling_of, step_end_reasons
+from .common import Outbox, Serial, first_token_ends, log, sampling_of, step_end_reasons
+from .kv_receiver import KvReceiver
 
 WITH_RELAY_PIPELINES = ("p_rld_md",)
 
@@ -121,9 +120,10 @@ class _Request:
         return self.alloc.request_id
 
 
-class MainDecodeDaemon(Daemon):
+class MainDecodeDaemon(KvReceiver):
     role = "main_decode"
     section_name = "main_decode"
+    kv_path = "wan"
 
     def __init__(self, config: ClusterConfig, *, kv_arrival_delay_s: float = 0.0) -> None:
         super().__init__(config)
@@ -140,35 +140,9 @@ class MainDecodeDaemon(Daemon):
         self.handoffs_by_mode: dict[str, int] = {}
         # CACHE_EVENTS drained in the engine thread, posted to every P from the event loop
         self._cache_notices: deque[CacheEvents] = deque()
-        self.kv_paths: KVPaths | None = None
-        self.sink: KVSink | None = None
-        self._sink_ready = asyncio.Event()
-
-    async def start(self) -> None:
-        # The backend first: one that cannot run here fails the start, not the first request.
-        self.kv_paths = await KVPaths.create(self.config, self.section, "main_decode", ("wan",))
-        try:
-            await super().start()
-        except BaseException:
-            await self.kv_paths.close()
-            raise
 
     async def dial_peers(self) -> None:
-        assert self.kv_paths is not None and self.engine is not None
-        self.sink = await self.kv_paths.backend("wan").register(self.engine.pool)
-        self._sink_ready.set()
-
-    async def close_extra(self) -> None:
-        # Deregister the pool before the engine frees it, then the backend.
-        self._sink_ready.set()
-        if self.sink is not None:
-            await self.sink.close()
-        if self.kv_paths is not None:
-            await self.kv_paths.close()
-
-    @property
-    def one_sided(self) -> bool:
-        return self.sink is not None and self.sink.one_sided
+        await self.register_sink()
 
     @property
     def radix(self) -> RadixCache | None:
@@ -544,7 +518,7 @@ class MainDecodeDaemon(Daemon):
         del self.requests[req.rid]
         self.ended.add(req.rid)
         # P may still be writing into the reservation (one-sided, before KV_DONE / KV_ABORT).
-        fence = self.writes_may_land(self.sink, req.done is not None or req.writes_stopped)
+        fence = self.writes_may_land(req.done is not None or req.writes_stopped)
 
         async def stop() -> None:
             if req.reservation is not None:

@@ -22,7 +22,6 @@ its KV_DONE (a cancel): its reservation is then fenced -- kept -- until P confir
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import secrets
@@ -63,12 +62,9 @@ from pddnet.protocol.handoff import (
     StopSequence,
 )
 from pddnet.transport import Connection
-from pddnet.transport.kv_backend import KVSink
-from pddnet.transport.kv_paths import KVPaths
 
 from .common import (
     CANCELLED_MEMORY,
-    Daemon,
     Outbox,
     Serial,
     first_token_ends,
@@ -76,6 +72,7 @@ from .common import (
     sampling_of,
     step_end_reasons,
 )
+from .kv_receiver import KvReceiver
 from .peer import Peer
 
 HANDS_OFF_PIPELINES = ("p_rld_md",)
@@ -98,9 +95,10 @@ class _Request:
         return self.alloc.request_id
 
 
-class RelayDaemon(Daemon):
+class RelayDaemon(KvReceiver):
     role = "relay"
     section_name = "relay"
+    kv_path = "intra_dc"
 
     def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)
@@ -126,26 +124,12 @@ class RelayDaemon(Daemon):
         self._early_since: dict[str, float] = {}   # when each was parked (monotonic)
         self._shm_name = segment_name(
             f"{instance_id_safe(config.name)}-relay-{os.getpid()}-{secrets.token_hex(3)}")
-        self.kv_paths: KVPaths | None = None
-        self.sink: KVSink | None = None
-        self._sink_ready = asyncio.Event()
 
     def kv_shm_name(self) -> str | None:
         return self._shm_name if self.config.transport.intra_dc == "shm" else None
 
-    async def start(self) -> None:
-        # The backend first: one that cannot run here fails the start, not the first request.
-        self.kv_paths = await KVPaths.create(self.config, self.section, "relay", ("intra_dc",))
-        try:
-            await super().start()
-        except BaseException:
-            await self.kv_paths.close()
-            raise
-
     async def dial_peers(self) -> None:
-        assert self.kv_paths is not None and self.engine is not None
-        self.sink = await self.kv_paths.backend("intra_dc").register(self.engine.pool)
-        self._sink_ready.set()
+        await self.register_sink()
         if self.hands_off:
             self.md = self.peer(self.config.main_decode.dial_address(), "main-decode control")
             await self.md.connect_first()
@@ -388,7 +372,7 @@ class RelayDaemon(Daemon):
             return
         self._forget(req)
 
-        fence = req.reservation is not None and self.writes_may_land(self.sink, req.kv_done)
+        fence = req.reservation is not None and self.writes_may_land(req.kv_done)
 
         async def stop() -> None:
             if req.reservation is not None:
@@ -428,14 +412,6 @@ class RelayDaemon(Daemon):
     def request_stats(self) -> dict[str, int]:
         return self.decode_request_stats(self.requests, "allocated", "finished_here", "handed_off",
                                          "cancelled", "refused")
-
-    async def close_extra(self) -> None:
-        # Deregister the pool before the engine frees it, then the backend.
-        self._sink_ready.set()
-        if self.sink is not None:
-            await self.sink.close()
-        if self.kv_paths is not None:
-            await self.kv_paths.close()
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
