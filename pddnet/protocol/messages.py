@@ -205,6 +205,9 @@ def field(spec: Spec, default: object = dataclasses.MISSING, doc: str = "") -> A
 
 ID_PATTERN = r"[A-Za-z0-9._:\-]{1,128}"
 CODE_PATTERN = r"[a-z][a-z0-9_]{0,63}"
+# A pipeline's wire name: a code no longer than its field's 32 characters (a pattern that allowed
+# more than max_len made the schema contradict itself; the fuzzer found it)
+PIPELINE_PATTERN = r"[a-z][a-z0-9_]{0,31}"
 ROLES = ("router", "prefill", "relay", "main_decode", "client")
 PRODUCERS = ("prefill", "relay", "main_decode")
 DONE_REASONS = ("eos", "stop", "length", "cancel", "error")
@@ -575,7 +578,7 @@ class KvAllocRequest(SamplingFields, Message):
     num_kv_heads: int = field(UInt(1, 1024), doc="model shape")
     head_dim: int = field(UInt(1, 1 << 14), doc="model shape")
     expected_hit_tokens: int = field(COUNT, doc="P's view of the receiver's prefix hit")
-    pipeline: str = field(Str(max_len=32, pattern=CODE_PATTERN), default="pdd",
+    pipeline: str = field(Str(max_len=32, pattern=PIPELINE_PATTERN), default="pdd",
                           doc="P's pipeline choice, e.g. p_md, p_rld_md (recorded only)")
     handoff_mode: str | None = field(
         Nullable(Str(max_len=16, choices=(*HANDOFF_MODES, "dynamic"))), default=None,

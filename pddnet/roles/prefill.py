@@ -8,7 +8,8 @@ singular filter: RLD only, the WAN transfer never starts; RLD refusing sends it 
 engine (max_tokens=1, keep_blocks=True), chunked by max_num_batched_tokens; after each chunk its
 KV goes out at once through the KV backend of the target's path ([transport] intra_dc for RLD:
 shm | mooncake; wan for MD: tcp | mooncake; pddnet.transport.kv_backend): the chunk is exported
-in the engine thread, then written by the backend off the engine thread -- one-sided into the
+(copied out of the pool on P's export thread, beside the engine: see `_export`), then written by
+the backend off the engine thread -- one-sided into the
 target's blocks (shm, mooncake) or as KV_CHUNK frames on the bulk stripes (tcp). A failed write
 (dead or hung receiver: a TransferError within transport.deadline_s) takes the usual fallback:
 RLD finishes alone when MD's copy fails, otherwise the request fails as `<target>_lost` and the
