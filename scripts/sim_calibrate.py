@@ -12,8 +12,16 @@ daemon) runs, after a warm-up,
    if their window would exceed ``--window-s``. The load average is printed at the start and
    end of every phase and sampled every 10 s during the stream.
 Then, from the fit-tagged requests only (the compare-tagged ones count only as the batch and
-the P load they share): the chip profiles, contention included --
-   - P: isolated prefills (no other prefill overlapping), t = overhead + FLOPs / rate;
+the P load they share): the chip profiles and the shared host's contention --
+   - P: its busy periods that computed a fit-tagged prompt (the engine steps back to back in
+     one), length = steps x overhead + FLOPs / rate x (1 + gamma x decoders stepping +
+     lambda x load), where "decoders stepping" is how many of RLD and MD were decoding (0..2,
+     averaged over the period) and "load" the recorded 1-min load average above its floor
+     (outside jobs on the two cores); ``--contention neighbours`` drops lambda, ``off`` both
+     (the rate then averages the slowdown in); with ``--p-fit total`` (default) the rate is
+     then scaled so the periods' predicted total is their measured one (P's utilisation);
+   - P's export wait: the share of prompts whose KV copy waited for P's next step when that
+     one was admitted at once (PrefillInstance ``export_wait``; ``--export-wait off``: none);
    - the P -> RLD path: t = latency + KV bytes / bandwidth, plus the fixed daemon latencies
      before P (router, KV_ALLOC) and after RLD's copy lands (first token to the client);
    - RLD and MD, each its own profile: every inter-token gap a role produced, against the
@@ -21,10 +29,14 @@ the P load they share): the chip profiles, contention included --
      squares, the slowest 1% of gaps left out as stalls), mapped onto the roofline plus the
      per-sequence and per-context terms of pddnet/sim/cost.py; the gaps' spread around that
      mean (split by whether P was prefilling, which is most of it) becomes the profile's
-     ``step_jitter_cv`` unless ``--step-jitter off``.
+     ``step_jitter_cv`` unless ``--step-jitter off``. With contention the line is fitted to
+     the gaps while P was idle and scaled by k0, then gap / line = k0 + delta x [P
+     prefilling] + lambda x load: the step's slowdown while P prefills and per unit of load.
 The whole stream (both tags, their real token ids as units, tokens_per_unit = 1) is replayed
 in the simulator with those profiles, the testbed's pool sizes, policy settings and WAN (the
-proxy's link model); TTFT and ITL of the compare-tagged requests are set side by side (goal:
+proxy's link model), P scheduling as the engine does (waiting prompts batched into a step up to
+max_num_batched_tokens, admitted only between steps: PrefillInstance's max_seqs) and the
+fitted contention as a pddnet.sim.cost.SharedHost of P, RLD, MD and the recorded load; TTFT and ITL of the compare-tagged requests are set side by side (goal:
 medians within 15%, P90 within 25%). Writes results/sim/calibration.json, calibration.png
 (CDFs, decode fit) and calibration_runs.json (the raw testbed records; ``--reuse`` re-fits and
 re-simulates them without the testbed).
@@ -51,10 +63,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ROLES = ("prefill", "relay", "main_decode")
+Gap = tuple[int, int, float, bool, float]   # (batch, context tokens, gap, P busy, midpoint)
 PROBE_REQUESTS = 10
 STALL_QUANTILE = 0.99          # decode gaps above this quantile are stalls, not steps
 PROXY_CHUNK_BYTES = 32 * 1024  # emulation.proxy.WanProxy.chunk_bytes (default)
 PROXY_QUEUE_BYTES = 1 << 20    # emulation.effects: queue_bytes default
+DECODE_SEGMENT_STEPS = 4       # the simulator costs this many decode steps at once
+P_FITS = ("total", "lstsq", "relative-total", "relative")   # --p-fit: residuals, scale
+AT_ONCE_S = 0.01               # P's next step began "at once": admitted this soon after a step
 
 
 # -- the testbed --------------------------------------------------------------------------------
@@ -297,6 +313,151 @@ def fit_prefill(records: list[dict[str, Any]], prof: Any) -> dict[str, Any]:
             "points": sorted(zip([r["prompt"] for r in iso], ys, strict=True))}
 
 
+def decoder_spans(records: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """When each decode role was stepping for some request (either tag: they share the batch):
+    from a request's first to its last token from that role (client times)."""
+    spans: dict[str, list[tuple[float, float]]] = {"relay": [], "main_decode": []}
+    for r in records:
+        t = r["tokens"]
+        n_rld = min(r["relay_tokens"] or 0, len(t))
+        if n_rld:
+            spans["relay"].append((t[0], t[n_rld - 1]))
+        if n_rld < len(t):
+            spans["main_decode"].append((t[n_rld], t[-1]))
+    return spans
+
+
+def covered(spans: list[tuple[float, float]], a: float, b: float) -> float:
+    """Share of [a, b] that the union of `spans` covers."""
+    if b <= a:
+        return 0.0
+    iv = sorted((max(s, a), min(e, b)) for s, e in spans if e > a and s < b)
+    total, cur = 0.0, None
+    for s, e in iv:
+        if cur is not None and s <= cur[1]:
+            cur = (cur[0], max(cur[1], e))
+            continue
+        if cur is not None:
+            total += cur[1] - cur[0]
+        cur = (s, e)
+    if cur is not None:
+        total += cur[1] - cur[0]
+    return total / (b - a)
+
+
+def busy_periods(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """P's busy periods: requests whose [prefill_start, prefill_end] chain into one another.
+    The engine steps back to back inside one (prefill_start is the end of add_request, which
+    runs between steps), so a period's length is the sum of its steps."""
+    iv = sorted((r for r in records if "prefill_start" in r["events"]
+                 and "prefill_end" in r["events"]), key=lambda r: r["events"]["prefill_start"])
+    out: list[list[dict[str, Any]]] = []
+    end = -math.inf
+    for r in iv:
+        s, e = r["events"]["prefill_start"], r["events"]["prefill_end"]
+        if out and s <= end:
+            out[-1].append(r)
+        else:
+            out.append([r])
+            end = e
+        end = max(end, e)
+    return out
+
+
+def load_excess(samples: list[tuple[float, float]]) -> tuple[float, Any]:
+    """The run's recorded 1-min load average above its lowest sample (the floor: the cluster
+    itself at its quietest), as a function of run time (linear between the 10 s samples):
+    how much other work the two cores had, in runnable threads. A lagging, smoothed measure
+    that also counts the cluster's own threads -- the best record of outside jobs there is."""
+    import bisect
+
+    if len(samples) < 2:
+        raise RuntimeError("the run recorded fewer than 2 load samples: use --contention "
+                           "neighbours or off")
+    ts = [t for t, _ in samples]
+    ls = [v for _, v in samples]
+    floor = min(ls)
+
+    def excess(t: float) -> float:
+        k = bisect.bisect_right(ts, t) - 1
+        if k < 0:
+            return ls[0] - floor
+        if k >= len(ts) - 1:
+            return ls[-1] - floor
+        f = (t - ts[k]) / (ts[k + 1] - ts[k])
+        return ls[k] + f * (ls[k + 1] - ls[k]) - floor
+
+    return floor, excess
+
+
+def fit_prefill_steps(records: list[dict[str, Any]], prof: Any, contention: bool,
+                      load: Any = None, relative: bool = False, match_total: bool = True
+                      ) -> dict[str, Any]:
+    """P's forwards as they really ran: every busy period of P that computed a fit-tagged
+    prompt (their members of either tag make the work, as they shared the steps), its length
+    against steps x overhead + FLOPs / rate x (1 + gamma x d), d = how many of RLD and MD were
+    decoding, averaged over the period (0..2: they take turns with P on the two cores). The
+    steps of a period are its distinct prefill_end times (each step finishes a prompt here:
+    no prompt exceeds the step's token budget). Without `contention`, gamma = 0: the rate
+    then carries the period-average slowdown. With `load` (run time -> outside load, see
+    `load_excess`), the factor also has + lambda x load at the period's midpoint."""
+    spans = decoder_spans(records)
+    rows = []
+    for members in busy_periods(records):
+        if not any(r.get("tag", "fit") == "fit" for r in members):
+            continue
+        a = min(r["events"]["prefill_start"] for r in members)
+        b = max(r["events"]["prefill_end"] for r in members)
+        flops = sum(prefill_flops(prof, r["prompt"]) for r in members)
+        steps = len({round(r["events"]["prefill_end"], 3) for r in members})
+        d = covered(spans["relay"], a, b) + covered(spans["main_decode"], a, b)
+        ell = load((a + b) / 2) if load is not None else 0.0
+        if b > a:
+            rows.append((b - a, flops, steps, d, ell))
+    if len(rows) < 6:
+        raise RuntimeError(f"only {len(rows)} P busy periods with a fit-tagged prompt")
+    # Relative residuals (every row divided by its length): the error is a share of the
+    # length (contention multiplies it), so plain least squares would let the few longest
+    # periods set the rate and over-predict the typical one.
+    w = [1.0 / x[0] if relative else 1.0 for x in rows]
+    ys = [x[0] * k for x, k in zip(rows, w, strict=True)]
+    cols = {"overhead": [x[2] * k for x, k in zip(rows, w, strict=True)],
+            "slope": [x[1] * k for x, k in zip(rows, w, strict=True)],
+            "gamma": [x[1] * x[3] * k for x, k in zip(rows, w, strict=True)],
+            "lambda": [x[1] * x[4] * k for x, k in zip(rows, w, strict=True)]}
+    names = ["overhead", "slope"] + (["gamma"] if contention else []) + \
+        (["lambda"] if load is not None else [])
+    while True:
+        coef = dict(zip(names, lstsq([cols[n] for n in names], ys), strict=True))
+        neg = [n for n in ("overhead", "gamma", "lambda") if n in coef and coef[n] < 0]
+        if not neg:      # no negative overhead or speed-up from neighbours: drop that term
+            break
+        names.remove(neg[0])
+    slope = coef["slope"]
+    if slope <= 0:
+        raise RuntimeError("P's busy periods do not grow with their FLOPs in the fit run")
+    gamma = coef.get("gamma", 0.0) / slope
+    lam = coef.get("lambda", 0.0) / slope
+    ys_abs = [x[0] for x in rows]
+    if match_total:
+        # P's utilisation is what its queue (the TTFT) answers to: scale the line so the
+        # periods' predicted total is their measured total (overhead and shape kept)
+        work = sum(f * (1 + gamma * d + lam * ell) for _, f, _, d, ell in rows)
+        fixed = coef.get("overhead", 0.0) * sum(x[2] for x in rows)
+        slope = max(sum(ys_abs) - fixed, 1e-9) / work
+    pred = [coef.get("overhead", 0.0) * st + slope * f * (1 + gamma * d + lam * ell)
+            for _, f, st, d, ell in rows]
+    err = [(p - y) / y for p, y in zip(pred, ys_abs, strict=True)]
+    return {"flops_per_s": 1.0 / slope, "overhead_s": coef.get("overhead", 0.0),
+            "p_per_decoder": gamma, "p_per_load": lam, "periods": len(rows),
+            "steps": sum(x[2] for x in rows), "relative": relative,
+            "total_pred_over_actual": sum(pred) / sum(ys_abs),
+            "median_pred_over_actual": statistics.median(p / y for p, y in zip(
+                pred, ys_abs, strict=True)), "mean_decoders": statistics.fmean(
+                x[3] for x in rows), "rel_error_sd": statistics.pstdev(err),
+            "contention": contention}
+
+
 def fit_relay_path(records: list[dict[str, Any]], kvpt: int) -> dict[str, Any]:
     """P -> RLD: KV copy time against its bytes, and RLD's copy -> the client's first token,
     over requests whose prefill ran alone (a full RLD would add its admission wait)."""
@@ -320,6 +481,39 @@ def fit_relay_path(records: list[dict[str, Any]], kvpt: int) -> dict[str, Any]:
             "to_client_s": statistics.median(emit) if emit else 0.0, "samples": len(rows)}
 
 
+def fit_export_wait(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """How often a finished prompt's KV copy waits for P's next step (PrefillInstance's
+    ``export_wait``): over fit-tagged prompts that went to RLD and after whose step P began
+    another one at once (a prompt of it admitted within AT_ONCE_S of the end: it was
+    waiting), the share whose copy reached RLD only past the middle of that next step (in
+    practice at its end). Requests of either tag make the steps."""
+    import bisect
+
+    steps: dict[float, tuple[float, float]] = {}       # step end -> (first admission, end)
+    for r in records:
+        e = r["events"]
+        if "prefill_start" in e and "prefill_end" in e:
+            end = round(e["prefill_end"], 3)
+            s0 = steps.get(end, (math.inf, e["prefill_end"]))[0]
+            steps[end] = (min(s0, e["prefill_start"]), e["prefill_end"])
+    order = sorted(steps.values())
+    starts = [a for a, _ in order]
+    at_once = waited = 0
+    for r in fitted(records):
+        e = r["events"]
+        if "rld_kv_complete" not in e or "prefill_end" not in e:
+            continue
+        end = e["prefill_end"]
+        k = bisect.bisect_left(starts, end - 1e-3)
+        nxt = next(((a, b) for a, b in order[k:k + 8] if b > end + 1e-3), None)
+        if nxt is None or nxt[0] > end + AT_ONCE_S:
+            continue
+        at_once += 1
+        waited += e["rld_kv_complete"] > end + (nxt[1] - end) / 2
+    return {"share": waited / at_once if at_once else 0.0, "at_once": at_once,
+            "waited": waited}
+
+
 def prefill_intervals(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
     """Union of P's prefill intervals (daemon timelines), sorted."""
     iv = sorted((r["events"]["prefill_start"], r["events"]["prefill_end"]) for r in records
@@ -334,8 +528,8 @@ def prefill_intervals(records: list[dict[str, Any]]) -> list[tuple[float, float]
 
 
 def decode_gaps(records: list[dict[str, Any]]
-                ) -> dict[str, list[tuple[int, int, float, bool]]]:
-    """(batch, context tokens, gap, P busy) for every inter-token gap RLD or MD produced for a
+                ) -> dict[str, list[Gap]]:
+    """(batch, context tokens, gap, P busy, midpoint) for every inter-token gap RLD or MD produced for a
     fit-tagged request. A request (of either tag: they share the batch) is in a role's batch
     from its first to its last token from that role (client times); the handoff gap (RLD's
     last token -> MD's first) is an extend plus the line, not a step. "P busy": P was
@@ -359,7 +553,7 @@ def decode_gaps(records: list[dict[str, Any]]
             spans["relay"].append((t[0], t[n_rld - 1], r))
         if n_rld < len(t):
             spans["main_decode"].append((t[n_rld], t[-1], r))
-    out: dict[str, list[tuple[int, int, float, bool]]] = {"relay": [], "main_decode": []}
+    out: dict[str, list[Gap]] = {"relay": [], "main_decode": []}
     for k, r in enumerate(records):
         if r.get("tag", "fit") != "fit":
             continue
@@ -374,16 +568,22 @@ def decode_gaps(records: list[dict[str, Any]]
                 if s <= mid <= e:
                     batch += 1
                     ctx += o["prompt"] + bisect.bisect_right(o["tokens"], mid)
-            out[role].append((max(batch, 1), ctx, t[i] - t[i - 1], p_busy(mid)))
+            out[role].append((max(batch, 1), ctx, t[i] - t[i - 1], p_busy(mid), mid))
     return out
 
 
-def fit_decode(rows: list[tuple[int, int, float, bool]]) -> dict[str, Any]:
-    """Mean step time t = a + b x batch + c x context (least squares, stalls left out)."""
+def fit_decode(rows: list[Gap], p_idle_only: bool = False
+               ) -> dict[str, Any]:
+    """Mean step time t = a + b x batch + c x context (least squares, stalls left out); with
+    `p_idle_only`, from the gaps while P was not prefilling (the step without P's share of the
+    cores: the contention term adds that back)."""
     if len(rows) < 30:
         raise RuntimeError(f"only {len(rows)} decode gaps for a role in the fit run")
     cut = sorted(x[2] for x in rows)[int(STALL_QUANTILE * (len(rows) - 1))]
-    kept = [x for x in rows if x[2] <= cut]
+    kept = [x for x in rows if x[2] <= cut and not (p_idle_only and x[3])]
+    if len(kept) < 30:
+        raise RuntimeError(f"only {len(kept)} decode gaps with P idle for a role in the fit run")
+    rows = [x for x in rows if not (p_idle_only and x[3])]
     ones = [1.0] * len(kept)
     b_col = [float(x[0]) for x in kept]
     c_col = [float(x[1]) for x in kept]
@@ -398,11 +598,11 @@ def fit_decode(rows: list[tuple[int, int, float, bool]]) -> dict[str, Any]:
         c = max(c, 0.0)
     by_batch: dict[int, list[float]] = {}
     ctx_of: dict[int, list[int]] = {}
-    for bb, cc, g, _ in rows:
+    for bb, cc, g, *_ in rows:
         by_batch.setdefault(bb, []).append(g)
         ctx_of.setdefault(bb, []).append(cc)
     return {"a_s": a, "b_s_per_seq": b, "c_s_per_ctx": c, "gaps": len(rows),
-            "stall_cut_s": cut,
+            "stall_cut_s": cut, "p_idle_only": p_idle_only,
             "by_batch": {str(k): {"n": len(v), "median_s": statistics.median(v),
                                   "mean_s": statistics.fmean(v),
                                   "mean_context": statistics.fmean(ctx_of[k])}
@@ -422,32 +622,87 @@ def decode_chip_terms(fit: dict[str, Any], weight_bytes: float, kvpt: int) -> di
             "step_per_seq_us": per_seq * 1e6, "step_per_ctx_token_ns": per_ctx * 1e9}
 
 
-def fit_all(records: list[dict[str, Any]], model: str) -> dict[str, Any]:
+def fit_all(records: list[dict[str, Any]], model: str, contention: str = "load",
+            load_samples: list[tuple[float, float]] | None = None, p_fit: str = "total"
+            ) -> dict[str, Any]:
+    """Every fitted term, from the fit-tagged requests (see the module docstring). With
+    `contention`, the shared host is explicit: P's rate alone plus its slowdown per decoding
+    neighbour, the decode steps with P idle plus their slowdown while P prefills (the
+    ``host_weights`` of pddnet.sim.cost.SharedHost); "load" adds, for every role, a
+    slowdown per unit of the recorded load average above its floor (`load_excess`); "off":
+    every profile is the average over the run, contention folded in."""
+    if contention not in ("off", "neighbours", "load"):
+        raise ValueError(f"contention must be off, neighbours or load, got {contention!r}")
     from pddnet.sim.profiles import load_model
 
     prof = load_model(model)
     recs = ok_records(records)
-    pre = fit_prefill(recs, prof)
+    iso = fit_prefill(recs, prof)
+    floor, load = (load_excess(load_samples or []) if contention == "load" else (None, None))
+    if p_fit not in P_FITS:
+        raise ValueError(f"p_fit must be one of {', '.join(P_FITS)}, got {p_fit!r}")
+    steps = fit_prefill_steps(recs, prof, contention != "off", load,
+                              relative=p_fit.startswith("relative"),
+                              match_total=p_fit.endswith("total"))
+    pre = dict(iso, flops_per_s=steps["flops_per_s"], overhead_s=steps["overhead_s"],
+               isolated_flops_per_s=iso["flops_per_s"], isolated_overhead_s=iso["overhead_s"],
+               steps=steps)
     path = fit_relay_path(recs, prof.kv_bytes_per_token)
+    export = fit_export_wait(recs)
     gaps = decode_gaps(recs)
-    dec = {role: fit_decode(rows) for role, rows in gaps.items()}
+    dec = {role: fit_decode(rows, p_idle_only=contention != "off")
+           for role, rows in gaps.items()}
+    weights = {"p_per_decoder": steps["p_per_decoder"], "p_per_load": steps["p_per_load"]}
     for role, rows in gaps.items():
+        if contention != "off":
+            weights.update(decode_contention(dec[role], rows, role, load))
         dec[role]["contention"] = contention_split(dec[role], rows)
+        if contention == "off":
+            dec[role]["jitter_cv"] = dec[role]["contention"]["all"]["cv"] or 0.0
     terms = {role: decode_chip_terms(f, prof.weight_bytes, prof.kv_bytes_per_token)
              for role, f in dec.items()}
-    return {"prefill": pre, "relay_path": path, "decode": dec, "decode_terms": terms,
+    return {"prefill": pre, "relay_path": path, "export_wait": export, "decode": dec, "decode_terms": terms,
+            "host_weights": weights if contention != "off" else None, "load_floor": floor,
             "p_busy_fraction": busy_fraction(recs), "completed": len(fitted(recs)),
             "requests": len(fitted(records))}
 
 
-def contention_split(fit: dict[str, Any], rows: list[tuple[int, int, float, bool]]
+def decode_contention(fit: dict[str, Any], rows: list[Gap], role: str, load: Any
+                      ) -> dict[str, float]:
+    """The decode step's share of the host, from the gaps (stalls left out) over the P-idle
+    fit `fit`: ratio = k0 + delta x [P prefilling] (+ lambda x outside load with `load`), least
+    squares; the step becomes k0 x fit x (1 + delta / k0 x P + lambda / k0 x load), so `fit`'s
+    terms are scaled by k0 here, and its ``jitter_cv`` is the ratios' spread around that."""
+    kept = [x for x in rows if x[2] <= fit["stall_cut_s"]]
+    ratio = [g / (fit["a_s"] + fit["b_s_per_seq"] * b + fit["c_s_per_ctx"] * c)
+             for b, c, g, *_ in kept]
+    cols = [[1.0] * len(kept), [float(x[3]) for x in kept]]
+    if load is not None:
+        cols.append([load(x[4]) for x in kept])
+    coef = lstsq(cols, ratio)
+    if load is not None and coef[2] < 0:        # no speed-up from outside work: drop it
+        cols, coef = cols[:2], lstsq(cols[:2], ratio)
+    k0, delta = coef[0], max(0.0, coef[1])
+    lam = max(0.0, coef[2]) if len(coef) > 2 else 0.0
+    if k0 <= 0:
+        raise RuntimeError(f"{role}: the decode contention fit has a non-positive base")
+    for k in ("a_s", "b_s_per_seq", "c_s_per_ctx"):
+        fit[k] *= k0
+    pred = [1 + delta / k0 * x[3] + (lam / k0 * load(x[4]) if lam else 0.0) for x in kept]
+    rel = [r / k0 / p for r, p in zip(ratio, pred, strict=True)]
+    fit["jitter_cv"] = statistics.pstdev(rel) / statistics.fmean(rel)
+    fit["base_scale"] = k0
+    return {f"{role}_while_p": delta / k0, f"{role}_per_load": lam / k0}
+
+
+def contention_split(fit: dict[str, Any], rows: list[Gap]
                      ) -> dict[str, Any]:
     """Decode gaps over the fitted mean step, split by whether P was prefilling: how much of
     the step-time spread is the daemons competing for the cores (stalls left out)."""
     out: dict[str, Any] = {}
     for name, flags in (("p_busy", (True,)), ("p_idle", (False,)), ("all", (True, False))):
         r = [g / (fit["a_s"] + fit["b_s_per_seq"] * b + fit["c_s_per_ctx"] * c)
-             for b, c, g, f in rows if f in flags and g <= fit["stall_cut_s"]]
+             for b, c, g, f, _ in rows if f in flags and g <= fit["stall_cut_s"]]
         out[name] = {"gaps": len(r), "mean_ratio": statistics.fmean(r) if r else None,
                      "median_ratio": statistics.median(r) if r else None,
                      "cv": (statistics.pstdev(r) / statistics.fmean(r)) if len(r) > 1 else None}
@@ -470,8 +725,9 @@ def chip_toml(name: str, fit: dict[str, Any], memory_gb: float, role: str,
         cv = 0.0
     else:
         terms = fit["decode_terms"][role]
-        cv = (fit["decode"][role]["contention"]["all"]["cv"] or 0.0) if jitter else 0.0
-    return (f'# fitted by scripts/sim_calibrate.py to the testbed ({role}), contention included\n'
+        cv = fit["decode"][role]["jitter_cv"] if jitter else 0.0
+    how = ("contention: see host_weights" if fit.get("host_weights") else "contention included")
+    return (f'# fitted by scripts/sim_calibrate.py to the testbed ({role}), {how}\n'
             f'name = "{name}"\nmemory_gb = {memory_gb:.6f}\n'
             f'memory_bw_gbs = {terms["memory_bw_gbs"]:.6f}\nscale_up_gbs = 10\n'
             f"scale_out_gbit = {gbit:.6f}\nprice_per_hour = 0.05\ncompute_efficiency = 1.0\n"
@@ -485,7 +741,55 @@ def chip_toml(name: str, fit: dict[str, Any], memory_gb: float, role: str,
 # -- the simulator ---------------------------------------------------------------------------
 
 
-def tagged_system_class(tags: list[str]) -> tuple[type, dict[str, Any]]:
+def engine_like(system: Any, p_max_seqs: int, host_weights: dict[str, float] | None,
+                load: Any = None, export_wait: float = 0.0) -> None:
+    """Make a fresh SimulatedSystem schedule and share cores as the testbed does (hooks the
+    simulator's config has no key for, so the calibration sets them on its own instances):
+    - P batches waiting prompts into a step up to the token budget, at most `p_max_seqs` of
+      them, admitting only between steps (pddnet/engine/scheduler.py; PrefillInstance);
+    - a finished prompt's KV leaves P only after the next step when that one starts at once,
+      with probability `export_wait` (PrefillInstance's; fitted by `fit_export_wait`);
+    - with `host_weights`, P, RLD and MD share one host (pddnet.sim.cost.SharedHost): P's
+      forwards are slower by weight "p_per_decoder" for each decode instance stepping, each
+      decode step by "<role>_while_p" while P prefills, and with `load` (run time -> the
+      recorded load average above its floor) every forward by "p_per_load" /
+      "<role>_per_load" per unit of it (fitted by `fit_all`)."""
+    from dataclasses import replace
+
+    from pddnet.sim.cost import SharedHost
+    from pddnet.sim.prefill import PrefillInstance
+
+    e = system.cfg.engine
+    system.prefill = [PrefillInstance(system.loop, p.cost, p.name, p.q, p.block_units,
+                                      e.chunk_tokens, p.cache is not None, max_seqs=p_max_seqs,
+                                      export_wait=export_wait)
+                      for p in system.prefill]
+    if not host_weights:
+        return
+    decoders = [("relay", d) for d in system.relay] + [("main_decode", d.inst)
+                                                         for d in system.decode]
+    weights: dict[tuple[str, str], float] = {}
+    for p in system.prefill:
+        for role, d in decoders:
+            weights[(p.name, d.name)] = host_weights["p_per_decoder"]
+            weights[(d.name, p.name)] = host_weights[f"{role}_while_p"]
+    if load is not None:
+        for p in system.prefill:
+            weights[(p.name, "outside")] = host_weights["p_per_load"]
+        for role, d in decoders:
+            weights[(d.name, "outside")] = host_weights[f"{role}_per_load"]
+    host = SharedHost(weights)
+    if load is not None:
+        host.join("outside", lambda: load(system.loop.now))
+    for inst in [*system.prefill, *(d for _, d in decoders)]:
+        host.join(inst.name, lambda inst=inst: inst.busy)
+    for inst in [*system.prefill, *(d for _, d in decoders)]:
+        inst.cost = replace(inst.cost, host=host, host_member=inst.name)
+
+
+def tagged_system_class(tags: list[str], p_max_seqs: int = 1,
+                        host_weights: dict[str, float] | None = None, load: Any = None,
+                        export_wait: float = 0.0) -> tuple[type, dict[str, Any]]:
     """A SimulatedSystem that also files every request's TTFT and ITL gaps under its tag (trace
     rid = line = position in the interleaved stream), so the comparison covers compare-tagged
     requests only. It taps the per-member accounting of pddnet/sim/decode.py (each member of a
@@ -531,6 +835,7 @@ def tagged_system_class(tags: list[str]) -> tuple[type, dict[str, Any]]:
             super().__init__(*a, **kw)
             for inst in [*self.relay, *(d.inst for d in self.decode)]:
                 inst.__class__ = TaggedDecode
+            engine_like(self, p_max_seqs, host_weights, load, export_wait)
 
         def _first_token(self, st: Any, user: float) -> None:
             super()._first_token(st, user)
@@ -541,8 +846,9 @@ def tagged_system_class(tags: list[str]) -> tuple[type, dict[str, Any]]:
 
 
 def simulate_same(workload: list[tuple[str, Any]], chips: dict[str, Path],
-                  fit: dict[str, Any], args: argparse.Namespace, tmp: Path
-                  ) -> tuple[Any, Any, dict[str, Any]]:
+                  fit: dict[str, Any], args: argparse.Namespace, tmp: Path,
+                  load_samples: list[tuple[float, float]] | None = None,
+                  export_wait: float = 0.0) -> tuple[Any, Any, dict[str, Any]]:
     """The whole interleaved stream (both tags: both loaded P, RLD and MD) in the simulator
     with the testbed's settings; returns the report, the SimulatedSystem and the per-tag
     TTFT / ITL histograms."""
@@ -576,6 +882,8 @@ def simulate_same(workload: list[tuple[str, Any]], chips: dict[str, Path],
                  "piece_mb": PROXY_CHUNK_BYTES / (1 << 20), "piece_ms": 0.0},
         "engine": {"block_tokens": d.block_size, "chunk_tokens": d.max_num_batched_tokens,
                    "max_seqs": d.max_num_seqs, "memory_utilisation": 1.0,
+                   # short decode segments: a segment's step time is read once (contention)
+                   "segment_steps": DECODE_SEGMENT_STEPS,
                    "rdma_latency_us": lat * 1e6},
         "policy": {"handoff": pol.handoff, "handoff_threshold": pol.handoff_threshold_tokens,
                    "handoff_chunk": pol.handoff_chunk, "rld_load_limit": pol.rld_load_limit,
@@ -587,7 +895,9 @@ def simulate_same(workload: list[tuple[str, Any]], chips: dict[str, Path],
                      "arrivals": "open"}})
     captured: dict[str, Any] = {}
     original, original_system = runner.report, runner.SimulatedSystem
-    system_cls, hists = tagged_system_class([tag for tag, _ in workload])
+    load = load_excess(load_samples)[1] if fit.get("load_floor") is not None else None
+    system_cls, hists = tagged_system_class([tag for tag, _ in workload], d.max_num_seqs,
+                                            fit.get("host_weights"), load, export_wait)
 
     def capture(sim: Any) -> dict[str, Any]:   # the report drops the ITL histogram's CDF
         captured["sim"] = sim
@@ -653,10 +963,13 @@ def plot(path: Path, real_ttft: list[float], real_itl: list[float], sim: Any,
                 label=f"{role} median")
         line = [(f["a_s"] + f["b_s_per_seq"] * k + f["c_s_per_ctx"]
                  * f["by_batch"][str(k)]["mean_context"]) * 1e3 for k in bb]
-        ax.plot(bb, line, "-", alpha=0.6, label=f"{role} fit (at its mean context)")
+        base = (", P idle, no outside load" if f.get("p_idle_only") and fit.get("load_floor")
+                is not None else ", P idle" if f.get("p_idle_only") else "")
+        ax.plot(bb, line, "-", alpha=0.6, label=f"{role} fit (at its mean context{base})")
     ax.set_xlabel("decode batch (requests)")
     ax.set_ylabel("inter-token gap (ms)")
-    ax.set_title("fit run: decode step vs batch")
+    idle = any(fit["decode"][r].get("p_idle_only") for r in ("relay", "main_decode"))
+    ax.set_title("fit run: decode step vs batch" + (" (gaps while P idle)" if idle else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
@@ -686,11 +999,31 @@ def main() -> int:
     ap.add_argument("--step-jitter", choices=("fit", "off"), default="fit",
                     help="decode-step spread in the fitted profiles (step_jitter_cv): the fit "
                          "run's measured spread, or none")
+    ap.add_argument("--contention", choices=("load", "neighbours", "off"), default="load",
+                    help="the shared host's contention, explicit terms fitted from the fit "
+                         "run: 'neighbours' (P slower per decoding neighbour, decode slower "
+                         "while P prefills), 'load' (also slower per unit of the recorded load "
+                         "average above its floor: outside jobs), or 'off' (every profile "
+                         "averaged over the run)")
+    ap.add_argument("--p-fit", choices=P_FITS, default="total",
+                    help="P's busy-period line: least squares on the lengths ('lstsq') or on "
+                         "relative errors ('relative'); '-total'/'total': then scaled so the "
+                         "fit periods' predicted total is their measured total (P's "
+                         "utilisation, which its queue answers to)")
+    ap.add_argument("--export-wait", choices=("fit", "off"), default="fit",
+                    help="a finished prompt's KV copy waiting for P's next step when that one "
+                         "starts at once (PrefillInstance export_wait): the fit run's share, "
+                         "or never")
+    ap.add_argument("--sim-draws", type=int, default=0,
+                    help="also simulate N more draws of the random streams (step jitter, "
+                         "export waits) and print the errors' range")
     ap.add_argument("--reuse", action="store_true",
                     help="re-fit and re-simulate OUT/calibration_runs.json (no testbed)")
     args = ap.parse_args()
     if not 0 < args.target_util < 1:
         ap.error("--target-util must be in (0, 1)")
+    if args.sim_draws < 0:
+        ap.error("--sim-draws must be >= 0")
 
     from pddnet.sim.profiles import load_model
 
@@ -732,19 +1065,38 @@ def analyse(runs: dict[str, Any], args: argparse.Namespace, out: Path, runs_path
             raise RuntimeError(f"{runs_path}: request {r['i']} does not match the regenerated "
                                f"workload (other seeds or arguments?)")
     phase_load("fit + simulation", "start")
-    fit = fit_all(all_records, run_args.model)
+    fit = fit_all(all_records, run_args.model, args.contention, run.get("load_samples"),
+                  args.p_fit)
     pf, rp = fit["prefill"], fit["relay_path"]
-    print(f"fit ({fit['completed']}/{fit['requests']} fit-tagged requests, P busy "
-          f"{fit['p_busy_fraction']:.0%}): prefill {pf['flops_per_s'] / 1e9:.1f} GFLOP/s + "
-          f"{pf['overhead_s'] * 1e3:.1f} ms ({pf['isolated']} isolated), P->RLD "
-          f"{rp['bytes_per_s'] / 1e9:.2f} GB/s + {rp['latency_s'] * 1e3:.1f} ms, fixed "
-          f"{(pf['to_engine_s'] + rp['to_client_s']) * 1e3:.1f} ms")
+    ps, hw = pf["steps"], fit["host_weights"]
+    print(f"fitted from the {fit['completed']}/{fit['requests']} fit-tagged requests only "
+          f"(compare-tagged: only as the batch and P work they shared; judged below), P busy "
+          f"{fit['p_busy_fraction']:.0%}, contention {args.contention}:")
+    print(f"  P: {pf['flops_per_s'] / 1e9:.1f} GFLOP/s + {pf['overhead_s'] * 1e3:.1f} ms/step "
+          f"from {ps['periods']} busy periods with a fit-tagged prompt ({ps['steps']} steps, "
+          f"on average {ps['mean_decoders']:.2f} decoders stepping; period length error sd "
+          f"{ps['rel_error_sd']:.0%}, --p-fit {args.p_fit}: predicted / measured total "
+          f"{ps['total_pred_over_actual']:.3f}, median {ps['median_pred_over_actual']:.3f}); x(1 + {ps['p_per_decoder']:.2f} per decoding neighbour"
+          f" + {ps['p_per_load']:.2f} per unit of load above {fit['load_floor'] or 0:.2f})"
+          f"; alone (the {pf['isolated']} isolated prefills): "
+          f"{pf['isolated_flops_per_s'] / 1e9:.1f} GFLOP/s")
+    ew = fit["export_wait"]
+    export_wait = ew["share"] if args.export_wait == "fit" else 0.0
+    print(f"  P's KV copy waits for the next step when it starts at once: {ew['waited']} of "
+          f"the {ew['at_once']} fit-tagged prompts it could ({ew['share']:.0%}); simulated: "
+          f"{export_wait:.0%} (--export-wait {args.export_wait})")
+    fixed_ms = (pf["to_engine_s"] + rp["to_client_s"]) * 1e3
+    print(f"  P->RLD {rp['bytes_per_s'] / 1e9:.2f} GB/s + {rp['latency_s'] * 1e3:.1f} ms "
+          f"({rp['samples']} isolated prefills), fixed {fixed_ms:.1f} ms")
     for role in ("relay", "main_decode"):
         d = fit["decode"][role]
         c = d["contention"]
+        share = (f" x(1 + {hw[role + '_while_p']:.2f} while P prefills + "
+                 f"{hw[role + '_per_load']:.2f} per unit of load)" if hw else "")
         print(f"  {role}: step = {d['a_s'] * 1e3:.1f} ms + {d['b_s_per_seq'] * 1e3:.2f} ms/seq "
-              f"+ {d['c_s_per_ctx'] * 1e6:.2f} us/context token ({d['gaps']} gaps)\n"
-              f"    gap / fitted step: P prefilling {fmt_ratio(c['p_busy'])}; P idle "
+              f"+ {d['c_s_per_ctx'] * 1e6:.2f} us/context token{share}, jitter cv "
+              f"{d['jitter_cv']:.2f} ({d['gaps']} gaps{', P idle' if d['p_idle_only'] else ''})"
+              f"\n    gap / fitted step: P prefilling {fmt_ratio(c['p_busy'])}; P idle "
               f"{fmt_ratio(c['p_idle'])}; all {fmt_ratio(c['all'])}")
 
     cl = load_cluster(None, {})
@@ -753,16 +1105,38 @@ def analyse(runs: dict[str, Any], args: argparse.Namespace, out: Path, runs_path
     real_ttft = [r["tokens"][0] - r["sent"] for r in records]
     real_itl = [b - a for r in records for a, b in zip(r["tokens"], r["tokens"][1:],
                                                        strict=False)]
+    draws: list[dict[str, float | None]] = []
+
+    def errors(h: dict[str, Any]) -> dict[str, float | None]:
+        out_e: dict[str, float | None] = {}
+        for name, real_v, hist in (("TTFT", real_ttft, h["ttft"]), ("ITL", real_itl, h["itl"])):
+            q_real = quantiles(real_v)
+            for q in (50, 90, 99):
+                a, b = q_real[f"p{q}"], hist.quantile(q / 100)
+                out_e[f"{name} p{q}"] = None if not a or b is None else (b - a) / a
+        return out_e
+
     with tempfile.TemporaryDirectory() as tmp:
-        chips: dict[str, Path] = {}
-        for role in ROLES:
-            blocks = getattr(cl, role).num_blocks * getattr(cl, role).block_size
-            mem = (prof.weight_bytes + blocks * prof.kv_bytes_per_token) / 1e9
-            chips_text[role] = chip_toml(f"cpu-fitted-{role}", fit, mem, role,
-                                         jitter=args.step_jitter == "fit")
-            chips[role] = Path(tmp) / f"cpu-fitted-{role}.toml"
-            chips[role].write_text(chips_text[role])
-        rep, sim, hists = simulate_same(workload, chips, fit, run_args, Path(tmp))
+        for draw in range(args.sim_draws + 1):
+            # draw 0 is the reported run; the others rename the chips, which reseeds their
+            # random streams (step jitter, P's export waits): the spread one run hides
+            suffix = f"-draw{draw}" if draw else ""
+            chips: dict[str, Path] = {}
+            for role in ROLES:
+                blocks = getattr(cl, role).num_blocks * getattr(cl, role).block_size
+                mem = (prof.weight_bytes + blocks * prof.kv_bytes_per_token) / 1e9
+                text = chip_toml(f"cpu-fitted-{role}{suffix}", fit, mem, role,
+                                 jitter=args.step_jitter == "fit")
+                chips[role] = Path(tmp) / f"cpu-fitted-{role}{suffix}.toml"
+                chips[role].write_text(text)
+                if not draw:
+                    chips_text[role] = text
+            got = simulate_same(workload, chips, fit, run_args, Path(tmp),
+                                run.get("load_samples"), export_wait)
+            if not draw:
+                rep, sim, hists = got
+            else:
+                draws.append(errors(got[2]["compare"]))
     phase_load("fit + simulation", "end")
     sim_cmp = SimpleNamespace(ttft=hists["compare"]["ttft"], itl=hists["compare"]["itl"])
 
@@ -771,6 +1145,21 @@ def analyse(runs: dict[str, Any], args: argparse.Namespace, out: Path, runs_path
                 **{f"p{q}": h.quantile(q / 100) for q in (50, 90, 99)}, "max": h.max}
 
     sim_q = {"TTFT": hsum(sim_cmp.ttft), "ITL": hsum(sim_cmp.itl)}
+    # in-sample first: the fit-tagged requests, simulated in the same run (what a modelling
+    # choice may be judged on; the compare-tagged ones below are the test)
+    fit_recs = [r for r in ok_records(all_records) if r["tag"] == "fit"]
+    fit_real = {"TTFT": quantiles([r["tokens"][0] - r["sent"] for r in fit_recs]),
+                "ITL": quantiles([b - a for r in fit_recs
+                                  for a, b in zip(r["tokens"], r["tokens"][1:], strict=False)])}
+    fit_sim = {"TTFT": hsum(hists["fit"]["ttft"]), "ITL": hsum(hists["fit"]["itl"])}
+    in_sample = []
+    for name in ("TTFT", "ITL"):
+        for q in ("p50", "p90", "p99"):
+            a, b = fit_real[name][q], fit_sim[name][q]
+            in_sample.append({"metric": name, "q": q, "testbed": a, "sim": b,
+                              "error": None if not a or b is None else (b - a) / a})
+    print("\nin-sample (fit-tagged requests), error: " + ", ".join(
+        f"{r['metric']} {r['q']} {fmt_err(r['error'])}" for r in in_sample))
     rows = []
     real = {"TTFT": quantiles(real_ttft), "ITL": quantiles(real_itl)}
     print(f"\ncompare-tagged requests ({len(records)} of {n_tag['compare']} completed)")
@@ -787,6 +1176,11 @@ def analyse(runs: dict[str, Any], args: argparse.Namespace, out: Path, runs_path
             "P90 within 25%": all(r["error"] is not None and abs(r["error"]) <= 0.25
                                   for r in rows if r["q"] == "p90")}
     print("goal:", ", ".join(f"{k}: {'reached' if v else 'missed'}" for k, v in goal.items()))
+    if draws:
+        print(f"over {len(draws)} more draws of the random streams (--sim-draws), error "
+              f"min..max: " + ", ".join(
+                  f"{k} {fmt_err(min(d[k] for d in draws))}..{fmt_err(max(d[k] for d in draws))}"
+                  for k in draws[0] if all(d[k] is not None for d in draws)))
     pipes: dict[str, int] = {}
     modes: dict[str, int] = {}
     for r in records:
@@ -808,6 +1202,7 @@ def analyse(runs: dict[str, Any], args: argparse.Namespace, out: Path, runs_path
     result = {
         "rate_per_s": rate, "target_util": run_args.target_util, "probe": run.get("probe"),
         "requests": n_tag, "fit": fit, "chip_profiles": chips_text, "rows": rows, "goal": goal,
+        "in_sample_rows": in_sample, "draws": draws, "p_fit": args.p_fit,
         "testbed": {"completed": len(records), "requests": n_tag["compare"],
                     "ttft_s": real["TTFT"], "itl_s": real["ITL"], "p_busy_fraction": p_busy,
                     "pipelines": pipes, "handoffs": modes,
@@ -817,17 +1212,25 @@ def analyse(runs: dict[str, Any], args: argparse.Namespace, out: Path, runs_path
                     "ttft_s", "itl_s", "pipelines", "handoffs", "token_share", "busy", "rld",
                     "wan", "handoff_gap_s", "unfinished")}},
         "load_average": load, "load_samples": run.get("load_samples"),
-        "args": runs["args"], "reused": args.reuse, "step_jitter": args.step_jitter}
+        "args": runs["args"], "reused": args.reuse, "step_jitter": args.step_jitter,
+        "export_wait": export_wait,
+        "contention": args.contention}
     path = out / "calibration.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     title = (f"{len(records)} compare-tagged of {sum(n_tag.values())} interleaved requests at "
              f"{rate:.2f}/s, {run_args.model}, {run_args.bw_mbit:g} Mbit/s {run_args.rtt_ms:g} "
              f"ms RTT; load avg {load['run_1min_samples']['min']:.1f}-"
-             f"{load['run_1min_samples']['max']:.1f}; step jitter {args.step_jitter}; goal "
+             f"{load['run_1min_samples']['max']:.1f}; step jitter {args.step_jitter}; "
+             f"export wait {export_wait:.0%}; "
+             f"contention {args.contention}; goal "
              f"{'met' if all(goal.values()) else 'missed'}")
     plot(out / "calibration.png", real_ttft, real_itl, sim_cmp, fit, title)
     print(f"wrote {path}, {out / 'calibration.png'}, {runs_path}")
     return 0
+
+
+def fmt_err(err: float | None) -> str:
+    return "-" if err is None else f"{err:+.0%}"
 
 
 def fmt_ratio(c: dict[str, Any]) -> str:

@@ -7,7 +7,8 @@ from pddnet.sim.reproduce import reproduce
 
 @pytest.fixture(scope="module")
 def quick():
-    return reproduce(quick=True)
+    # two processes: the path `pdd sim reproduce` takes by default on this 2-core machine
+    return reproduce(quick=True, jobs=2)
 
 
 def test_quick_reproduce_shows_the_source_shapes(quick):

@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--seed", type=int, default=None, help="override the config's seed")
     run.add_argument("--requests", type=int, default=None, help="override workload.requests")
     run.add_argument("--no-plots", action="store_true")
+    _jobs_arg(run)
     run.set_defaults(handler=cmd_run)
 
     pl = ss.add_parser("plan", help="search pool sizes for the best benefit-cost ratio")
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="also plan same-dc on the same grid of P and D sizes; print BCR ratio")
     pl.add_argument("--out", default="results/sim")
     pl.add_argument("--no-plots", action="store_true")
+    _jobs_arg(pl)
     pl.set_defaults(handler=cmd_plan)
 
     rp = ss.add_parser("reproduce", help="the source report's scenario, ours beside theirs")
@@ -43,7 +45,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--out", default="results/sim")
     rp.add_argument("--no-plots", action="store_true")
+    _jobs_arg(rp)
     rp.set_defaults(handler=cmd_reproduce)
+
+
+def _jobs_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="processes for independent simulations (default: one per core; "
+                             "1 runs everything in this process; results are the same)")
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    """--jobs, or one per core; raises ValueError for a bad value."""
+    import os
+
+    if args.jobs is None:
+        return os.cpu_count() or 1
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    return args.jobs
 
 
 def _write(out: str, name: str, data: dict[str, Any]) -> Path:
@@ -59,13 +79,13 @@ def dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
-def _bar(total: int, desc: str) -> Any:
+def _bar(total: int, desc: str, position: int = 0) -> Any:
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         return None
     return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr,
-                disable=not sys.stderr.isatty())
+                position=position, disable=not sys.stderr.isatty())
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -87,23 +107,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         cfg = _load(args)
+        jobs = _jobs(args)
     except ValueError as exc:
         print(f"pdd sim run: {exc}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    bars: dict[str, Any] = {}
+    # one bar per system, all drawn at once: with --jobs several advance together
+    bars = {s: _bar(cfg.workload.requests, f"{s:>15}", i) for i, s in enumerate(cfg.systems)}
 
     def progress(system: str, n: int) -> None:
-        if system not in bars:
-            for b in bars.values():
-                if b is not None:
-                    b.close()
-            bars[system] = _bar(cfg.workload.requests, f"{system:>15}")
         if bars[system] is not None:
             bars[system].update(n)
 
     try:
-        results = run_systems(cfg, cfg.systems, progress)
+        results = run_systems(cfg, cfg.systems, progress, jobs=jobs)
     except ValueError as exc:
         print(f"pdd sim run: {exc}", file=sys.stderr)
         return 2
@@ -113,7 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     data = {"config": describe_config(cfg), "systems": results, "vs_baseline": compare(results)}
     path = _write(args.out, Path(args.config).stem, data)
     print_run(data)
-    print(f"wrote {path} ({time.monotonic() - t0:.1f} s of wall time)")
+    print(f"wrote {path} ({time.monotonic() - t0:.1f} s of wall time, {jobs} process(es))")
     if not args.no_plots:
         from pddnet.sim.plots import plot_run
 
@@ -136,23 +153,26 @@ def print_run(data: dict[str, Any]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from pddnet.sim.parallel import Task, run_tasks
     from pddnet.sim.plan import parse_range, plan
 
     try:
         cfg = _load(args)
         p, r, d = parse_range(args.prefill), parse_range(args.relay), parse_range(args.decode)
+        jobs = _jobs(args)
     except ValueError as exc:
         print(f"pdd sim plan: {exc}", file=sys.stderr)
         return 2
-    plans = {}
     targets = [args.system] + (["same-dc"] if args.baseline and args.system != "same-dc" else [])
-    for system in targets:
-        ranges = [p, d] if system == "same-dc" else [p, r, d]
-        try:
-            plans[system] = plan(cfg, system, ranges, print)
-        except ValueError as exc:
-            print(f"pdd sim plan: {exc}", file=sys.stderr)
-            return 2
+    tasks = [Task(plan, (cfg, s, [p, d] if s == "same-dc" else [p, r, d]),
+                  progress_kw="progress") for s in targets]
+    try:
+        # with --baseline the two systems' searches run side by side
+        plans = dict(zip(targets, run_tasks(tasks, jobs, lambda i, line: print(line)),
+                         strict=True))
+    except ValueError as exc:
+        print(f"pdd sim plan: {exc}", file=sys.stderr)
+        return 2
     for system, pl in plans.items():
         print(f"\n{system}: frontier (cost -> goodput under SLA)")
         for c in pl["frontier"]:
@@ -213,14 +233,19 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from pddnet.sim.reproduce import print_report, reproduce
 
     t0 = time.monotonic()
+    try:
+        jobs = _jobs(args)
+    except ValueError as exc:
+        print(f"pdd sim reproduce: {exc}", file=sys.stderr)
+        return 2
     bars = TqdmProgress()
     try:
-        data = reproduce(quick=args.quick, seed=args.seed, progress=bars)
+        data = reproduce(quick=args.quick, seed=args.seed, progress=bars, jobs=jobs)
     finally:
         bars.close()
     print_report(data)
     path = _write(args.out, "reproduce-quick" if args.quick else "reproduce", data)
-    print(f"wrote {path} ({time.monotonic() - t0:.1f} s of wall time)")
+    print(f"wrote {path} ({time.monotonic() - t0:.1f} s of wall time, {jobs} process(es))")
     if not args.no_plots:
         from pddnet.sim.plots import plot_frontier, plot_run
 

@@ -26,6 +26,13 @@ jobs take turns on two cores, so a step's time depends on who else runs -- and i
 from the spread of measured steps around their fitted mean. pddnet/sim/decode.py costs a segment
 of steps with constant membership by one call, so the spread is drawn per segment (tens of
 steps, about one contending prefill on that box); estimates should pass ``jitter=False``.
+A cost may belong to an instance that shares a host's cores with others (``host``, a
+``SharedHost``, and ``host_member``, the instance's name there; default none): then every
+prefill step and decode step (estimates included: on the testbed they are measured steps) is
+multiplied by ``contention()``, 1 + the fitted weights of the other members active at that
+moment. It is the calibration box again, explicitly: three daemons with one torch thread
+each on two cores, so P's forwards run slower while RLD and MD decode, and theirs while P
+prefills.
 So a prefill of thousands of tokens is compute-bound and a decode step memory-bound, without
 saying so anywhere: the max() decides. Extend (MD recomputing RLD's tokens) is the same forward
 with T = decode batch + extend tokens, which is why it costs little more than a decode step.
@@ -35,7 +42,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from pddnet.sim.profiles import ChipProfile, ModelProfile
 
@@ -48,6 +56,8 @@ class InstanceCost:
     model: ModelProfile
     gpus: int = 1
     memory_utilisation: float = 0.9   # share of HBM for weights + KV (the rest: activations)
+    host: SharedHost | None = field(default=None, compare=False, repr=False)
+    host_member: str = ""             # this instance's name on `host`
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus, int) or self.gpus < 1:
@@ -61,6 +71,9 @@ class InstanceCost:
                 f"does not fit on {self.gpus} x {self.chip.name} "
                 f"({self.gpus * self.chip.memory_gb:g} GB at {self.memory_utilisation:.0%}): "
                 f"use more gpus per instance")
+        if self.host is not None and self.host_member not in self.host.members:
+            raise ValueError(f"host_member {self.host_member!r} has not joined the host "
+                             f"(members: {', '.join(sorted(self.host.members)) or 'none'})")
         m = self.model
         # Constants of the hot path, computed once.
         object.__setattr__(self, "_compute", self.gpus * self.chip.flops_per_s(m.compute_dtype)
@@ -133,6 +146,27 @@ class InstanceCost:
         pairs = (end * (end + 1) - start * (start + 1)) / 2
         return self.forward_time(end - start, pairs, start)
 
+    def prefill_step_time(self, chunks: list[tuple[int, int]]) -> float:
+        """One forward computing several prompts' chunks [start, end) at once (a batched
+        prefill step): their tokens, attention pairs and cached positions add up, one
+        sequence each. A single chunk costs exactly ``prefill_chunk_time``."""
+        if not chunks:
+            raise ValueError("a prefill step needs at least one chunk")
+        tokens, pairs, cached = 0, 0.0, 0
+        for start, end in chunks:
+            if not 0 <= start < end:
+                raise ValueError(f"bad prefill chunk [{start}, {end})")
+            tokens += end - start
+            pairs += (end * (end + 1) - start * (start + 1)) / 2
+            cached += start
+        return self.forward_time(tokens, pairs, cached, seqs=len(chunks))
+
+    def contention(self) -> float:
+        """Slowdown of a forward starting now from the host's other busy members (1: none)."""
+        if self.host is None:
+            return 1.0
+        return self.host.slowdown(self.host_member)
+
     def prefill_time(self, cached: int, total: int, chunk: int) -> float:
         """A whole prefill of positions [cached, total) in chunks of at most `chunk` tokens."""
         t, pos = 0.0, cached
@@ -151,7 +185,9 @@ class InstanceCost:
         are extend tokens) batched into the same forward. The per-context term counts the
         decoding sequences' context only (an extend's own context is not passed in). With the
         chip's ``step_jitter_cv`` > 0 and ``jitter``, the time is multiplied by one seeded
-        random factor of mean 1; ``jitter=False`` gives the mean (for estimates)."""
+        random factor of mean 1; ``jitter=False`` gives the mean (for estimates). On a shared
+        host (``host``) the step, estimate or not, is slowed by ``contention()``: what a
+        policy would measure there (the testbed's P sees RLD's measured step times)."""
         if batch + extend_tokens <= 0:
             return 0.0
         if extend_seqs is None:
@@ -160,7 +196,46 @@ class InstanceCost:
                               context_tokens, seqs=batch + extend_seqs)
         if jitter and self._jitter is not None:
             t *= self._jitter_rng.lognormvariate(*self._jitter)
+        if self.host is not None:
+            t *= self.host.slowdown(self.host_member)
         return t
+
+
+class SharedHost:
+    """Instances taking turns on one host's cores. A forward of member X that starts while
+    the other members Y are active takes 1 + sum of ``weights[(X, Y)] x activity(Y)`` times
+    as long (pairs not given weigh 0). A member's activity is what its callable returns: an
+    instance says whether it is computing (True = 1, False = 0); a member that is not an
+    instance (work outside the simulation, e.g. a recorded load average above its floor)
+    says how much there is. It is read when a step (or a decode segment) starts, so a
+    neighbour that starts or stops in the middle is seen from the next one on."""
+
+    def __init__(self, weights: Mapping[tuple[str, str], float]) -> None:
+        for pair, w in weights.items():
+            if not (isinstance(pair, tuple) and len(pair) == 2 and pair[0] != pair[1]):
+                raise ValueError(f"host weight key must be a pair of two members, got {pair!r}")
+            if not isinstance(w, (int, float)) or isinstance(w, bool) or not w >= 0:
+                raise ValueError(f"host weight {pair!r} must be a number >= 0, got {w!r}")
+        self.weights = dict(weights)
+        self.members: dict[str, Callable[[], float]] = {}
+
+    def join(self, name: str, activity: Callable[[], float]) -> None:
+        if name in self.members:
+            raise ValueError(f"{name!r} has already joined this host")
+        self.members[name] = activity
+
+    def slowdown(self, name: str) -> float:
+        if name not in self.members:
+            raise ValueError(f"{name!r} is not a member of this host")
+        f = 1.0
+        for other, activity in self.members.items():
+            w = self.weights.get((name, other), 0.0)
+            if w and other != name:
+                a = activity()
+                if a < 0:
+                    raise ValueError(f"host member {other!r} reports activity {a!r} < 0")
+                f += w * a
+        return f
 
 
 def jitter_seed(chip_name: str) -> str:

@@ -32,11 +32,13 @@ where and why ours differs.
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from pddnet.sim.config import SimConfig, parse_config
+from pddnet.sim.parallel import Task, run_tasks
 from pddnet.sim.plan import capacity, plan, with_pools
 from pddnet.sim.runner import compare, describe_config, run_systems
 
@@ -138,7 +140,10 @@ def plan_config(quick: bool, seed: int = 0) -> SimConfig:
 
 
 def reproduce(quick: bool = False, seed: int = 0,
-              progress: Progress | None = None) -> dict[str, Any]:
+              progress: Progress | None = None, jobs: int = 1) -> dict[str, Any]:
+    """The scenario, the planner's cost table and the side-by-side table. With ``jobs`` > 1
+    the independent simulations (the systems after the baseline, the two systems' plans) run
+    in that many processes; the result is the same."""
     bar: Progress = progress or _Silent()
     cfg: SimConfig = parse_config(scenario(quick, seed))
     bar.stage("scenario", len(cfg.systems) * cfg.workload.requests, "req")
@@ -146,7 +151,7 @@ def reproduce(quick: bool = False, seed: int = 0,
     def ran(system: str, n: int) -> None:
         bar.advance(n, system)
 
-    results = run_systems(cfg, cfg.systems, ran)
+    results = run_systems(cfg, cfg.systems, ran, jobs=jobs)
     vs = compare(results)
     base, naive, pdd = results["same-dc"], results["cross-dc"], results["pdd"]
     full_kv = results["cross-dc-no-drc"]["wan"]["kv_bytes"]
@@ -155,14 +160,14 @@ def reproduce(quick: bool = False, seed: int = 0,
 
     plan_cfg = plan_config(quick, seed)
     ranges = plan_ranges(quick)
-    plans = {}
-    for system, r in ranges.items():
-        n = 1
-        for axis in r:
-            n *= len(axis)
-        bar.stage(f"plan {system}", n, "candidate")
-        plans[system] = plan(plan_cfg, system, r, lambda m: bar.advance(1, m),
-                             steps=2, warm_start=not quick, factor=2.0 if quick else 1.5)
+    systems = list(ranges)
+    bar.stage("plan " + " + ".join(systems),
+              sum(math.prod(len(axis) for axis in ranges[s]) for s in systems), "candidate")
+    tasks = [Task(plan, (plan_cfg, s, ranges[s]),
+                  {"steps": 2, "warm_start": not quick, "factor": 2.0 if quick else 1.5},
+                  progress_kw="progress") for s in systems]
+    plans = dict(zip(systems, run_tasks(tasks, jobs, lambda i, m: bar.advance(1, m)),
+                     strict=True))
     cost_table = _cost_table(plans, quick)
     if cost_table["at_source_sizes"] is not None:
         # Which resource binds PDD at the source's sizes: the same search on a line with

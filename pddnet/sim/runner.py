@@ -263,23 +263,29 @@ def simulate_all(cfg: SimConfig, progress: Callable[[str, int], None] | None = N
 
 
 def run_systems(cfg: SimConfig, systems: Sequence[str],
-                progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+                progress: Callable[[str, int], None] | None = None,
+                jobs: int = 1) -> dict[str, Any]:
     """Each system on the config's workload. With ``arrivals = "baseline"`` the baseline runs
     first (closed loop) and every other system is offered its send times: the same requests
-    at the same times, so latency comparisons are at equal offered load."""
+    at the same times, so latency comparisons are at equal offered load. With ``jobs`` > 1
+    the systems that do not wait for the baseline run in that many processes (same results)."""
+    from pddnet.sim.parallel import Task, run_tasks
+
     paced = cfg.workload.arrivals == "baseline"
     if paced and BASELINE not in systems:
         raise ValueError(f'arrivals = "baseline" needs the baseline system {BASELINE!r} in '
                          f"systems")
-    order = sorted(systems, key=lambda s: s != BASELINE) if paced else list(systems)
-    schedule = Schedule() if paced else None
     results: dict[str, Any] = {}
-    for s in order:
-        cb = (lambda n, s=s: progress(s, n)) if progress else None
-        if paced and s == BASELINE:
-            results[s] = simulate(cfg, s, cb, record=schedule)
-        else:
-            results[s] = simulate(cfg, s, cb, replay=schedule)
+    schedule = Schedule() if paced else None
+    if paced:
+        cb = (lambda n: progress(BASELINE, n)) if progress else None
+        results[BASELINE] = simulate(cfg, BASELINE, cb, record=schedule)
+    rest = [s for s in systems if s not in results]
+    tasks = [Task(simulate, (cfg, s), {"replay": schedule}, progress_kw="progress")
+             for s in rest]
+    on_progress = (lambda i, n: progress(rest[i], n)) if progress else None
+    for s, r in zip(rest, run_tasks(tasks, jobs, on_progress), strict=True):
+        results[s] = r
     return {s: results[s] for s in systems}
 
 
