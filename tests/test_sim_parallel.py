@@ -1,30 +1,21 @@
 """Independent simulations in several processes give exactly what one process gives."""
 
+import dataclasses
+
 import pytest
 
 from pddnet.cli import main
 from pddnet.sim.cli import dumps
-from pddnet.sim.config import parse_config
 from pddnet.sim.parallel import Task, run_tasks
 from pddnet.sim.runner import run_systems
+from tests.test_sim_system import small
 
 
 def paced(requests=150):
-    return parse_config({
-        "seed": 5, "model": "qwen2.5-7b", "tokens_per_unit": 512,
-        "systems": ["pdd", "same-dc", "cross-dc"],
-        "chips": {"a": "gpu-a", "b": "gpu-b"},
-        "pdd": {"prefill": {"chip": "a", "instances": 2}, "relay": {"chip": "a", "instances": 1},
-                "main_decode": {"chip": "b", "instances": 2}},
-        "baseline": {"prefill": {"chip": "a", "instances": 2},
-                     "decode": {"chip": "a", "instances": 2}},
-        "line": {"bw_gbit": 10, "rtt_ms": 30},
-        "workload": {"requests": requests, "arrivals": "baseline", "num_conversations": 1000,
-                     "conversation_rate_per_s": 0.5, "system_prompt_len": [4000, 16000],
-                     "task_len": [1000, 4000], "small_tool_len": [64, 1024],
-                     "large_tool_len": [8000, 32000], "output_len": [64, 512],
-                     "max_context": 65536},
-    })
+    """test_sim_system's small config, every system offered the baseline's send times."""
+    cfg = small(requests, seed=5, systems=["pdd", "same-dc", "cross-dc"])
+    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload,
+                                                                 arrivals="baseline"))
 
 
 def test_two_processes_give_byte_identical_results_and_the_same_progress():

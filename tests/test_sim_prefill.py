@@ -13,33 +13,8 @@ from pddnet.sim.cost import InstanceCost, SharedHost
 from pddnet.sim.events import EventLoop
 from pddnet.sim.prefill import PrefillInstance
 from pddnet.sim.profiles import load_chip, load_model
+from tests.test_sim_cost import CHIP, MODEL
 
-CHIP = """
-name = "unit-chip"
-memory_gb = 100
-memory_bw_gbs = 100
-scale_up_gbs = 100
-scale_out_gbit = 80
-price_per_hour = 1.0
-compute_efficiency = 1.0
-bandwidth_efficiency = 1.0
-step_overhead_ms = 0.0
-[tflops]
-fp32 = 1.0
-"""
-MODEL = """
-name = "unit-model"
-num_layers = 2
-hidden_size = 64
-num_heads = 4
-num_kv_heads = 2
-head_dim = 16
-total_params = 1e9
-active_params = 1e9
-compute_dtype = "fp32"
-weight_bytes_per_param = 2
-kv_bytes_per_elem = 2
-"""
 ATTN = 4 * 2 * 4 * 16
 
 
