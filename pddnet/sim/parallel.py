@@ -14,7 +14,6 @@ simulation reports every request; one message per request would cost more than t
 from __future__ import annotations
 
 import multiprocessing
-import os
 import queue as queue_mod
 import time
 from collections.abc import Callable, Sequence
@@ -35,11 +34,6 @@ class Task:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     progress_kw: str | None = None
-
-
-def default_jobs(tasks: int) -> int:
-    """One process per task, at most one per core."""
-    return max(1, min(tasks, os.cpu_count() or 1))
 
 
 def run_tasks(tasks: Sequence[Task], jobs: int = 1,
