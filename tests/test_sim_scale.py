@@ -123,3 +123,26 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
             units = (7,) + units[1:]           # not an extension: hashed from scratch
         req = SimRequest(turn, 42, 0.0, units, len(units) * 4, 4, (1,))
         assert sim._prompt_hashes(req) == block_hashes(units, bs)
+
+
+@settings(max_examples=80, deadline=None)
+@given(start=st.lists(st.integers(0, 30), max_size=25),
+       batches=st.lists(st.lists(st.integers(0, 30), max_size=12), max_size=6),
+       cap=st.integers(1, 40))
+def test_view_add_keeps_the_lru_order_of_setting_each_hash_newest(
+        start: list[int], batches: list[list[int]], cap: int) -> None:
+    """DecodeCacheView._add (relinks at C speed) against its definition: each hash in turn
+    becomes the newest entry (repeats included), then the oldest go past the cap."""
+    view = DecodeCacheView(block_size=1, max_hashes=cap)
+    ref: dict[int, None] = {}
+    dropped = 0
+    for batch in [start, *batches]:
+        view._add(batch)
+        for h in batch:
+            ref.pop(h, None)
+            ref[h] = None
+        while len(ref) > cap:
+            del ref[next(iter(ref))]
+            dropped += 1
+        assert list(view._hashes) == list(ref)
+        assert view.dropped_by_cap == dropped

@@ -213,16 +213,11 @@ class DecodeCacheView:
 
     def _add(self, hashes: Iterable[int]) -> None:
         hashes = hashes if isinstance(hashes, (tuple, list)) else list(hashes)
-        fresh = dict.fromkeys(hashes)
-        if len(fresh) == len(hashes):
-            # distinct (chained hashes always are): drop and re-append them all at C speed,
-            # the same order as setting and moving each to the end in turn
-            _consume(map(self._hashes.pop, hashes, repeat(None)))
-            self._hashes.update(fresh)
-        else:
-            for h in hashes:
-                self._hashes[h] = None
-                self._hashes.move_to_end(h)
+        # Each hash newest, in order (a repeated one ends where its last occurrence puts it):
+        # insert the missing ones, then move every one to the end, both at C speed. Relinking
+        # an OrderedDict entry is ~5x cheaper than popping and re-inserting it.
+        _consume(map(self._hashes.setdefault, hashes))
+        _consume(map(self._hashes.move_to_end, hashes))
         while len(self._hashes) > self.max_hashes:
             self._hashes.popitem(last=False)
             self.dropped_by_cap += 1
