@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from pddnet.kv.allocator import BlockAllocator
-from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache, chained_hashes
+from pddnet.kv.radix import HIT_INTERVAL_LABELS, CacheEventBatch, RadixCache, chained_hashes
 from pddnet.policy.admission import RelayAdmission
 from pddnet.policy.cache_view import DecodeCacheView
 from pddnet.policy.estimators import BandwidthEstimator, RttEstimator
@@ -367,10 +367,17 @@ class SimulatedSystem:
     def _md_answer(self, st: ReqState) -> None:
         side = self.decode[st.md_idx]
         events = side.cache.drain_events() if side.use_cache else None
-        size = HEADER_BYTES
-        if events is not None:
-            size += HASH_BYTES * (len(events.inserted) + len(events.evicted))
-        self.wan.message("b_to_a", size, self._p_alloc_answer, st, events)
+        self.wan.message("b_to_a", self._notice_bytes(events), self._p_alloc_answer, st, events)
+
+    @staticmethod
+    def _notice_bytes(events: CacheEventBatch | None) -> int:
+        """A control message's size with the CACHE_EVENTS notice it carries."""
+        if events is None:
+            return HEADER_BYTES
+        return HEADER_BYTES + HASH_BYTES * (len(events.inserted) + len(events.evicted))
+
+    def _p_cache_notice(self, md_idx: int, events: CacheEventBatch) -> None:
+        self.views[md_idx].apply(events)
 
     def _release(self, st: ReqState, keep: bool) -> None:
         """A request leaves MD / D: with ``keep`` its KV enters the DRC (prompt and output,
@@ -385,6 +392,17 @@ class SimulatedSystem:
         else:
             side.cache.release(st.table)
         st.table = None
+        if self.cross and side.use_cache:
+            # As MD does at every request's end: what the request left in the tree is what the
+            # conversation's next turn will hit, so P hears of it now, not with MD's next
+            # answer (which may be that very turn's). MD posts it as it sends the last token,
+            # so it reaches A with that token, one line delay later (like the tokens, outside
+            # the link's queue: a few hashes), and P applies it before a turn the client sends
+            # on that token can arrive (callers release before they finish the request).
+            events = side.cache.drain_events()
+            if events is not None:
+                self.loop.at(self.loop.now + side.inst.user_delay_s, self._p_cache_notice,
+                             st.md_idx, events)
         while side.waiting:
             nxt = side.waiting[0]
             if nxt.finished:
@@ -449,8 +467,8 @@ class SimulatedSystem:
     def _md_decode(self, st: ReqState, user: float) -> None:
         remaining = st.req.output_tokens - 1
         if remaining <= 0:
-            self._finish(st, user)
             self._release(st, keep=True)
+            self._finish(st, user)
             return
         m = Member(st, st.req.prompt_tokens, remaining, user, self._md_finished)
         st.md_member = m
@@ -459,8 +477,8 @@ class SimulatedSystem:
     def _md_finished(self, m: Member, t: float, made: int) -> None:
         st = m.state
         st.md_tokens += made
-        self._finish(st, m.prev_user)
         self._release(st, keep=True)
+        self._finish(st, m.prev_user)
 
     # -- same-DC D ---------------------------------------------------------------------------
 
