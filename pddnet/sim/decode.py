@@ -134,6 +134,24 @@ class DecodeInstance:
                 m.finish_step = stop
                 heapq.heappush(self._heap, (stop, next(self._seq), m))
 
+    def stop(self, m: Member, t: float) -> tuple[int, float]:
+        """Stop the member at ``t`` (RLD's final cut, as the daemon makes it: the HANDOFF
+        leaves when TAKEOVER arrives, and the token of the step in flight is dropped, MD
+        produces it). Returns (tokens it made here by ``t``, user-visible time of its last
+        token). The step in flight still runs for the batch; the member leaves at its end
+        without ``on_finish``: the caller has taken its count."""
+        made = self.tokens_made(m, t)
+        if made > 0:
+            # made > 0 while still in the batch: its last token ended the step `done`, inside
+            # the current segment (steps before it ended before the segment began)
+            done = m.join_step + made
+            last = self.seg_t0 + (done - self.seg_s0) * self.tau + self.user_delay_s
+        else:
+            last = m.prev_user
+        m.on_finish = _stopped
+        self.cut(m)
+        return made, last
+
     def drop(self, m: Member) -> None:
         """Remove a member without finishing it (its request ended elsewhere)."""
         if not m.alive:
@@ -310,3 +328,7 @@ class DecodeInstance:
         self.seg_t0, self.seg_s0, self.seg_end, self.tau = now, s1, s1 + k, tau
         self._token += 1
         self.loop.at(now + k * tau, self._end_segment, self._token)
+
+
+def _stopped(m: Member, t: float, made: int) -> None:
+    """on_finish of a member ``stop`` took out: its count was taken when it was stopped."""

@@ -523,18 +523,28 @@ class SimulatedSystem:
             return
         rld = self.relay[st.rld_idx]
         if st.mode is not None:                 # streaming: MD caught up, make the final cut
-            rld.cut(st.rld_member)
+            self._rld_cut(now, st)
             return
         backlog = 1 + rld.tokens_made(st.rld_member, now)
         decision = self.handoff_policy.decide(backlog, self.admission[st.rld_idx].load)
         st.mode = decision.mode
         self.handoffs[decision.mode.value] += 1
         if decision.mode is HandoffMode.ONE_SHOT:
-            rld.cut(st.rld_member)
+            self._rld_cut(now, st)
         else:
             st.sent_ids = backlog
             self.wan.message("a_to_b", HEADER_BYTES + TOKEN_ID_BYTES * backlog,
                              self._md_handoff, st, backlog, False)
+
+    def _rld_cut(self, now: float, st: ReqState) -> None:
+        """The final cut, made when TAKEOVER arrives (RelayHandoff's): RLD's tokens are the
+        ones it emitted by now, the final HANDOFF leaves now."""
+        m = st.rld_member
+        made, last = self.relay[st.rld_idx].stop(m, now)
+        st.rld_tokens = 1 + made
+        st.last_user = last
+        # (its last token may end exactly now: then it is RLD's whole reply)
+        self._rld_left(st, now, done=st.rld_tokens >= st.req.output_tokens)
 
     def _rld_finished(self, m: Member, t: float, made: int) -> None:
         st = m.state
