@@ -62,3 +62,11 @@ def test_series_is_bounded_and_keeps_maxima():
     assert len(s.values) <= 8
     assert s.interval_s >= 100 / 8
     assert max(s.values) == 9.0
+
+
+def test_series_interval_max_includes_the_level_held_into_it():
+    s = Series(interval_s=1.0, max_points=64)
+    s.observe(0.2, 8.0)       # 8 requests from 0.2 s on
+    s.observe(2.5, 7.0)       # one leaves at 2.5 s: 8 were there during [2, 2.5)
+    s.observe(4.5, 0.0)       # the last leaves at 4.5 s: 7 were there during [4, 4.5)
+    assert s.values == [8.0, 8.0, 8.0, 7.0, 7.0]

@@ -128,7 +128,8 @@ class Series:
             i = int(t / self.interval_s)
         if i >= len(self.values):
             self.values.extend([self._level] * (i + 1 - len(self.values)))
-            self.values[i] = value
+            # the level held until now inside this interval too: its max is at least that
+            self.values[i] = max(self._level, value)
         elif value > self.values[i]:
             self.values[i] = value
         self._level = value
