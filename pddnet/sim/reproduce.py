@@ -326,8 +326,9 @@ def table(r: dict[str, Any]) -> list[dict[str, str]]:
             f"P50 {(gap['p50'] or 0) * 1e3:.0f} ms, P99 {(gap['p99'] or 0) * 1e3:.0f} ms, "
             f"max {(gap['max'] or 0) * 1e3:.0f} ms ({o['handoffs']})",
          "source": s["handoff"], "holds": "-",
-         "why": "ours is one line delay plus one extend step; the source's includes its "
-                "engine's own overheads"},
+         "why": "ours is the rest of the RLD step TAKEOVER lands in, the HANDOFF's crossing "
+                "and MD's first token's way back (one RTT) and one extend step; the source's "
+                "includes its engine's own overheads"},
     ]
     b, p = ct["baseline"], ct["pdd"]
     rows.append({
