@@ -329,8 +329,10 @@ class SimulatedSystem:
 
     # -- MD / D allocation and the DRC -----------------------------------------------------
 
-    def _alloc(self, st: ReqState) -> bool:
-        """Reserve MD's (or D's) blocks: match and lock the cached prefix, allocate the rest."""
+    def _alloc(self, st: ReqState, queue: bool = True) -> bool:
+        """Reserve MD's (or D's) blocks: match and lock the cached prefix, allocate the rest.
+        Short of blocks, the request waits in the instance's FIFO (``queue``; counted once in
+        ``md_alloc_waits``) or, when it is the head of that FIFO retried, stays there."""
         side = self.decode[st.md_idx]
         req, bs = st.req, self.block_units
         cache = side.cache
@@ -346,8 +348,9 @@ class SimulatedSystem:
             if need > cache.allocator.num_blocks:
                 raise ValueError(f"request {req.rid} needs {need} KV blocks, more than a "
                                  f"whole decode instance holds ({cache.allocator.num_blocks})")
-            self.counts["md_alloc_waits"] += 1
-            side.waiting.append(st)
+            if queue:
+                self.counts["md_alloc_waits"] += 1
+                side.waiting.append(st)
             return False
         st.table = list(hit_blocks) + cache.allocate(need)
         st.handle = handle
@@ -408,8 +411,7 @@ class SimulatedSystem:
             if nxt.finished:
                 side.waiting.pop(0)
                 continue
-            if not self._alloc(nxt):
-                side.waiting.pop()      # _alloc re-queued it at the end: keep FIFO order
+            if not self._alloc(nxt, queue=False):
                 break
             side.waiting.pop(0)
             if self.cross:
