@@ -60,6 +60,16 @@ def test_decode_step_time_is_its_bytes_over_bandwidth(unit):
     assert ext == pytest.approx((2e9 * 72 + 4 * 2 * 4 * 16 * (8000 + 64 * 8000)) / 1e12)
 
 
+def test_tensor_parallel_step_adds_a_ring_all_reduce_at_one_directions_rate(unit):
+    two = InstanceCost(unit.chip, unit.model, gpus=2)
+    # two all-reduces per layer of 64 bf16 activations per token, each GPU sending 2 (g-1)/g of
+    # them: 2 * 2 layers * 64 * 2 B * 1 = 512 B per token, at 50 GB/s (100 GB/s both ways)
+    comm = 512 / 50e9
+    # batch 8 over 8000 context tokens: memory-bound on twice the bandwidth, plus 8 tokens' comm
+    want = (2e9 + (8000 + 8) * 256) / 200e9 + 8 * comm
+    assert two.decode_step_time(8, 8000) == pytest.approx(want)
+
+
 def test_capacity_and_model_that_does_not_fit(unit, tmp_path):
     assert unit.kv_capacity_bytes == pytest.approx(100e9 * 0.9 - 2e9)
     assert unit.kv_capacity_tokens() == int((90e9 - 2e9) // 256)

@@ -10,7 +10,9 @@ where
 - bytes = weights touched (all dense weights; for an MoE the expected share of experts a batch of
   T tokens routes to, 1 - (1 - k/E)^T) + KV read (every context token of every sequence) + KV
   written (T tokens);
-- comm = two activation all-reduces per layer over the scale-up link when gpus > 1;
+- comm = two activation all-reduces per layer over the scale-up link when gpus > 1 (a ring:
+  each GPU sends 2 (g - 1) / g of the activations at one direction's rate, half the chip's
+  ``scale_up_gbs``, which like the datasheets adds both directions);
 - per_seq (chip ``step_per_seq_us``) and per_ctx (chip ``step_per_ctx_token_ns``, A = the context
   tokens the S sequences attend to, cached plus new) are serial host-side work the roofline has no
   term for: pddnet's CPU engine runs attention sequence by sequence in Python and gathers each
@@ -88,7 +90,9 @@ class InstanceCost:
         if self.gpus > 1:
             per_token = (2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES
                          * 2 * (self.gpus - 1) / self.gpus)
-            comm = per_token / (self.chip.scale_up_gbs * 1e9)
+            # scale_up_gbs is the datasheet's figure, both directions added (H100 NVLink: 900
+            # GB/s); a ring all-reduce sends at one direction's rate, half of it
+            comm = per_token / (self.chip.scale_up_gbs * 1e9 / 2)
         object.__setattr__(self, "_comm_per_token", comm)
         object.__setattr__(self, "_kvpt", m.kv_bytes_per_token)
         object.__setattr__(self, "_per_seq", self.chip.step_per_seq_us * 1e-6)

@@ -33,7 +33,8 @@ class ChipProfile:
     tflops: dict[str, float]        # dense peak per dtype (TFLOP/s)
     memory_gb: float                # HBM capacity (1 GB = 1e9 bytes)
     memory_bw_gbs: float            # HBM bandwidth (GB/s)
-    scale_up_gbs: float             # per-GPU NVLink-class bandwidth inside an instance (GB/s)
+    scale_up_gbs: float             # per-GPU NVLink-class bandwidth inside an instance, both
+    #                                 directions added, as datasheets give it (GB/s)
     scale_out_gbit: float           # per-GPU NIC for RDMA between instances (Gbit/s)
     price_per_hour: float           # USD per GPU-hour (an assumption in every shipped profile)
     compute_efficiency: float = 0.55
