@@ -8,8 +8,8 @@ Systems (same workload, same seed):
   also "PDD without RLD" (``pdd-no-rld`` is an alias).
 - ``pdd``: the full design: P's pipeline choice (the daemons' PipelinePlanner: PipelinePolicy
   with P's DecodeCacheView of MD's RadixCache, the WAN estimators fed as the daemons feed them,
-  and each P's backlog of unacknowledged WAN KV bytes), RLD admission (RelayAdmission), eager RLD decoding, token-id
-  handoff (HandoffPolicy), DRC on MD.
+  and each P's backlog of unacknowledged WAN KV bytes), RLD admission (RelayAdmission), eager
+  RLD decoding, token-id handoff (HandoffPolicy), DRC on MD.
 - ``pdd-no-drc``: PDD with MD caching nothing, so the whole KV of every prompt crosses.
 - ``cross-dc-no-drc``: cross-dc without the DRC (the whole prompt's KV crosses for every
   request): against ``cross-dc`` it isolates the DRC's bandwidth cut.
