@@ -114,8 +114,10 @@ class PipelinePolicy:
         rld_output_s = x.max_tokens * x.rld_s_per_token
         # The filter compares with the request's own crossing time, without the backlog: a
         # request RLD keeps never reaches MD's cache (its conversation's next turn misses
-        # there), and RLD is a small pool; counting the backlog here too moved 3.5x as many
-        # requests to RLD alone in the simulator's --quick scenario (docs/simulator.md).
+        # there), and RLD is a small pool. Counting the backlog here too moved 3.5x as many
+        # requests to RLD alone in the simulator's --quick scenario, where their turns then
+        # fell behind the baseline's; it did shorten the full scenario's tail
+        # (docs/simulator.md, "The pipeline decision and the line's backlog").
         t_own = x.own_transfer_s()
         if self.singular_filter and rld_output_s * self.singular_margin <= t_own:
             return out(Pipeline.RLD_ONLY, f"RLD finishes {x.max_tokens} tokens in "
