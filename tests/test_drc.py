@@ -236,3 +236,38 @@ async def test_pipelines_over_the_emulated_wan(tiny):
             else:
                 raise AssertionError(f"{role} still holds KV: {s}")
         assert p_stats["planner"]["bandwidth_samples"] >= 1
+
+
+async def test_bytes_md_has_not_acknowledged_count_in_the_next_decision(tiny):
+    """P's WAN backlog: a request's incremental KV is committed when MD answers and released by
+    KV_RECEIVED. A second request that alone would cross within the budget goes through the
+    relay while the first one's bytes are unacknowledged, and its decision record says why."""
+    model, tok = tiny
+    bpt = Engine(model, tok, num_blocks=8, block_size=16).pool.spec.bytes_per_token
+    # 1000 tokens of KV per second: 150 tokens take 0.15 s, 100 take 0.1 s (plus RTT <= 30 ms)
+    cfg = make_config(ClusterMode.PDD, pipeline="auto", wan_bw_mbit=bpt * 1000 * 8 / 1e6,
+                      direct_budget_s=0.2)
+    async with running(cfg, md_delay=0.5) as (daemons, col):
+        planner = daemons["prefill"].planner
+        first, second = req("b1", rand_prompt(21, 150), 4), req("b2", rand_prompt(22, 100), 40)
+        await col.send("prefill", Submit(**first))
+        await col.wait_until(lambda: planner.backlog.bytes > 0, what="b1's KV committed")
+        assert planner.backlog.bytes == 150 * bpt and planner.backlog.pending == 1
+        rec1 = json.loads(col.events("b1")["pipeline"].detail_str)
+        assert rec1["pipeline"] == "p_md" and rec1["wan_backlog_bytes"] == 0
+        await col.send("prefill", Submit(**second))
+        await col.wait_until(lambda: "pipeline" in col.events("b2"), what="b2's decision")
+        rec2 = json.loads(col.events("b2")["pipeline"].detail_str)
+        x = rec2["inputs"]
+        assert rec2["wan_backlog_bytes"] == x["wan_backlog_bytes"] == 150 * bpt
+        alone = x["rtt_s"] + 100 * bpt / x["bandwidth_bps"]
+        assert alone <= 0.2 < rec2["estimated_wan_transfer_s"]
+        assert rec2["estimated_wan_transfer_s"] == pytest.approx(alone + 150 * bpt / x["bandwidth_bps"],
+                                                                 abs=1e-5)
+        assert rec2["pipeline"] != "p_md" and "behind" in rec2["reason"]
+        for r in (first, second):
+            await col.wait_until(lambda r=r: col.complete(r["request_id"]), what=r["request_id"])
+            assert col.output(r["request_id"]) == reference(
+                tiny, r["prompt_token_ids"], r["max_tokens"], SamplingParams(), True)
+        await all_free(daemons)          # every committed byte released (all_free checks)
+        assert planner.backlog.bytes == 0 and planner.counters()["wan_backlog_requests"] == 0

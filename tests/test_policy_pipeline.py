@@ -99,3 +99,42 @@ def test_singular_traffic_gets_only_its_share_of_rld():
     assert not big.admitted
     with pytest.raises(ValueError, match="singular_share"):
         RelayAdmission(10, 10, singular_share=1.5)
+
+
+def test_the_bytes_queued_ahead_push_a_request_past_the_direct_budget():
+    # 96 uncached tokens * 16384 B = 1,572,864 B at 125 MB/s = 12.58 ms, + 30 ms RTT = 42.6 ms:
+    # direct. Behind 20 MB P has not seen acknowledged: 42.6 + 160 ms = 202.6 ms > 200 ms.
+    policy = PipelinePolicy(direct_budget_s=0.2)
+    alone = policy.decide(inputs(hit_tokens=4000))
+    assert alone.pipeline is Pipeline.P_MD
+    assert alone.wan_transfer_s == pytest.approx(0.03 + 96 * 16384 / 125e6)
+    assert "behind" not in alone.reason
+    queued = policy.decide(inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000))
+    assert queued.pipeline is Pipeline.P_RLD_MD
+    assert queued.wan_transfer_s == pytest.approx(0.03 + (20_000_000 + 96 * 16384) / 125e6)
+    assert queued.incremental_bytes == alone.incremental_bytes == 96 * 16384
+    assert "behind 20.0 MB" in queued.reason
+    rec = queued.record(inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000))
+    assert rec["wan_backlog_bytes"] == rec["inputs"]["wan_backlog_bytes"] == 20_000_000
+    # a backlog that still fits leaves it direct: 19 MB -> 194.6 ms
+    assert policy.decide(inputs(hit_tokens=4000, wan_backlog_bytes=19_000_000)).pipeline \
+        is Pipeline.P_MD
+    # RLD refusing: the request waits for its KV on MD, backlog or not
+    assert policy.decide(inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000,
+                                rld_admits=False)).pipeline is Pipeline.P_MD
+
+
+def test_the_singular_filter_compares_with_the_requests_own_crossing_time():
+    # 4096 uncached tokens: 536.9 ms + 30 ms alone. RLD needs 8 * 20 ms = 160 ms for the output
+    # (RLD alone either way); 40 tokens = 800 ms: through the relay even behind 1 GB (8.6 s).
+    policy = PipelinePolicy()
+    assert policy.decide(inputs(max_tokens=8)).pipeline is Pipeline.RLD_ONLY
+    assert policy.decide(inputs(max_tokens=40)).pipeline is Pipeline.P_RLD_MD
+    behind = policy.decide(inputs(max_tokens=40, wan_backlog_bytes=1 << 30))
+    assert behind.pipeline is Pipeline.P_RLD_MD
+    assert behind.wan_transfer_s == pytest.approx(0.03 + ((1 << 30) + 4096 * 16384) / 125e6)
+
+
+def test_a_negative_backlog_is_refused():
+    with pytest.raises(ValueError, match="wan_backlog_bytes"):
+        PipelinePolicy().decide(inputs(wan_backlog_bytes=-1))

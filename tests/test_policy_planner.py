@@ -95,3 +95,53 @@ def test_queueing_on_the_wan_does_not_inflate_the_transfer_estimate():
         p.observe_rtt(0.45)   # PINGs stuck behind a bulk transfer in the bottleneck queue
     assert p.rtt.srtt > 0.1 and p.rtt.min_s == 0.02
     assert p.plan([1] * 40, 10).pipeline is Pipeline.P_MD   # 40 KB: 20 ms + 40 ms
+
+
+def test_the_planner_counts_ps_unacknowledged_wan_bytes():
+    # 1000 tokens/s; budget 0.2 s. 150 uncached tokens: 20 ms + 150 ms alone -> direct.
+    p = planner(direct_budget_s=0.2)
+    assert p.plan([4] * 150, 10).pipeline is Pipeline.P_MD
+    p.wan_committed("a", 40 * KVB)              # MD answered a: 40 tokens will cross
+    p.wan_committed("b", 10 * KVB)
+    assert p.backlog.bytes == 50 * KVB and p.counters()["wan_backlog_requests"] == 2
+    behind = p.plan([4] * 150, 10)              # 20 + 50 + 150 ms = 220 ms
+    assert behind.pipeline is not Pipeline.P_MD
+    assert behind.inputs.wan_backlog_bytes == 50 * KVB
+    assert behind.decision.wan_transfer_s == pytest.approx(0.02 + 200 * KVB / BW)
+    assert behind.record()["wan_backlog_bytes"] == 50 * KVB
+    assert p.wan_released("a") == 40 * KVB
+    assert p.wan_released("a") == 0             # twice, or never committed: nothing
+    assert p.wan_released("zzz") == 0
+    p.wan_committed("b", 5 * KVB)               # a new commitment replaces the old one
+    assert p.backlog.bytes == 5 * KVB
+    assert p.plan([4] * 150, 10).pipeline is Pipeline.P_MD   # 175 ms
+    p.wan_released("b")
+    assert p.backlog.bytes == 0 and p.backlog.pending == 0
+    p.wan_committed("c", 0)                     # nothing to cross (all cached): not pending
+    assert "c" not in p.backlog and p.backlog.pending == 0
+
+
+def test_a_precomputed_prediction_plans_like_plan():
+    p, q = planner(), planner()
+    prompt = list(range(1, 2001))
+    teach(p, prompt[:1984])
+    teach(q, prompt[:1984])
+    a = p.plan(prompt + [7] * 30, max_tokens=200)
+    pred = q.view.predict(prompt + [7] * 30)
+    b = q.plan_predicted(2030, pred, max_tokens=200)
+    assert a.decision == b.decision and a.inputs == b.inputs and p.chosen == q.chosen
+    # a hit given in tokens where the view counts in other units (the simulator's)
+    c = q.plan_predicted(2030, pred, max_tokens=200, hit_tokens=0)
+    assert c.inputs.hit_tokens == 0 and c.prediction is pred
+
+
+def test_estimators_and_backlog_may_be_shared():
+    from pddnet.policy.estimators import BandwidthEstimator, RttEstimator, WanBacklog
+    bw, rtt, backlog = BandwidthEstimator(BW), RttEstimator(0.02), WanBacklog()
+    one = PipelinePlanner(PipelinePolicy(), KVB, BW, bandwidth=bw, rtt=rtt, backlog=backlog)
+    two = PipelinePlanner(PipelinePolicy(), KVB, BW, bandwidth=bw, rtt=rtt, backlog=backlog)
+    one.observe_transfer(8 << 20, 1.0)
+    one.observe_rtt(0.005)
+    one.wan_committed("x", 1000)
+    assert two.bandwidth.bytes_per_s == one.bandwidth.bytes_per_s != BW
+    assert two.rtt.min_s == 0.005 and two.backlog.bytes == 1000

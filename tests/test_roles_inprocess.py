@@ -220,7 +220,10 @@ async def all_free(daemons: dict, timeout: float = 20.0) -> None:
     while True:
         stats = {name: d.stats() for name, d in daemons.items()}
         json.dumps(stats)  # JSON-able, as `pdd status` needs
+        # and P's WAN backlog (bytes MD has not acknowledged) released however requests ended
         ok = all(s["kv_blocks"]["free"] == s["kv_blocks"]["total"] and s["requests"]["active"] == 0
+                 and s.get("planner", {}).get("wan_backlog_bytes", 0) == 0
+                 and s.get("planner", {}).get("wan_backlog_requests", 0) == 0
                  for s in stats.values())
         if ok:
             return

@@ -59,6 +59,68 @@ def test_the_simulator_drives_the_daemons_policy_objects():
     assert workload.generate_agent_workload is agent_workload.generate_agent_workload
 
 
+def test_pipeline_decisions_go_through_the_daemons_planner_and_policy(monkeypatch):
+    """Every pdd request is planned by a PipelinePlanner (the prefill daemon's object) that
+    holds the simulator's policy, MD's view, the line's estimators and its P's WAN backlog;
+    the backlog is the daemons' (committed on MD's answer, released by KV_RECEIVED or a
+    cancel) and ends empty; the goodput estimator learns from MD's arrival spans."""
+    import pddnet.sim.runner as runner
+    from pddnet.policy.planner import PipelinePlanner
+    made, planned = [], []
+    real_plan = PipelinePlanner.plan_predicted
+
+    def plan_predicted(self, *args, **kw):
+        plan = real_plan(self, *args, **kw)
+        x = plan.inputs     # the daemons' inputs: min recent RTT, P's own backlog
+        assert (x.rtt_s, x.bandwidth_bps, x.wan_backlog_bytes) == \
+            (self.rtt.min_s, self.bandwidth.bytes_per_s, self.backlog.bytes)
+        planned.append((self, plan))
+        return plan
+
+    def system(*args):
+        made.append(SimulatedSystem(*args))
+        return made[-1]
+
+    monkeypatch.setattr(PipelinePlanner, "plan_predicted", plan_predicted)
+    monkeypatch.setattr(runner, "SimulatedSystem", system)
+    res = simulate(small(), "pdd")
+    (sim,) = made
+    assert len(planned) == res["requests"] == sum(sim.pipelines.values())
+    assert sim.planners and all(type(pl) is PipelinePlanner for pl in sim.planners.values())
+    for (p, md), pl in sim.planners.items():
+        assert pl.policy is sim.pipeline_policy and pl.view is sim.views[md]
+        assert pl.bandwidth is sim.bw_est and pl.rtt is sim.rtt_est
+        assert pl.backlog is sim.wan_backlogs[p]
+        assert type(pl.backlog) is pddnet.policy.estimators.WanBacklog
+    assert any(plan.inputs.wan_backlog_bytes > 0 for _, plan in planned)
+    assert all(b.bytes == 0 and b.pending == 0 for b in sim.wan_backlogs)
+    assert sim.bw_est.samples > 0
+    # what the planners chose is what the simulator counted (RLD refusals aside)
+    chosen = {p.value: sum(pl.chosen[p.wire] for pl in sim.planners.values()) for p in
+              pddnet.policy.pipeline.Pipeline}
+    assert sim.counts["rld_refused"] or chosen == sim.pipelines
+
+
+def test_the_simulated_wan_measures_what_md_measures():
+    """A transfer's arrival span: bytes after the first piece over first-to-last arrival
+    (KV_RECEIVED's span_bytes / span_s), not the time since the transfer began."""
+    from pddnet.sim.events import EventLoop
+    from pddnet.sim.wan import WanLine
+    loop = EventLoop()
+    wan = WanLine(loop, rate_mbit=8.0, delay_ms=10.0, piece_bytes=100_000)   # 1 MB/s
+    done = []
+    tr = wan.start_transfer(500_000, done.append)
+    loop.at(1.0, wan.make_sendable, tr, 500_000)     # P computed it all after 1 s
+    loop.run()
+    (t,) = done
+    # 1 s of prefill, 0.5 s on the line (its token bucket's 15 KB burst leaves at once), 10 ms
+    assert t == pytest.approx(1.0 + (500_000 - 15_000) / 1e6 + 0.01)
+    span_bytes, span_s = tr.arrival_span()
+    assert span_bytes == 400_000
+    assert span_s == pytest.approx(0.4)               # the line's rate, not 500 KB / 1.5 s
+    assert wan.start_transfer(0, done.append).arrival_span() == (0, 0.0)
+
+
 def test_same_seed_gives_byte_identical_json_and_another_seed_does_not():
     cfg = small(requests=120)
     a, b = dumps(simulate_all(cfg)), dumps(simulate_all(cfg))

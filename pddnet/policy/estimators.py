@@ -83,3 +83,47 @@ class RttEstimator:
     def timeout_s(self) -> float:
         """A deadline for one round trip: srtt + 4 * rttvar (at least 10 ms)."""
         return max(0.01, self.srtt + 4 * self.rttvar)
+
+
+class WanBacklog:
+    """P's own WAN KV bytes towards MD that MD has not acknowledged yet, per request.
+
+    A request's incremental KV is committed when MD's allocation says how much of it will cross
+    and released when MD confirms it has all of it (KV_RECEIVED) or the transfer ends any other
+    way (cancel, failure, dropped target, lost connection). Those bytes are ahead of a new
+    request's on the line (or still to be computed by P ahead of its own), so the direct-budget
+    test counts them (``PipelineInputs.wan_backlog_bytes``). Never negative; releasing an
+    unknown or already released request does nothing.
+    """
+
+    __slots__ = ("_bytes", "_total")
+
+    def __init__(self) -> None:
+        self._bytes: dict[object, int] = {}
+        self._total = 0
+
+    @property
+    def bytes(self) -> int:
+        return self._total
+
+    @property
+    def pending(self) -> int:
+        """Requests with committed, unacknowledged bytes."""
+        return len(self._bytes)
+
+    def commit(self, key: object, nbytes: int) -> None:
+        """Request ``key`` will send ``nbytes`` to MD (replaces an earlier commitment)."""
+        self.release(key)
+        nbytes = int(nbytes)
+        if nbytes > 0:
+            self._bytes[key] = nbytes
+            self._total += nbytes
+
+    def release(self, key: object) -> int:
+        """MD has them, or they will never cross: the bytes ``key`` had committed (0 if none)."""
+        nbytes = self._bytes.pop(key, 0)
+        self._total -= nbytes
+        return nbytes
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._bytes

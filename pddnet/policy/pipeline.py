@@ -1,10 +1,12 @@
 """Pipeline choice per request: P->MD, P->RLD->MD, or RLD alone (the singular-traffic filter).
 
 The WAN is the scarce resource and RLD a small pool, so:
-- P->MD when the incremental KV (positions MD does not hold) crosses within `direct_budget_s`:
-  no relay needed (most high-hit agent traffic);
-- RLD alone when RLD would finish the whole output before MD's copy could even arrive (long
-  uncached input, short output): the WAN transfer is never started or is cancelled;
+- P->MD when the incremental KV (positions MD does not hold) crosses within `direct_budget_s`,
+  counting the bytes P has already committed to MD and MD has not acknowledged (they are ahead
+  of this request's on the line): no relay needed (most high-hit agent traffic on a quiet line);
+- RLD alone when RLD would finish the whole output before MD's copy could even arrive on an
+  idle line (long uncached input, short output): the WAN transfer is never started or is
+  cancelled;
 - P->RLD->MD otherwise: RLD hides the transfer by decoding eagerly, then hands off by token ids;
 - and whenever RLD refuses admission, P->MD: the request waits for its KV instead of flooding RLD.
 """
@@ -46,12 +48,21 @@ class PipelineInputs:
     rtt_s: float                  # estimated WAN round trip
     rld_s_per_token: float        # RLD's estimated time per output token under its load
     rld_admits: bool              # RLD's admission answer (or P's view of it)
+    # P's own KV bytes towards MD not yet acknowledged by MD (other requests'): they cross
+    # before this request's, so its KV arrives after them (pddnet.policy.estimators.WanBacklog)
+    wan_backlog_bytes: int = 0
 
     def incremental_bytes(self) -> int:
         return max(self.prompt_tokens - self.hit_tokens, 0) * self.kv_bytes_per_token
 
     def wan_transfer_s(self) -> float:
-        """Allocation round trip plus the uncached KV at the estimated goodput."""
+        """When MD would have this request's KV: the allocation round trip, then the bytes
+        queued ahead of it and its own uncached KV at the estimated goodput."""
+        return self.rtt_s + (self.wan_backlog_bytes + self.incremental_bytes()) \
+            / self.bandwidth_bps
+
+    def own_transfer_s(self) -> float:
+        """``wan_transfer_s`` on an idle line: this request's bytes alone."""
         return self.rtt_s + self.incremental_bytes() / self.bandwidth_bps
 
 
@@ -66,7 +77,8 @@ class PipelineDecision:
         """The decision and its inputs, for the request's `pdd` object."""
         return {"pipeline": self.pipeline.wire, "reason": self.reason,
                 "estimated_wan_transfer_s": round(self.wan_transfer_s, 6),
-                "incremental_kv_bytes": self.incremental_bytes, "inputs": asdict(inputs)}
+                "incremental_kv_bytes": self.incremental_bytes,
+                "wan_backlog_bytes": inputs.wan_backlog_bytes, "inputs": asdict(inputs)}
 
 
 @dataclass(frozen=True)
@@ -86,19 +98,29 @@ class PipelinePolicy:
             raise ValueError(f"hit_tokens {x.hit_tokens} outside 0..{x.prompt_tokens}")
         if x.bandwidth_bps <= 0:
             raise ValueError(f"bandwidth_bps must be > 0, got {x.bandwidth_bps}")
+        if x.wan_backlog_bytes < 0:
+            raise ValueError(f"wan_backlog_bytes must be >= 0, got {x.wan_backlog_bytes}")
         t_wan, nbytes = x.wan_transfer_s(), x.incremental_bytes()
 
         def out(p: Pipeline, why: str) -> PipelineDecision:
             return PipelineDecision(p, why, t_wan, nbytes)
 
+        behind = f" behind {x.wan_backlog_bytes / 1e6:.1f} MB" if x.wan_backlog_bytes else ""
         if t_wan <= self.direct_budget_s:
-            return out(Pipeline.P_MD, f"KV crosses in {t_wan * 1e3:.0f} ms <= budget "
+            return out(Pipeline.P_MD, f"KV crosses in {t_wan * 1e3:.0f} ms{behind} <= budget "
                                       f"{self.direct_budget_s * 1e3:.0f} ms")
         if not x.rld_admits:
             return out(Pipeline.P_MD, "RLD refused admission: wait for the KV on MD")
         rld_output_s = x.max_tokens * x.rld_s_per_token
-        if self.singular_filter and rld_output_s * self.singular_margin <= t_wan:
+        # The filter compares with the request's own crossing time, without the backlog: a
+        # request RLD keeps never reaches MD's cache (its conversation's next turn misses
+        # there), and RLD is a small pool. Counting the backlog here too moved 3.5x as many
+        # requests to RLD alone in the simulator's --quick scenario, where their turns then
+        # fell behind the baseline's; it did shorten the full scenario's tail
+        # (docs/simulator.md, "The pipeline decision and the line's backlog").
+        t_own = x.own_transfer_s()
+        if self.singular_filter and rld_output_s * self.singular_margin <= t_own:
             return out(Pipeline.RLD_ONLY, f"RLD finishes {x.max_tokens} tokens in "
                                           f"{rld_output_s * 1e3:.0f} ms before the KV crosses "
-                                          f"({t_wan * 1e3:.0f} ms)")
-        return out(Pipeline.P_RLD_MD, f"KV needs {t_wan * 1e3:.0f} ms: RLD hides it")
+                                          f"({t_own * 1e3:.0f} ms)")
+        return out(Pipeline.P_RLD_MD, f"KV needs {t_wan * 1e3:.0f} ms{behind}: RLD hides it")

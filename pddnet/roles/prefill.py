@@ -332,6 +332,11 @@ class PrefillDaemon(Daemon):
             return
         req.allocs[target] = _Alloc(msg.block_ids, msg.block_size, msg.hit_tokens, msg.region,
                                     write_target)
+        if target == MAIN and self.planner is not None and not req.flow.over:
+            # MD's hit fixes what will cross: queued ahead of later requests' KV until MD
+            # acknowledges it (released by _run once MD's copy is finished, dropped or over)
+            self.planner.wan_committed(msg.request_id, max(n - msg.hit_tokens, 0)
+                                       * self.planner.kv_bytes_per_token)
         self._run(req, req.flow.allocated(target, msg.hit_tokens))
         if target == RELAY:
             self._relay_answered(req)
@@ -458,6 +463,17 @@ class PrefillDaemon(Daemon):
             elif isinstance(a, FailRequest):
                 self.counters["failed"] += 1
                 self.error(rid, a.code, a.message)
+        self._settle_wan_backlog(req)
+
+    def _settle_wan_backlog(self, req: _Request) -> None:
+        """Every change of a request's flow goes through _run: once nothing more of its KV
+        will cross to MD (MD acknowledged it, MD was dropped or refused, the request was
+        cancelled or failed), its bytes leave P's WAN backlog."""
+        if self.planner is None:
+            return
+        main = req.flow.targets.get(MAIN)
+        if req.flow.over or main is None or main.finished:
+            self.planner.wan_released(req.submit.request_id)
 
     async def _transfer(self, req: _Request, a: Transfer) -> None:
         if req.flow.over:
@@ -605,6 +621,8 @@ class PrefillDaemon(Daemon):
             await req.exports_idle.wait()
         if req.started:
             await self.compute(self.engine.abort, rid)  # frees kept blocks or stops prefill
+        if self.planner is not None:
+            self.planner.wan_released(rid)  # settled already by _run; never left behind
         if self.requests.get(rid) is req:
             del self.requests[rid]
             self.ended.add(rid)

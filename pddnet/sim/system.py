@@ -6,9 +6,10 @@ Systems (same workload, same seed):
 - ``cross-dc``: naive cross-datacenter PD: P in A, MD in B, every request P -> MD over the WAN
   (incremental KV thanks to MD's DRC); the user waits for the KV crossing. In this model it is
   also "PDD without RLD" (``pdd-no-rld`` is an alias).
-- ``pdd``: the full design: P's pipeline choice (PipelinePolicy with P's DecodeCacheView of MD's
-  RadixCache and the estimators), RLD admission (RelayAdmission), eager RLD decoding, token-id
-  handoff (HandoffPolicy), DRC on MD.
+- ``pdd``: the full design: P's pipeline choice (the daemons' PipelinePlanner: PipelinePolicy
+  with P's DecodeCacheView of MD's RadixCache, the WAN estimators fed as the daemons feed them,
+  and each P's backlog of unacknowledged WAN KV bytes), RLD admission (RelayAdmission), eager
+  RLD decoding, token-id handoff (HandoffPolicy), DRC on MD.
 - ``pdd-no-drc``: PDD with MD caching nothing, so the whole KV of every prompt crosses.
 - ``cross-dc-no-drc``: cross-dc without the DRC (the whole prompt's KV crosses for every
   request): against ``cross-dc`` it isolates the DRC's bandwidth cut.
@@ -21,16 +22,16 @@ HANDOFF with token ids, cancel). Tokens MD emits reach the router in A one line 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import replace
 from typing import Any
 
 from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.radix import HIT_INTERVAL_LABELS, CacheEventBatch, RadixCache, chained_hashes
 from pddnet.policy.admission import RelayAdmission
-from pddnet.policy.cache_view import DecodeCacheView
-from pddnet.policy.estimators import BandwidthEstimator, RttEstimator
+from pddnet.policy.cache_view import DecodeCacheView, HitPrediction
+from pddnet.policy.estimators import BandwidthEstimator, RttEstimator, WanBacklog
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
-from pddnet.policy.pipeline import Pipeline, PipelineInputs, PipelinePolicy
+from pddnet.policy.pipeline import Pipeline, PipelinePolicy
+from pddnet.policy.planner import PipelinePlanner
 from pddnet.sim.config import Deployment, SimConfig
 from pddnet.sim.cost import InstanceCost
 from pddnet.sim.decode import DecodeInstance, Member
@@ -174,6 +175,13 @@ class SimulatedSystem:
                                                      max_requests=pol.rld_max_requests))
         self.pipeline_policy = PipelinePolicy(pol.direct_budget_s, pol.singular_filter,
                                               pol.singular_margin)
+        # P's planning is the daemons' PipelinePlanner, one per (P, MD) pair (a P daemon plans
+        # towards its MD), created on first use. The pair's planner holds that MD's view (shared
+        # by every P: the simulated views are per MD) and the line's estimators (shared too);
+        # its backlog is the P's own unacknowledged WAN KV bytes, towards any MD: they all
+        # leave P on the one line ahead of its next request's.
+        self.wan_backlogs = [WanBacklog() for _ in self.prefill] if self.cross else []
+        self.planners: dict[tuple[int, int], PipelinePlanner] = {}
         self.handoff_policy = HandoffPolicy(HandoffMode.parse(pol.handoff),
                                             pol.handoff_threshold, pol.handoff_chunk,
                                             pol.rld_load_limit)
@@ -253,33 +261,44 @@ class SimulatedSystem:
         req = st.req
         if not self.use_rld:
             return Pipeline.P_MD
-        hit = 0
-        if self.use_drc:
-            view = self.views[st.md_idx]
-            st.prediction = view.predict_from_hashes(len(req.units), self._prompt_hashes(req),
-                                                     self.block_units)
-            hit = min(st.prediction.hit_tokens * self.q, req.prompt_tokens)
+        planner = self.planner(st.p, st.md_idx)
         r = min(range(len(self.relay)), key=lambda i: (self.admission[i].load, i))
-        rld = self.relay[r]
-        inputs = PipelineInputs(
-            prompt_tokens=req.prompt_tokens, hit_tokens=hit, max_tokens=req.output_tokens,
-            kv_bytes_per_token=self.kvpt, bandwidth_bps=self.bw_est.bytes_per_s,
-            rtt_s=self.rtt_est.srtt, rld_s_per_token=rld.step_time_estimate(req.prompt_tokens),
-            rld_admits=True)
-        decision = self.pipeline_policy.decide(inputs)
-        if decision.pipeline is Pipeline.P_MD:
+        # what RLD's last allocation answer would have told P (KV_ALLOC_RESPONSE.step_s)
+        planner.observe_rld_step(self.relay[r].step_time_estimate(req.prompt_tokens))
+        if self.use_drc:
+            # predicted from the hashes kept per conversation (the view counts in units)
+            st.prediction = planner.view.predict_from_hashes(
+                len(req.units), self._prompt_hashes(req), self.block_units)
+            plan = planner.plan_predicted(
+                req.prompt_tokens, st.prediction, req.output_tokens,
+                hit_tokens=min(st.prediction.hit_tokens * self.q, req.prompt_tokens))
+        else:
+            plan = planner.plan_predicted(req.prompt_tokens,
+                                          HitPrediction(len(req.units), 0, (), 0, False),
+                                          req.output_tokens)
+        if plan.pipeline is Pipeline.P_MD:
             return Pipeline.P_MD
         blocks = -(-(req.prompt_tokens + req.output_tokens) // self.cfg.engine.block_tokens)
         adm = self.admission[r].try_admit(str(req.rid), req.prompt_tokens + req.output_tokens,
                                           blocks)
         if not adm.admitted:
+            # as the prefill daemon does: RLD refused, so P->MD (wait for the KV on MD)
             self.counts["rld_refused"] += 1
-            again = self.pipeline_policy.decide(replace(inputs, rld_admits=False))
-            return again.pipeline
+            return Pipeline.P_MD
         st.rld_idx = r
         self._rld_held += 1
         self.rld_depth.observe(self.loop.now, self._rld_held)
-        return decision.pipeline
+        return plan.pipeline
+
+    def planner(self, p: int, md: int) -> PipelinePlanner:
+        """P ``p``'s planner towards MD ``md`` (see __init__)."""
+        planner = self.planners.get((p, md))
+        if planner is None:
+            planner = self.planners[(p, md)] = PipelinePlanner(
+                self.pipeline_policy, self.kvpt, self.bw_est.initial_bps,
+                view=self.views[md], bandwidth=self.bw_est, rtt=self.rtt_est,
+                backlog=self.wan_backlogs[p])
+        return planner
 
     def _prompt_hashes(self, req: SimRequest) -> list[int]:
         """Chained hashes of the prompt's full blocks (MD's block size), extending the ones of
@@ -433,10 +452,14 @@ class SimulatedSystem:
             return
         total = (st.req.prompt_tokens - st.md_hit) * self.kvpt
         st.wan_bytes = total
+        if self.use_rld:   # as the prefill daemon: MD's answer fixes what crosses
+            self.wan_backlogs[st.p].commit(st.req.rid, total)
         st.transfer = self.wan.start_transfer(total, lambda t, st=st: self._kv_at_md(t, st))
         self.wan.make_sendable(st.transfer, (st.p_progress - st.md_hit) * self.kvpt)
 
     def _cancel_md(self, st: ReqState) -> None:
+        if self.use_rld:
+            self.wan_backlogs[st.p].release(st.req.rid)
         if st.transfer is not None:
             self.wan.cancel(st.transfer)
             self.counts["cancelled_transfers"] += 1
@@ -448,13 +471,9 @@ class SimulatedSystem:
         self._release(st, keep=False)
 
     def _kv_at_md(self, t: float, st: ReqState) -> None:
-        tr = st.transfer
-        # Bytes over the time since the transfer began (P's prefill and the line's queue
-        # included): more pessimistic than the daemons' sample (MD's first-to-last arrival
-        # span). With the daemons' sample the full reproduce sent 56% more requests P->MD and
-        # PDD's P99 TTFT rose from 1.06x to 9x the baseline's: the planner's direct budget does
-        # not count the line's backlog (a policy gap the daemons share; see docs/simulator.md).
-        self.bw_est.observe(tr.total, t - tr.started_at)
+        # KV_RECEIVED to P: there the transfer leaves P's backlog and its arrival span feeds
+        # the goodput estimate, as in the prefill daemon (see _p_kv_received)
+        self.wan.message("b_to_a", HEADER_BYTES, self._p_kv_received, st)
         if st.finished or st.rld_done:
             return
         st.kv_at_md = True
@@ -465,6 +484,18 @@ class SimulatedSystem:
             self._md_decode(st, user)
         else:
             self.wan.message("b_to_a", HEADER_BYTES, self._rld_takeover, st)
+
+    def _p_kv_received(self, now: float, st: ReqState) -> None:
+        """P hears MD has the whole KV (KV_RECEIVED). The goodput sample is the daemons': MD's
+        first-to-last arrival span (bytes after the first piece over the time between the first
+        and the last piece arriving), not the time since the transfer began, which counts P's
+        prefill and the line's queue and made the old estimate pessimistic. The queue is what
+        the backlog now accounts for (docs/simulator.md, "the pipeline decision and the line's
+        backlog")."""
+        if not self.use_rld:
+            return
+        self.wan_backlogs[st.p].release(st.req.rid)
+        self.bw_est.observe(*st.transfer.arrival_span())
 
     def _md_decode(self, st: ReqState, user: float) -> None:
         remaining = st.req.output_tokens - 1
