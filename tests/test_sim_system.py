@@ -308,3 +308,24 @@ def test_a_request_waiting_for_md_blocks_is_counted_once(monkeypatch):
     r = simulate(cfg, "cross-dc")
     assert r["finished"] == r["requests"]
     assert r["md_alloc_waits"] == len(waited) > 0
+
+
+def test_requests_rld_finishes_alone_hold_at_most_their_share_of_it(monkeypatch):
+    """RLD admits the singular filter's requests (P->RLD, no MD) as the relay daemon does:
+    at most singular_share (0.5) of its limits, so low-hit traffic cannot fill the small pool."""
+    import pddnet.sim.runner as runner
+
+    peak = [0, 0]
+
+    class Recording(SimulatedSystem):
+        def _choose_pipeline(self, st):
+            chosen = super()._choose_pipeline(st)
+            for a in self.admission:
+                peak[0] = max(peak[0], len(a._singular))
+                peak[1] = max(peak[1], a.num_requests)
+            return chosen
+
+    monkeypatch.setattr(runner, "SimulatedSystem", Recording)
+    r = simulate(small(requests=300, policy={"rld_max_requests": 4}), "pdd-no-drc")
+    assert r["pipelines"]["P->RLD"] > 0 and r["rld"]["refused"] > 0
+    assert peak == [2, 4]         # half of the 4 for requests RLD finishes alone, all 4 in all

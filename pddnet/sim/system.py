@@ -278,9 +278,11 @@ class SimulatedSystem:
                                           req.output_tokens)
         if plan.pipeline is Pipeline.P_MD:
             return Pipeline.P_MD
-        blocks = -(-(req.prompt_tokens + req.output_tokens) // self.cfg.engine.block_tokens)
-        adm = self.admission[r].try_admit(str(req.rid), req.prompt_tokens + req.output_tokens,
-                                          blocks)
+        total, block = req.prompt_tokens + req.output_tokens, self.cfg.engine.block_tokens
+        # as RLD admits (RelayDaemon._alloc): requests it will finish alone (the singular
+        # filter's) may hold only their share of it
+        adm = self.admission[r].try_admit(str(req.rid), total, -(-(total - 1) // block),
+                                          singular=plan.pipeline is Pipeline.RLD_ONLY)
         if not adm.admitted:
             # as the prefill daemon does: RLD refused, so P->MD (wait for the KV on MD)
             self.counts["rld_refused"] += 1
@@ -460,8 +462,8 @@ class SimulatedSystem:
     def _cancel_md(self, st: ReqState) -> None:
         if self.use_rld:
             self.wan_backlogs[st.p].release(st.req.rid)
-        if st.transfer is not None:
-            self.wan.cancel(st.transfer)
+        if st.transfer is not None and st.transfer.done_at is None:
+            self.wan.cancel(st.transfer)      # (a finished one has nothing left to stop)
             self.counts["cancelled_transfers"] += 1
         self.wan.message("a_to_b", HEADER_BYTES, self._md_cancelled, st)
 

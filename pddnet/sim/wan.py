@@ -90,7 +90,7 @@ class WanLine:
         self._pump_token = {"a_to_b": 0, "b_to_a": 0}
         self._pump_at: dict[str, float | None] = {"a_to_b": None, "b_to_a": None}
         self.kv_bytes = 0            # KV bytes offered to the line
-        self.kv_bytes_cancelled = 0  # sendable bytes never offered because of a cancel
+        self.kv_bytes_cancelled = 0  # bytes of cancelled transfers never offered (computed or not)
         self.messages = 0
 
     # -- what the system calls ----------------------------------------------------------------
