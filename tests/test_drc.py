@@ -191,9 +191,12 @@ async def test_pipelines_over_the_emulated_wan(tiny):
             assert out == reference(tiny, prompt, n, sp, True)
 
         # Low hit, long input and long output: the relay hides the transfer, then hands off.
+        # (1500 tokens: RLD must still be decoding when the 0.8 s copy lands; a fast machine
+        # decodes the tiny model at ~1.3 ms a token, and 600 were once all done before it.)
+        n_a = 1500
         a = rand_prompt(20, 2000)
-        out_a, pa = await _complete(cluster, a, 600)
-        exact(a, 600, out_a)
+        out_a, pa = await _complete(cluster, a, n_a)
+        exact(a, n_a, out_a)
         assert pa["pipeline"] == "p_rld_md", pa["pipeline_decision"]
         assert pa["relay_tokens"] > 0 and pa["main_tokens"] > 0
         assert pa["wan_kv_bytes"] == 2000 * kvb
@@ -204,12 +207,12 @@ async def test_pipelines_over_the_emulated_wan(tiny):
                     return
                 await asyncio.sleep(0.05)
             raise AssertionError("MD's cache notice never reached P")
-        await notice_in((2000 + 600) // 16 - 1)
+        await notice_in((2000 + n_a) // 16 - 1)
         b = a + out_a + rand_prompt(21, 30)
         out_b, pb = await _complete(cluster, b, 16)
         exact(b, 16, out_b)
         hit = pb["prefix_hit_tokens"]
-        assert pb["pipeline"] == "p_md" and hit >= 2600 - 16, pb["pipeline_decision"]
+        assert pb["pipeline"] == "p_md" and hit >= 2000 + n_a - 16, pb["pipeline_decision"]
         assert pb["wan_kv_bytes"] == (len(b) - hit) * kvb and pb["relay_tokens"] == 0
         # Long input, two output tokens: RLD finishes it alone; the WAN copy never starts.
         c = rand_prompt(22, 2000)

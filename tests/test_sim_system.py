@@ -63,7 +63,7 @@ def test_pipeline_decisions_go_through_the_daemons_planner_and_policy(monkeypatc
     """Every pdd request is planned by a PipelinePlanner (the prefill daemon's object) that
     holds the simulator's policy, MD's view, the line's estimators and its P's WAN backlog;
     the backlog is the daemons' (committed on MD's answer, released by KV_RECEIVED or a
-    cancel) and ends empty; the goodput estimator learns from MD's arrival spans."""
+    cancel) and ends empty; the goodput estimator learns from every KV_RECEIVED."""
     import pddnet.sim.runner as runner
     from pddnet.policy.planner import PipelinePlanner
     made, planned = [], []
@@ -101,9 +101,7 @@ def test_pipeline_decisions_go_through_the_daemons_planner_and_policy(monkeypatc
     assert sim.counts["rld_refused"] or chosen == sim.pipelines
 
 
-def test_the_simulated_wan_measures_what_md_measures():
-    """A transfer's arrival span: bytes after the first piece over first-to-last arrival
-    (KV_RECEIVED's span_bytes / span_s), not the time since the transfer began."""
+def test_the_simulated_wan_times_a_transfer_paced_by_the_prefill():
     from pddnet.sim.events import EventLoop
     from pddnet.sim.wan import WanLine
     loop = EventLoop()
@@ -115,10 +113,33 @@ def test_the_simulated_wan_measures_what_md_measures():
     (t,) = done
     # 1 s of prefill, 0.5 s on the line (its token bucket's 15 KB burst leaves at once), 10 ms
     assert t == pytest.approx(1.0 + (500_000 - 15_000) / 1e6 + 0.01)
-    span_bytes, span_s = tr.arrival_span()
-    assert span_bytes == 400_000
-    assert span_s == pytest.approx(0.4)               # the line's rate, not 500 KB / 1.5 s
-    assert wan.start_transfer(0, done.append).arrival_span() == (0, 0.0)
+
+
+def test_p_learns_its_delivery_rate_as_the_prefill_daemon_does(monkeypatch):
+    """The goodput sample is the prefill daemon's: the KV's bytes over the time from MD's
+    answer reaching P (the transfer's start) to KV_RECEIVED reaching P."""
+    import pddnet.sim.runner as runner
+    made, want, got = [], [], []
+
+    def system(*args):
+        sim = SimulatedSystem(*args)
+        observe = sim.bw_est.observe
+        sim.bw_est.observe = lambda n, sec: (got.append((n, sec)), observe(n, sec))
+        real = sim._p_kv_received
+
+        def received(now, st):
+            if st.transfer is not None:
+                want.append((st.transfer.total, now - st.transfer.started_at))
+            real(now, st)
+        sim._p_kv_received = received
+        made.append(sim)
+        return sim
+
+    monkeypatch.setattr(runner, "SimulatedSystem", system)
+    simulate(small(), "pdd")
+    assert got and got == want
+    owd = made[0].cfg.line.rtt_ms / 2e3
+    assert all(sec > owd for _, sec in got)           # MD's acknowledgement crossed back
 
 
 def test_same_seed_gives_byte_identical_json_and_another_seed_does_not():

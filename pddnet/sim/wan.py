@@ -26,7 +26,7 @@ class Transfer:
     """One request's KV on the WAN; bytes become sendable as P computes them."""
 
     __slots__ = ("total", "sendable", "offered", "delivered", "on_done", "cancelled",
-                 "started_at", "done_at", "first_at", "first_bytes")
+                 "started_at", "done_at")
 
     def __init__(self, total: int, on_done: Callable[[float], None], now: float) -> None:
         self.total = total
@@ -37,16 +37,6 @@ class Transfer:
         self.cancelled = False
         self.started_at = now
         self.done_at: float | None = None
-        self.first_at: float | None = None    # when the first piece had fully arrived
-        self.first_bytes = 0                  # and its size
-
-    def arrival_span(self) -> tuple[int, float]:
-        """What MD measures of a finished transfer (KV_RECEIVED's span_bytes, span_s in
-        pddnet.roles.main_decode): the bytes after the first piece, and the time from the first
-        piece's arrival to the last's. (0, 0.0) for a transfer that arrived in one piece."""
-        if self.first_at is None or self.done_at is None:
-            return 0, 0.0
-        return max(0, self.delivered - self.first_bytes), max(0.0, self.done_at - self.first_at)
 
 
 class _Message:
@@ -196,8 +186,6 @@ class WanLine:
     def _complete(self, piece: _Piece) -> None:
         now = self.loop.now
         tr = piece.transfer
-        if tr.first_at is None:
-            tr.first_at, tr.first_bytes = now, piece.size
         tr.delivered += piece.size
         if tr.delivered >= tr.total and not tr.cancelled and tr.done_at is None:
             tr.done_at = now
