@@ -117,7 +117,7 @@ class PipelinePolicy:
         # there), and RLD is a small pool. Counting the backlog here too moved 3.5x as many
         # requests to RLD alone in the simulator's --quick scenario, where their turns then
         # fell behind the baseline's; it did shorten the full scenario's tail
-        # (docs/simulator.md, "The pipeline decision and the line's backlog").
+        # (docs/simulator.md, "Session 4: where the simulator differed from the daemons").
         t_own = x.own_transfer_s()
         if self.singular_filter and rld_output_s * self.singular_margin <= t_own:
             return out(Pipeline.RLD_ONLY, f"RLD finishes {x.max_tokens} tokens in "

@@ -473,7 +473,7 @@ class SimulatedSystem:
         self._release(st, keep=False)
 
     def _kv_at_md(self, t: float, st: ReqState) -> None:
-        # KV_RECEIVED to P: there the transfer leaves P's backlog and its arrival span feeds
+        # KV_RECEIVED to P: there the transfer leaves P's backlog and P's delivery rate feeds
         # the goodput estimate, as in the prefill daemon (see _p_kv_received)
         self.wan.message("b_to_a", HEADER_BYTES, self._p_kv_received, st)
         if st.finished or st.rld_done:
