@@ -185,6 +185,11 @@ class LinkDirection:
         """When the next item already past the bottleneck leaves (None: none in flight)."""
         return self._in_flight[0].departure if self._in_flight else None
 
+    def in_order(self) -> bool:
+        """True when items leave in arrival order (no reordering): then an item still queued
+        departs no sooner than any item already in flight."""
+        return not self._fx["reorder_pct"]
+
     def next_change(self) -> float | None:
         """When the next timed change (revert, schedule step) applies; None when none pending."""
         return self._next_event_time()

@@ -12,7 +12,7 @@ def test_a_transfer_takes_its_bytes_over_the_rate_plus_the_delay():
     wan = WanLine(loop, rate_mbit=80.0, delay_ms=10.0, piece_bytes=1 << 20)
     assert isinstance(wan.link, Link)
     done = []
-    tr = wan.start_transfer(10_000_000, done.append)
+    tr = wan.start_transfer(10_000_000, done.append, sender=0)
     wan.make_sendable(tr, 10_000_000)
     loop.run()
     # 10 MB at 80 Mbit/s = 1.0 s of serialisation, then 10 ms of propagation
@@ -20,28 +20,49 @@ def test_a_transfer_takes_its_bytes_over_the_rate_plus_the_delay():
     assert wan.counters()["kv_bytes"] == 10_000_000
 
 
-def test_bytes_leave_only_once_computed_and_fair_share_between_transfers():
+def test_bytes_leave_only_once_computed_and_senders_share_the_line():
     loop = EventLoop()
     wan = WanLine(loop, rate_mbit=80.0, delay_ms=0.0, piece_bytes=1 << 18, queue_bytes=1 << 20)
     done = {}
-    big = wan.start_transfer(8_000_000, lambda t: done.setdefault("big", t))
+    big = wan.start_transfer(8_000_000, lambda t: done.setdefault("big", t), sender="P0")
     wan.make_sendable(big, 8_000_000)
-    small = wan.start_transfer(1_000_000, lambda t: done.setdefault("small", t))
+    small = wan.start_transfer(1_000_000, lambda t: done.setdefault("small", t), sender="P1")
     loop.at(0.5, wan.make_sendable, small, 1_000_000)
-    half = wan.start_transfer(1_000_000, lambda t: done.setdefault("late", t))
+    half = wan.start_transfer(1_000_000, lambda t: done.setdefault("late", t), sender="P2")
     loop.at(0.1, wan.make_sendable, half, 500_000)        # only half computed: never done
     loop.run()
-    # the small transfer shares the line with the big one instead of waiting for all of it
+    # another sender's small transfer shares the line with the big one instead of waiting
+    # for all of it
     assert done["small"] < 0.5 + 0.3
     assert done["big"] == pytest.approx(9.5e6 / 10e6, rel=0.05)
     assert "late" not in done
+
+
+def test_one_sender_sends_in_write_order():
+    """A (P, MD) pair's stripes carry KV in the order P computed it: a newer request's KV
+    waits behind an older one's, and bytes computed later wait behind bytes written before."""
+    loop = EventLoop()
+    wan = WanLine(loop, rate_mbit=80.0, delay_ms=0.0, piece_bytes=1 << 18, queue_bytes=1 << 20,
+                  control_reserve=0)
+    done = {}
+    first = wan.start_transfer(4_000_000, lambda t: done.setdefault("first", t), sender="P0")
+    second = wan.start_transfer(1_000_000, lambda t: done.setdefault("second", t), sender="P0")
+    wan.make_sendable(first, 2_000_000)                # first half of the older request
+    loop.at(0.01, wan.make_sendable, second, 1_000_000)   # the newer one, all of it
+    loop.at(0.02, wan.make_sendable, first, 4_000_000)    # the older one's second half
+    loop.run()
+    line = 10e6                                        # bytes per second
+    # order on the line: first's 2 MB, second's 1 MB, then first's last 2 MB
+    assert done["second"] == pytest.approx(3e6 / line, rel=0.02)
+    assert done["first"] == pytest.approx(5e6 / line, rel=0.02)
+    assert done["second"] < done["first"]
 
 
 def test_control_messages_wait_behind_queued_bulk_not_behind_unsent_bytes():
     loop = EventLoop()
     wan = WanLine(loop, rate_mbit=80.0, delay_ms=5.0, piece_bytes=1 << 20,
                   queue_bytes=2 << 20)
-    tr = wan.start_transfer(50_000_000, lambda t: None)
+    tr = wan.start_transfer(50_000_000, lambda t: None, sender=0)
     wan.make_sendable(tr, 50_000_000)
     got = []
     loop.at(1.0, wan.message, "a_to_b", 100, lambda t: got.append(t))
@@ -56,10 +77,53 @@ def test_cancel_stops_sending():
     loop = EventLoop()
     wan = WanLine(loop, rate_mbit=80.0, delay_ms=1.0, piece_bytes=1 << 20, queue_bytes=2 << 20)
     done = []
-    tr = wan.start_transfer(20_000_000, done.append)
+    tr = wan.start_transfer(20_000_000, done.append, sender=0)
     wan.make_sendable(tr, 20_000_000)
     loop.at(0.2, wan.cancel, tr)
     loop.run()
     assert not done
     assert wan.counters()["kv_bytes"] < 5_000_000
     assert wan.counters()["kv_bytes_cancelled"] > 15_000_000
+
+
+def _random_traffic(wan: WanLine, loop: EventLoop, seed: int) -> list[tuple[str, float]]:
+    import random
+    rng = random.Random(seed)
+    got: list[tuple[str, float]] = []
+    for i in range(40):
+        t = rng.uniform(0.0, 2.0)
+        if rng.random() < 0.5:
+            tr = wan.start_transfer(rng.randrange(1, 3_000_000),
+                                    lambda now, i=i: got.append((f"kv{i}", now)),
+                                    sender=rng.randrange(3))
+            loop.at(t, wan.make_sendable, tr, tr.total // 2)
+            loop.at(t + rng.uniform(0.0, 0.3), wan.make_sendable, tr, tr.total)
+        else:
+            way = rng.choice(["a_to_b", "b_to_a"])
+            loop.at(t, wan.message, way, rng.randrange(50, 5000),
+                    lambda now, i=i: got.append((f"msg{i}", now)))
+    loop.run()
+    return got
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_waking_only_when_something_can_happen_changes_no_arrival(seed, monkeypatch):
+    """The shell skips the link's queue-exit wake-ups while nobody waits for room (in-order
+    propagation: a queued item cannot overtake one in flight). Every arrival is the same as
+    with a wake-up at every exit, jitter and a tight queue included."""
+    def line(loop: EventLoop) -> WanLine:
+        return WanLine(loop, rate_mbit=40.0, delay_ms=20.0, jitter_ms=5.0, queue_bytes=2 << 20,
+                       piece_bytes=1 << 18, control_reserve=1 << 14, seed=seed)
+
+    loop = EventLoop()
+    lean = _random_traffic(line(loop), loop, seed)
+    lean_events = loop.events_run
+    monkeypatch.setattr(WanLine, "_next_wake",
+                        lambda self, direction: self._dirs[direction].next_wakeup())
+    loop = EventLoop()
+    eager = _random_traffic(line(loop), loop, seed)
+    assert len(lean) > 30
+    assert lean == eager
+    assert lean_events <= loop.events_run
+    if seed == 0:
+        assert lean_events < loop.events_run     # (it did skip some)

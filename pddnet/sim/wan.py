@@ -3,9 +3,12 @@
 ``emulation.link.Link`` is the very model the proxy / packet shells use: token-bucket bottleneck
 with a byte-limited FIFO, propagation delay with jitter, loss, schedules. This shell plays the
 part of the TCP senders in front of it:
-- bulk KV transfers are cut into pieces and offered round-robin across active transfers (the
-  fair share of parallel TCP streams), only while the bottleneck queue has room (backpressure,
-  never a tail drop), keeping ``control_reserve`` bytes free for control messages;
+- bulk KV transfers are cut into pieces and offered, only while the bottleneck queue has room
+  (backpressure, never a tail drop, keeping ``control_reserve`` bytes free for control
+  messages), as the prefill daemon's striped sender writes them: each *sender* (a (P, MD)
+  pair: its own TCP stripes) sends its bytes in the order P computed them (write order, so
+  an older request's KV goes before a newer one's), and the senders share the line
+  round-robin (the fair share of parallel TCP streams);
 - control messages (allocation, TAKEOVER, HANDOFF token ids, cancel) are small items offered to
   the same link, so they wait behind the bulk bytes already queued at the bottleneck, as on a
   real line, but never behind a transfer's unsent bytes (they have their own connection).
@@ -15,7 +18,7 @@ Loss is not retransmitted here: use loss-free links (the TCP shell's view of the
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from emulation.link import Link, LinkDirection
@@ -26,9 +29,11 @@ class Transfer:
     """One request's KV on the WAN; bytes become sendable as P computes them."""
 
     __slots__ = ("total", "sendable", "offered", "delivered", "on_done", "cancelled",
-                 "started_at", "done_at")
+                 "started_at", "done_at", "sender")
 
-    def __init__(self, total: int, on_done: Callable[[float], None], now: float) -> None:
+    def __init__(self, total: int, on_done: Callable[[float], None], now: float,
+                 sender: Hashable) -> None:
+        self.sender = sender
         self.total = total
         self.sendable = 0
         self.offered = 0
@@ -37,6 +42,16 @@ class Transfer:
         self.cancelled = False
         self.started_at = now
         self.done_at: float | None = None
+
+
+class _Write:
+    """Bytes of one transfer P made sendable: sent in write order within their sender."""
+
+    __slots__ = ("transfer", "upto")
+
+    def __init__(self, transfer: Transfer, upto: int) -> None:
+        self.transfer = transfer
+        self.upto = upto
 
 
 class _Message:
@@ -73,7 +88,9 @@ class WanLine:
         self.one_way_s = delay_ms / 1e3
         self._burst = self.link.a_to_b.effects()["burst_bytes"]
         self._dirs = {"a_to_b": self.link.a_to_b, "b_to_a": self.link.b_to_a}
-        self._ready: deque[Transfer] = deque()      # transfers with sendable, unoffered bytes
+        # senders with written, unoffered bytes (round-robin), and each one's writes in order
+        self._ready: deque[Hashable] = deque()
+        self._writes: dict[Hashable, deque[_Write]] = {}
         # control messages not yet accepted by the bottleneck queue (their TCP send buffer)
         self._control: dict[str, deque[tuple[int, _Message]]] = {"a_to_b": deque(),
                                                                  "b_to_a": deque()}
@@ -85,8 +102,11 @@ class WanLine:
 
     # -- what the system calls ----------------------------------------------------------------
 
-    def start_transfer(self, total_bytes: int, on_done: Callable[[float], None]) -> Transfer:
-        tr = Transfer(int(total_bytes), on_done, self.loop.now)
+    def start_transfer(self, total_bytes: int, on_done: Callable[[float], None], *,
+                       sender: Hashable) -> Transfer:
+        """A transfer of ``sender``'s (its bytes go in write order behind that sender's
+        earlier writes; senders share the line round-robin)."""
+        tr = Transfer(int(total_bytes), on_done, self.loop.now, sender)
         if tr.total <= 0:
             tr.done_at = self.loop.now
             self.loop.at(self.loop.now, on_done, self.loop.now)
@@ -99,11 +119,20 @@ class WanLine:
         upto = min(int(upto_bytes), tr.total)
         if upto <= tr.sendable:
             return
-        idle = tr.sendable == tr.offered
         tr.sendable = upto
-        if idle:
-            self._ready.append(tr)
-        self._pump_now("a_to_b")
+        writes = self._writes.get(tr.sender)
+        if writes is None:
+            writes = self._writes[tr.sender] = deque()
+        if not writes:
+            self._ready.append(tr.sender)
+        if writes and writes[-1].transfer is tr:
+            writes[-1].upto = upto                 # the same transfer's next bytes: one write
+        else:
+            writes.append(_Write(tr, upto))
+        now = self.loop.now
+        if not self._control["a_to_b"]:
+            self._offer_pieces(self.link.a_to_b, now)
+        self._wake("a_to_b", now)
 
     def cancel(self, tr: Transfer) -> None:
         """Stop sending (pieces already on the line still arrive and are discarded)."""
@@ -118,13 +147,39 @@ class WanLine:
         if direction not in self._dirs:
             self.link.direction(direction)      # raises: not a direction's name
         self.messages += 1
-        self._control[direction].append((size, _Message(callback, args)))
-        self._pump_now(direction)
+        msg = _Message(callback, args)
+        control, d, now = self._control[direction], self._dirs[direction], self.loop.now
+        if not control and d.would_accept(now, size):
+            d.offer(now, size, msg)       # nothing ahead of it in its send buffer: goes now
+        else:
+            control.append((size, msg))
+        self._wake(direction, now)
 
     # -- the sender / receiver loop -------------------------------------------------------------
 
-    def _pump_now(self, direction: str) -> None:
-        self._schedule(direction, self.loop.now)
+    # Offers are made synchronously (the link model is served up to the `now` of every call, so
+    # this is the same as offering in an event at `now`) and the line wakes only when something
+    # can change for its senders or receivers: see _next_wake.
+
+    def _wake(self, direction: str, now: float) -> None:
+        """Schedule the pump at the next time it has work (outside a pump: may be `now`)."""
+        wake = self._next_wake(direction)
+        if wake is not None:
+            self._schedule(direction, max(wake, now))
+
+    def _next_wake(self, direction: str) -> float | None:
+        """When the pump next has work: the next departure, or while a sender waits for queue
+        room (or nothing has passed the bottleneck yet) the queue head's exit. With in-order
+        propagation an item still queued departs no sooner than every item in flight, so
+        while nobody waits for room the exits in between need no call: results do not depend
+        on how often the link is polled, only the number of events does."""
+        d = self._dirs[direction]
+        departure = d.next_departure()
+        if (departure is None or self._control[direction]
+                or (direction == "a_to_b" and self._ready) or not d.in_order()):
+            return d.next_wakeup()
+        change = d.next_change()
+        return departure if change is None or departure <= change else change
 
     def _schedule(self, direction: str, t: float) -> None:
         at = self._pump_at[direction]
@@ -151,27 +206,34 @@ class WanLine:
             d.offer(now, size, msg)
         if direction == "a_to_b" and not control:
             self._offer_pieces(d, now)
-        wake = d.next_wakeup()
+        wake = self._next_wake(direction)
         if wake is not None:
             self._schedule(direction, max(wake, now + 1e-9))
 
     def _offer_pieces(self, d: LinkDirection, now: float) -> None:
         ready = self._ready
         while ready:
-            tr = ready[0]
-            if tr.cancelled:
-                ready.popleft()
+            writes = self._writes[ready[0]]
+            w = writes[0]
+            tr = w.transfer
+            size = min(self.piece_bytes, w.upto - tr.offered)
+            if tr.cancelled or size <= 0:
+                writes.popleft()
+                if not writes:
+                    ready.popleft()
                 continue
             space = d.queue_space(now)
-            size = min(self.piece_bytes, tr.sendable - tr.offered)
             if space is not None and space - self.control_reserve < size:
                 return
-            ready.popleft()
             tr.offered += size
             self.kv_bytes += size
             d.offer(now, size, _Piece(tr, size))
-            if tr.offered < tr.sendable:
-                ready.append(tr)   # round-robin: the next transfer's piece goes first
+            if tr.offered >= w.upto:
+                writes.popleft()
+            if writes:
+                ready.rotate(-1)       # round-robin: the next sender's piece goes first
+            else:
+                ready.popleft()
 
     def _delivered(self, piece: _Piece, now: float) -> None:
         # The link model lets an item larger than its token bucket leave once the bucket is
