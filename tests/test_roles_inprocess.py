@@ -500,6 +500,42 @@ async def test_md_without_room_leaves_the_request_to_rld(tiny):
         await all_free(daemons)
 
 
+async def test_a_kv_allocation_md_has_no_room_for_yet_waits_instead_of_failing(tiny):
+    """cross-dc mode (MD is the only decoder), MD's pool holds one of the two requests at a
+    time: the second one's KV_ALLOC waits for the first one's blocks, and both finish
+    token-exact with no error (the pool refused nothing; the wait is counted and shown)."""
+    cfg = make_config(ClusterMode.CROSS_DC)
+    cfg.main_decode.num_blocks = 24         # 45 + 90 tokens need 17 blocks of 8: one at a time
+    reqs = [dict(workload(21)[1], request_id=f"room-{i}") for i in range(2)]
+    for i, r in enumerate(reqs):            # different prompts: no shared cached prefix
+        r["prompt_token_ids"] = [(t + 97 * i) % 250 + 1 for t in r["prompt_token_ids"]]
+    async with running(cfg) as (daemons, col):
+        await run_workload(tiny, col, reqs)
+        md = daemons["main_decode"].stats()["requests"]
+        assert md["alloc_waits"] == 1 and md["refused"] == 0
+        assert any("kv_alloc_wait" in col.events(r["request_id"]) for r in reqs)
+        await all_free(daemons)
+
+
+async def test_a_request_cancelled_while_waiting_for_md_room_leaves_nothing(tiny):
+    cfg = make_config(ClusterMode.CROSS_DC)
+    cfg.main_decode.num_blocks = 24
+    big, waiting = (dict(workload(23)[1], request_id=f"cw-{i}") for i in range(2))
+    waiting["prompt_token_ids"] = [(t + 97) % 250 + 1 for t in waiting["prompt_token_ids"]]
+    async with running(cfg) as (daemons, col):
+        md = daemons["main_decode"]
+        await col.send("prefill", Submit(**big))
+        await col.send("prefill", Submit(**waiting))
+        await col.wait_until(lambda: md.stats()["requests"]["waiting_for_room"] == 1,
+                             what="the second allocation to wait")
+        await col.send("prefill", Cancel(request_id="cw-1", reason="client went away"))
+        await col.wait_until(lambda: md.stats()["requests"]["waiting_for_room"] == 0,
+                             what="the waiting allocation to go")
+        await col.wait_until(lambda: col.complete("cw-0"), what="the first request")
+        assert not col.errors
+        await all_free(daemons)
+
+
 def test_run_role_serves_until_sigterm_and_cleans_up(tmp_path):
     """`run_role` (what `pdd serve` runs) in its own process: SIGTERM ends it cleanly and the
     relay's shared-memory pool is unlinked."""

@@ -107,7 +107,7 @@ def test_the_simulated_wan_times_a_transfer_paced_by_the_prefill():
     loop = EventLoop()
     wan = WanLine(loop, rate_mbit=8.0, delay_ms=10.0, piece_bytes=100_000)   # 1 MB/s
     done = []
-    tr = wan.start_transfer(500_000, done.append)
+    tr = wan.start_transfer(500_000, done.append, sender=0)
     loop.at(1.0, wan.make_sendable, tr, 500_000)     # P computed it all after 1 s
     loop.run()
     (t,) = done
@@ -329,6 +329,35 @@ def test_a_request_waiting_for_md_blocks_is_counted_once(monkeypatch):
     r = simulate(cfg, "cross-dc")
     assert r["finished"] == r["requests"]
     assert r["md_alloc_waits"] == len(waited) > 0
+
+
+def test_md_serves_waiting_allocations_first_come_first_served(monkeypatch):
+    """As MD's daemon: once a request waits for blocks, a later one (even a small one that
+    would fit) queues behind it; the waiting ones get blocks in arrival order."""
+    import pddnet.sim.runner as runner
+
+    asked: dict[int, list[int]] = {}
+    granted: dict[int, list[int]] = {}
+
+    class Recording(SimulatedSystem):
+        def _md_alloc(self, now, st):
+            asked.setdefault(st.md_idx, []).append(st.req.rid)
+            super()._md_alloc(now, st)
+
+        def _alloc(self, st, queue=True):
+            ok = super()._alloc(st, queue)
+            if ok:
+                granted.setdefault(st.md_idx, []).append(st.req.rid)
+            return ok
+
+    monkeypatch.setattr(runner, "SimulatedSystem", Recording)
+    cfg = small(requests=300)
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
+                                                              memory_utilisation=0.22))
+    r = simulate(cfg, "cross-dc")
+    assert r["finished"] == r["requests"] and r["md_alloc_waits"] > 0
+    for md, order in granted.items():
+        assert order == asked[md]
 
 
 def test_requests_rld_finishes_alone_hold_at_most_their_share_of_it(monkeypatch):

@@ -512,10 +512,14 @@ class Daemon:
                                error=error[:4096]))
 
     async def reserve_for(self, p: Outbox, msg: KvAllocRequest, known: Container[str],
-                          on_refuse: Callable[[], None] | None = None) -> KVReservation | None:
+                          on_refuse: Callable[[], None] | None = None,
+                          on_short: Callable[[], None] | None = None) -> KVReservation | None:
         """What RLD and MD both do on KV_ALLOC_REQUEST: check the id and the model shape, reserve
         blocks (reusing the prefix cache), and recheck for a cancel that came meanwhile. Returns
-        the reservation, or None after sending P the refusal (`on_refuse` runs first)."""
+        the reservation, or None after sending P the refusal (`on_refuse` runs first). With
+        `on_short`, a pool that is only short *now* (the request fits in it once others free
+        their blocks) calls `on_short()` instead of refusing: the caller keeps the request
+        waiting and asks again later."""
         rid, engine = msg.request_id, self.engine
         assert engine is not None
         spec = engine.spec
@@ -535,7 +539,13 @@ class Daemon:
             return None
         try:
             res = await self.compute(self.reserve_in_engine, msg.prompt_token_ids, msg.max_tokens)
-        except (OutOfBlocks, ValueError) as exc:
+        except OutOfBlocks as exc:
+            if on_short is not None and exc.requested <= exc.total and rid not in self.ended:
+                on_short()
+            else:
+                refuse(f"cannot reserve KV: {exc}")
+            return None
+        except ValueError as exc:
             refuse(f"cannot reserve KV: {exc}")
             return None
         if rid in self.ended:  # cancelled while the reservation was being made

@@ -88,6 +88,15 @@ class KvReceiver(Daemon):
         res = self.fenced.pop(rid, None)
         if res is None:
             return False
-        assert self.engine is not None
-        self.spawn(self.compute(self.engine.free_reservation, res), f"unfence {rid}")
+        engine = self.engine
+        assert engine is not None
+
+        async def free() -> None:
+            await self.compute(engine.free_reservation, res)
+            self.blocks_freed()
+
+        self.spawn(free(), f"unfence {rid}")
         return True
+
+    def blocks_freed(self) -> None:
+        """Hook: blocks of the pool went back (MD then serves allocations waiting for room)."""

@@ -140,6 +140,12 @@ class MainDecodeDaemon(KvReceiver):
         self.handoffs_by_mode: dict[str, int] = {}
         # CACHE_EVENTS drained in the engine thread, posted to every P from the event loop
         self._cache_notices: deque[CacheEvents] = deque()
+        # KV_ALLOCs the pool has no room for *now* (each fits once others free their blocks):
+        # they wait here, first come first served, instead of failing the request at a
+        # momentary peak; asked again whenever blocks may have been freed.
+        self._waiting_allocs: deque[tuple[Outbox, KvAllocRequest]] = deque()
+        self._retrying = False
+        self._retry_again = False
 
     async def dial_peers(self) -> None:
         await self.register_sink()
@@ -227,15 +233,62 @@ class MainDecodeDaemon(KvReceiver):
                         conn.peer_role)
 
     async def _alloc(self, p: Outbox, msg: KvAllocRequest) -> None:
-        rid = msg.request_id
-        engine = self.engine
-        assert engine is not None
-        spec = engine.spec
+        assert self.engine is not None
         await self._sink_ready.wait()  # P may ask while the pool is being registered
         assert self.sink is not None
-        res = await self.reserve_for(p, msg, self.requests)
-        if res is None:
+        if self._waiting_allocs:    # strict FIFO: no overtaking a request already waiting
+            self._wait_for_room(p, msg)
             return
+        res = await self.reserve_for(p, msg, self.requests,
+                                     on_short=lambda: self._wait_for_room(p, msg))
+        if res is not None:
+            self._accept(p, msg, res)
+
+    def _wait_for_room(self, p: Outbox, msg: KvAllocRequest) -> None:
+        self.counters["alloc_waits"] += 1
+        self.timeline(msg.request_id, "kv_alloc_wait", len(self._waiting_allocs))
+        self._waiting_allocs.append((p, msg))
+        self._kick_waiting()      # blocks may have been freed while it was being reserved
+
+    def _kick_waiting(self) -> None:
+        """Blocks may have been freed: ask again for the waiting allocations, in order."""
+        if not self._waiting_allocs:
+            return
+        if self._retrying:
+            self._retry_again = True
+            return
+        self._retrying = True
+        self.spawn(self._retry_waiting(), "retry waiting KV allocations")
+
+    async def _retry_waiting(self) -> None:
+        try:
+            while self._waiting_allocs:
+                self._retry_again = False
+                head = self._waiting_allocs[0]
+                p, msg = head
+                short = False
+
+                def still_short() -> None:
+                    nonlocal short
+                    short = True
+
+                res = await self.reserve_for(p, msg, self.requests, on_short=still_short)
+                if short and self._waiting_allocs and self._waiting_allocs[0] is head:
+                    if self._retry_again:
+                        continue          # something was freed meanwhile: try once more
+                    return
+                if self._waiting_allocs and self._waiting_allocs[0] is head:
+                    self._waiting_allocs.popleft()
+                if res is not None:
+                    self._accept(p, msg, res)
+        finally:
+            self._retrying = False
+
+    def _accept(self, p: Outbox, msg: KvAllocRequest, res: KVReservation) -> None:
+        rid = msg.request_id
+        engine = self.engine
+        assert engine is not None and self.sink is not None
+        spec = engine.spec
         fsm = MainHandoff(msg.num_tokens, self.chunk_tokens,
                           with_relay=msg.pipeline in WITH_RELAY_PIPELINES)
         self.requests[rid] = _Request(msg, res, fsm, Serial(f"main {rid}", self._tasks), p)
@@ -382,6 +435,11 @@ class MainDecodeDaemon(KvReceiver):
         if self.drop_replay(rid):
             return
         self.ended.add(rid)
+        for entry in self._waiting_allocs:
+            if entry[1].request_id == rid:    # it never got blocks: nothing else to free
+                self._waiting_allocs.remove(entry)
+                self.counters["cancelled"] += 1
+                return
         req = self.requests.get(rid)
         if req is not None:
             self.counters["cancelled"] += 1
@@ -404,6 +462,8 @@ class MainDecodeDaemon(KvReceiver):
     # -- engine progress -------------------------------------------------------------------------
 
     def on_step(self, outputs: list[StepOutput]) -> None:
+        if any(out.finished for out in outputs):
+            self.blocks_freed()       # (the waiting allocations are asked after this step)
         for out in outputs:
             if self.replay_step(out):
                 continue
@@ -535,11 +595,17 @@ class MainDecodeDaemon(KvReceiver):
                 # conversation's next turn will hit: tell P now, not with MD's next answer.
                 await self.compute(self._drain_cache_events)
                 self._post_cache_events()
+            self.blocks_freed()
         req.serial.submit(stop)
+
+    def blocks_freed(self) -> None:
+        self._kick_waiting()
 
     def connection_lost(self, conn: Connection) -> None:
         box = self._p_boxes.pop(conn, None)
         if box is not None:
+            for entry in [e for e in self._waiting_allocs if e[0] is box]:
+                self._waiting_allocs.remove(entry)    # nobody left to answer
             for req in [r for r in self.requests.values()
                         if r.p_conn is box and r.fsm.phase is MainPhase.RECEIVING_KV]:
                 self._abort(req, "prefill control connection closed before the KV was complete")
@@ -555,8 +621,11 @@ class MainDecodeDaemon(KvReceiver):
     # -- stats ---------------------------------------------------------------------------------------
 
     def request_stats(self) -> dict[str, int]:
-        return self.decode_request_stats(self.requests, "allocated", "finished_here", "handoffs",
-                                         "cancelled", "refused")
+        out = self.decode_request_stats(self.requests, "allocated", "finished_here", "handoffs",
+                                        "cancelled", "refused", "alloc_waits")
+        out["waiting_for_room"] = len(self._waiting_allocs)
+        out["active"] += len(self._waiting_allocs)
+        return out
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

@@ -352,11 +352,19 @@ class SimulatedSystem:
 
     def _alloc(self, st: ReqState, queue: bool = True) -> bool:
         """Reserve MD's (or D's) blocks: match and lock the cached prefix, allocate the rest.
-        Short of blocks, the request waits in the instance's FIFO (``queue``; counted once in
-        ``md_alloc_waits``) or, when it is the head of that FIFO retried, stays there."""
+        Short of blocks, or with requests already waiting, the request waits in the instance's
+        FIFO (``queue``; counted once in ``md_alloc_waits``) or, when it is the head of that FIFO
+        retried, stays there (MD's daemon keeps the same FIFO of KV_ALLOCs)."""
         side = self.decode[st.md_idx]
         req, bs = st.req, self.block_units
         cache = side.cache
+        if queue:
+            while side.waiting and side.waiting[0].finished:
+                side.waiting.pop(0)
+            if side.waiting:       # first come first served, as MD's daemon: no overtaking
+                self.counts["md_alloc_waits"] += 1
+                side.waiting.append(st)
+                return False
         hit_blocks: tuple[int, ...] = ()
         handle = None
         if side.use_cache:
@@ -456,7 +464,9 @@ class SimulatedSystem:
         st.wan_bytes = total
         if self.use_rld:   # as the prefill daemon: MD's answer fixes what crosses
             self.wan_backlogs[st.p].commit(st.req.rid, total)
-        st.transfer = self.wan.start_transfer(total, lambda t, st=st: self._kv_at_md(t, st))
+        # one sender per (P, MD) pair, as the prefill daemon's stripes to that MD
+        st.transfer = self.wan.start_transfer(total, lambda t, st=st: self._kv_at_md(t, st),
+                                              sender=(st.p, st.md_idx))
         self.wan.make_sendable(st.transfer, (st.p_progress - st.md_hit) * self.kvpt)
 
     def _cancel_md(self, st: ReqState) -> None:
