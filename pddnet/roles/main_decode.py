@@ -146,6 +146,7 @@ class MainDecodeDaemon(KvReceiver):
         self._waiting_allocs: deque[tuple[Outbox, KvAllocRequest]] = deque()
         self._retrying = False
         self._retry_again = False
+        self._telling_router = False
 
     async def dial_peers(self) -> None:
         await self.register_sink()
@@ -248,7 +249,23 @@ class MainDecodeDaemon(KvReceiver):
         self.counters["alloc_waits"] += 1
         self.timeline(msg.request_id, "kv_alloc_wait", len(self._waiting_allocs))
         self._waiting_allocs.append((p, msg))
+        if not self._telling_router:
+            self._telling_router = True
+            self.spawn(self._still_waiting(), "KV allocations waiting for room")
         self._kick_waiting()      # blocks may have been freed while it was being reserved
+
+    async def _still_waiting(self) -> None:
+        """While allocations wait, say so to the router (their queue position) at a third of
+        its stall timeout: a request queued here is not stalled, and replaying it elsewhere
+        would only add load where there is too much already."""
+        period = self.config.router.stall_timeout_s / 3
+        try:
+            while self._waiting_allocs:
+                await asyncio.sleep(period)
+                for position, (_, msg) in enumerate(list(self._waiting_allocs)):
+                    self.timeline(msg.request_id, "kv_alloc_wait", position)
+        finally:
+            self._telling_router = False
 
     def _kick_waiting(self) -> None:
         """Blocks may have been freed: ask again for the waiting allocations, in order."""

@@ -349,6 +349,10 @@ class Router:
         known = tuple(asm.tokens)
         state.replays += 1
         state.replay_target = state.owner = target
+        # The attempt replaced may still be alive (a stall, not a loss) and go on producing:
+        # the same tokens (sampling is a pure function of seed and position), so an index
+        # delivered twice is no longer a broken cut; a *different* token is still a conflict.
+        asm.strict = False
         self.counters["replays"] = self.counters.get("replays", 0) + 1
         state.add_event("replay", self.clock(), "router",
                         f"{lost} lost ({why[:200]}): replayed on {target} from index {len(known)}")
