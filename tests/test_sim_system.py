@@ -308,11 +308,20 @@ requests = 40
     assert bad.handler(bad) == 2
 
 
+def _run_short_of_md_blocks(monkeypatch, system: type[SimulatedSystem]) -> dict:
+    """cross-dc on the small config with MD's memory cut to 22%: requests wait for blocks."""
+    import pddnet.sim.runner as runner
+
+    monkeypatch.setattr(runner, "SimulatedSystem", system)
+    cfg = small(requests=300)
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
+                                                              memory_utilisation=0.22))
+    return simulate(cfg, "cross-dc")
+
+
 def test_a_request_waiting_for_md_blocks_is_counted_once(monkeypatch):
     """md_alloc_waits counts requests that had to wait for blocks, not the retries of the
     head of the queue each time a request left (it used to: 147 for 55 requests here)."""
-    import pddnet.sim.runner as runner
-
     waited: set[int] = set()
 
     class Recording(SimulatedSystem):
@@ -322,11 +331,7 @@ def test_a_request_waiting_for_md_blocks_is_counted_once(monkeypatch):
                 waited.add(st.req.rid)
             return ok
 
-    monkeypatch.setattr(runner, "SimulatedSystem", Recording)
-    cfg = small(requests=300)
-    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
-                                                              memory_utilisation=0.22))
-    r = simulate(cfg, "cross-dc")
+    r = _run_short_of_md_blocks(monkeypatch, Recording)
     assert r["finished"] == r["requests"]
     assert r["md_alloc_waits"] == len(waited) > 0
 
@@ -334,8 +339,6 @@ def test_a_request_waiting_for_md_blocks_is_counted_once(monkeypatch):
 def test_md_serves_waiting_allocations_first_come_first_served(monkeypatch):
     """As MD's daemon: once a request waits for blocks, a later one (even a small one that
     would fit) queues behind it; the waiting ones get blocks in arrival order."""
-    import pddnet.sim.runner as runner
-
     asked: dict[int, list[int]] = {}
     granted: dict[int, list[int]] = {}
 
@@ -350,11 +353,7 @@ def test_md_serves_waiting_allocations_first_come_first_served(monkeypatch):
                 granted.setdefault(st.md_idx, []).append(st.req.rid)
             return ok
 
-    monkeypatch.setattr(runner, "SimulatedSystem", Recording)
-    cfg = small(requests=300)
-    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
-                                                              memory_utilisation=0.22))
-    r = simulate(cfg, "cross-dc")
+    r = _run_short_of_md_blocks(monkeypatch, Recording)
     assert r["finished"] == r["requests"] and r["md_alloc_waits"] > 0
     for md, order in granted.items():
         assert order == asked[md]
