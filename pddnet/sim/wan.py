@@ -206,9 +206,7 @@ class WanLine:
             d.offer(now, size, msg)
         if direction == "a_to_b" and not control:
             self._offer_pieces(d, now)
-        wake = self._next_wake(direction)
-        if wake is not None:
-            self._schedule(direction, max(wake, now + 1e-9))
+        self._wake(direction, now + 1e-9)      # (never again at this instant: no busy loop)
 
     def _offer_pieces(self, d: LinkDirection, now: float) -> None:
         ready = self._ready
