@@ -273,7 +273,7 @@ class DelayHistogram:
         self.max_ms = max(self.max_ms, delay_ms)
 
     def to_dict(self) -> dict[str, Any]:
-        buckets = [{"le_ms": edge, "count": c} for edge, c in zip(DELAY_BUCKETS_MS, self.counts[:-1], strict=True)]
+        buckets: list[dict[str, Any]] = [{"le_ms": edge, "count": c} for edge, c in zip(DELAY_BUCKETS_MS, self.counts[:-1], strict=True)]
         buckets.append({"le_ms": "+Inf", "count": self.counts[-1]})
         return {
             "count": self.count,

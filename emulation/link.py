@@ -57,7 +57,7 @@ def _check_duration(duration: float | None) -> float | None:
 class _Queued:
     arrival: float
     size: int
-    item: object
+    item: Any    # (Any, not object: mypyc evaluates dataclass annotations by name)
 
 
 @dataclass(order=True)
@@ -66,7 +66,7 @@ class _InFlight:
     seq: int
     arrival: float = field(compare=False)
     size: int = field(compare=False)
-    item: object = field(compare=False)
+    item: Any = field(compare=False)
     copies: int = field(compare=False)
 
 
@@ -327,8 +327,10 @@ class LinkDirection:
                            if self._version[k] == version}  # later changes win over the revert
                 self._apply_at(event, restore, None)
             else:
-                at, changes, duration = self._next_step
-                self._next_step = next(self._schedule, None)
+                step, schedule = self._next_step, self._schedule
+                assert step is not None and schedule is not None, "a step was due"
+                at, changes, duration = step
+                self._next_step = next(schedule, None)
                 if self._next_step is None:
                     self._schedule = None
                     if self._schedule_info is not None:
@@ -525,7 +527,7 @@ class Link:
 
     def chaos(self, now: float, kind: str, duration: float, **params: Any) -> None:
         """Dispatch a chaos verb by its API name (partition, latency-spike, ...)."""
-        verbs = {"partition": self._chaos_partition, "latency-spike": self.latency_spike,
+        verbs: dict[str, Callable[..., None]] = {"partition": self._chaos_partition, "latency-spike": self.latency_spike,
                  "bandwidth-collapse": self.bandwidth_collapse, "loss-burst": self.loss_burst,
                  "jitter-storm": self.jitter_storm}
         verb = verbs.get(kind)

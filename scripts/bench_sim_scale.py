@@ -8,6 +8,10 @@ and prints CPU seconds, microseconds per request, events, peak RSS and the load 
 GPU count) and of GPUs (at the largest request count), and extrapolates to 1M requests on 1000
 GPUs. The issue's target: under 5 minutes on this 2-core machine (one system is one process:
 one core). Pass `--requests 1000000 --gpus 1000` to run it for real.
+
+`--mode both` (the default) runs every point twice, pure Python and compiled with mypyc
+(pddnet/sim/compiled.py, built once), back to back, and prints the speed-up measured side by
+side; `--mode compiled` or `--mode pure` runs one of them.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ try:
 except ImportError:  # run from a checkout: the repository root holds the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pddnet.sim import compiled
 from pddnet.sim.config import parse_config
 from pddnet.sim.runner import simulate
+
+MODES = ("pure", "compiled")
 
 
 def deployment(gpus: int, requests: int, tokens_per_unit: int,
@@ -80,7 +87,17 @@ def run_point(gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: floa
             "sim_time_s": r["sim_time_s"], "max_rss_mb": round(rss, 1),
             "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2),
             "ttft_p50_s": r["ttft_s"]["p50"], "rld_share": r["token_share"]["rld"],
-            "attainment": r["sla"]["attainment"]}
+            "attainment": r["sla"]["attainment"],
+            "mode": "compiled" if compiled.compiled_modules() else "pure",
+            "result_digest": _digest(r)}
+
+
+def _digest(result: dict) -> str:
+    """Names a result: the pure and the compiled run of a point must give the same one."""
+    import hashlib
+
+    from pddnet.sim.cli import dumps
+    return hashlib.sha256(dumps(result).encode()).hexdigest()[:12]
 
 
 def main() -> int:
@@ -90,6 +107,8 @@ def main() -> int:
     ap.add_argument("--tokens-per-unit", type=int, default=512)
     ap.add_argument("--rate-per-gpu", type=float, default=0.01,
                     help="new conversations per second per GPU (keeps the load per GPU fixed)")
+    ap.add_argument("--mode", choices=["both", *MODES], default="both",
+                    help="pure Python, compiled with mypyc, or both side by side (default)")
     ap.add_argument("--out", default=None, help="write the table as JSON here")
     ap.add_argument("--in-process", action="store_true",
                     help="run every point in this process (peak RSS is then cumulative)")
@@ -100,38 +119,73 @@ def main() -> int:
         row = run_point(*args.point, args.tokens_per_unit, args.rate_per_gpu, progress=True)
         print(json.dumps(row))
         return 0
+    modes = MODES if args.mode == "both" else (args.mode,)
+    if args.in_process and modes != (("compiled",) if compiled.compiled_modules() else ("pure",)):
+        ap.error("--in-process runs this process's mode only: pass --mode pure (or run this "
+                 "script from the compiled copy with --mode compiled)")
+    tree = None
+    if "compiled" in modes and not args.in_process:
+        try:
+            tree = compiled.build(log=lambda s: print(s, flush=True))
+        except compiled.CompileError as exc:
+            print(exc, file=sys.stderr)
+            return 1
     rows = []
-    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
-    print(f"{'gpus':>6} {'requests':>9} {'CPU s':>8} {'us/req':>8} {'events':>10} "
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; "
+          f"each point is one single-threaded simulation in a fresh process")
+    print(f"{'mode':>8} {'gpus':>6} {'requests':>9} {'CPU s':>8} {'us/req':>8} {'events':>10} "
           f"{'ev/req':>6} {'sim s':>8} {'peakRSS MB':>10} {'load':>9} {'TTFT p50':>9} "
           f"{'RLD share':>9} {'SLA met':>8}", flush=True)
     for gpus in args.gpus:
         for n in args.requests:
-            if args.in_process:
-                row = run_point(gpus, n, args.tokens_per_unit, args.rate_per_gpu, True)
-            else:
-                row = _child(gpus, n, args.tokens_per_unit, args.rate_per_gpu)
-            rows.append(row)
-            print(f"{row['gpus']:>6} {n:>9} {row['cpu_s']:8.1f} {row['us_per_request']:8.1f} "
-                  f"{row['events']:>10} {row['events_per_request']:6.1f} "
-                  f"{row['sim_time_s']:8.0f} {row['max_rss_mb']:10.1f} "
-                  f"{row['load_before']:4.1f}-{row['load_after']:<4.1f} "
-                  f"{row['ttft_p50_s']:9.3f} {row['rld_share']:9.1%} "
-                  f"{row['attainment']:8.1%}", flush=True)
-    print(_growth(rows))
+            point = {}
+            for mode in modes:
+                if args.in_process:
+                    row = run_point(gpus, n, args.tokens_per_unit, args.rate_per_gpu, True)
+                else:
+                    row = _child(gpus, n, args.tokens_per_unit, args.rate_per_gpu,
+                                 tree if mode == "compiled" else None)
+                if row["mode"] != mode:
+                    raise RuntimeError(f"asked for a {mode} run, the child ran {row['mode']}")
+                rows.append(row)
+                point[mode] = row
+                print(f"{mode:>8} {row['gpus']:>6} {n:>9} {row['cpu_s']:8.1f} "
+                      f"{row['us_per_request']:8.1f} {row['events']:>10} "
+                      f"{row['events_per_request']:6.1f} {row['sim_time_s']:8.0f} "
+                      f"{row['max_rss_mb']:10.1f} "
+                      f"{row['load_before']:4.1f}-{row['load_after']:<4.1f} "
+                      f"{row['ttft_p50_s']:9.3f} {row['rld_share']:9.1%} "
+                      f"{row['attainment']:8.1%}", flush=True)
+            if len(point) == 2:
+                same = point["pure"]["result_digest"] == point["compiled"]["result_digest"]
+                print(f"{'':>8} compiled is {point['pure']['cpu_s'] / point['compiled']['cpu_s']:.2f}x "
+                      f"faster; results {'identical' if same else 'DIFFER'}", flush=True)
+                if not same:
+                    raise RuntimeError("the compiled simulator's result differs from the pure "
+                                       "one's: a bug (tests/test_sim_compiled.py)")
+    for mode in modes:
+        print(f"{mode}:")
+        print(_growth([r for r in rows if r["mode"] == mode]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
 
 
-def _child(gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: float) -> dict:
-    """One point in a fresh interpreter: its own peak RSS, no heap left by the previous."""
+def _child(gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: float,
+           tree: Path | None = None) -> dict:
+    """One point in a fresh interpreter: its own peak RSS, no heap left by the previous.
+    ``tree``: the compiled copy to run it on (None: the pure package of this checkout)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--point", str(gpus), str(requests),
            "--tokens-per-unit", str(tokens_per_unit), "--rate-per-gpu", str(rate_per_gpu)]
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if tree is not None:
+        env = compiled.compiled_env(tree)
+    else:
+        env = dict(os.environ)
+        env.pop(compiled.TREE_ENV, None)
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                    else "")
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 

@@ -12,15 +12,9 @@ from collections import deque
 from collections.abc import Iterable
 from itertools import repeat
 
+from pddnet.kv.errors import OutOfBlocks
 
-class OutOfBlocks(RuntimeError):
-    """Not enough free KV blocks for an allocation."""
-
-    def __init__(self, requested: int, free: int, total: int) -> None:
-        super().__init__(f"out of KV blocks: requested {requested}, {free} free of {total}")
-        self.requested = requested
-        self.free = free
-        self.total = total
+__all__ = ["BlockAllocator", "OutOfBlocks"]
 
 
 class BlockAllocator:
@@ -109,7 +103,7 @@ class BlockAllocator:
         checked path raises), so a rejected call still changes nothing."""
         rc = self._refcount
         free = self._free
-        freed = []
+        freed: list[int] = []
         for k, b in enumerate(ids):
             c = rc[b] - 1
             if c < 0:

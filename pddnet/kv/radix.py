@@ -606,7 +606,7 @@ class RadixCache:
         self._refresh(node)
         self._refresh(upper)
         delta = int(upper.last_locked >= 0) + int(node.last_locked >= 0) - int(had_locked)
-        up = parent
+        up: _Node | None = parent
         while up is not self._root and delta:
             assert up is not None
             up.locked_below += delta

@@ -29,10 +29,15 @@ from pddnet.kv.radix import chained_hashes
 class CacheEventsLike(Protocol):
     """protocol.messages.CacheEvents or kv.radix.CacheEventBatch."""
 
-    seq: int
-    block_size: int
-    inserted: tuple[int, ...]
-    evicted: tuple[int, ...]
+    # read-only members, so that frozen dataclasses (CacheEventBatch) match too
+    @property
+    def seq(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def inserted(self) -> tuple[int, ...]: ...
+    @property
+    def evicted(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -158,12 +163,13 @@ class DecodeCacheView:
         return self._predict(n, tuple(hashes[:limit]))
 
     def _predict(self, n: int, hashes: tuple[int, ...]) -> HitPrediction:
+        bs = self.block_size
+        assert bs is not None, "callers adopted a block size first"
         known = self._hashes
         # the leading run of known hashes, each marked recently used (C-speed loops)
         hit = list(takewhile(known.__contains__, hashes))
         _consume(map(known.move_to_end, hit))
-        return HitPrediction(n, len(hit) * self.block_size, hashes, self.block_size,
-                             self.stale)
+        return HitPrediction(n, len(hit) * bs, hashes, bs, self.stale)
 
     def observe(self, prediction: HitPrediction, actual_hit_tokens: int,
                 block_size: int | None = None) -> Observation:

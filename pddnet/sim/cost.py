@@ -60,6 +60,18 @@ class InstanceCost:
     memory_utilisation: float = 0.9   # share of HBM for weights + KV (the rest: activations)
     host: SharedHost | None = field(default=None, compare=False, repr=False)
     host_member: str = ""             # this instance's name on `host`
+    # constants of the hot path, computed once by __post_init__ (not parameters)
+    _compute: float = field(init=False, repr=False, compare=False)
+    _bandwidth: float = field(init=False, repr=False, compare=False)
+    _attn: float = field(init=False, repr=False, compare=False)
+    _dense_bytes: float = field(init=False, repr=False, compare=False)
+    _expert_bytes: float = field(init=False, repr=False, compare=False)
+    _comm_per_token: float = field(init=False, repr=False, compare=False)
+    _kvpt: float = field(init=False, repr=False, compare=False)
+    _per_seq: float = field(init=False, repr=False, compare=False)
+    _per_ctx: float = field(init=False, repr=False, compare=False)
+    _jitter: tuple[float, float] | None = field(init=False, repr=False, compare=False)
+    _jitter_rng: random.Random = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus, int) or self.gpus < 1:
@@ -199,7 +211,8 @@ class InstanceCost:
         t = self.forward_time(batch + extend_tokens, context_tokens + extend_pairs,
                               context_tokens, seqs=batch + extend_seqs)
         if jitter and self._jitter is not None:
-            t *= self._jitter_rng.lognormvariate(*self._jitter)
+            mu, sigma = self._jitter
+            t *= self._jitter_rng.lognormvariate(mu, sigma)
         if self.host is not None:
             t *= self.host.slowdown(self.host_member)
         return t

@@ -122,6 +122,7 @@ class Series:
         self._level = 0.0    # the last value observed: it holds until the next observation
 
     def observe(self, t: float, value: float) -> None:
+        value = float(value)   # an int count too: the same JSON whether compiled or not
         i = int(t / self.interval_s)
         while i >= self.max_points:
             self._halve()

@@ -205,8 +205,8 @@ class PrefillInstance:
             r.on_progress(r.state, r.pos, now, True)
             finished.append(r)
         if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
+            gone = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in gone]
         self._step()
 
     def _step_done_holding(self, now: float) -> None:

@@ -48,6 +48,7 @@ def requests_for(cfg: SimConfig) -> Iterator[SimRequest]:
     """The config's workload as a stream (rate_scale applied)."""
     w = cfg.workload
     if w.kind == "trace":
+        assert w.path is not None, "a trace workload names its file (config checks it)"
         for r in trace_stream(w.path, cfg.tokens_per_unit, w.requests):
             yield dataclasses.replace(r, arrival_s=round(r.arrival_s / w.rate_scale, 6))
         return
@@ -227,7 +228,7 @@ def _busy(instances: list[Any], span: float) -> float:
 
 def _merge_views(sim: SimulatedSystem) -> dict[str, Any]:
     keys = ("predictions", "wrong", "over_predicted", "under_predicted", "error_tokens", "gaps")
-    out = {k: sum(v.counters()[k] for v in sim.views) for k in keys}
+    out: dict[str, Any] = {k: sum(v.counters()[k] for v in sim.views) for k in keys}
     out["mispredict_rate"] = _r(out["wrong"] / out["predictions"] if out["predictions"] else 0.0)
     return out
 

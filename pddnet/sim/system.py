@@ -25,6 +25,7 @@ from collections import OrderedDict
 from typing import Any
 
 from pddnet.kv.allocator import BlockAllocator
+from pddnet.kv.prefix_cache import PrefixMatch
 from pddnet.kv.radix import HIT_INTERVAL_LABELS, CacheEventBatch, RadixCache, chained_hashes
 from pddnet.policy.admission import RelayAdmission
 from pddnet.policy.cache_view import DecodeCacheView, HitPrediction
@@ -38,7 +39,7 @@ from pddnet.sim.decode import DecodeInstance, Member
 from pddnet.sim.events import EventLoop
 from pddnet.sim.metrics import Histogram, Series
 from pddnet.sim.prefill import PrefillInstance
-from pddnet.sim.wan import WanLine
+from pddnet.sim.wan import Transfer, WanLine
 from pddnet.sim.workload import SimRequest
 
 # Conversations whose last prompt's chained block hashes are kept, so a next turn (its prompt
@@ -52,7 +53,7 @@ HASH_BYTES = 8
 
 
 class ReqState:
-    __slots__ = ("req", "pipeline", "p", "md", "rld", "md_idx", "rld_idx", "first_user",
+    __slots__ = ("req", "pipeline", "p", "md_idx", "rld_idx", "first_user",
                  "last_user", "rld_tokens", "md_tokens", "finished", "transfer", "table",
                  "handle", "prediction", "md_hit", "p_hit", "p_progress", "prefill_done",
                  "prefill_start", "last_chunk_tokens", "alloc_sent", "md_member", "rld_member",
@@ -61,16 +62,19 @@ class ReqState:
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
+        self.p = 0                 # its prefill instance, MD and RLD (set when it arrives)
+        self.md_idx = 0
+        self.rld_idx = -1
         self.pipeline: Pipeline | None = None
         self.first_user = -1.0
         self.last_user = -1.0
         self.rld_tokens = 0
         self.md_tokens = 0
         self.finished = False
-        self.transfer = None
+        self.transfer: Transfer | None = None
         self.table: list[int] | None = None
-        self.handle = None
-        self.prediction = None
+        self.handle: PrefixMatch | None = None
+        self.prediction: HitPrediction | None = None
         self.md_hit = 0
         self.p_hit = 0
         self.p_progress = 0
@@ -133,7 +137,7 @@ class SimulatedSystem:
                        "md_tokens": 0, "prompt_tokens": 0, "md_hit_tokens": 0,
                        "p_hit_tokens": 0, "cancelled_transfers": 0, "md_alloc_waits": 0,
                        "rld_refused": 0, "overlapping_turns": 0, "deferred_turns": 0}
-        self.first_arrival = None
+        self.first_arrival: float | None = None
         self.last_arrival = 0.0
         self.last_done = 0.0
         owd = c.line.rtt_ms / 2
@@ -419,10 +423,12 @@ class SimulatedSystem:
         st.md_allocated = False
         side = self.decode[st.md_idx]
         req = st.req
+        table = st.table
+        assert table is not None, "an allocated request has its block table"
         if keep and side.use_cache:
-            side.cache.insert_finished(req.units + req.output_units[:-1], st.table)
+            side.cache.insert_finished(req.units + req.output_units[:-1], table)
         else:
-            side.cache.release(st.table)
+            side.cache.release(table)
         st.table = None
         if self.cross and side.use_cache:
             # As MD does at every request's end: what the request left in the tree is what the
@@ -465,7 +471,7 @@ class SimulatedSystem:
         if self.use_rld:   # as the prefill daemon: MD's answer fixes what crosses
             self.wan_backlogs[st.p].commit(st.req.rid, total)
         # one sender per (P, MD) pair, as the prefill daemon's stripes to that MD
-        st.transfer = self.wan.start_transfer(total, lambda t, st=st: self._kv_at_md(t, st),
+        st.transfer = self.wan.start_transfer(total, lambda t: self._kv_at_md(t, st),
                                               sender=(st.p, st.md_idx))
         self.wan.make_sendable(st.transfer, (st.p_progress - st.md_hit) * self.kvpt)
 
@@ -507,6 +513,7 @@ class SimulatedSystem:
             return
         self.wan_backlogs[st.p].release(st.req.rid)
         tr = st.transfer
+        assert tr is not None, "the KV arrived by this transfer"
         self.bw_est.observe(tr.total, now - tr.started_at)
 
     def _md_decode(self, st: ReqState, user: float) -> None:
@@ -570,6 +577,7 @@ class SimulatedSystem:
         if st.mode is not None:                 # streaming: MD caught up, make the final cut
             self._rld_cut(now, st)
             return
+        assert st.rld_member is not None, "a takeover's request decodes on RLD"
         backlog = 1 + rld.tokens_made(st.rld_member, now)
         decision = self.handoff_policy.decide(backlog, self.admission[st.rld_idx].load)
         st.mode = decision.mode
@@ -585,6 +593,7 @@ class SimulatedSystem:
         """The final cut, made when TAKEOVER arrives (RelayHandoff's): RLD's tokens are the
         ones it emitted by now, the final HANDOFF leaves now."""
         m = st.rld_member
+        assert m is not None, "a cut request decodes on RLD"
         made, last = self.relay[st.rld_idx].stop(m, now)
         st.rld_tokens = 1 + made
         st.last_user = last
@@ -639,6 +648,7 @@ class SimulatedSystem:
         st.first_user = user
         ttft = max(0.0, user - st.req.arrival_s)
         self.ttft.add(ttft)
+        assert st.pipeline is not None, "chosen when it arrived"
         self.ttft_by_pipeline[st.pipeline.value].add(ttft)
 
     def _finish(self, st: ReqState, last_user: float) -> None:

@@ -199,6 +199,7 @@ class WanLine:
             if isinstance(item, _Piece):
                 self._delivered(item, now)
             else:
+                assert isinstance(item, _Message), "the line carries pieces and messages"
                 item.callback(now, *item.args)
         control = self._control[direction]
         while control and d.would_accept(now, control[0][0]):
