@@ -528,6 +528,9 @@ class SimulatedSystem:
 
     def _md_finished(self, m: Member, t: float, made: int) -> None:
         st = m.state
+        # MD is done with it (a later cancel's drop would be a no-op on the finished member):
+        # unlinked, the request and its member are freed as soon as nothing else holds them
+        st.md_member = None
         st.md_tokens += made
         self._release(st, keep=True)
         self._finish(st, m.prev_user)
@@ -608,6 +611,7 @@ class SimulatedSystem:
 
     def _rld_left(self, st: ReqState, t: float, done: bool) -> None:
         st.rld_done = True
+        st.rld_member = None        # nothing reads it once RLD is done (see _md_finished)
         self.admission[st.rld_idx].release(str(st.req.rid))
         self._rld_held -= 1
         self.rld_depth.observe(t, self._rld_held)
