@@ -430,3 +430,30 @@ async def test_dial_times_out_on_a_silent_acceptor():
         w.close()
     raw.close()
     await raw.wait_closed()
+
+
+async def test_close_drops_the_socket_when_the_peer_never_takes_the_last_bytes():
+    # A stripe blocked mid KV_CHUNK (its peer no longer reads) must not keep its socket:
+    # asyncio closes a transport only once its buffer is flushed, so close() aborts it after
+    # its grace period instead (before, each such lane stayed open for the daemon's life).
+    stop = asyncio.Event()
+
+    async def never_reads(conn) -> None:
+        await stop.wait()
+
+    server = Server(HOST, 0, role="main_decode", instance_id="md-0", secret=SECRET,
+                    on_connection=never_reads)
+    port = await server.start()
+    conn = await dial_echo(port, lane="bulk")
+    sock = conn._writer.transport.get_extra_info("socket")
+    blob = encode_bytes(kv_chunk(tokens=4096))   # 1 MiB a frame: socket buffers fill up
+    for _ in range(64):
+        conn._writer.write(blob)                  # (no drain: the peer never reads)
+    assert conn._writer.transport.get_write_buffer_size() > 0
+    async with asyncio.timeout(5):
+        await conn.close("stripe replaced")
+    await asyncio.sleep(0.05)                     # the transport closes on the next turn
+    assert sock.fileno() == -1, "the socket is still open"
+    stop.set()
+    await server.close()
+    assert_no_other_tasks()

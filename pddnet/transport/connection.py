@@ -282,8 +282,14 @@ class Connection:
     async def close(self, reason: str = "closed locally") -> None:
         """Close the connection (idempotent); a pending recv() raises ConnectionClosed."""
         self._abort(reason)
-        with contextlib.suppress(Exception):
+        try:
             await asyncio.wait_for(self._writer.wait_closed(), 1.0)
+        except Exception:  # timed out or failed: whatever it was, the socket must go
+            # A transport closes only once its buffer is flushed: a peer that never takes the
+            # last bytes (a stripe blocked mid KV_CHUNK when MD's session was replaced) kept
+            # the socket open for good, and the daemon's fds grew after each reconnect.
+            with contextlib.suppress(Exception):
+                self._writer.transport.abort()
 
     def _fail(self, code: str, message: str) -> None:
         """Best effort: tell the peer why we are about to close (no waiting for a dead peer)."""
