@@ -28,9 +28,9 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-# What is compiled: the modules a simulation spends its time in. Not here: the allocator's
-# admission and estimator dataclasses (mypyc leaves `field(default=..., init=False)`
-# attributes unset), config parsing, reporting and plots (run once per simulation).
+# What is compiled: the modules a simulation spends its time in. Not here: RLD admission and
+# the WAN estimators (mypyc leaves their `field(default=..., init=False)` attributes unset),
+# config parsing, reporting and plots (run once per simulation).
 COMPILED_MODULES: tuple[str, ...] = (
     "emulation.effects",
     "emulation.link",
@@ -170,9 +170,9 @@ def describe() -> str:
             f"modules)")
 
 
-def compiled_env(tree: Path, env: dict[str, str] | None = None) -> dict[str, str]:
-    """An environment whose Python imports the package from the compiled copy."""
-    env = dict(os.environ if env is None else env)
+def compiled_env(tree: Path) -> dict[str, str]:
+    """This process's environment, with Python importing the package from the compiled copy."""
+    env = dict(os.environ)
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(tree) + (os.pathsep + old if old else "")
     env[TREE_ENV] = str(tree)
