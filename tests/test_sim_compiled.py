@@ -45,8 +45,9 @@ def test_the_compiled_copy_imports_every_listed_module_as_a_c_extension(tree):
 
 
 def _stressful_config(path: Path, trace: Path) -> None:
-    """Every system, a jittery line with a small queue, MD short of memory (evictions and
-    allocation waits), and a second workload replayed from a trace file."""
+    """Every system, a jittery line with a small queue (queue_mb = 8), instances with a
+    quarter of their memory (MD short of blocks: allocations wait), and a second workload
+    replayed from a trace file."""
     lines = []
     for i in range(120):
         conv, turn = divmod(i, 6)
@@ -64,6 +65,7 @@ def _stressful_config(path: Path, trace: Path) -> None:
         "baseline": {"prefill": {"chip": "a", "instances": 2},
                      "decode": {"chip": "a", "instances": 2}},
         "line": {"bw_gbit": 5, "rtt_ms": 40, "jitter_ms": 6, "queue_mb": 8},
+        "engine": {"memory_utilisation": 0.25},
         "workload": {"requests": 220, "num_conversations": 400,
                      "conversation_rate_per_s": 1.0, "system_prompt_len": [4000, 16000],
                      "task_len": [1000, 4000], "small_tool_len": [64, 1024],
@@ -91,7 +93,10 @@ def test_compiled_and_pure_runs_give_byte_identical_json(tree, tmp_path):
             assert want in run.stderr
         pure = (tmp_path / "pure" / f"{name}.json").read_text()
         fast = (tmp_path / "compiled" / f"{name}.json").read_text()
-        assert json.loads(pure)["systems"]        # a real result, not an empty file
+        systems = json.loads(pure)["systems"]     # a real result, not an empty file
+        assert all(r["finished"] == r["requests"] for r in systems.values())
+        if name == "stress":                      # the config does what it says
+            assert systems["pdd"]["md_alloc_waits"] > 0
         assert pure == fast, f"{name}: compiled and pure JSON differ"
 
 
