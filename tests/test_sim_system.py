@@ -270,6 +270,8 @@ def test_bad_configs_get_clear_errors():
         small(systems=["pdq"])
     with pytest.raises(ValueError, match=r"\[line\]: unknown key\(s\) bandwidth"):
         small(line={"bandwidth": 3})
+    with pytest.raises(ValueError, match="queue_mb must hold at least one 1500-byte packet"):
+        small(line={"bw_gbit": 10, "queue_mb": 0.001})
     with pytest.raises(ValueError, match="instances: must be an integer >= 1"):
         small(pdd={"prefill": {"chip": "a", "instances": 0},
                    "main_decode": {"chip": "b"}})

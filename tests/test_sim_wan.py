@@ -127,3 +127,25 @@ def test_waking_only_when_something_can_happen_changes_no_arrival(seed, monkeypa
     assert lean_events <= loop.events_run
     if seed == 0:
         assert lean_events < loop.events_run     # (it did skip some)
+
+
+def test_the_queue_is_the_one_asked_for_and_pieces_fit_in_it():
+    """A piece larger than the queue used to raise the queue to fit it: queue_mb = 8 with the
+    default 64 MB pieces ran a 65 MB buffer. Now the piece (and the control reserve) are cut
+    to fit, so the bottleneck never holds more than asked and every byte still arrives."""
+    loop = EventLoop()
+    queue = 8 << 20
+    wan = WanLine(loop, rate_mbit=800.0, delay_ms=5.0, queue_bytes=queue, piece_bytes=64 << 20)
+    done = []
+    for sender in range(3):
+        tr = wan.start_transfer(40 << 20, done.append, sender=sender)
+        wan.make_sendable(tr, 40 << 20)
+    for i in range(50):
+        loop.at(i * 0.01, wan.message, "a_to_b", 64, lambda now: None)
+    loop.run()
+    c = wan.counters()
+    assert c["queue_bytes"] == queue
+    assert c["piece_bytes"] + (1 << 20) <= queue
+    assert 0 < c["max_queue_bytes"] <= queue
+    assert len(done) == 3 and c["kv_bytes"] == 3 * (40 << 20) and c["drops"] == 0
+

@@ -280,6 +280,9 @@ def parse_config(data: dict[str, Any], base_dir: Path | None = None) -> SimConfi
         sla=_section(Sla, data.get("sla"), "sla"), workload=spec, source=data)
     if cfg.line.bw_gbit <= 0:
         raise ValueError("[line] bw_gbit must be > 0")
+    if cfg.line.queue_mb * (1 << 20) < 1500 or cfg.line.piece_mb <= 0 or cfg.line.rtt_ms < 0:
+        raise ValueError("[line] queue_mb must hold at least one 1500-byte packet, piece_mb "
+                         "must be > 0 and rtt_ms >= 0")
     if cfg.engine.block_tokens < 1 or cfg.engine.chunk_tokens < 1 or cfg.engine.max_seqs < 1:
         raise ValueError("[engine] block_tokens, chunk_tokens and max_seqs must be >= 1")
     if q > 1 and q % cfg.engine.block_tokens and cfg.engine.block_tokens % q:

@@ -85,7 +85,15 @@ class WanLine:
             raise ValueError(f"WAN rate must be > 0 Mbit/s, got {rate_mbit!r}")
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes!r}")
-        queue_bytes = max(int(queue_bytes), piece_bytes + control_reserve)
+        if queue_bytes < 2:
+            raise ValueError(f"queue_bytes must be >= 2 (a reserve and a piece), "
+                             f"got {queue_bytes!r}")
+        # The bottleneck queue is the one asked for: the control reserve and the KV piece are
+        # cut to fit in it (a piece larger than the queue could never be offered; raising the
+        # queue to fit it, as this once did, turned queue_mb = 8 into a 65 MB buffer).
+        queue_bytes = int(queue_bytes)
+        control_reserve = min(control_reserve, queue_bytes // 2)
+        piece_bytes = min(piece_bytes, queue_bytes - control_reserve)
         self.loop = loop
         self.link = Link(seed=seed, rate_mbit=rate_mbit, delay_ms=delay_ms, jitter_ms=jitter_ms,
                          queue_bytes=queue_bytes, **effects)
@@ -268,5 +276,7 @@ class WanLine:
         c = self.link.a_to_b.counters()
         return {"kv_bytes": self.kv_bytes, "kv_bytes_cancelled": self.kv_bytes_cancelled,
                 "messages": self.messages, "bytes_out_a_to_b": c["bytes_out"],
+                "queue_bytes": self.link.a_to_b.effects()["queue_bytes"],
+                "piece_bytes": self.piece_bytes,
                 "max_queue_bytes": c["queue"]["max_bytes"],
                 "drops": sum(c["drops"].values())}
