@@ -401,3 +401,10 @@ def test_finished_requests_are_freed_by_reference_counting(system):
     assert r["finished"] == 300
     # (a request whose MD member was dropped by a cancel may keep its link: a rare path)
     assert left <= 3, f"{left} of 300 finished requests wait for the cycle collector"
+
+
+def test_a_request_sent_later_is_the_same_request_at_another_time():
+    from pddnet.sim.runner import requests_for
+
+    for r in list(requests_for(small(requests=20)))[:20]:
+        assert r.sent_at(r.arrival_s + 1.5) == dataclasses.replace(r, arrival_s=r.arrival_s + 1.5)

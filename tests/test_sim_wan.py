@@ -149,3 +149,20 @@ def test_the_queue_is_the_one_asked_for_and_pieces_fit_in_it():
     assert 0 < c["max_queue_bytes"] <= queue
     assert len(done) == 3 and c["kv_bytes"] == 3 * (40 << 20) and c["drops"] == 0
 
+
+
+@pytest.mark.parametrize("queue,piece,want_queue,want_piece", [
+    (None, 8 << 20, (8 << 20) + (1 << 20), 8 << 20),   # default: one piece and the reserve
+    (1 << 20, 32 << 10, 1 << 20, 32 << 10),            # smaller than the reserve: piece kept
+])
+def test_default_and_tiny_queues(queue, piece, want_queue, want_piece):
+    loop = EventLoop()
+    wan = WanLine(loop, rate_mbit=80.0, delay_ms=5.0, queue_bytes=queue, piece_bytes=piece)
+    done = []
+    tr = wan.start_transfer(3 << 20, done.append, sender=0)
+    wan.make_sendable(tr, 3 << 20)
+    wan.message("a_to_b", 64, lambda now: done.append(("msg", now)))
+    loop.run()
+    c = wan.counters()
+    assert (c["queue_bytes"], c["piece_bytes"]) == (want_queue, want_piece)
+    assert c["max_queue_bytes"] <= want_queue and len(done) == 2

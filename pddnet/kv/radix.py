@@ -99,6 +99,14 @@ class InsertResult:
     duplicates: tuple[int, ...]  # the request's blocks whose prefix the tree already held
     freed: tuple[int, ...]       # blocks that became free (duplicates, partial tail, ...)
 
+    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
+    def __init__(self, hashes: tuple[int, ...], adopted: tuple[int, ...],
+                 duplicates: tuple[int, ...], freed: tuple[int, ...]) -> None:
+        object.__setattr__(self, "hashes", hashes)
+        object.__setattr__(self, "adopted", adopted)
+        object.__setattr__(self, "duplicates", duplicates)
+        object.__setattr__(self, "freed", freed)
+
 
 @dataclass(frozen=True)
 class CacheEventBatch:
@@ -109,6 +117,14 @@ class CacheEventBatch:
     block_size: int
     inserted: tuple[int, ...]
     evicted: tuple[int, ...]
+
+    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
+    def __init__(self, seq: int, block_size: int, inserted: tuple[int, ...],
+                 evicted: tuple[int, ...]) -> None:
+        object.__setattr__(self, "seq", seq)
+        object.__setattr__(self, "block_size", block_size)
+        object.__setattr__(self, "inserted", inserted)
+        object.__setattr__(self, "evicted", evicted)
 
 
 @dataclass(eq=False)
@@ -125,6 +141,24 @@ class _Node:
     evictable: int = 0             # blocks of this node repeated leaf eviction could free
     heap_at: int = -1              # last_access of its live eviction-heap entry (-1: none)
     heap_epoch: int = 0            # ... in that heap generation
+
+    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
+    def __init__(self, uid: int, parent: _Node | None, tokens: tuple[int, ...], blocks: list[int],
+                 hashes: list[int], children: dict[tuple[int, ...], _Node] | None = None,
+                 last_access: int = 0, last_locked: int = -1, locked_below: int = 0,
+                 evictable: int = 0, heap_at: int = -1, heap_epoch: int = 0) -> None:
+        self.uid = uid
+        self.parent = parent
+        self.tokens = tokens
+        self.blocks = blocks
+        self.hashes = hashes
+        self.children = {} if children is None else children
+        self.last_access = last_access
+        self.last_locked = last_locked
+        self.locked_below = locked_below
+        self.evictable = evictable
+        self.heap_at = heap_at
+        self.heap_epoch = heap_epoch
 
 
 class RadixCache:

@@ -21,6 +21,11 @@ class AdmissionDecision:
     admitted: bool
     reason: str
 
+    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
+    def __init__(self, admitted: bool, reason: str) -> None:
+        object.__setattr__(self, "admitted", admitted)
+        object.__setattr__(self, "reason", reason)
+
 
 @dataclass
 class RelayAdmission:
@@ -46,6 +51,12 @@ class RelayAdmission:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.singular_share <= 1.0:
             raise ValueError(f"singular_share must be in [0, 1], got {self.singular_share}")
+        # set here as well as by the field defaults: mypyc's compiled __init__ (the simulator's
+        # --compiled) leaves init=False fields unset
+        self._held, self._singular = {}, set()
+        self._tokens = self._blocks = self._singular_tokens = self._singular_blocks = 0
+        self.refused = self.admitted = 0
+        self.peak_requests = self.peak_tokens = self.peak_blocks = 0
 
     @property
     def load(self) -> float:

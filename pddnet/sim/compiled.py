@@ -28,9 +28,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-# What is compiled: the modules a simulation spends its time in. Not here: RLD admission and
-# the WAN estimators (mypyc leaves their `field(default=..., init=False)` attributes unset),
-# config parsing, reporting and plots (run once per simulation).
+# What is compiled: the modules a simulation spends its time in. Not here: config parsing,
+# reporting and plots (run once per simulation).
 COMPILED_MODULES: tuple[str, ...] = (
     "emulation.effects",
     "emulation.link",
@@ -38,7 +37,9 @@ COMPILED_MODULES: tuple[str, ...] = (
     "pddnet.kv.allocator",
     "pddnet.kv.prefix_cache",
     "pddnet.kv.radix",
+    "pddnet.policy.admission",
     "pddnet.policy.cache_view",
+    "pddnet.policy.estimators",
     "pddnet.policy.handoff",
     "pddnet.policy.pipeline",
     "pddnet.policy.planner",

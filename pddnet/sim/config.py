@@ -87,7 +87,9 @@ class Line:
     bw_gbit: float = 100.0
     rtt_ms: float = 30.0
     jitter_ms: float = 0.0
-    queue_mb: float = 64.0
+    # the bottleneck queue; unset: room for one KV piece plus the control messages' 1 MB
+    # reserve (65 MB at the default piece size, ~20 ms of line time on a line over 26 Gbit/s)
+    queue_mb: float | None = None
     piece_mb: float = 64.0
     # A KV piece is also at least this much line time, so a fast line does not cost more link
     # items per byte than a slow one (round-robin fairness stays at the same time resolution).
@@ -173,6 +175,8 @@ def _section(cls: type, data: dict[str, Any] | None, where: str) -> Any:
     defaults = cls()
     for k, v in data.items():
         want = type(getattr(defaults, k))
+        if want is type(None):
+            want = float            # an optional number (e.g. queue_mb), unset by default
         if want is bool and not isinstance(v, bool):
             raise ValueError(f"[{where}] {k}: expected true/false, got {v!r}")
         if want in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -280,7 +284,8 @@ def parse_config(data: dict[str, Any], base_dir: Path | None = None) -> SimConfi
         sla=_section(Sla, data.get("sla"), "sla"), workload=spec, source=data)
     if cfg.line.bw_gbit <= 0:
         raise ValueError("[line] bw_gbit must be > 0")
-    if cfg.line.queue_mb * (1 << 20) < 1500 or cfg.line.piece_mb <= 0 or cfg.line.rtt_ms < 0:
+    if (cfg.line.queue_mb is not None and cfg.line.queue_mb * (1 << 20) < 1500) \
+            or cfg.line.piece_mb <= 0 or cfg.line.rtt_ms < 0:
         raise ValueError("[line] queue_mb must hold at least one 1500-byte packet, piece_mb "
                          "must be > 0 and rtt_ms >= 0")
     if cfg.engine.block_tokens < 1 or cfg.engine.chunk_tokens < 1 or cfg.engine.max_seqs < 1:

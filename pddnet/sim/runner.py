@@ -50,7 +50,7 @@ def requests_for(cfg: SimConfig) -> Iterator[SimRequest]:
     if w.kind == "trace":
         assert w.path is not None, "a trace workload names its file (config checks it)"
         for r in trace_stream(w.path, cfg.tokens_per_unit, w.requests):
-            yield dataclasses.replace(r, arrival_s=round(r.arrival_s / w.rate_scale, 6))
+            yield r.sent_at(round(r.arrival_s / w.rate_scale, 6))
         return
     params = agent_params_in_units(w.agent, cfg.tokens_per_unit)
     params = dataclasses.replace(params, num_conversations=max(params.num_conversations, 1),
@@ -83,10 +83,10 @@ class Schedule:
             heapq.heappush(heap, (self.times[r.rid], r.rid, r))
             while heap and heap[0][0] <= r.arrival_s:
                 t, _, x = heapq.heappop(heap)
-                yield dataclasses.replace(x, arrival_s=t)
+                yield x.sent_at(t)
         while heap:
             t, _, x = heapq.heappop(heap)
-            yield dataclasses.replace(x, arrival_s=t)
+            yield x.sent_at(t)
 
 
 def simulate(cfg: SimConfig, system: str,
@@ -149,7 +149,7 @@ def simulate(cfg: SimConfig, system: str,
         if not waiting:
             del parked[conv]
         sim.deferral.add(loop.now - nxt.arrival_s)
-        send(dataclasses.replace(nxt, arrival_s=loop.now))
+        send(nxt.sent_at(loop.now))
 
     sim.on_request_done = turn_done
 

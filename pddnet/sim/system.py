@@ -144,7 +144,8 @@ class SimulatedSystem:
         if self.cross:
             self.wan = WanLine(self.loop, rate_mbit=c.line.bw_gbit * 1e3, delay_ms=owd,
                                jitter_ms=c.line.jitter_ms,
-                               queue_bytes=int(c.line.queue_mb * (1 << 20)),
+                               queue_bytes=None if c.line.queue_mb is None
+                               else int(c.line.queue_mb * (1 << 20)),
                                piece_bytes=c.line.piece_bytes(),
                                seed=c.seed)
             self.bw_est = BandwidthEstimator(initial_bps=c.line.bw_gbit * 1e9 / 8)

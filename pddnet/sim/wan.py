@@ -79,20 +79,23 @@ class _Piece:
 
 class WanLine:
     def __init__(self, loop: EventLoop, rate_mbit: float, delay_ms: float, jitter_ms: float = 0.0,
-                 queue_bytes: int = 64 << 20, piece_bytes: int = 8 << 20, seed: int = 0,
+                 queue_bytes: int | None = None, piece_bytes: int = 8 << 20, seed: int = 0,
                  control_reserve: int = 1 << 20, **effects: Any) -> None:
         if rate_mbit <= 0:
             raise ValueError(f"WAN rate must be > 0 Mbit/s, got {rate_mbit!r}")
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes!r}")
-        if queue_bytes < 2:
+        if queue_bytes is None:
+            queue_bytes = piece_bytes + control_reserve   # the default: one piece and the reserve
+        elif queue_bytes < 2:
             raise ValueError(f"queue_bytes must be >= 2 (a reserve and a piece), "
                              f"got {queue_bytes!r}")
-        # The bottleneck queue is the one asked for: the control reserve and the KV piece are
-        # cut to fit in it (a piece larger than the queue could never be offered; raising the
-        # queue to fit it, as this once did, turned queue_mb = 8 into a 65 MB buffer).
+        # An explicit queue is the one asked for: the piece and the control reserve are cut to
+        # fit in it (a piece larger than the queue could never be offered; raising the queue to
+        # fit it, as this once did, turned queue_mb = 8 into a 65 MB buffer). A queue smaller
+        # than the reserve keeps room for one piece: KV enters it only when it is empty.
         queue_bytes = int(queue_bytes)
-        control_reserve = min(control_reserve, queue_bytes // 2)
+        control_reserve = min(control_reserve, queue_bytes - min(piece_bytes, queue_bytes // 2))
         piece_bytes = min(piece_bytes, queue_bytes - control_reserve)
         self.loop = loop
         self.link = Link(seed=seed, rate_mbit=rate_mbit, delay_ms=delay_ms, jitter_ms=jitter_ms,
