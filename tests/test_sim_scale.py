@@ -7,6 +7,7 @@ the same inputs, so a speed-up can never change a result.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.prefix_cache import block_hashes
-from pddnet.kv.radix import RadixCache, chained_hashes
+from pddnet.kv.radix import CacheEventBatch, RadixCache, chained_hashes
 from pddnet.policy.cache_view import DecodeCacheView
 from pddnet.sim.config import parse_config
 from pddnet.sim.reproduce import scenario
@@ -125,24 +126,35 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
         assert sim._prompt_hashes(req) == block_hashes(units, bs)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(start=st.lists(st.integers(0, 30), max_size=25),
-       batches=st.lists(st.lists(st.integers(0, 30), max_size=12), max_size=6),
+       batches=st.lists(st.tuples(st.sampled_from(["add", "evicted", "predict"]),
+                                  st.lists(st.integers(0, 30), max_size=12)), max_size=10),
        cap=st.integers(1, 40))
-def test_view_add_keeps_the_lru_order_of_setting_each_hash_newest(
-        start: list[int], batches: list[list[int]], cap: int) -> None:
-    """DecodeCacheView._add (relinks at C speed) against its definition: each hash in turn
-    becomes the newest entry (repeats included), then the oldest go past the cap."""
+def test_view_keeps_the_lru_order_of_setting_each_hash_newest(
+        start: list[int], batches: list[tuple[str, list[int]]], cap: int) -> None:
+    """DecodeCacheView (use stamps, oldest found from a heap when the cap is passed) against
+    its definition: each hash added or predicted becomes the newest entry in turn (repeats
+    included), evicted ones leave, and past the cap the oldest go."""
     view = DecodeCacheView(block_size=1, max_hashes=cap)
     ref: dict[int, None] = {}
     dropped = 0
-    for batch in [start, *batches]:
-        view._add(batch)
+    for kind, batch in [("add", start), *batches]:
+        if kind == "evicted":
+            view.apply(CacheEventBatch(view.next_seq, 1, (), tuple(batch)))
+            for h in batch:
+                ref.pop(h, None)
+            continue
+        if kind == "predict":
+            view.predict_from_hashes(len(batch), batch, 1)   # the hit: its leading known run
+            batch = list(itertools.takewhile(ref.__contains__, batch[:len(batch) - 1]))
+        else:
+            view._add(batch)
         for h in batch:
             ref.pop(h, None)
             ref[h] = None
         while len(ref) > cap:
             del ref[next(iter(ref))]
             dropped += 1
-        assert list(view._hashes) == list(ref)
+        assert sorted(view._hashes, key=view._hashes.__getitem__) == list(ref)
         assert view.dropped_by_cap == dropped

@@ -12,15 +12,20 @@ The view is only advice. MD's KV_ALLOC_RESPONSE is authoritative: P sends whatev
 limit, not the next one -- hence nothing deeper in that chain either).
 
 Memory is bounded: at most ``max_hashes`` hashes, least recently used dropped first (a dropped
-hash only makes the estimate lower; the next answer teaches it back).
+hash only makes the estimate lower; the next answer teaches it back). Recency is a counter
+stamped on each hash as it is used, not a reordered list: a view holds about what MD holds, so
+the cap is seldom reached, and stamping a hash costs a dict store where relinking it cost a
+list splice in a dict of 10^5 entries (the simulator's largest single cost). The oldest are
+found, when the cap is passed, from a heap of the stamps built then and used until it runs out.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import repeat, takewhile
+from itertools import count, repeat, takewhile
 from typing import Protocol
 
 from pddnet.kv.radix import chained_hashes
@@ -92,7 +97,10 @@ class DecodeCacheView:
             raise ValueError(f"max_hashes must be >= 1, got {max_hashes}")
         self.block_size = block_size         # MD's; None until its first notice or answer
         self.max_hashes = max_hashes
-        self._hashes: OrderedDict[int, None] = OrderedDict()   # oldest first
+        self._hashes: dict[int, int] = {}     # hash -> its use stamp (larger: more recent)
+        self._clock = 0                      # the last stamp given
+        # (stamp, hash) of entries, oldest first, as of when it was built: see _drop_oldest
+        self._oldest: list[tuple[int, int]] = []
         self.next_seq = 0
         self.stale = False
         # counters
@@ -138,6 +146,7 @@ class DecodeCacheView:
         self.block_size = None
         self._adopt_block_size(block_size)
         self._hashes.clear()
+        self._oldest.clear()
         self._add(hashes)
         self.next_seq = next_seq
         self.stale = False
@@ -182,7 +191,7 @@ class DecodeCacheView:
         known = self._hashes
         # the leading run of known hashes, each marked recently used (C-speed loops)
         hit = list(takewhile(known.__contains__, hashes))
-        _consume(map(known.move_to_end, hit))
+        self._stamp(hit)
         return HitPrediction(n, len(hit) * bs, hashes, bs, self.stale)
 
     def observe(self, prediction: HitPrediction, actual_hit_tokens: int,
@@ -228,19 +237,37 @@ class DecodeCacheView:
         if self.block_size is not None and block_size != self.block_size:
             # Hashes at another granularity name other prefixes: start over, and say so.
             self._hashes.clear()
+            self._oldest.clear()
             self.stale = True
         self.block_size = block_size
 
     def _add(self, hashes: Iterable[int]) -> None:
-        hashes = hashes if isinstance(hashes, (tuple, list)) else list(hashes)
-        # Each hash newest, in order (a repeated one ends where its last occurrence puts it):
-        # insert the missing ones, then move every one to the end, both at C speed. Relinking
-        # an OrderedDict entry is ~5x cheaper than popping and re-inserting it.
-        _consume(map(self._hashes.setdefault, hashes))
-        _consume(map(self._hashes.move_to_end, hashes))
+        self._stamp(hashes if isinstance(hashes, (tuple, list)) else list(hashes))
         while len(self._hashes) > self.max_hashes:
-            self._hashes.popitem(last=False)
+            self._drop_oldest()
             self.dropped_by_cap += 1
+
+    def _stamp(self, hashes: Sequence[int]) -> None:
+        """Each hash becomes the most recent, in order (a repeated one ends where its last
+        occurrence puts it), added if missing: one C-speed update."""
+        c = self._clock
+        self._hashes.update(zip(hashes, count(c + 1)))
+        self._clock = c + len(hashes)
+
+    def _drop_oldest(self) -> None:
+        """Forget the least recently used hash. The heap holds every entry's stamp as of when
+        it was built; an entry used (or dropped and re-added) since has a newer stamp than all
+        of those, so the oldest valid heap item is the oldest entry. Once the heap has no valid
+        item left it is rebuilt: O(log n) a drop, amortised."""
+        known, heap = self._hashes, self._oldest
+        while True:
+            if not heap:
+                heap.extend((t, h) for h, t in known.items())
+                heapq.heapify(heap)
+            t, h = heapq.heappop(heap)
+            if known.get(h) == t:
+                del known[h]
+                return
 
     def _count(self, predicted: int, actual: int) -> None:
         self.predictions += 1
