@@ -1032,6 +1032,9 @@ def main() -> int:
     runs_path = out / "calibration_runs.json"
     prof = load_model(args.model)
     if args.reuse:
+        if not runs_path.exists():
+            raise SystemExit(f"--reuse: no saved testbed run at {runs_path}: run without "
+                             f"--reuse first, or pass the --out folder that holds one")
         runs = json.loads(runs_path.read_text())
         if "records" not in runs.get("run", {}):
             raise SystemExit(f"{runs_path} is not an interleaved run (older format): run "

@@ -4,6 +4,7 @@ the engine's PrefixCache interface, and hypothesis-checked invariants under rand
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -236,6 +237,13 @@ def test_undrained_event_log_is_bounded_and_skips_a_notice_number():
     finish(c, [100] * 4)
     ev = c.drain_events()
     assert ev.seq == 1                              # notice 0 never sent: receivers see a gap
+    quiet = RadixCache(BlockAllocator(64), BS, max_pending_events=0)   # nobody watches
+    finish(quiet, list(range(24)))
+    quiet.evict(3)
+    assert quiet.drain_events() is None and quiet.num_pending_events == 0
+    quiet.check_invariants()
+    with pytest.raises(ValueError, match="max_pending_events must be >= 0"):
+        RadixCache(BlockAllocator(4), BS, max_pending_events=-1)
 
 
 def test_drain_splits_a_large_log_into_numbered_notices():
@@ -297,7 +305,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def locked_blocks(self) -> set[int]:
-        out = {b for b in self.c._node_of if self.a.refcount(b) > 1}
+        out = {b for b in range(self.a.num_blocks) if self.c.is_cached(b) and self.a.refcount(b) > 1}
         return out | {b for m in self.pins for b in m.block_ids}
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=14))
@@ -382,7 +390,7 @@ class RadixMachine(RuleBasedStateMachine):
         if not hasattr(self, "c"):
             return
         self.c.check_invariants()
-        owned = set(self.c._node_of)
+        owned = {b for b in range(self.a.num_blocks) if self.c.is_cached(b)}
         private = {b for _, t in self.live.values() for b in t} - owned
         assert len(owned) + len(private) + self.a.num_free == self.a.num_blocks
         assert self.c.num_available == self.a.num_free + self.c.num_evictable
@@ -416,3 +424,25 @@ def test_engine_can_run_on_the_radix_cache_and_counts_hits():
         assert sum(cache.hit_histogram) == 2
     with pytest.raises(ValueError, match="unknown prefix cache kind"):
         Engine(model, tok, num_blocks=8, block_size=8, prefix_cache_kind="trie")
+
+
+def test_insert_finished_with_the_callers_hashes_is_the_same_insert() -> None:
+    rng = random.Random(5)
+    a, b = RadixCache(BlockAllocator(64), BS), RadixCache(BlockAllocator(64), BS)
+    for _ in range(12):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 5 * BS))]
+        n = -(-len(tokens) // BS)
+        ta, tb = a.allocate(n), b.allocate(n)
+        extra = [rng.getrandbits(64)]            # trailing hashes beyond the full blocks: ignored
+        ra = a.insert_finished(tokens, ta)
+        rb = b.insert_finished(tokens, tb, block_hashes(tokens, BS) + extra)
+        assert ra == rb and a.drain_events() == b.drain_events()
+    a.check_invariants()
+    tokens = list(range(3 * BS))
+    t = a.allocate(3)
+    with pytest.raises(ValueError, match="2 hashes for 3 full blocks"):
+        a.insert_finished(tokens, t, block_hashes(tokens, BS)[:2])
+    with pytest.raises(ValueError, match="not the chained hashes"):
+        a.insert_finished(tokens, t, block_hashes(tokens, BS)[1:] + [0])
+    a.check_invariants()
+    assert a.insert_finished(tokens, t, block_hashes(tokens, BS)).adopted == tuple(t)

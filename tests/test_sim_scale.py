@@ -118,12 +118,22 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
     assert bs == 4
     units: tuple[int, ...] = ()
     rng = random.Random(1)
+    later: list[tuple[list[int], list[int]]] = []
     for turn in range(6):
         units = units + tuple(rng.randrange(50) for _ in range(rng.randrange(1, 11)))
         if turn == 4:
             units = (7,) + units[1:]           # not an extension: hashed from scratch
         req = SimRequest(turn, 42, 0.0, units, len(units) * 4, 4, (1,))
-        assert sim._prompt_hashes(req) == block_hashes(units, bs)
+        held = sim._hashes_for(req.conversation, req.units)
+        assert held == block_hashes(units, bs)
+        first = list(held)
+        # MD's insert of prompt + output: the same hashes, the kept ones left as they were
+        with_kv = units + tuple(rng.randrange(50) for _ in range(5))
+        assert sim._hashes_for(42, with_kv, remember=False) == block_hashes(with_kv, bs)
+        assert sim._hash_memo[42] == (units, first)
+        later.append((held, first))
+    for held, first in later:                  # a holder's hashes stayed what they were
+        assert held[:len(first)] == first
 
 
 @settings(max_examples=150, deadline=None)

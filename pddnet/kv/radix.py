@@ -26,7 +26,9 @@ top: ``match_prefix`` -> (block_ids, hit_tokens, handle), ``lock``/``unlock`` of
 ``insert_finished`` (insert a finished request and drop its references; duplicates freed),
 ``evict`` returning the freed block ids, hit statistics and an event log of inserted / evicted
 prefixes as chained block hashes (``pddnet.kv.prefix_cache.block_hashes``), drained into
-CACHE_EVENTS notices for P's view (pddnet/policy/cache_view.py).
+CACHE_EVENTS notices for P's view (pddnet/policy/cache_view.py). ``max_pending_events`` bounds
+that log (past it the log resets and a notice number is skipped); 0 keeps no log, for a cache
+nobody watches (the simulated P's).
 """
 
 from __future__ import annotations
@@ -168,13 +170,15 @@ class RadixCache:
                  max_pending_events: int = 1 << 16) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if max_pending_events < 1:
-            raise ValueError(f"max_pending_events must be >= 1, got {max_pending_events}")
+        if max_pending_events < 0:
+            raise ValueError(f"max_pending_events must be >= 0, got {max_pending_events}")
         self.allocator = allocator
         self.block_size = block_size
         self._uids = itertools.count(1)
         self._root = _Node(0, None, (), [], [])
-        self._node_of: dict[int, _Node] = {}     # owned block id -> its node
+        # owned block id -> its node (None: not cached), indexed like the allocator's ids
+        self._node_of: list[_Node | None] = [None] * allocator.num_blocks
+        self._num_cached = 0
         self._pins: dict[int, int] = {}
         self._leaves: set[_Node] = set()
         self._num_evictable = 0
@@ -203,11 +207,11 @@ class RadixCache:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._node_of)
+        return self._num_cached
 
     @property
     def num_cached_tokens(self) -> int:
-        return len(self._node_of) * self.block_size
+        return self._num_cached * self.block_size
 
     @property
     def num_evictable(self) -> int:
@@ -232,7 +236,7 @@ class RadixCache:
         return self.tokens_hit / self.tokens_asked if self.tokens_asked else 0.0
 
     def is_cached(self, block_id: int) -> bool:
-        return block_id in self._node_of
+        return self._owner(block_id) is not None
 
     def is_pinned(self, block_id: int) -> bool:
         return self._pins.get(block_id, 0) > 0
@@ -367,11 +371,18 @@ class RadixCache:
                              f"{first_block - 1} of these tokens")
         return hashes[first_block:]
 
-    def insert_finished(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
+    def insert_finished(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                        hashes: Sequence[int] | None = None) -> InsertResult:
         """A request finished: cache its full blocks (prompt + generated tokens with KV), then
         drop its references on all of ``block_ids`` (its locked prefix included). Duplicates and
-        the partial last block become free; the tree keeps what it adopted."""
-        hashes, adopted, duplicates = self._insert(tuple(token_ids), block_ids)
+        the partial last block become free; the tree keeps what it adopted.
+
+        ``hashes``: the chained hashes of ``token_ids``' full blocks (``chained_hashes``; more
+        trailing ones are ignored) when the caller keeps them, e.g. per conversation: the tree
+        then names its new blocks with them instead of hashing again. Only the last new block's
+        hash is checked against its tokens (a misaligned list fails; a wrong value further up
+        would only mislead a view of this cache, never a match, which compares tokens)."""
+        hashes, adopted, duplicates = self._insert(tuple(token_ids), block_ids, hashes)
         freed = self.release(block_ids)
         return InsertResult(tuple(hashes), tuple(adopted), tuple(duplicates), tuple(freed))
 
@@ -409,14 +420,18 @@ class RadixCache:
             del node.blocks[-k:], node.hashes[-k:]
             node_of = self._node_of
             for b in gone:
-                del node_of[b]
+                node_of[b] = None
+            self._num_cached -= len(gone)
             self._note_all(hashes, False)
             got = self.allocator.decref_unchecked(gone)     # the tree's own ids
             if got != gone:
                 raise AssertionError(f"evicted blocks {sorted(set(gone) - set(got))} were "
                                      f"still referenced")
             freed += gone
-            node.tokens = node.tokens[:len(node.blocks) * self.block_size]
+            if node.blocks:
+                node.tokens = node.tokens[:len(node.blocks) * self.block_size]
+            else:
+                node.tokens = ()
             self._refresh(node)                      # re-enters the heap if still evictable
             if not node.blocks:
                 self._offer_leaf(self._detach(node, key))
@@ -476,6 +491,8 @@ class RadixCache:
     def _note_all(self, hashes: list[int], present: bool) -> None:
         """Log that these prefixes were inserted (``present``) or evicted, in order."""
         pending, cap = self._pending, self.max_pending_events
+        if not cap:
+            return                 # no log kept (see __init__)
         for h in hashes:
             pending.pop(h, None)   # re-append: drain order follows the latest change
             pending[h] = present
@@ -524,10 +541,12 @@ class RadixCache:
             return locked_below
 
         visit(self._root, 0)
-        assert seen == self._node_of, "block -> node index is stale"
+        assert seen == {b: n for b, n in enumerate(self._node_of) if n is not None}, \
+            "block -> node index is stale"
+        assert self._num_cached == len(seen), "cached block count is stale"
         assert total_evictable == self._num_evictable, "evictable total is stale"
         assert leaves == self._leaves, "leaf set is stale"
-        assert all(b in self._node_of for b in self._pins), "pin on an uncached block"
+        assert all(self._owner(b) is not None for b in self._pins), "pin on an uncached block"
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -566,13 +585,15 @@ class RadixCache:
             node = child
         return path
 
-    def _insert(self, tokens: tuple[int, ...],
-                block_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    def _insert(self, tokens: tuple[int, ...], block_ids: Sequence[int],
+                known: Sequence[int] | None = None) -> tuple[list[int], list[int], list[int]]:
         bs = self.block_size
         full = len(tokens) // bs
         if full > len(block_ids):
             raise ValueError(f"{full} full blocks of tokens but the block table has "
                              f"{len(block_ids)}")
+        if known is not None and len(known) < full:
+            raise ValueError(f"{len(known)} hashes for {full} full blocks of tokens")
         path = self._walk(tokens, full)
         hashes: list[int] = []
         duplicates: list[int] = []
@@ -584,7 +605,7 @@ class RadixCache:
             if mine != (node.blocks if m == len(node.blocks) else node.blocks[:m]):
                 duplicates += [b for b, own in zip(mine, node.blocks, strict=False) if b != own]
             i += m
-        new = [int(b) for b in ids[i:full]]
+        new = [int(b) for b in ids[i:full]]      # (plain ints from here on)
         if not new:
             if path:
                 self._touch_path(path[-1][0])
@@ -592,30 +613,41 @@ class RadixCache:
         if len(set(new)) != len(new):
             raise ValueError(f"block table repeats a block id: {new}")
         rc = self._rc
-        if (not self._node_of.keys().isdisjoint(new) or not self.allocator.plain_ids(new)
+        node_of = self._node_of
+        if (min(new) < 0 or max(new) >= len(rc) or any(map(node_of.__getitem__, new))
                 or min(map(rc.__getitem__, new)) == 0):
             for b in new:                     # find the offending block, in order
-                if b in self._node_of:
+                count = self.allocator.refcount(b)      # (raises for an id out of range)
+                if node_of[b] is not None:
                     raise ValueError(f"block {b} is already cached for another prefix")
-                if self.allocator.refcount(b) == 0:
+                if count == 0:
                     raise ValueError(f"cannot cache free block {b}")
+        if known is None:
+            new_hashes = chained_hashes(tokens[i * bs:full * bs], bs, hashes[-1] if hashes else 0)
+        else:
+            new_hashes = list(known[i:full])
+            before = known[full - 2] if full > 1 else 0
+            if chained_hashes(tokens[(full - 1) * bs:full * bs], bs, before) != new_hashes[-1:]:
+                raise ValueError("the given hashes are not the chained hashes of these tokens")
         # from here on every id in `new` is a plain, valid, referenced int
         parent = self._root
         if path:  # split only when something hangs below the match point
             last, m = path[-1]
             parent = self._split(last, m) if m < len(last.blocks) else last
-        new_hashes = chained_hashes(tokens[i * bs:full * bs], bs, hashes[-1] if hashes else 0)
         self.allocator.incref_unchecked(new)  # the tree's own reference (checked above)
         leaf = _Node(next(self._uids), parent, tokens[i * bs:full * bs], new, new_hashes)
         parent.children[leaf.tokens[:bs]] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
-        self._node_of.update(dict.fromkeys(new, leaf))
+        for b in new:
+            node_of[b] = leaf
+        self._num_cached += len(new)
         self._note_all(new_hashes, True)
         self.num_inserted += len(new)
         self._touch_path(leaf)
         self._recount(leaf)          # after the touch: its heap entry gets the new mark
-        return hashes + new_hashes, new, duplicates
+        hashes += new_hashes
+        return hashes, new, duplicates
 
     def _split(self, node: _Node, m: int) -> _Node:
         """Cut ``node`` after its first ``m`` blocks; returns the new upper node."""
@@ -658,6 +690,13 @@ class RadixCache:
         if not parent.children and parent is not self._root:
             self._leaves.add(parent)
         return parent
+
+    def _owner(self, block_id: object) -> _Node | None:
+        """The node owning a block id, None when it is not cached (or not a block id at all:
+        for ids a caller passed in, unchecked)."""
+        if type(block_id) is int and 0 <= block_id < len(self._node_of):
+            return self._node_of[block_id]
+        return None
 
     def _locked(self, block_id: int) -> bool:
         return self.allocator.refcount(block_id) > 1 or self._pins.get(block_id, 0) > 0
@@ -728,7 +767,8 @@ class RadixCache:
     def _nodes(self, block_ids: Iterable[int]) -> list[_Node]:
         """The distinct nodes owning the given (cached) blocks, in first-seen order."""
         # a node's blocks come in runs: group at C speed, then dedupe the (few) runs
-        runs = [x for x, _ in groupby(map(self._node_of.get, block_ids)) if x is not None]
+        runs = [x for x, _ in groupby(map(self._node_of.__getitem__, block_ids))
+                if x is not None]
         return list(dict.fromkeys(runs)) if len(runs) > 1 else runs
 
     def _chain(self, node: _Node) -> list[_Node]:
@@ -804,7 +844,7 @@ class RadixCache:
         """(node, number of the given blocks in it) for cached blocks, in first-seen order."""
         out: dict[_Node, int] = {}
         for b in block_ids:
-            node = self._node_of.get(b)
+            node = self._owner(b)
             if node is not None:
                 out[node] = out.get(node, 0) + 1
         return list(out.items())
@@ -821,7 +861,7 @@ class RadixCache:
         i = 0
         nodes = []
         while i < len(ids):
-            node = self._node_of.get(ids[i])
+            node = self._owner(ids[i])
             k = min(len(node.blocks), len(ids) - i) if node is not None else 0
             if (node is None or node.blocks[:k] != ids[i:i + k]
                     or node.hashes[:k] != hashes[i:i + k]):

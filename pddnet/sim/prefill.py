@@ -103,9 +103,8 @@ class PrefillInstance:
             blocks = cost.kv_capacity_tokens() // (block_units * tokens_per_unit)
             if blocks < 1:
                 raise ValueError(f"{name}: no room for a single KV block")
-            # Nobody reads P's cache events (only MD's feed P's view): keep the log at one
-            # entry instead of filling 64K entries per P before it resets (memory only).
-            self.cache = RadixCache(BlockAllocator(blocks), block_units, max_pending_events=1)
+            # Nobody reads P's cache events (only MD's feed P's view): keep no log at all.
+            self.cache = RadixCache(BlockAllocator(blocks), block_units, max_pending_events=0)
         self.queue: deque[tuple[Any, Progress]] = deque()
         self.running: list[_Running] = []
         self.busy = False
@@ -209,7 +208,8 @@ class PrefillInstance:
                 continue
             if self.cache is not None:
                 if r.table is not None:
-                    self.cache.insert_finished(r.state.req.units, r.table)
+                    self.cache.insert_finished(r.state.req.units, r.table,
+                                                 r.state.prompt_hashes)
                 else:
                     self.cache.unlock(r.handle)
             r.on_progress(r.state, r.pos, now, True)
@@ -232,7 +232,8 @@ class PrefillInstance:
             if done:
                 if self.cache is not None:
                     if r.table is not None:
-                        self.cache.insert_finished(r.state.req.units, r.table)
+                        self.cache.insert_finished(r.state.req.units, r.table,
+                                                 r.state.prompt_hashes)
                     else:
                         self.cache.unlock(r.handle)
                 finished.append(r)

@@ -58,7 +58,7 @@ class ReqState:
                  "handle", "prediction", "md_hit", "p_hit", "p_progress", "prefill_done",
                  "prefill_start", "last_chunk_tokens", "alloc_sent", "md_member", "rld_member",
                  "mode", "sent_ids", "rld_started", "takeover_pending", "md_allocated",
-                 "kv_at_md", "rld_done", "wan_bytes", "p_estimate")
+                 "kv_at_md", "rld_done", "wan_bytes", "p_estimate", "prompt_hashes")
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
@@ -93,6 +93,8 @@ class ReqState:
         self.rld_done = False
         self.wan_bytes = 0
         self.p_estimate = 0.0
+        # chained hashes of the prompt's full blocks (set on arrival when a cache uses them)
+        self.prompt_hashes: list[int] | None = None
 
 
 class DecodeSide:
@@ -165,6 +167,7 @@ class SimulatedSystem:
                                   self.use_drc)
                        for i in range(dep.decode.instances)]
         self.views = [DecodeCacheView(max_hashes=max(1024, blocks)) for _ in self.decode]
+        self._hashing = e.p_prefix_cache or self.use_drc    # a cache names blocks by hashes
         self.relay: list[DecodeInstance] = []
         self.admission: list[RelayAdmission] = []
         if self.use_rld:
@@ -248,6 +251,8 @@ class SimulatedSystem:
         self.last_arrival = now
         st.p, st.p_estimate = self._route_prefill(req)
         st.md_idx = self._route_decode(req.conversation)
+        if self._hashing:
+            st.prompt_hashes = self._hashes_for(req.conversation, req.units)
         self._p_backlog[st.p] += st.p_estimate
         self._d_load[st.md_idx] += 1
         if not self.cross:
@@ -272,8 +277,9 @@ class SimulatedSystem:
         planner.observe_rld_step(self.relay[r].step_time_estimate(req.prompt_tokens))
         if self.use_drc:
             # predicted from the hashes kept per conversation (the view counts in units)
+            assert st.prompt_hashes is not None, "use_drc: hashed on arrival"
             st.prediction = planner.view.predict_from_hashes(
-                len(req.units), self._prompt_hashes(req), self.block_units)
+                len(req.units), st.prompt_hashes, self.block_units)
             plan = planner.plan_predicted(
                 req.prompt_tokens, st.prediction, req.output_tokens,
                 hit_tokens=min(st.prediction.hit_tokens * self.q, req.prompt_tokens))
@@ -307,21 +313,28 @@ class SimulatedSystem:
                 backlog=self.wan_backlogs[p])
         return planner
 
-    def _prompt_hashes(self, req: SimRequest) -> list[int]:
-        """Chained hashes of the prompt's full blocks (MD's block size), extending the ones of
-        the conversation's previous prompt when this one starts with it."""
-        units, bs = req.units, self.block_units
-        conv = req.conversation
+    def _hashes_for(self, conv: int, units: tuple[int, ...], remember: bool = True) -> list[int]:
+        """Chained hashes of the full blocks of ``units`` (the caches' block size), extending
+        the ones kept for the conversation when ``units`` starts with what they hashed; with
+        ``remember``, kept for its next turn. Lists handed out are only ever appended to, so a
+        holder's first hashes stay valid. (Besides hashing once, not three times, this gives
+        P's and MD's trees and P's view the same hash objects: dict lookups of equal keys then
+        stop at identity instead of comparing two ints far apart in memory.)"""
+        bs = self.block_units
         memo = self._hash_memo
-        known = memo.pop(conv, None) if conv >= 0 else None
+        known = (memo.pop(conv, None) if remember else memo.get(conv)) if conv >= 0 else None
         if known is not None and len(units) >= len(known[0]) and \
                 units[:len(known[0])] == known[0]:
             hashes = known[1]
             done = len(hashes)
-            hashes += chained_hashes(units[done * bs:], bs, hashes[-1] if done else 0)
+            more = chained_hashes(units[done * bs:], bs, hashes[-1] if done else 0)
+            if remember:
+                hashes += more
+            else:
+                hashes = hashes + more
         else:
             hashes = chained_hashes(units, bs)
-        if conv >= 0:
+        if conv >= 0 and remember:
             memo[conv] = (units, hashes)
             if len(memo) > HASH_MEMO_CONVERSATIONS:
                 memo.popitem(last=False)
@@ -427,7 +440,9 @@ class SimulatedSystem:
         table = st.table
         assert table is not None, "an allocated request has its block table"
         if keep and side.use_cache:
-            side.cache.insert_finished(req.units + req.output_units[:-1], table)
+            with_kv = req.units + req.output_units[:-1]
+            side.cache.insert_finished(with_kv, table,
+                                       self._hashes_for(req.conversation, with_kv, False))
         else:
             side.cache.release(table)
         st.table = None
