@@ -11,10 +11,25 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from itertools import repeat
+from typing import Any
 
 from pddnet.kv.errors import OutOfBlocks
 
 __all__ = ["BlockAllocator", "OutOfBlocks"]
+
+# Block id n is the same int object in every allocator of the process. Ids above 256 are heap
+# objects, and every list of ids (block tables, tree nodes, the free list) touches them: a
+# simulation holding a hundred allocators then reads one small set of them, which stays in the
+# CPU's caches, instead of a separate copy per allocator (speed only; ids compare by value).
+# Compiled with mypyc, an id held in an ``int`` variable is unboxed, and storing it boxes a NEW
+# object: so the loops below that move ids between lists hold them as ``Any`` (the object).
+_SHARED_IDS: list[int] = []
+
+
+def _ids(n: int) -> list[int]:
+    if len(_SHARED_IDS) < n:
+        _SHARED_IDS.extend(range(len(_SHARED_IDS), n))
+    return _SHARED_IDS[:n]
 
 
 class BlockAllocator:
@@ -27,7 +42,7 @@ class BlockAllocator:
         self._refcount = [0] * num_blocks
         # FIFO reuse: a block freed late is reused late, which keeps recently freed contents
         # around a little longer (useful when debugging; correctness never depends on it).
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(_ids(num_blocks))
 
     @property
     def num_free(self) -> int:
@@ -50,9 +65,11 @@ class BlockAllocator:
             raise ValueError(f"cannot allocate {n!r} blocks")
         if n > len(self._free):
             raise OutOfBlocks(n, len(self._free), self.num_blocks)
-        blocks = [self._free.popleft() for _ in range(n)]
+        free: Any = self._free
+        blocks: list[Any] = [free.popleft() for _ in range(n)]
+        rc = self._refcount
         for b in blocks:
-            self._refcount[b] = 1
+            rc[b] = 1
         return blocks
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -103,8 +120,9 @@ class BlockAllocator:
         checked path raises), so a rejected call still changes nothing."""
         rc = self._refcount
         free = self._free
-        freed: list[int] = []
-        for k, b in enumerate(ids):
+        freed: list[Any] = []
+        objs: list[Any] = ids
+        for k, b in enumerate(objs):
             c = rc[b] - 1
             if c < 0:
                 for u in reversed(ids[:k]):     # newest first: a freed id is the free tail
@@ -131,10 +149,12 @@ class BlockAllocator:
         int, referenced at least as often as it appears here); returns the freed ids."""
         rc = self._refcount
         free = self._free
-        freed = []
-        for b in block_ids:
-            rc[b] -= 1
-            if not rc[b]:
+        freed: list[Any] = []
+        objs: list[Any] = block_ids
+        for b in objs:
+            c = rc[b] - 1
+            rc[b] = c
+            if not c:
                 free.append(b)
                 freed.append(b)
         return freed

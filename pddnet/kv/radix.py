@@ -605,7 +605,9 @@ class RadixCache:
             if mine != (node.blocks if m == len(node.blocks) else node.blocks[:m]):
                 duplicates += [b for b, own in zip(mine, node.blocks, strict=False) if b != own]
             i += m
-        new = [int(b) for b in ids[i:full]]      # (plain ints from here on)
+        new = ids[i:full]
+        if set(map(type, new)) - {int}:
+            new = [int(b) for b in new]          # int subclasses stored as plain ints
         if not new:
             if path:
                 self._touch_path(path[-1][0])
