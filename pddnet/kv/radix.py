@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
-from typing import NamedTuple
+from itertools import compress, groupby
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -59,8 +60,8 @@ def chained_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int =
         return []
     step = 8 * block_size
     buf = struct.pack(f"<{full * block_size}q", *token_ids[:full * block_size])
-    out = []
-    h = parent_hash
+    out: list[Any] = []
+    h: Any = parent_hash           # (Any: compiled, an int variable would re-box each hash)
     pack = _PARENT.pack
     for off in range(0, full * step, step):
         h = _digest(pack(h) + buf[off:off + step])
@@ -465,13 +466,19 @@ class RadixCache:
             return None
         if max_hashes < 1:
             raise ValueError(f"max_hashes must be >= 1, got {max_hashes}")
-        batch = list(itertools.islice(self._pending.items(), max_hashes))
-        for h, _ in batch:
-            del self._pending[h]
+        pending = self._pending
+        if len(pending) <= max_hashes:
+            hashes: list[Any] = list(pending)
+            flags = list(pending.values())
+            pending.clear()
+        else:
+            hashes = list(itertools.islice(pending, max_hashes))
+            flags = [pending.pop(h) for h in hashes]
         seq = self._event_seq
         self._event_seq += 1
-        return CacheEventBatch(seq, self.block_size, tuple(h for h, present in batch if present),
-                               tuple(h for h, present in batch if not present))
+        # (C-level selection: the hash objects themselves, not re-boxed copies)
+        return CacheEventBatch(seq, self.block_size, tuple(compress(hashes, flags)),
+                               tuple(compress(hashes, map(operator.not_, flags))))
 
     @property
     def next_event_seq(self) -> int:
@@ -493,7 +500,8 @@ class RadixCache:
         pending, cap = self._pending, self.max_pending_events
         if not cap:
             return                 # no log kept (see __init__)
-        for h in hashes:
+        objs: list[Any] = hashes   # (Any: compiled, an int variable would re-box each hash)
+        for h in objs:
             pending.pop(h, None)   # re-append: drain order follows the latest change
             pending[h] = present
             if len(pending) > cap:
