@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 
 import pytest
@@ -13,6 +14,7 @@ from pddnet.bench.agent_workload import (
     hit_distribution,
     ideal_hit_ratios,
     token_weighted_hit,
+    uniform_ids,
 )
 from pddnet.kv.radix import HIT_INTERVAL_LABELS
 
@@ -91,3 +93,11 @@ def test_bad_parameters_are_refused():
         AgentWorkloadParams(output_len=(5, 2))
     with pytest.raises(ValueError, match="no hit ratios"):
         hit_distribution([])
+
+
+def test_uniform_ids_are_the_draws_of_random_choices() -> None:
+    for vocab in (1, 7, 32000, 1 << 40):
+        a, b = random.Random(vocab), random.Random(vocab)
+        for k in (0, 1, 5, 300):
+            assert uniform_ids(a, vocab, k) == tuple(b.choices(range(vocab), k=k))
+        assert a.random() == b.random()            # the generators stayed in step

@@ -94,6 +94,56 @@ def test_match_and_lock_is_match_prefix_then_lock(seed: int) -> None:
     assert slow.drain_events() == fast.drain_events()
 
 
+class _ReleaseAfterInsert(RadixCache):
+    """insert_finished dropping the request's references the general way."""
+
+    def _release_inserted(self, ids: list[int], owners: list, unchecked: list[int]) -> list[int]:
+        return self.release(ids)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_insert_finished_releases_as_release_does(seed: int) -> None:
+    """Requests that locked a cached prefix, or did not (their copies are duplicates), with
+    partial tails, splits and evictions between them: the same results and the same state."""
+    rng = random.Random(seed)
+    slow, fast = _ReleaseAfterInsert(BlockAllocator(40), 2), RadixCache(BlockAllocator(40), 2)
+    live: list[tuple[list[int], list[int], list[int]]] = []
+    for _ in range(60):
+        if live and (rng.random() < 0.5 or len(live) > 3):
+            p, t1, t2 = live.pop(rng.randrange(len(live)))
+            out = p + [rng.randrange(3) for _ in range(rng.randrange(0, 3))]
+            r1, r2 = slow.insert_finished(out, t1), fast.insert_finished(out, t2)
+            assert r1 == r2
+        else:
+            p = [rng.randrange(3) for _ in range(rng.randrange(2, 12))]
+            need = -(-(len(p) + 2) // 2)
+            lock = rng.random() < 0.7
+            upto = rng.randrange((len(p) - 1) // 2 + 1)       # may lock less than it could
+            tables = []
+            for c in (slow, fast):
+                hit: tuple[int, ...] = ()
+                if lock:
+                    hit = c.match_and_lock(p, max_blocks=upto).block_ids
+                if c.num_available < need - len(hit):
+                    tables = []
+                    if hit:
+                        c.release(list(hit))
+                    continue
+                tables.append(list(hit) + c.allocate(need - len(hit)))
+            if len(tables) == 2:
+                assert tables[0] == tables[1]
+                live.append((p, tables[0], tables[1]))
+        for c in (slow, fast):
+            c.check_invariants()
+        assert slow.num_evictable == fast.num_evictable
+        assert slow.drain_events() == fast.drain_events()
+    for _p, t1, t2 in live:
+        slow.release(t1)
+        fast.release(t2)
+    assert slow.evict(1000) == fast.evict(1000)
+    assert slow.drain_events() == fast.drain_events()
+
+
 def test_rejected_allocator_calls_change_nothing() -> None:
     a = BlockAllocator(6)
     x = a.allocate(3)

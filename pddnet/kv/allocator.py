@@ -104,6 +104,13 @@ class BlockAllocator:
                 freed.append(b)
         return freed
 
+    def decref_plain(self, ids: list[int]) -> list[int]:
+        """``decref`` of ids the caller knows are plain ints in range (a cache's own, or ones
+        it checked): only the counts are checked -- none may go below zero, or it raises as
+        ``decref`` does, changing nothing."""
+        freed = self._decref_or_undo(ids)
+        return freed if freed is not None else self.decref(ids)
+
     def _incref_or_undo(self, ids: list[int]) -> bool:
         """incref valid ids; on a free one, undo and return False (the checked path raises)."""
         rc = self._refcount

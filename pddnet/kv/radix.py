@@ -364,7 +364,7 @@ class RadixCache:
         full = len(tokens) // self.block_size
         if not 0 <= first_block <= full:
             raise ValueError(f"first_block {first_block} outside 0..{full} full blocks")
-        hashes, _, _ = self._insert(tokens, block_ids)
+        hashes, _, _, _ = self._insert(tokens, block_ids)
         # The insertion itself is driven by the tokens (walked from the root), so it is right
         # even when this check fails; the check catches a caller whose hash chain is broken.
         if first_block and hashes[first_block - 1] != parent_hash:
@@ -383,9 +383,25 @@ class RadixCache:
         then names its new blocks with them instead of hashing again. Only the last new block's
         hash is checked against its tokens (a misaligned list fails; a wrong value further up
         would only mislead a view of this cache, never a match, which compares tokens)."""
-        hashes, adopted, duplicates = self._insert(tuple(token_ids), block_ids, hashes)
-        freed = self.release(block_ids)
+        tokens = tuple(token_ids)
+        ids = list(block_ids)
+        hashes, adopted, duplicates, owners = self._insert(tokens, ids, hashes)
+        unchecked = duplicates + ids[len(tokens) // self.block_size:]
+        freed = self._release_inserted(ids, owners, unchecked)
         return InsertResult(tuple(hashes), tuple(adopted), tuple(duplicates), tuple(freed))
+
+    def _release_inserted(self, ids: list[int], owners: list[_Node],
+                          unchecked: list[int]) -> list[int]:
+        """``release(ids)`` right after ``_insert`` of them. That walk found the nodes holding
+        any of them (``owners``, in the order ``_nodes(ids)`` gives) and checked every id but
+        the duplicates and the partial tail (``unchecked``), so only those are checked here.
+        (tests/test_sim_scale.py compares it with ``release``.)"""
+        alloc = self.allocator
+        freed = alloc.decref_plain(ids) if alloc.plain_ids(unchecked) else alloc.decref(ids)
+        if owners:
+            chain = self._touch_paths(owners)
+            self._relock_nodes(owners, chain=chain)
+        return freed
 
     def release(self, block_ids: Sequence[int]) -> list[int]:
         """Drop one reference per block (a request finishing); returns blocks that became free.
@@ -594,7 +610,11 @@ class RadixCache:
         return path
 
     def _insert(self, tokens: tuple[int, ...], block_ids: Sequence[int],
-                known: Sequence[int] | None = None) -> tuple[list[int], list[int], list[int]]:
+                known: Sequence[int] | None = None
+                ) -> tuple[list[int], list[int], list[int], list[_Node]]:
+        """Insert the full blocks of ``tokens``; returns their hashes, the ids adopted, the
+        duplicates (ids whose prefix the tree held under other ids) and the nodes now holding
+        any of ``block_ids`` (matched ones and the new leaf, in table order)."""
         bs = self.block_size
         full = len(tokens) // bs
         if full > len(block_ids):
@@ -606,12 +626,18 @@ class RadixCache:
         hashes: list[int] = []
         duplicates: list[int] = []
         ids = block_ids if type(block_ids) is list else list(block_ids)
+        owners: list[_Node] = []
         i = 0
         for node, m in path:
             hashes += node.hashes[:m]
             mine = ids[i:i + m]
-            if mine != (node.blocks if m == len(node.blocks) else node.blocks[:m]):
-                duplicates += [b for b, own in zip(mine, node.blocks, strict=False) if b != own]
+            if mine == (node.blocks if m == len(node.blocks) else node.blocks[:m]):
+                owners.append(node)
+            else:
+                dup = [b for b, own in zip(mine, node.blocks, strict=False) if b != own]
+                if len(dup) < m:
+                    owners.append(node)      # holds the ones that are not duplicates
+                duplicates += dup
             i += m
         new = ids[i:full]
         if set(map(type, new)) - {int}:
@@ -619,7 +645,7 @@ class RadixCache:
         if not new:
             if path:
                 self._touch_path(path[-1][0])
-            return hashes, [], duplicates
+            return hashes, [], duplicates, owners
         if len(set(new)) != len(new):
             raise ValueError(f"block table repeats a block id: {new}")
         rc = self._rc
@@ -643,7 +669,12 @@ class RadixCache:
         parent = self._root
         if path:  # split only when something hangs below the match point
             last, m = path[-1]
-            parent = self._split(last, m) if m < len(last.blocks) else last
+            if m < len(last.blocks):
+                parent = self._split(last, m)
+                if owners and owners[-1] is last:
+                    owners[-1] = parent          # the matched blocks moved up into it
+            else:
+                parent = last
         self.allocator.incref_unchecked(new)  # the tree's own reference (checked above)
         leaf = _Node(next(self._uids), parent, tokens[i * bs:full * bs], new, new_hashes)
         parent.children[leaf.tokens[:bs]] = leaf
@@ -657,7 +688,8 @@ class RadixCache:
         self._touch_path(leaf)
         self._recount(leaf)          # after the touch: its heap entry gets the new mark
         hashes += new_hashes
-        return hashes, new, duplicates
+        owners.append(leaf)
+        return hashes, new, duplicates, owners
 
     def _split(self, node: _Node, m: int) -> _Node:
         """Cut ``node`` after its first ``m`` blocks; returns the new upper node."""
