@@ -114,12 +114,20 @@ def test_memory_is_bounded_by_an_lru_cap():
     view.apply(CacheEvents(seq=0, block_size=BS, inserted=tuple(block_hashes(hot, BS)),
                            evicted=()))
     for i in range(1, 6):
-        view.predict(hot + [0])                        # keeps the hot chain recent
+        # MD's answers that it matched the hot chain keep it recent
+        view.observe(view.predict(hot + [0]), 16)
         cold = [100 + i] * 8
         view.apply(CacheEvents(seq=i, block_size=BS, inserted=tuple(block_hashes(cold, BS)),
                                evicted=()))
     assert len(view) == 10 and view.dropped_by_cap == 4
     assert view.predict(hot + [0]).hit_tokens == 16
+    # predictions alone (requests that never reached MD) do not: MD did not touch the chain
+    for i in range(6, 9):
+        view.predict(hot + [0])
+        cold = [100 + i] * 8
+        view.apply(CacheEvents(seq=i, block_size=BS, inserted=tuple(block_hashes(cold, BS)),
+                               evicted=()))
+    assert view.predict(hot + [0]).hit_tokens == 0      # its head was the oldest: dropped
 
 
 def test_block_size_change_resets_the_view():

@@ -194,8 +194,8 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
 def test_view_keeps_the_lru_order_of_setting_each_hash_newest(
         start: list[int], batches: list[tuple[str, list[int]]], cap: int) -> None:
     """DecodeCacheView (use stamps, oldest found from a heap when the cap is passed) against
-    its definition: each hash added or predicted becomes the newest entry in turn (repeats
-    included), evicted ones leave, and past the cap the oldest go."""
+    its definition: each hash added becomes the newest entry in turn (repeats included),
+    evicted ones leave, predictions change nothing, and past the cap the oldest go."""
     view = DecodeCacheView(block_size=1, max_hashes=cap)
     ref: dict[int, None] = {}
     dropped = 0
@@ -205,9 +205,11 @@ def test_view_keeps_the_lru_order_of_setting_each_hash_newest(
             for h in batch:
                 ref.pop(h, None)
             continue
-        if kind == "predict":
-            view.predict_from_hashes(len(batch), batch, 1)   # the hit: its leading known run
-            batch = list(itertools.takewhile(ref.__contains__, batch[:len(batch) - 1]))
+        if kind == "predict":                                  # a pure query: no change
+            pred = view.predict_from_hashes(len(batch), batch, 1)
+            hit = list(itertools.takewhile(ref.__contains__, batch[:len(batch) - 1]))
+            assert pred.hit_tokens == len(hit)
+            batch = []
         else:
             view._add(batch)
         for h in batch:

@@ -12,8 +12,11 @@ The view is only advice. MD's KV_ALLOC_RESPONSE is authoritative: P sends whatev
 limit, not the next one -- hence nothing deeper in that chain either).
 
 Memory is bounded: at most ``max_hashes`` hashes, least recently used dropped first (a dropped
-hash only makes the estimate lower; the next answer teaches it back). Recency is a counter
-stamped on each hash as it is used, not a reordered list: a view holds about what MD holds, so
+hash only makes the estimate lower; the next answer teaches it back). "Used" is what MD did, as
+MD's own LRU sees it: a notice's inserts, and the prefix an answer says MD matched (and so
+touched). A prediction is a pure query: it does not refresh anything (a request that RLD
+finishes alone never reaches MD, so MD's tree does not see it either). Recency is a counter
+stamped on each hash, not a reordered list: a view holds about what MD holds, so
 the cap is seldom reached, and stamping a hash costs a dict store where relinking it cost a
 list splice in a dict of 10^5 entries (the simulator's largest single cost). The oldest are
 found, when the cap is passed, from a heap of the stamps built then and used until it runs out.
@@ -155,7 +158,8 @@ class DecodeCacheView:
 
     def predict(self, prompt_token_ids: Sequence[int],
                 max_blocks: int | None = None) -> HitPrediction:
-        """Estimated MD hit for a prompt: its longest leading chain of known hashes.
+        """Estimated MD hit for a prompt: its longest leading chain of known hashes. A pure
+        query: the view does not change (``observe`` with MD's answer marks what MD touched).
 
         ``max_blocks`` defaults to MD's rule in ``Engine.reserve_kv``: never the block holding
         the prompt's last token (MD must compute that token itself for its logits)."""
@@ -188,11 +192,9 @@ class DecodeCacheView:
     def _predict(self, n: int, hashes: tuple[int, ...]) -> HitPrediction:
         bs = self.block_size
         assert bs is not None, "callers adopted a block size first"
-        known = self._hashes
-        # the leading run of known hashes, each marked recently used (C-speed loops)
-        hit = list(takewhile(known.__contains__, hashes))
-        self._stamp(hit)
-        return HitPrediction(n, len(hit) * bs, hashes, bs, self.stale)
+        # the leading run of known hashes (a C-speed loop); nothing is marked used
+        hit = len(list(takewhile(self._hashes.__contains__, hashes)))
+        return HitPrediction(n, hit * bs, hashes, bs, self.stale)
 
     def observe(self, prediction: HitPrediction, actual_hit_tokens: int,
                 block_size: int | None = None) -> Observation:
