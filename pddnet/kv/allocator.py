@@ -22,7 +22,8 @@ __all__ = ["BlockAllocator", "OutOfBlocks"]
 # simulation holding a hundred allocators then reads one small set of them, which stays in the
 # CPU's caches, instead of a separate copy per allocator (speed only; ids compare by value).
 # Compiled with mypyc, an id held in an ``int`` variable is unboxed, and storing it boxes a NEW
-# object: so the loops below that move ids between lists hold them as ``Any`` (the object).
+# object: so the loops below that move ids between lists store them from an ``Any`` view of the
+# list (the object), while indexing the counts with the typed (fast) value.
 _SHARED_IDS: list[int] = []
 
 
@@ -68,7 +69,8 @@ class BlockAllocator:
         free: Any = self._free
         blocks: list[Any] = [free.popleft() for _ in range(n)]
         rc = self._refcount
-        for b in blocks:
+        ids: list[int] = blocks
+        for b in ids:
             rc[b] = 1
         return blocks
 
@@ -129,7 +131,7 @@ class BlockAllocator:
         free = self._free
         freed: list[Any] = []
         objs: list[Any] = ids
-        for k, b in enumerate(objs):
+        for k, b in enumerate(ids):
             c = rc[b] - 1
             if c < 0:
                 for u in reversed(ids[:k]):     # newest first: a freed id is the free tail
@@ -140,8 +142,8 @@ class BlockAllocator:
                 return None
             rc[b] = c
             if not c:
-                free.append(b)
-                freed.append(b)
+                free.append(objs[k])
+                freed.append(objs[k])
         return freed
 
     def incref_unchecked(self, block_ids: list[int]) -> None:
@@ -158,12 +160,12 @@ class BlockAllocator:
         free = self._free
         freed: list[Any] = []
         objs: list[Any] = block_ids
-        for b in objs:
+        for k, b in enumerate(block_ids):
             c = rc[b] - 1
             rc[b] = c
             if not c:
-                free.append(b)
-                freed.append(b)
+                free.append(objs[k])
+                freed.append(objs[k])
         return freed
 
     def refcounts(self) -> list[int]:
