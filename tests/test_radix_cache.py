@@ -101,6 +101,15 @@ def test_bad_inserts_are_refused_with_clear_errors():
     with pytest.raises(ValueError, match="already cached for another prefix"):
         c.insert([9, 9, 9, 9], table[:1])
     c.check_invariants()
+    # refused part way through the new ids: nothing is left marked or cached
+    more = a.allocate(2)
+    for bad, why in (([more[0], more[1], 10_000], "outside"), ([more[0], -1], "outside"),
+                     ([more[0], more[1], more[0]], "repeats"),
+                     ([more[0], table[0]], "already cached")):
+        with pytest.raises(ValueError, match=why):
+            c.insert_finished([5] * (4 * len(bad)), bad)
+        c.check_invariants()
+        assert not c.is_cached(more[0]) and not c.is_cached(more[1])
 
 
 def test_split_inside_a_locked_deep_node_keeps_the_lock_counts_exact():

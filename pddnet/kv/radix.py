@@ -266,8 +266,12 @@ class RadixCache:
         hashes: list[int] = []
         path = self._walk(tuple(token_ids), self._limit(token_ids, max_blocks))
         for node, m in path:
-            blocks += node.blocks[:m]
-            hashes += node.hashes[:m]
+            if m == len(node.blocks):      # (a whole node: no temporary slice)
+                blocks += node.blocks
+                hashes += node.hashes
+            else:
+                blocks += node.blocks[:m]
+                hashes += node.hashes[:m]
         return PrefixMatch(tuple(blocks), tuple(hashes), self.block_size), path
 
     def match_and_lock(self, token_ids: Sequence[int],
@@ -629,7 +633,7 @@ class RadixCache:
         owners: list[_Node] = []
         i = 0
         for node, m in path:
-            hashes += node.hashes[:m]
+            hashes += node.hashes if m == len(node.hashes) else node.hashes[:m]
             mine = ids[i:i + m]
             if mine == (node.blocks if m == len(node.blocks) else node.blocks[:m]):
                 owners.append(node)
@@ -646,18 +650,6 @@ class RadixCache:
             if path:
                 self._touch_path(path[-1][0])
             return hashes, [], duplicates, owners
-        if len(set(new)) != len(new):
-            raise ValueError(f"block table repeats a block id: {new}")
-        rc = self._rc
-        node_of = self._node_of
-        if (min(new) < 0 or max(new) >= len(rc) or any(map(node_of.__getitem__, new))
-                or min(map(rc.__getitem__, new)) == 0):
-            for b in new:                     # find the offending block, in order
-                count = self.allocator.refcount(b)      # (raises for an id out of range)
-                if node_of[b] is not None:
-                    raise ValueError(f"block {b} is already cached for another prefix")
-                if count == 0:
-                    raise ValueError(f"cannot cache free block {b}")
         if known is None:
             new_hashes = chained_hashes(tokens[i * bs:full * bs], bs, hashes[-1] if hashes else 0)
         else:
@@ -665,6 +657,18 @@ class RadixCache:
             before = known[full - 2] if full > 1 else 0
             if chained_hashes(tokens[(full - 1) * bs:full * bs], bs, before) != new_hashes[-1:]:
                 raise ValueError("the given hashes are not the chained hashes of these tokens")
+        # Check each new id (in range, not cached, referenced, not repeated) in one pass,
+        # marking it as seen; any failure undoes the marks and raises the precise error.
+        rc = self._rc
+        node_of = self._node_of
+        n = len(rc)
+        marker = self._root            # owns no block: marks the ids this pass has seen
+        for k, b in enumerate(new):
+            if b < 0 or b >= n or node_of[b] is not None or rc[b] == 0:
+                for u in new[:k]:
+                    node_of[u] = None
+                self._reject_new(new)
+            node_of[b] = marker
         # from here on every id in `new` is a plain, valid, referenced int
         parent = self._root
         if path:  # split only when something hangs below the match point
@@ -690,6 +694,18 @@ class RadixCache:
         hashes += new_hashes
         owners.append(leaf)
         return hashes, new, duplicates, owners
+
+    def _reject_new(self, new: list[int]) -> None:
+        """Raise the error for the first bad id of ``new`` (ids a finished request brings)."""
+        if len(set(new)) != len(new):
+            raise ValueError(f"block table repeats a block id: {new}")
+        for b in new:
+            count = self.allocator.refcount(b)      # (raises for an id out of range)
+            if self._node_of[b] is not None:
+                raise ValueError(f"block {b} is already cached for another prefix")
+            if count == 0:
+                raise ValueError(f"cannot cache free block {b}")
+        raise AssertionError(f"no bad id in {new}")
 
     def _split(self, node: _Node, m: int) -> _Node:
         """Cut ``node`` after its first ``m`` blocks; returns the new upper node."""
