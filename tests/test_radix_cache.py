@@ -305,10 +305,12 @@ def tiny_engine_pair():
 class RadixMachine(RuleBasedStateMachine):
     """Requests over a small alphabet (so prefixes collide a lot) against a small pool."""
 
+    BS = 2
+
     @initialize()
     def setup(self) -> None:
         self.a = BlockAllocator(24)
-        self.c = RadixCache(self.a, 2)
+        self.c = RadixCache(self.a, self.BS)
         self.live: dict[int, tuple[list[int], list[int]]] = {}   # id -> (tokens, block table)
         self.pins: list = []
         self.next_id = 0
@@ -319,8 +321,8 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=14))
     def start(self, tokens: list[int]) -> None:
-        m = self.c.match_prefix(tokens, max_blocks=(len(tokens) - 1) // 2)
-        need = -(-len(tokens) // 2) - len(m.block_ids)
+        m = self.c.match_prefix(tokens, max_blocks=(len(tokens) - 1) // self.BS)
+        need = -(-len(tokens) // self.BS) - len(m.block_ids)
         before = self.locked_blocks()
         self.c.lock(m.handle)
         if need > self.c.num_available:
@@ -340,7 +342,7 @@ class RadixMachine(RuleBasedStateMachine):
         tokens, table = self.live.pop(rid)
         # the request generated a few tokens into its own blocks (as decode does)
         full = tokens + generated
-        extra = -(-len(full) // 2) - len(table)
+        extra = -(-len(full) // self.BS) - len(table)
         if extra > 0:
             if extra > self.c.num_available:
                 self.c.release(table)
@@ -348,7 +350,7 @@ class RadixMachine(RuleBasedStateMachine):
             table += self.c.allocate(extra)
         res = self.c.insert_finished(full, table)
         got = self.c.match(full)
-        assert got.num_blocks == len(full) // 2, "match after insert misses inserted blocks"
+        assert got.num_blocks == len(full) // self.BS, "match after insert misses inserted blocks"
         for i, b in enumerate(got.block_ids):
             assert b == table[i] or table[i] in res.duplicates
         assert set(res.freed) <= set(table)
@@ -413,6 +415,18 @@ RadixMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=
                                           deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestRadixInvariants = RadixMachine.TestCase
+
+
+class OneTokenBlockMachine(RadixMachine):
+    """The same with one-token blocks (the simulator's units), keyed by the token itself."""
+
+    BS = 1
+
+
+OneTokenBlockMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                                  deadline=None,
+                                                  suppress_health_check=[HealthCheck.too_slow])
+TestRadixInvariantsOneTokenBlocks = OneTokenBlockMachine.TestCase
 
 
 def test_engine_can_run_on_the_radix_cache_and_counts_hits():

@@ -106,7 +106,8 @@ def test_insert_finished_releases_as_release_does(seed: int) -> None:
     """Requests that locked a cached prefix, or did not (their copies are duplicates), with
     partial tails, splits and evictions between them: the same results and the same state."""
     rng = random.Random(seed)
-    slow, fast = _ReleaseAfterInsert(BlockAllocator(40), 2), RadixCache(BlockAllocator(40), 2)
+    bs = 1 + seed % 2                # one-token blocks are keyed by the token itself
+    slow, fast = _ReleaseAfterInsert(BlockAllocator(40), bs), RadixCache(BlockAllocator(40), bs)
     live: list[tuple[list[int], list[int], list[int]]] = []
     for _ in range(60):
         if live and (rng.random() < 0.5 or len(live) > 3):
@@ -116,9 +117,9 @@ def test_insert_finished_releases_as_release_does(seed: int) -> None:
             assert r1 == r2
         else:
             p = [rng.randrange(3) for _ in range(rng.randrange(2, 12))]
-            need = -(-(len(p) + 2) // 2)
+            need = -(-(len(p) + 2) // bs)
             lock = rng.random() < 0.7
-            upto = rng.randrange((len(p) - 1) // 2 + 1)       # may lock less than it could
+            upto = rng.randrange((len(p) - 1) // bs + 1)      # may lock less than it could
             tables = []
             for c in (slow, fast):
                 hit: tuple[int, ...] = ()

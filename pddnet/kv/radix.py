@@ -6,7 +6,8 @@ chained-hash PrefixCache: eviction must free only *leaves* (a block whose descen
 would leave them unreachable yet still holding memory), and the tree makes "leaf" explicit.
 
 Granularity. Only FULL blocks are cached, so every edge spans a whole number of blocks and a node
-splits only at block boundaries. Children are keyed by the tokens of their first block.
+splits only at block boundaries. Children are keyed by the tokens of their first block (by the
+token itself when a block is one token).
 
 Ownership (the same contract as PrefixCache, so the engine can use either):
 - the tree holds ONE allocator reference on every block it owns; a block is owned by one node;
@@ -137,7 +138,7 @@ class _Node:
     tokens: tuple[int, ...]        # edge label: len(blocks) * block_size tokens
     blocks: list[int]
     hashes: list[int]              # chained hash of each block (names the prefix up to it)
-    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    children: dict[object, _Node] = field(default_factory=dict)    # keyed by _key
     last_access: int = 0
     last_locked: int = -1          # index of the deepest locked block here (-1: none)
     locked_below: int = 0          # strict descendants holding a locked block
@@ -147,7 +148,7 @@ class _Node:
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
     def __init__(self, uid: int, parent: _Node | None, tokens: tuple[int, ...], blocks: list[int],
-                 hashes: list[int], children: dict[tuple[int, ...], _Node] | None = None,
+                 hashes: list[int], children: dict[object, _Node] | None = None,
                  last_access: int = 0, last_locked: int = -1, locked_below: int = 0,
                  evictable: int = 0, heap_at: int = -1, heap_epoch: int = 0) -> None:
         self.uid = uid
@@ -434,11 +435,17 @@ class RadixCache:
             if (at != node.last_access or node.children or not node.evictable
                     or node.parent is None):
                 continue  # a stale entry: touched since, no longer a leaf or not evictable
-            key = node.tokens[:self.block_size]
+            key = self._key(node.tokens)
             k = min(n - len(freed), node.evictable)
             # the node's k tail blocks, tail first (the order they are noted and freed in)
-            gone, hashes = node.blocks[:-k - 1:-1], node.hashes[:-k - 1:-1]
-            del node.blocks[-k:], node.hashes[-k:]
+            if k == len(node.blocks):        # all of them: reversed in place, not copied
+                gone, hashes = node.blocks, node.hashes
+                gone.reverse()
+                hashes.reverse()
+                node.blocks, node.hashes = [], []
+            else:
+                gone, hashes = node.blocks[:-k - 1:-1], node.hashes[:-k - 1:-1]
+                del node.blocks[-k:], node.hashes[-k:]
             node_of = self._node_of
             for b in gone:
                 node_of[b] = None
@@ -546,7 +553,7 @@ class RadixCache:
             for key, child in node.children.items():
                 assert child.parent is node, "child's parent link is wrong"
                 assert child.blocks, "empty non-root node"
-                assert key == child.tokens[:bs], "child keyed by the wrong tokens"
+                assert key == self._key(child.tokens), "child keyed by the wrong tokens"
                 assert len(child.tokens) == len(child.blocks) * bs == len(child.hashes) * bs
                 h = parent_hash if node is not self._root else 0
                 h = node.hashes[-1] if node.hashes else h
@@ -588,7 +595,7 @@ class RadixCache:
         path: list[tuple[_Node, int]] = []
         node, i = self._root, 0
         while i < limit:
-            child = node.children.get(tokens[i * bs:(i + 1) * bs])
+            child = node.children.get(tokens[i] if bs == 1 else tokens[i * bs:(i + 1) * bs])
             if child is None:
                 break
             nb = len(child.blocks)
@@ -681,7 +688,7 @@ class RadixCache:
                 parent = last
         self.allocator.incref_unchecked(new)  # the tree's own reference (checked above)
         leaf = _Node(next(self._uids), parent, tokens[i * bs:full * bs], new, new_hashes)
-        parent.children[leaf.tokens[:bs]] = leaf
+        parent.children[self._key(leaf.tokens)] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
         for b in new:
@@ -714,10 +721,10 @@ class RadixCache:
         assert parent is not None and 0 < m < len(node.blocks)
         upper = _Node(next(self._uids), parent, node.tokens[:m * bs], node.blocks[:m],
                       node.hashes[:m], last_access=node.last_access)
-        parent.children[upper.tokens[:bs]] = upper
+        parent.children[self._key(upper.tokens)] = upper
         node.tokens, node.blocks, node.hashes = node.tokens[m * bs:], node.blocks[m:], node.hashes[m:]
         node.parent = upper
-        upper.children[node.tokens[:bs]] = node
+        upper.children[self._key(node.tokens)] = node
         for b in upper.blocks:
             self._node_of[b] = upper
         # Recount the two halves; the ancestors now may have one more node with a locked block.
@@ -737,7 +744,12 @@ class RadixCache:
             up = up.parent
         return upper
 
-    def _detach(self, node: _Node, key: tuple[int, ...]) -> _Node:
+    def _key(self, tokens: tuple[int, ...]) -> object:
+        """A child's key in its parent: its first block's tokens (the token itself for
+        one-token blocks: an int key hashes and compares without a tuple around it)."""
+        return tokens[0] if self.block_size == 1 else tokens[:self.block_size]
+
+    def _detach(self, node: _Node, key: object) -> _Node:
         """Remove an emptied leaf (``key``: its first block's tokens); returns its parent, which
         may become a leaf."""
         parent = node.parent
