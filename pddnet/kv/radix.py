@@ -49,6 +49,7 @@ from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 from pddnet.kv.prefix_cache import PrefixMatch, hash_block
 
 _PARENT = struct.Struct("<Q")
+_PARENT_TOKEN = struct.Struct("<Qq")     # (parent hash, one token): a one-token block's bytes
 _digest = xxhash.xxh3_64_intdigest
 
 
@@ -59,10 +60,17 @@ def chained_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int =
     full = len(token_ids) // block_size
     if full <= 0:
         return []
-    step = 8 * block_size
-    buf = struct.pack(f"<{full * block_size}q", *token_ids[:full * block_size])
     out: list[Any] = []
     h: Any = parent_hash           # (Any: compiled, an int variable would re-box each hash)
+    if block_size == 1:            # (the simulator's units: one pack and one digest a block)
+        pair = _PARENT_TOKEN.pack
+        tokens: Sequence[Any] = token_ids
+        for t in tokens:
+            h = _digest(pair(h, t))
+            out.append(h)
+        return out
+    step = 8 * block_size
+    buf = struct.pack(f"<{full * block_size}q", *token_ids[:full * block_size])
     pack = _PARENT.pack
     for off in range(0, full * step, step):
         h = _digest(pack(h) + buf[off:off + step])
