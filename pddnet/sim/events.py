@@ -1,4 +1,4 @@
-"""The discrete-event core: a heap of (time, sequence number, callback). No wall clock.
+"""The discrete-event core: a heap of (time, sequence number, callback) events. No wall clock.
 
 Ties are broken by scheduling order, so a run is a pure function of its inputs (the same config
 and seed give the same event order and byte-identical results). Callbacks schedule more events;
@@ -12,10 +12,27 @@ from collections.abc import Callable
 from typing import Any
 
 
+class _Event:
+    """One scheduled call, ordered by (time, scheduling order). A class with its own ``<``
+    rather than a tuple: compiled, the comparison reads two native floats, where a tuple's
+    compared the float objects twice (equal? then less?) -- the heap's whole cost."""
+
+    __slots__ = ("t", "seq", "fn", "args")
+
+    def __init__(self, t: float, seq: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.t = t
+        self.seq = seq
+        self.fn = fn
+        self.args = args
+
+    def __lt__(self, other: _Event) -> bool:
+        return self.t < other.t or (self.t == other.t and self.seq < other.seq)
+
+
 class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
+        self._heap: list[_Event] = []
         self._seq = 0
         self.events_run = 0
 
@@ -26,7 +43,7 @@ class EventLoop:
                 raise ValueError(f"cannot schedule at {t!r} < now {self.now!r}")
             t = self.now
         self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, fn, args))
+        heapq.heappush(self._heap, _Event(t, self._seq, fn, args))
 
     def after(self, dt: float, fn: Callable[..., Any], *args: Any) -> None:
         if dt < 0:
@@ -37,21 +54,21 @@ class EventLoop:
         return len(self._heap)
 
     def next_time(self) -> float | None:
-        return self._heap[0][0] if self._heap else None
+        return self._heap[0].t if self._heap else None
 
     def run(self, until: float | None = None, max_events: int | None = None) -> int:
         """Process events in time order; returns how many ran. Stops when the heap is empty,
         the next event is after ``until`` (now becomes ``until``) or ``max_events`` ran."""
         heap, pop, count = self._heap, heapq.heappop, 0
         while heap:
-            if until is not None and heap[0][0] > until:
+            if until is not None and heap[0].t > until:
                 self.now = until
                 break
             if max_events is not None and count >= max_events:
                 break
-            t, _, fn, args = pop(heap)
-            self.now = t
-            fn(*args)
+            ev = pop(heap)
+            self.now = ev.t
+            ev.fn(*ev.args)
             count += 1
         self.events_run += count
         return count
