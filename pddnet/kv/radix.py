@@ -173,6 +173,22 @@ class _Node:
         self.heap_epoch = heap_epoch
 
 
+class _LruEntry:
+    """A leaf's place in the eviction heap: (its last_access when pushed, uid). A class with
+    its own ``<`` rather than a tuple: compiled, it compares two native ints, where a tuple
+    compared the int objects twice (equal? then less?)."""
+
+    __slots__ = ("at", "uid", "node")
+
+    def __init__(self, at: int, uid: int, node: _Node) -> None:
+        self.at = at
+        self.uid = uid
+        self.node = node
+
+    def __lt__(self, other: _LruEntry) -> bool:
+        return self.at < other.at or (self.at == other.at and self.uid < other.uid)
+
+
 class RadixCache:
     """Radix tree of cached full KV blocks on top of a BlockAllocator (see module docstring)."""
 
@@ -195,10 +211,10 @@ class RadixCache:
         self._clock = 0
         self._rc = allocator.refcounts()          # read-only fast path for owned ids
         # Eviction order (least recently used evictable leaf) kept incrementally: a heap of
-        # (last_access, uid, node) entries pushed when a leaf becomes evictable or is touched,
+        # (last_access, uid) entries (_LruEntry) pushed when a leaf becomes evictable or is touched,
         # validated when popped (stale ones skipped), rebuilt when stale ones pile up; so an
         # eviction costs O(log leaves), not a pass over every leaf.
-        self._lru: list[tuple[int, int, _Node]] = []
+        self._lru: list[_LruEntry] = []
         self._lru_epoch = 0
         # statistics
         self.tokens_asked = 0
@@ -437,7 +453,8 @@ class RadixCache:
         heap = self._lru
         freed: list[int] = []
         while len(freed) < n and heap:
-            at, _, node = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            at, node = entry.at, entry.node
             if at == node.heap_at and node.heap_epoch == self._lru_epoch:
                 node.heap_at = -1                    # its live entry is used up
             if (at != node.last_access or node.children or not node.evictable
@@ -817,12 +834,12 @@ class RadixCache:
             for x in self._leaves:
                 if x.evictable and x.parent is not None:
                     x.heap_at, x.heap_epoch = x.last_access, self._lru_epoch
-                    heap.append((x.last_access, x.uid, x))
+                    heap.append(_LruEntry(x.last_access, x.uid, x))
             heapq.heapify(heap)
             if node.heap_at == node.last_access and node.heap_epoch == self._lru_epoch:
                 return
         node.heap_at, node.heap_epoch = node.last_access, self._lru_epoch
-        heapq.heappush(heap, (node.last_access, node.uid, node))
+        heapq.heappush(heap, _LruEntry(node.last_access, node.uid, node))
 
     def _recount(self, node: _Node) -> None:
         """A node's lock state may have changed: rescan it, propagate to its ancestors."""
