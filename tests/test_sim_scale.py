@@ -20,7 +20,7 @@ from pddnet.kv.radix import CacheEventBatch, RadixCache, chained_hashes
 from pddnet.policy.cache_view import DecodeCacheView
 from pddnet.sim.config import parse_config
 from pddnet.sim.reproduce import scenario
-from pddnet.sim.system import SimulatedSystem
+from pddnet.sim.system import ReqState, SimulatedSystem
 from pddnet.sim.workload import SimRequest
 
 
@@ -170,6 +170,7 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
     units: tuple[int, ...] = ()
     rng = random.Random(1)
     later: list[tuple[list[int], list[int]]] = []
+    states: list[tuple[ReqState, tuple[int, ...]]] = []
     for turn in range(6):
         units = units + tuple(rng.randrange(50) for _ in range(rng.randrange(1, 11)))
         if turn == 4:
@@ -178,13 +179,18 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
         held = sim._hashes_for(req.conversation, req.units)
         assert held == block_hashes(units, bs)
         first = list(held)
+        later.append((held, first))
+        st = ReqState(req)
+        st.prompt_hashes = held
         # MD's insert of prompt + output: the same hashes, the kept ones left as they were
         with_kv = units + tuple(rng.randrange(50) for _ in range(5))
-        assert sim._hashes_for(42, with_kv, remember=False) == block_hashes(with_kv, bs)
+        assert sim._with_kv_hashes(st, with_kv) == block_hashes(with_kv, bs)
         assert sim._hash_memo[42] == (units, first)
-        later.append((held, first))
+        states.append((st, units))
     for held, first in later:                  # a holder's hashes stayed what they were
         assert held[:len(first)] == first
+    for st, units in states:                   # and lists grown by later turns give the same
+        assert sim._with_kv_hashes(st, units + (3,) * 9) == block_hashes(units + (3,) * 9, bs)
 
 
 @settings(max_examples=150, deadline=None)

@@ -313,28 +313,34 @@ class SimulatedSystem:
                 backlog=self.wan_backlogs[p])
         return planner
 
-    def _hashes_for(self, conv: int, units: tuple[int, ...], remember: bool = True) -> list[int]:
+    def _with_kv_hashes(self, st: ReqState, with_kv: tuple[int, ...]) -> list[int]:
+        """The chained hashes of what a finished request leaves in MD's tree (its prompt, then
+        its output): the prompt's, kept since it arrived, extended by the blocks after them."""
+        bs = self.block_units
+        hashes = st.prompt_hashes
+        assert hashes is not None, "a cache is on: hashed on arrival"
+        done = len(st.req.units) // bs       # (the kept list may have grown since: appends only)
+        return hashes[:done] + chained_hashes(with_kv[done * bs:], bs,
+                                              hashes[done - 1] if done else 0)
+
+    def _hashes_for(self, conv: int, units: tuple[int, ...]) -> list[int]:
         """Chained hashes of the full blocks of ``units`` (the caches' block size), extending
-        the ones kept for the conversation when ``units`` starts with what they hashed; with
-        ``remember``, kept for its next turn. Lists handed out are only ever appended to, so a
-        holder's first hashes stay valid. (Besides hashing once, not three times, this gives
-        P's and MD's trees and P's view the same hash objects: dict lookups of equal keys then
-        stop at identity instead of comparing two ints far apart in memory.)"""
+        the ones kept for the conversation when ``units`` starts with what they hashed, and
+        kept for its next turn. Lists handed out are only ever appended to, so a holder's first
+        hashes stay valid. (Besides hashing once, not three times, this gives P's and MD's
+        trees and P's view the same hash objects: dict lookups of equal keys then stop at
+        identity instead of comparing two ints far apart in memory.)"""
         bs = self.block_units
         memo = self._hash_memo
-        known = (memo.pop(conv, None) if remember else memo.get(conv)) if conv >= 0 else None
+        known = memo.pop(conv, None) if conv >= 0 else None
         if known is not None and len(units) >= len(known[0]) and \
                 units[:len(known[0])] == known[0]:
             hashes = known[1]
             done = len(hashes)
-            more = chained_hashes(units[done * bs:], bs, hashes[-1] if done else 0)
-            if remember:
-                hashes += more
-            else:
-                hashes = hashes + more
+            hashes += chained_hashes(units[done * bs:], bs, hashes[-1] if done else 0)
         else:
             hashes = chained_hashes(units, bs)
-        if conv >= 0 and remember:
+        if conv >= 0:
             memo[conv] = (units, hashes)
             if len(memo) > HASH_MEMO_CONVERSATIONS:
                 memo.popitem(last=False)
@@ -441,8 +447,7 @@ class SimulatedSystem:
         assert table is not None, "an allocated request has its block table"
         if keep and side.use_cache:
             with_kv = req.units + req.output_units[:-1]
-            side.cache.insert_finished(with_kv, table,
-                                       self._hashes_for(req.conversation, with_kv, False))
+            side.cache.insert_finished(with_kv, table, self._with_kv_hashes(st, with_kv))
         else:
             side.cache.release(table)
         st.table = None
