@@ -134,9 +134,19 @@ async def test_receiver_killed_or_stopped_during_a_mooncake_write(victim, sig):
         assert got == want, res["pdd"]
         pdd = res["pdd"]
         failed = [e for e in pdd["timeline"] if e["event"] == "kv_transfer_failed"]
-        assert failed, f"no transfer error in {pdd['timeline']}"
-        # A clean TransferError within pddnet's deadline of the fault
-        assert failed[0]["time"] - signalled <= DEADLINE_S + SLACK_S, failed
+        lost = [e for e in pdd["timeline"]
+                if e["event"] == "error" and "relay_lost" in str(e["detail"])]
+        if sig == signal.SIGKILL and victim == "relay" and not failed:
+            # A killed RLD's sockets close at once: P may hear it on the control connection
+            # before a write to it fails. The same fault, caught sooner (seen once in CI on a
+            # loaded box); the replay and the clean-up below are checked all the same.
+            assert lost, f"neither a transfer error nor relay_lost in {pdd['timeline']}"
+            caught = lost
+        else:
+            assert failed, f"no transfer error in {pdd['timeline']}"
+            caught = failed
+        # A clean error within pddnet's deadline of the fault
+        assert caught[0]["time"] - signalled <= DEADLINE_S + SLACK_S, caught
         if sig == signal.SIGSTOP:
             assert "TransferTimeout" in failed[0]["detail"] or \
                 "PeerUnreachable" in failed[0]["detail"], failed
@@ -164,7 +174,8 @@ async def test_receiver_killed_or_stopped_during_a_mooncake_write(victim, sig):
                     ok = ok and t["fenced_reservations"] == 0 and t["registered_buffers"] == 1
             return stats if ok else None
         stats = await wait_for(clean, 20, "the cluster to hold nothing of the request", step=0.3)
-        assert stats["prefill"]["counters"][f"transfer_errors_{path}"] >= 1
+        if failed:
+            assert stats["prefill"]["counters"][f"transfer_errors_{path}"] >= 1
     report = cluster.stop_report
     assert not report.leftover_shm
     # P, RLD and MD stop cleanly (the killed one aside); the router is only required to be gone:
