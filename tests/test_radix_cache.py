@@ -101,6 +101,13 @@ def test_bad_inserts_are_refused_with_clear_errors():
     with pytest.raises(ValueError, match="already cached for another prefix"):
         c.insert([9, 9, 9, 9], table[:1])
     c.check_invariants()
+    # a table naming a cached block by an equal float: the clear error, not a TypeError
+    lock = c.match_and_lock(list(range(4)) + [7] * 4, max_blocks=1)
+    own = a.allocate(1)
+    with pytest.raises(ValueError, match="outside"):
+        c.insert_finished(list(range(4)) + [7] * 4, [float(lock.block_ids[0])] + own)
+    c.release(list(lock.block_ids) + own)
+    c.check_invariants()
     # refused part way through the new ids: nothing is left marked or cached
     more = a.allocate(2)
     for bad, why in (([more[0], more[1], 10_000], "outside"), ([more[0], -1], "outside"),

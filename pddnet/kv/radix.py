@@ -426,7 +426,9 @@ class RadixCache:
         the duplicates and the partial tail (``unchecked``), so only those are checked here.
         (tests/test_sim_scale.py compares it with ``release``.)"""
         alloc = self.allocator
-        freed = alloc.decref_plain(ids) if alloc.plain_ids(unchecked) else alloc.decref(ids)
+        # (the walk matched ids by value: a float equal to a block id still needs the checks)
+        plain = alloc.plain_ids(unchecked) and not set(map(type, ids)) - {int}
+        freed = alloc.decref_plain(ids) if plain else alloc.decref(ids)
         if owners:
             chain = self._touch_paths(owners)
             self._relock_nodes(owners, chain=chain)
