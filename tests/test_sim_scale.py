@@ -198,15 +198,16 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
        batches=st.lists(st.tuples(st.sampled_from(["add", "evicted", "predict"]),
                                   st.lists(st.integers(0, 30), max_size=12)), max_size=10),
        cap=st.integers(1, 40))
-def test_view_keeps_the_lru_order_of_setting_each_hash_newest(
+def test_view_keeps_the_lru_order_of_stamping_each_batch_newest(
         start: list[int], batches: list[tuple[str, list[int]]], cap: int) -> None:
-    """DecodeCacheView (use stamps, oldest found from a heap when the cap is passed) against
-    its definition: each hash added becomes the newest entry in turn (repeats included),
-    evicted ones leave, predictions change nothing, and past the cap the oldest go."""
+    """DecodeCacheView (one stamp per batch, the next to drop found from a heap when the cap is
+    passed) against its definition: the hashes of one batch (a notice's inserts, an answer's
+    matched prefix) become the newest together, evicted ones leave, predictions change nothing,
+    and past the cap the oldest batch's go first, of one batch the one learned last first."""
     view = DecodeCacheView(block_size=1, max_hashes=cap)
-    ref: dict[int, None] = {}
+    ref: dict[int, int] = {}              # hash -> batch number; insertion order: learned
     dropped = 0
-    for kind, batch in [("add", start), *batches]:
+    for number, (kind, batch) in enumerate([("add", start), *batches]):
         if kind == "evicted":
             view.apply(CacheEventBatch(view.next_seq, 1, (), tuple(batch)))
             for h in batch:
@@ -220,10 +221,14 @@ def test_view_keeps_the_lru_order_of_setting_each_hash_newest(
         else:
             view._add(batch)
         for h in batch:
-            ref.pop(h, None)
-            ref[h] = None
+            ref[h] = number                    # a known hash keeps its place in the order
         while len(ref) > cap:
-            del ref[next(iter(ref))]
+            order = list(ref)
+            del ref[min(order, key=lambda h: (ref[h], -order.index(h)))]
             dropped += 1
-        assert sorted(view._hashes, key=view._hashes.__getitem__) == list(ref)
+        assert set(view._hashes) == set(ref)
         assert view.dropped_by_cap == dropped
+        # the order the next drops will take: by batch, then the last learned first
+        mine = list(view._hashes)
+        assert sorted(mine, key=lambda h: (view._hashes[h], -mine.index(h))) == \
+            sorted(ref, key=lambda h: (ref[h], -list(ref).index(h)))

@@ -15,11 +15,17 @@ Memory is bounded: at most ``max_hashes`` hashes, least recently used dropped fi
 hash only makes the estimate lower; the next answer teaches it back). "Used" is what MD did, as
 MD's own LRU sees it: a notice's inserts, and the prefix an answer says MD matched (and so
 touched). A prediction is a pure query: it does not refresh anything (a request that RLD
-finishes alone never reaches MD, so MD's tree does not see it either). Recency is a counter
-stamped on each hash, not a reordered list: a view holds about what MD holds, so
-the cap is seldom reached, and stamping a hash costs a dict store where relinking it cost a
-list splice in a dict of 10^5 entries (the simulator's largest single cost). The oldest are
-found, when the cap is passed, from a heap of the stamps built then and used until it runs out.
+finishes alone never reaches MD, so MD's tree does not see it either).
+
+Recency is a counter stamped on the hashes, not a reordered list: a view holds about what MD
+holds, so the cap is seldom reached, and stamping costs a dict store where relinking cost a list
+splice in a dict of 10^5 entries (the simulator's largest single cost). One notice's inserts, or
+one answer's matched prefix, share one stamp, as MD's tree gives a matched path one moment:
+storing the same int object replaces per-hash int objects that each store had to create and
+free. Among hashes of one stamp, the one the view learned last goes first: a chain is learned
+root first, so its deepest blocks go first, as MD evicts leaves first, and what stays is still a
+leading chain a prediction can use. The oldest are found, when the cap is passed, from a heap of
+the stamps built then and used until it runs out.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import count, repeat, takewhile
+from itertools import repeat, takewhile
 from typing import Protocol
 
 from pddnet.kv.radix import chained_hashes
@@ -102,8 +108,9 @@ class DecodeCacheView:
         self.max_hashes = max_hashes
         self._hashes: dict[int, int] = {}     # hash -> its use stamp (larger: more recent)
         self._clock = 0                      # the last stamp given
-        # (stamp, hash) of entries, oldest first, as of when it was built: see _drop_oldest
-        self._oldest: list[tuple[int, int]] = []
+        # (stamp, -position, hash) of entries, the next to drop first, as of when it was built:
+        # see _drop_oldest
+        self._oldest: list[tuple[int, int, int]] = []
         self.next_seq = 0
         self.stale = False
         # counters
@@ -250,23 +257,24 @@ class DecodeCacheView:
             self.dropped_by_cap += 1
 
     def _stamp(self, hashes: Sequence[int]) -> None:
-        """Each hash becomes the most recent, in order (a repeated one ends where its last
-        occurrence puts it), added if missing: one C-speed update."""
-        c = self._clock
-        self._hashes.update(zip(hashes, count(c + 1)))
-        self._clock = c + len(hashes)
+        """The hashes become the most recent, together (one stamp), added if missing: one
+        C-speed update."""
+        c = self._clock + 1
+        self._hashes.update(zip(hashes, repeat(c)))
+        self._clock = c
 
     def _drop_oldest(self) -> None:
-        """Forget the least recently used hash. The heap holds every entry's stamp as of when
-        it was built; an entry used (or dropped and re-added) since has a newer stamp than all
-        of those, so the oldest valid heap item is the oldest entry. Once the heap has no valid
-        item left it is rebuilt: O(log n) a drop, amortised."""
+        """Forget the least recently used hash, of those with the oldest stamp the one learned
+        last (the latest in the dict's insertion order). The heap holds every entry's stamp as
+        of when it was built; an entry used (or dropped and re-added) since has a newer stamp
+        than all of those, so the first valid heap item is the one to drop. Once the heap has no
+        valid item left it is rebuilt: O(log n) a drop, amortised."""
         known, heap = self._hashes, self._oldest
         while True:
             if not heap:
-                heap.extend((t, h) for h, t in known.items())
+                heap.extend((t, -i, h) for i, (h, t) in enumerate(known.items()))
                 heapq.heapify(heap)
-            t, h = heapq.heappop(heap)
+            t, _, h = heapq.heappop(heap)
             if known.get(h) == t:
                 del known[h]
                 return
