@@ -20,11 +20,19 @@ class Histogram:
             raise ValueError(f"rel_width must be in (0, 1), got {rel_width!r}")
         self._log_base = math.log1p(rel_width)
         self._floor = floor
-        self.counts: dict[int, float] = {}
+        # weight per bucket b at index b + 1 (b = -1: at or below the floor); a list, not a
+        # dict: the hottest call of a run then boxes no key and hashes nothing. Its length is
+        # bounded by the largest float: ~145K buckets at 0.5%, a few thousand for latencies.
+        self._weights: list[float] = []
         self.n = 0.0
         self.total = 0.0
         self.min = math.inf
         self.max = -math.inf
+
+    @property
+    def counts(self) -> dict[int, float]:
+        """Weight per bucket, for the buckets holding any, in bucket order."""
+        return {i - 1: c for i, c in enumerate(self._weights) if c}
 
     def _bucket(self, value: float) -> int:
         if value <= self._floor:
@@ -36,9 +44,12 @@ class Histogram:
             return
         if value < 0 or value != value:
             raise ValueError(f"histogram values must be >= 0, got {value!r}")
-        # _bucket, inlined (the hottest call of a run)
-        b = -1 if value <= self._floor else int(math.log(value / self._floor) / self._log_base)
-        self.counts[b] = self.counts.get(b, 0.0) + weight
+        # _bucket + 1, inlined (the hottest call of a run)
+        i = 0 if value <= self._floor else int(math.log(value / self._floor) / self._log_base) + 1
+        w = self._weights
+        if i >= len(w):
+            w.extend([0.0] * (i + 1 - len(w)))
+        w[i] += weight
         self.n += weight
         self.total += value * weight
         if value < self.min:
@@ -49,8 +60,12 @@ class Histogram:
     def merge(self, other: Histogram) -> None:
         if other._log_base != self._log_base or other._floor != self._floor:
             raise ValueError("cannot merge histograms with different buckets")
-        for b, c in other.counts.items():
-            self.counts[b] = self.counts.get(b, 0.0) + c
+        w = self._weights
+        if len(other._weights) > len(w):
+            w.extend([0.0] * (len(other._weights) - len(w)))
+        for i, c in enumerate(other._weights):
+            if c:
+                w[i] += c
         self.n += other.n
         self.total += other.total
         self.min = min(self.min, other.min)
@@ -70,8 +85,8 @@ class Histogram:
         if q >= 1.0:
             return self.max
         rank, seen = q * self.n, 0.0
-        for b in sorted(self.counts):
-            seen += self.counts[b]
+        for b, c in self.counts.items():
+            seen += c
             if seen >= rank:
                 return min(max(self._value(b), self.min), self.max)
         return self.max
@@ -99,12 +114,12 @@ class Histogram:
         """(value, cumulative share) pairs for plots."""
         if self.n <= 0:
             return []
-        keys = sorted(self.counts)
-        step = max(1, len(keys) // max_points)
+        counts = self.counts
+        step = max(1, len(counts) // max_points)
         out, seen = [], 0.0
-        for i, b in enumerate(keys):
-            seen += self.counts[b]
-            if i % step == 0 or i == len(keys) - 1:
+        for i, (b, c) in enumerate(counts.items()):
+            seen += c
+            if i % step == 0 or i == len(counts) - 1:
                 out.append((self._value(b), seen / self.n))
         return out
 
