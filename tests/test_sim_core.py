@@ -55,6 +55,29 @@ def test_histogram_weights_and_merge():
         a.add(-1.0)
 
 
+def test_histogram_buckets_in_order_from_the_floor_bucket_up():
+    h = Histogram()
+    h.add(0.0)                             # at or below the floor: bucket -1
+    h.add(2.0, 3)
+    h.add(1e-3)
+    assert list(h.counts) == sorted(h.counts) and h.counts[-1] == 1.0
+    assert sum(h.counts.values()) == h.n == 5
+    assert h.quantile(0.0) == 0.5e-6       # the floor bucket (its midpoint), not an empty one
+    assert h.quantile(0.5) == pytest.approx(2.0, rel=0.005)
+    short = Histogram()
+    short.add(1e-5)
+    short.merge(h)                         # a longer one into a shorter one
+    assert short.n == 6 and short.counts == {**h.counts,
+                                             short._bucket(1e-5): 1.0}
+    big = Histogram()
+    big.add(1.7e308)                       # the largest floats still have a bucket
+    with pytest.raises(ValueError, match="finite"):
+        big.add(float("inf"))
+    assert big.quantile(0.5) == 1.7e308 and len(big.counts) == 1
+    with pytest.raises(ValueError):
+        Histogram().merge(Histogram(rel_width=0.01))
+
+
 def test_series_is_bounded_and_keeps_maxima():
     s = Series(interval_s=1.0, max_points=8)
     for t in range(100):

@@ -37,15 +37,22 @@ class Histogram:
     def _bucket(self, value: float) -> int:
         if value <= self._floor:
             return -1
-        return int(math.log(value / self._floor) / self._log_base)
+        r = value / self._floor
+        # (past ~1e302 the ratio overflows: the difference of logs is finite)
+        return int((math.log(r) if r != math.inf else math.log(value) - math.log(self._floor))
+                   / self._log_base)
 
     def add(self, value: float, weight: float = 1.0) -> None:
         if weight <= 0:
             return
-        if value < 0 or value != value:
-            raise ValueError(f"histogram values must be >= 0, got {value!r}")
+        if value < 0 or value != value or value == math.inf:
+            raise ValueError(f"histogram values must be finite and >= 0, got {value!r}")
         # _bucket + 1, inlined (the hottest call of a run)
-        i = 0 if value <= self._floor else int(math.log(value / self._floor) / self._log_base) + 1
+        if value <= self._floor:
+            i = 0
+        else:
+            r = value / self._floor
+            i = int(math.log(r) / self._log_base) + 1 if r != math.inf else self._bucket(value) + 1
         w = self._weights
         if i >= len(w):
             w.extend([0.0] * (i + 1 - len(w)))
@@ -74,7 +81,11 @@ class Histogram:
     def _value(self, b: int) -> float:
         if b < 0:
             return self._floor / 2
-        return self._floor * math.exp((b + 0.5) * self._log_base)   # the bucket's midpoint
+        x = (b + 0.5) * self._log_base
+        if x < 709.0:
+            return self._floor * math.exp(x)      # the bucket's midpoint
+        y = math.log(self._floor) + x             # (exp(x) alone would overflow)
+        return math.exp(y) if y < 709.0 else math.inf
 
     def quantile(self, q: float) -> float | None:
         """Value at quantile q in [0, 1] (bucket midpoint, clamped to the exact min / max)."""
