@@ -27,7 +27,7 @@ the P load they share): the chip profiles and the shared host's contention --
    - RLD and MD, each its own profile: every inter-token gap a role produced, against the
      batch it ran in and their context, t = a + b x batch + c x context tokens (least
      squares, the slowest 1% of gaps left out as stalls), mapped onto the roofline plus the
-     per-sequence and per-context terms of pddnet/sim/cost.py; the gaps' spread around that
+     per-sequence and per-context terms of pddnet/device/cost.py; the gaps' spread around that
      mean (split by whether P was prefilling, which is most of it) becomes the profile's
      ``step_jitter_cv`` unless ``--step-jitter off``. With contention the line is fitted to
      the gaps while P was idle and scaled by k0, then gap / line = k0 + delta x [P
@@ -36,7 +36,7 @@ The whole stream (both tags, their real token ids as units, tokens_per_unit = 1)
 in the simulator with those profiles, the testbed's pool sizes, policy settings and WAN (the
 proxy's link model), P scheduling as the engine does (waiting prompts batched into a step up to
 max_num_batched_tokens, admitted only between steps: PrefillInstance's max_seqs) and the
-fitted contention as a pddnet.sim.cost.SharedHost of P, RLD, MD and the recorded load; TTFT and ITL of the compare-tagged requests are set side by side (goal:
+fitted contention as a pddnet.device.cost.SharedHost of P, RLD, MD and the recorded load; TTFT and ITL of the compare-tagged requests are set side by side (goal:
 medians within 15%, P90 within 25%). Writes results/sim/calibration.json, calibration.png
 (CDFs, decode fit) and calibration_runs.json (the raw testbed records; ``--reuse`` re-fits and
 re-simulates them without the testbed).
@@ -251,7 +251,7 @@ def lstsq(cols: list[list[float]], ys: list[float]) -> list[float]:
 
 
 def prefill_flops(prof: Any, n: int) -> float:
-    """FLOPs of a prefill of n uncached tokens, as pddnet/sim/cost.py counts them."""
+    """FLOPs of a prefill of n uncached tokens, as pddnet/device/cost.py counts them."""
     attn = 4.0 * prof.num_layers * prof.num_heads * prof.head_dim
     return 2.0 * prof.active_params * n + attn * n * (n + 1) / 2
 
@@ -628,12 +628,12 @@ def fit_all(records: list[dict[str, Any]], model: str, contention: str = "load",
     """Every fitted term, from the fit-tagged requests (see the module docstring). With
     `contention`, the shared host is explicit: P's rate alone plus its slowdown per decoding
     neighbour, the decode steps with P idle plus their slowdown while P prefills (the
-    ``host_weights`` of pddnet.sim.cost.SharedHost); "load" adds, for every role, a
+    ``host_weights`` of pddnet.device.cost.SharedHost); "load" adds, for every role, a
     slowdown per unit of the recorded load average above its floor (`load_excess`); "off":
     every profile is the average over the run, contention folded in."""
     if contention not in ("off", "neighbours", "load"):
         raise ValueError(f"contention must be off, neighbours or load, got {contention!r}")
-    from pddnet.sim.profiles import load_model
+    from pddnet.device.profiles import load_model
 
     prof = load_model(model)
     recs = ok_records(records)
@@ -749,14 +749,14 @@ def engine_like(system: Any, p_max_seqs: int, host_weights: dict[str, float] | N
       them, admitting only between steps (pddnet/engine/scheduler.py; PrefillInstance);
     - a finished prompt's KV leaves P only after the next step when that one starts at once,
       with probability `export_wait` (PrefillInstance's; fitted by `fit_export_wait`);
-    - with `host_weights`, P, RLD and MD share one host (pddnet.sim.cost.SharedHost): P's
+    - with `host_weights`, P, RLD and MD share one host (pddnet.device.cost.SharedHost): P's
       forwards are slower by weight "p_per_decoder" for each decode instance stepping, each
       decode step by "<role>_while_p" while P prefills, and with `load` (run time -> the
       recorded load average above its floor) every forward by "p_per_load" /
       "<role>_per_load" per unit of it (fitted by `fit_all`)."""
     from dataclasses import replace
 
-    from pddnet.sim.cost import SharedHost
+    from pddnet.device.cost import SharedHost
     from pddnet.sim.prefill import PrefillInstance
 
     e = system.cfg.engine
@@ -1025,7 +1025,7 @@ def main() -> int:
     if args.sim_draws < 0:
         ap.error("--sim-draws must be >= 0")
 
-    from pddnet.sim.profiles import load_model
+    from pddnet.device.profiles import load_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1053,7 +1053,7 @@ def analyse(runs: dict[str, Any], args: argparse.Namespace, out: Path, runs_path
     from types import SimpleNamespace
 
     from pddnet.config import load_config as load_cluster
-    from pddnet.sim.profiles import load_model
+    from pddnet.device.profiles import load_model
 
     run_args = argparse.Namespace(**runs["args"])
     prof = load_model(run_args.model)

@@ -3,8 +3,8 @@
 import pytest
 
 from pddnet.model.config import ModelConfig
-from pddnet.sim.cost import InstanceCost
-from pddnet.sim.profiles import list_profiles, load_chip, load_model
+from pddnet.device.cost import InstanceCost
+from pddnet.device.profiles import list_profiles, load_chip, load_model
 
 CHIP = """
 name = "unit-chip"
@@ -193,7 +193,7 @@ def test_step_jitter_is_a_seeded_lognormal_factor_of_mean_one(tmp_path):
     import math
     import random
 
-    from pddnet.sim.cost import jitter_seed
+    from pddnet.device.cost import jitter_seed
 
     cv = 0.5
     c = _jittery(tmp_path, cv)

@@ -1,4 +1,4 @@
-"""P's schedule (pddnet/sim/prefill.py) and the shared-host contention (pddnet/sim/cost.py),
+"""P's schedule (pddnet/sim/prefill.py) and the shared-host contention (pddnet/device/cost.py),
 on hand-computed cases: a unit chip doing 1 TFLOP/s on a 1e9-parameter model, so a prefill
 of n tokens from scratch is (2e9 n + 512 n (n + 1) / 2) / 1e12 seconds (512 = 4 x 2 layers x
 4 heads x 16 head_dim attention FLOPs per pair); its 2 GB of weights at 100 GB/s (0.02 s)
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pddnet.sim.cost import InstanceCost, SharedHost
+from pddnet.device.cost import InstanceCost, SharedHost
 from pddnet.sim.events import EventLoop
 from pddnet.sim.prefill import PrefillInstance
-from pddnet.sim.profiles import load_chip, load_model
+from pddnet.device.profiles import load_chip, load_model
 from tests.test_sim_cost import CHIP, MODEL
 
 ATTN = 4 * 2 * 4 * 16

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from pddnet.sim.profiles import ChipProfile, ModelProfile, load_chip, load_model
+from pddnet.device.profiles import ChipProfile, ModelProfile, load_chip, load_model
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from pddnet.sim.cost import InstanceCost
+from pddnet.device.cost import InstanceCost
 from pddnet.sim.events import EventLoop
 from pddnet.sim.metrics import Histogram
 

@@ -17,7 +17,7 @@ compute). Each chunk's end is reported, because the KV of a finished chunk can l
 
 A step's time is the roofline of one forward over all its chunks (``InstanceCost.
 prefill_step_time``). When the instance shares a host's cores with others (the cost's
-``host``, a ``pddnet.sim.cost.SharedHost``; none by default) that is the step's *work*, done
+``host``, a ``pddnet.device.cost.SharedHost``; none by default) that is the step's *work*, done
 at the rate 1 / ``contention()``, re-read every ``contention_tick_s``: a prefill step lasts
 seconds on a CPU, and the decoders it shares the cores with start and stop within it (the
 prompts of the previous step start decoding just as this one begins).
@@ -43,7 +43,7 @@ from typing import Any
 
 from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.radix import RadixCache
-from pddnet.sim.cost import InstanceCost
+from pddnet.device.cost import InstanceCost
 from pddnet.sim.events import EventLoop
 
 Progress = Callable[[Any, int, float, bool], None]   # (state, computed tokens, time, done)

@@ -34,7 +34,7 @@ from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.policy.pipeline import Pipeline, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.sim.config import Deployment, SimConfig
-from pddnet.sim.cost import InstanceCost
+from pddnet.device.cost import InstanceCost
 from pddnet.sim.decode import DecodeInstance, Member
 from pddnet.sim.events import EventLoop
 from pddnet.sim.metrics import Histogram, Series

@@ -47,7 +47,7 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from pddnet.sim.profiles import ChipProfile, ModelProfile
+from pddnet.device.profiles import ChipProfile, ModelProfile
 
 ACTIVATION_BYTES = 2   # bf16 activations on the scale-up link
 

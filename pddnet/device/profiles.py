@@ -4,7 +4,7 @@ A chip is the source report's four dimensions plus cost: peak dense compute per 
 capacity, memory bandwidth, scale-up and scale-out interconnect bandwidth, price per hour, and
 the achievable fractions of peak (the roofline's efficiency factors), plus two optional host-side
 terms a CPU engine needs and a GPU does not (``step_per_seq_us``, ``step_per_ctx_token_ns``: see
-pddnet/sim/cost.py; 0 by default), and ``step_jitter_cv``, a seeded random spread of decode-step
+pddnet/device/cost.py; 0 by default), and ``step_jitter_cv``, a seeded random spread of decode-step
 times for a chip shared with other work (0 by default: GPU profiles are deterministic rooflines).
 A model is its shape: what
 the cost model needs to count FLOPs per token, bytes read per decode step and KV bytes per token.
