@@ -2,9 +2,9 @@
 
 import pytest
 
-from pddnet.model.config import ModelConfig
 from pddnet.device.cost import InstanceCost
 from pddnet.device.profiles import list_profiles, load_chip, load_model
+from pddnet.model.config import ModelConfig
 
 CHIP = """
 name = "unit-chip"

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from pddnet.device.cost import InstanceCost, SharedHost
+from pddnet.device.profiles import load_chip, load_model
 from pddnet.sim.events import EventLoop
 from pddnet.sim.prefill import PrefillInstance
-from pddnet.device.profiles import load_chip, load_model
 from tests.test_sim_cost import CHIP, MODEL
 
 ATTN = 4 * 2 * 4 * 16

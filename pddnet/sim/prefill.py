@@ -41,9 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pddnet.device.cost import InstanceCost
 from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.radix import RadixCache
-from pddnet.device.cost import InstanceCost
 from pddnet.sim.events import EventLoop
 
 Progress = Callable[[Any, int, float, bool], None]   # (state, computed tokens, time, done)

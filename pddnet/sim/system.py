@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from pddnet.device.cost import InstanceCost
 from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.prefix_cache import PrefixMatch
 from pddnet.kv.radix import HIT_INTERVAL_LABELS, CacheEventBatch, RadixCache, chained_hashes
@@ -34,7 +35,6 @@ from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.policy.pipeline import Pipeline, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.sim.config import Deployment, SimConfig
-from pddnet.device.cost import InstanceCost
 from pddnet.sim.decode import DecodeInstance, Member
 from pddnet.sim.events import EventLoop
 from pddnet.sim.metrics import Histogram, Series
