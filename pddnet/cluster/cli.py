@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from pddnet.device import flags as device_flags
+
 SERVE_ROLES = {"prefill": "prefill", "relay": "relay", "main-decode": "main_decode",
                "router": "router"}
 
@@ -41,6 +43,7 @@ def register(sub: Any) -> None:
                     help="datacenter: daemons share their datacenter's namespace; hosts: one "
                          "namespace per daemon, as on separate machines (needs --wan packet|"
                          "kernel)")
+    device_flags.add_arguments(up)
     up.set_defaults(handler=_up)
 
     serve = sub.add_parser("serve", help="run one daemon (prefill|relay|main-decode|router)",
@@ -68,7 +71,7 @@ def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
             "wan.jitter_ms": args.jitter_ms, "wan.bw_mbit": args.bw_mbit,
             "router.port": args.port, "wan.shell": args.wan, "run_dir": args.run_dir,
             "model.threads": args.threads, "transport.intra_dc": args.intra_dc_transport,
-            "transport.wan": args.wan_transport}
+            "transport.wan": args.wan_transport, **device_flags.overrides(args)}
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -77,7 +80,8 @@ def _up(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, up_overrides(args))
-    except ConfigError as exc:
+        device_flags.resolve_auto(config, args)
+    except (ConfigError, argparse.ArgumentTypeError) as exc:
         print(f"pdd up: {exc}", file=sys.stderr)
         return 2
     if args.run_dir is None and args.config is None:
@@ -138,6 +142,13 @@ async def _up_async(config: Any, placement: str = "datacenter") -> int:
     return 0
 
 
+def describe_emulation(emu: dict[str, Any]) -> str:
+    """One line naming the device profiles and k behind every time a cluster reports."""
+    devices = ", ".join(f"{r} {d}" for r, d in emu["devices"].items())
+    return (f"emulated {emu['target_model']} on {devices}; dilation k = {emu['dilation']:g} "
+            f"(times reported / k)")
+
+
 def _print_up(info: dict[str, Any]) -> None:
     wan = info["wan"]
     print(f"pddnet cluster {info['name']!r} up, mode {info['mode']}, model {info['model']}")
@@ -145,6 +156,9 @@ def _print_up(info: dict[str, Any]) -> None:
     print(f"  WAN shell: {wan['shell']} -- {wan['reason']}")
     transport = ", ".join(f"{path} {name}" for path, name in info.get("transport", {}).items())
     print(f"  KV transport: {transport}")
+    emu = info.get("emulation")
+    print("  devices:   " + (describe_emulation(emu) if emu else
+                             "unpaced: every time is this box's own (no --target-model)"))
     if wan.get("control_url"):
         print(f"  WAN control: {wan['control_url']}   (pdd wan show --control "
               f"{wan['control_url']})")
@@ -276,8 +290,11 @@ def status_of(run_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"run_dir": run_dir, "state": info.get("state"), "mode": info["mode"],
                            "router_url": info["router_url"], "wan": info["wan"], "daemons": [],
                            "transport": info.get("transport")}
+    out["emulation"] = info.get("emulation")
     for d in info["daemons"]:
-        out["daemons"].append({**d, "alive": pid_alive(d["pid"])})
+        alive = pid_alive(d["pid"])
+        device = fresh_stats(d).get("device") if alive and d["role"] != "router" else None
+        out["daemons"].append({**d, "alive": alive, **({"device": device} if device else {})})
     health: dict[str, Any] | None
     try:
         with urllib.request.urlopen(f"{info['router_url']}/health", timeout=3) as r:
@@ -288,6 +305,44 @@ def status_of(run_dir: str) -> dict[str, Any]:
         health = {"http_status": None, "error": str(exc)}
     out["health"] = health
     return out
+
+
+def fresh_stats(daemon: dict[str, Any], timeout: float = 2.0) -> dict[str, Any]:
+    """A daemon's stats() from its stats file, refreshed by SIGUSR1 (pdd up's daemons); {} when
+    it does not answer in time."""
+    import signal
+
+    def read() -> dict[str, Any]:
+        try:
+            with open(daemon["stats_file"]) as f:
+                return json.load(f)
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    before = read().get("seq", -1)
+    try:
+        os.kill(daemon["pid"], signal.SIGUSR1)
+    except OSError:
+        return {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = read()
+        if info.get("seq", -1) > before:
+            return info.get("stats") or {}
+        time.sleep(0.02)
+    return {}
+
+
+def describe_device(dev: dict[str, Any]) -> str:
+    """A daemon's modelled device and how well this box kept up with it."""
+    if not dev.get("emulated"):
+        return "unpaced"
+    text = (f"{dev['gpus']} x {dev['chip']}: {dev['steps']} steps, {dev['overruns']} overran "
+            f"({dev['overrun_share']:.1%}), {dev['overrun_lost_s']:.3f} s lost")
+    if not dev.get("valid", True):
+        text += (f" -- NOT VALID above 1%: rerun with --dilation "
+                 f"{dev['dilation_needed']:g} or more")
+    return text
 
 
 def status_from_config(path: str, timeout: float = 3.0) -> dict[str, Any]:
@@ -341,10 +396,13 @@ def _status(args: argparse.Namespace) -> int:
         print(f"cluster in {where}: {st['state']}, mode {st['mode']}, router "
               f"{st['router_url']}, WAN {st['wan']['shell']}, KV transport "
               f"{', '.join(f'{k} {v}' for k, v in (st.get('transport') or {}).items())}")
+        if st.get("emulation"):
+            print(f"  devices: {describe_emulation(st['emulation'])}")
         for d in st["daemons"]:
+            device = f"  {describe_device(d['device'])}" if d.get("device") else ""
             print(f"  {d['role']:<12} pid {d.get('pid', '-')!s:<7} "
                   f"{('alive' if d['alive'] else 'DEAD'):<6} "
-                  f"{d['address']}")
+                  f"{d['address']}{device}")
         h = st["health"]
         print(f"  /health: HTTP {h.get('http_status')} "
               f"{json.dumps({k: v for k, v in h.items() if k != 'http_status'})}")

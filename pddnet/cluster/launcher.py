@@ -270,6 +270,7 @@ class ClusterLauncher:
                 "run_dir": str(self.run_dir), "config": str(self.config_file),
                 "router_url": self.router_url, "wan": self.placement.describe(),
                 "model": self.config.model.name, "transport": self.transport(),
+                "emulation": (e.describe() if (e := self.config.emulation()) else None),
                 "daemons": [d.describe() for d in self.daemons.values()]}
 
     def transport(self) -> dict[str, str]:

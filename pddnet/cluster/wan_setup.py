@@ -38,6 +38,7 @@ from typing import Any
 
 from emulation.lifetime import die_with_parent
 from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.device.dilation import wallclock
 
 WAN_CHOICES = ("auto", "kernel", "packet", "proxy")
 PLACEMENTS = ("datacenter", "hosts")   # daemons share their datacenter's namespace | one each
@@ -223,7 +224,7 @@ class ProxyPlacement(Placement):
         self.control_url = f"http://{LOOPBACK}:{self.control_port}"
 
     async def start(self) -> None:
-        wan = self.config.wan
+        wan = wallclock(self.config).wan   # an emulated cluster's line, dilated and byte-scaled
         argv = [sys.executable, "-m", "pddnet", "wan", "proxy",
                 "--listen", f"{LOOPBACK}:{self.listen_port}",
                 "--upstream", f"{LOOPBACK}:{self.config.main_decode.port}",
@@ -257,7 +258,7 @@ class TestbedPlacement(Placement):
 
         self.shell = choice.shell
         self.testbed_name = f"pdd{os.getpid()}{secrets.token_hex(2)}"
-        wan = config.wan
+        wan = wallclock(config).wan   # an emulated cluster's line, dilated and byte-scaled
         self.testbed = Testbed(name=self.testbed_name, rtt_ms=wan.rtt_ms, jitter_ms=wan.jitter_ms,
                                bw_mbit=wan.bw_mbit, loss_pct=wan.loss_pct, shell=choice.shell,
                                seed=config.model.seed, die_with_parent=True)

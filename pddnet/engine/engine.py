@@ -67,6 +67,9 @@ class StepStats:
     num_prefill_tokens: int   # in chunks longer than one token (prefill, chunked prefill, extend)
     num_decode_tokens: int    # in one-token chunks
     num_sampled: int
+    # (start, end) positions each sequence computed: the forward's shape, which is what a
+    # modelled accelerator's time depends on (pddnet.device.pacer)
+    chunks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -406,7 +409,8 @@ class Engine:
         self.num_steps += 1
         self.num_computed_tokens_total += n_tokens
         self.last_step = StepStats(self.num_steps, time.perf_counter() - t0, len(scheduled),
-                                   n_tokens, prefill, n_tokens - prefill, len(sampled))
+                                   n_tokens, prefill, n_tokens - prefill, len(sampled),
+                                   tuple((c.start, c.start + c.num_tokens) for c in scheduled))
         return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -10,6 +10,12 @@ worker. The loop talks to it in two ways:
   (`call_soon_threadsafe`); a step's exception goes to `on_error(exc)` on the loop;
 - `on_step_stats(step)`, if given, is called in the engine thread with each step's timing.
 
+With a `pacer` (pddnet.device.pacer.StepPacer) the engine runs on a modelled accelerator's
+clock: after each forward the thread waits until the forward has lasted the modelled time x k,
+and only then delivers its outputs (the tokens exist when the modelled device would have them)
+and runs queued calls (the device is busy until then). `engine.last_step.duration_s` is then the
+paced wall time, which is what the daemons' own estimates (RLD's time per token) must see.
+
 The thread steps while `engine.has_work()` and sleeps on a threading.Event otherwise; `call()`
 and `wake()` set it. A step that makes no progress (everything held, or the pool cannot admit
 the waiting requests) or that raised also puts the worker to sleep until the next call/wake,
@@ -21,14 +27,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from pddnet.engine.engine import Engine, StepOutput, StepStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pddnet.device.pacer import StepPacer
 
 log = logging.getLogger("pddnet.engine.worker")
 T = TypeVar("T")
@@ -46,7 +56,8 @@ class EngineWorker:
                  threads: int = 1, name: str = "engine", *,
                  on_error: Callable[[BaseException], None] | None = None,
                  loop: asyncio.AbstractEventLoop | None = None,
-                 on_step_stats: Callable[[StepStats], None] | None = None) -> None:
+                 on_step_stats: Callable[[StepStats], None] | None = None,
+                 pacer: StepPacer | None = None) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         self.engine = engine
@@ -54,6 +65,7 @@ class EngineWorker:
         self.on_error = on_error
         # Called in the engine thread after each step that ran (keep it cheap, no locks)
         self.on_step_stats = on_step_stats
+        self.pacer = pacer
         self._last_seen = -1
         self.threads = threads
         self.name = name
@@ -66,6 +78,7 @@ class EngineWorker:
             collections.deque()
         self._lock = threading.Lock()  # guards _calls and _closing against close() racing call()
         self._wakeup = threading.Event()
+        self._stop = threading.Event()   # ends a paced wait at once when the worker closes
         self._closing = False
         self._stalled = False  # last step made no progress or failed: wait for a call/wake
         self._exited: asyncio.Future[None] = self.loop.create_future()
@@ -97,6 +110,7 @@ class EngineWorker:
         fail with WorkerClosed. Idempotent."""
         with self._lock:
             self._closing = True
+        self._stop.set()
         self._wakeup.set()
         if self._thread.is_alive() or not self._exited.done():
             await asyncio.shield(self._exited)
@@ -154,16 +168,29 @@ class EngineWorker:
             if self.on_error is not None:
                 self._deliver(self.on_error, exc)
             return
-        self.in_step = False
         self.num_steps += 1
         step = self.engine.last_step
-        if self.on_step_stats is not None and step is not None and step.step != self._last_seen:
+        if step is not None and step.step != self._last_seen:
             self._last_seen = step.step   # an empty step() leaves last_step as it was
-            self.on_step_stats(step)
+            if self.pacer is not None:
+                step = self._pace(step)
+            if self.on_step_stats is not None:
+                self.on_step_stats(step)
+        self.in_step = False
         if outputs:
             self._deliver(self.on_outputs, outputs)
         else:
             self._stalled = True  # no progress possible until something changes
+
+    def _pace(self, step: StepStats) -> StepStats:
+        """Wait out the modelled device's time for this forward; the step as it was paced."""
+        assert self.pacer is not None
+        wait = self.pacer.pace(step.chunks, 0.0, step.duration_s)
+        if wait > 0:
+            self._stop.wait(wait)
+        paced = dataclasses.replace(step, duration_s=step.duration_s + wait)
+        self.engine.last_step = paced
+        return paced
 
     def _deliver(self, callback: Callable[..., Any], *args: Any) -> None:
         try:

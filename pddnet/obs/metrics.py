@@ -53,7 +53,7 @@ DEFAULT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 _DRC_COUNTERS = ("lookups", "hits", "hit_tokens", "lookup_tokens", "evicted_blocks")
 _HANDLED = {"role", "instance", "instance_id", "port", "requests", "active_phases", "pipelines",
             "kv_blocks", "lanes", "wan_bytes", "handoffs", "max_extend_tokens", "drc", "queues",
-            "histograms", "counters"}
+            "histograms", "counters", "device"}
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -189,6 +189,7 @@ def _translate(stats: Mapping[str, Any], base: Mapping[str, str]) -> Iterator[Me
                          "pdd_max_extend_tokens", "most tokens one step extended after a "
                          "handoff, by mode", base, "mode")
     yield from _drc(stats.get("drc"), base)
+    yield from _device(stats.get("device"), base)
     yield from _labelled(stats.get("queues"), GaugeMetricFamily, "pdd_queue_depth",
                          "items waiting, by queue", base, "queue")
     hists = stats.get("histograms")
@@ -256,6 +257,32 @@ def _drc(drc: Any, base: Mapping[str, str]) -> Iterator[Metric]:
             f = _family(CounterMetricFamily if counter else GaugeMetricFamily,
                         f"pdd_drc_{_metric_name(str(key))}", f"decode-side RadixCache {key}", base)
             f.add_metric(bl, v)
+            yield f
+
+
+# An emulated device's counters (pddnet.device.pacer): name, kind, help
+_DEVICE_METRICS = (
+    ("steps", CounterMetricFamily, "forwards paced to the modelled device"),
+    ("overruns", CounterMetricFamily, "forwards whose real compute outlasted the modelled "
+     "time x k (the box could not keep up)"),
+    ("overrun_lost_s", CounterMetricFamily, "wall seconds by which overrun forwards exceeded "
+     "their paced time"),
+    ("modelled_busy_s", CounterMetricFamily, "modelled device seconds of every forward"),
+    ("overrun_share", GaugeMetricFamily, "share of forwards that overran (valid: <= 1%)"),
+    ("dilation", GaugeMetricFamily, "time dilation k this daemon runs at"),
+    ("dilation_needed", GaugeMetricFamily, "smallest k at which <= 1% of recent forwards "
+     "would overrun"),
+)
+
+
+def _device(dev: Any, base: Mapping[str, str]) -> Iterator[Metric]:
+    if not isinstance(dev, Mapping) or not dev.get("emulated"):
+        return
+    labels = [*base.values(), str(dev.get("chip")), str(dev.get("target_model"))]
+    for key, kind, doc in _DEVICE_METRICS:
+        if _number(dev.get(key)):
+            f = _family(kind, f"pdd_device_{key}", doc, base, ["chip", "target_model"])
+            f.add_metric(labels, dev[key])
             yield f
 
 

@@ -33,23 +33,27 @@ def batch_bucket(batch: int) -> str:
 class StepTimes:
     """`observe(step)` per engine step; `to_stats()` goes into a daemon's stats()."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 1.0) -> None:
+        # durations are multiplied by this: 1 / dilation on a paced daemon, so that they are
+        # the modelled device's seconds (pddnet.device.dilation)
+        self.scale = scale
         self.decode = LatencyHistogram(STEP_BUCKETS_S)    # steps of one-token chunks only
         self.prefill = LatencyHistogram(STEP_BUCKETS_S)   # steps with a prefill/extend chunk
         self.prefill_tokens = 0
         self._by_batch: dict[str, list[float]] = {}       # label -> [steps, seconds, seqs]
 
     def observe(self, step: StepStats) -> None:
+        seconds = step.duration_s * self.scale
         if step.num_prefill_tokens:
-            self.prefill.observe(step.duration_s)
+            self.prefill.observe(seconds)
             self.prefill_tokens += step.num_prefill_tokens
             return
         if not step.num_seqs:
             return
-        self.decode.observe(step.duration_s)
+        self.decode.observe(seconds)
         acc = self._by_batch.setdefault(batch_bucket(step.num_seqs), [0, 0.0, 0])
         acc[0] += 1
-        acc[1] += step.duration_s
+        acc[1] += seconds
         acc[2] += step.num_seqs
 
     def to_stats(self) -> dict[str, Any]:

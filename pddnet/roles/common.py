@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Container
 from typing import Any
 
 from pddnet.config import ClusterConfig, DaemonSection
+from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
+from pddnet.device.pacer import StepPacer
 from pddnet.engine.engine import Engine, KVReservation, StepOutput
 from pddnet.engine.sampling import SamplingParams
 from pddnet.engine.sequence import FinishReason
@@ -194,6 +196,8 @@ class Daemon:
 
     def __init__(self, config: ClusterConfig) -> None:
         config.validate()
+        self.emulation = config.emulation()   # the modelled accelerator (None: unpaced)
+        config = wallclock(config)            # timeouts, heartbeats, rates on this box's clock
         if not config.secret:
             raise ValueError("config.secret is empty: daemons authenticate every connection "
                              "with the cluster secret (pdd up generates one)")
@@ -206,7 +210,14 @@ class Daemon:
         self.server: Server | None = None
         self.port: int | None = None
         self.counters: Counter[str] = Counter()
-        self.step_times = StepTimes()   # every engine step's wall time, as measured here
+        self.dilation = self.emulation.dilation if self.emulation else 1.0
+        # real / target KV bytes per token: real KV bytes on a wire stand for real / this
+        self.wire_scale = (self.emulation.wire_scale(real_kv_bytes_per_token(config.model))
+                           if self.emulation else 1.0)
+        self.pacer = (StepPacer(self.emulation.cost_of(self.section_name), self.dilation)
+                      if self.emulation else None)
+        # every engine step's time as measured here (paced, in the modelled world's seconds)
+        self.step_times = StepTimes(scale=1.0 / self.dilation)
         self.ended = RecentIds()
         self._router: list[Outbox] = []   # events lanes, most recent last
         self._outboxes: list[Outbox] = []
@@ -237,7 +248,7 @@ class Daemon:
                              prefix_cache_kind="radix" if sec.prefix_cache == "radix" else "hash")
         self.worker = EngineWorker(self.engine, self._on_outputs, threads=model_cfg.threads,
                                    name=f"{self.role}-engine", on_error=self._on_engine_error,
-                                   on_step_stats=self.step_times.observe)
+                                   on_step_stats=self.step_times.observe, pacer=self.pacer)
         self.server = Server(sec.host, sec.port, role=self.role, instance_id=self.instance_id,
                              secret=self.secret, on_connection=self._on_connection)
         self.port = await self.server.start()
@@ -624,7 +635,17 @@ class Daemon:
                 "queues": queues, "counters": dict(self.counters),
                 "threads": self.config.model.threads, **self.step_times.to_stats(),
                 "tasks": len(asyncio.all_tasks()),
-                "peers": {p.name: p.stats() for p in self.peers}}
+                "peers": {p.name: p.stats() for p in self.peers},
+                "device": self.device_stats()}
+
+    def device_stats(self) -> dict[str, Any]:
+        """The modelled accelerator this daemon runs on and how well the box kept up with it."""
+        if self.emulation is None or self.pacer is None:
+            return {"emulated": False}
+        cost = self.pacer.cost
+        return {"emulated": True, "chip": cost.chip.name, "gpus": cost.gpus,
+                "target_model": self.emulation.target.name, "wire_scale": self.wire_scale,
+                **self.pacer.to_stats()}
 
     def request_stats(self) -> dict[str, int]:  # pragma: no cover
         raise NotImplementedError

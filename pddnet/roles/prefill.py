@@ -517,7 +517,7 @@ class PrefillDaemon(Daemon):
             if cached is not None and cached[0] == descriptor and not cached[1].closed:
                 return cached[1]
             self._forget_writer(target)
-            writer = await self.kv_paths.backend(PATH_OF[target]).open(descriptor)
+            writer = await self.kv_paths.open(PATH_OF[target], descriptor)
             self.writers[target] = (descriptor, writer)
             return writer
 
@@ -681,4 +681,7 @@ class PrefillDaemon(Daemon):
             out["lanes"]["bulk"] = {"bytes_out": sum(sum(c.stats["bytes_out"].values())
                                                      for c in self.stripes.lanes),
                                     "chunks": sum(self.stripes.chunks_sent)}
+        if self.emulation is not None:   # what the target model's KV bytes would have been
+            kv = out["lanes"].get("bulk", {}).get("bytes_out", 0)
+            out["wan_bytes"]["out"]["kv_target"] = round(kv / self.wire_scale)
         return out

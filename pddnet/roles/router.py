@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
 from pddnet.protocol import messages as m
 from pddnet.roles.assembler import StreamAssembler
 from pddnet.roles.openai_api import (
@@ -204,7 +205,12 @@ class Router:
     """`Router(config)`: `await start()`, then HTTP on config.router.host:port (`.port`)."""
 
     def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.time) -> None:
-        self.config = config
+        config.validate()
+        self.emulation = config.emulation()   # reported times are the modelled world's (/ k)
+        self.dilation = self.emulation.dilation if self.emulation else 1.0
+        self.wire_scale = (self.emulation.wire_scale(real_kv_bytes_per_token(config.model))
+                           if self.emulation else 1.0)
+        self.config = config = wallclock(config)
         self.clock = clock
         self.instance_id = f"router-{uuid.uuid4().hex[:8]}"
         self.model, self.tokenizer = model_info_and_tokenizer(config.model.name)
@@ -302,7 +308,7 @@ class Router:
                 if state.last_release is not None:
                     # what the client sees: one gap per release, then tokens that came with it
                     gaps = [now - state.last_release] + [0.0] * (len(released.token_ids) - 1)
-                    self._metrics.observe_gaps(gaps)
+                    self._metrics.observe_gaps([g / self.dilation for g in gaps])
                 state.last_release = now
             if was == 0 and state.assembler.tokens:
                 state.add_event("first_token", now, "router", state.assembler.producers[0])
@@ -605,7 +611,7 @@ class Router:
             self.tokens_by_producer[p] = self.tokens_by_producer.get(p, 0) + 1
         self._metrics.observe(asm.finish_reason or "error", asm.counts_by_producer(),
                               None if asm.first_token_time is None
-                              else asm.first_token_time - state.arrival)
+                              else (asm.first_token_time - state.arrival) / self.dilation)
         self._metrics.by_pipeline.labels(state.details.get("pipeline", "unknown"),
                                          asm.finish_reason or "error").inc()
         if state.replays:
@@ -668,18 +674,24 @@ class Router:
     def pdd_object(self, state: RequestState) -> dict[str, Any]:
         asm = state.assembler
         counts = asm.counts_by_producer()
-        ttft = None if asm.first_token_time is None else asm.first_token_time - state.arrival
+        k = self.dilation
+        ttft = None if asm.first_token_time is None else (asm.first_token_time - state.arrival) / k
         mode = self.config.mode
         d = state.details
+        timeline = [{**e, "t_s": (e["time"] - state.arrival) / k}
+                    for e in sorted(state.timeline, key=lambda e: e["time"])]
         return {
             "request_id": state.request_id, "mode": mode.value, "seed": state.seed,
             "ttft_s": ttft,
+            "emulation": self.emulation.describe() if self.emulation else None,
             "pipeline": d.get("pipeline", DEFAULT_PIPELINE[mode]),
             "handoff_mode": d.get("handoff_mode"),
             "relay_tokens": counts.get("relay", 0),
             "main_tokens": counts.get("main_decode", 0),
             "prefill_tokens": counts.get("prefill", 0),
             "wan_kv_bytes": d.get("wan_kv_bytes", 0),
+            # the target model's KV bytes those real bytes stand for (= real when unpaced)
+            "target_wan_kv_bytes": round(d.get("wan_kv_bytes", 0) / self.wire_scale),
             "handoff_bytes": d.get("handoff_bytes", 0),
             "prefix_hit_tokens": d.get("prefix_hit_tokens", 0),
             "replays": state.replays,
@@ -688,7 +700,7 @@ class Router:
             "pipeline_changes": d.get("pipeline_changes", []),
             "finish_reason": asm.finish_reason,
             "warnings": list(asm.warnings),
-            "timeline": sorted(state.timeline, key=lambda e: e["time"]),
+            "timeline": timeline,
         }
 
 

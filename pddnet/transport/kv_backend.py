@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pddnet.kv.pool import KVSpec, dtype_name
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pddnet.device.line import ModelledLine
     from pddnet.kv.pool import KVPool
     from pddnet.kv.transfer import ExportedKV
     from pddnet.protocol import KvAllocResponse
@@ -294,6 +295,9 @@ class KVWriter(ABC):
         self.closed = False
         self.bytes_written = 0
         self.writes = 0
+        # a modelled line the writes must also cross (an emulated cluster's RDMA NIC): each
+        # write completes when both the real write and the line are done (pddnet.device.line)
+        self.line: ModelledLine | None = None
 
     def begin(self, request_id: str, target: WriteTarget) -> KVTransfer:
         if self.closed:
@@ -344,7 +348,12 @@ class KVTransfer:
         self.target.check(meta.token_start, meta.token_end, backend=w.backend, peer=w.peer)
         self._active += 1
         try:
+            started = time.monotonic()
             n = await w._write(self, exported, deadline_s or w.deadline_s)
+            if w.line is not None:
+                wait = w.line.complete(started, n, time.monotonic())
+                if wait > 0:
+                    await asyncio.sleep(wait)
         finally:
             self._active -= 1
         self.bytes_written += n

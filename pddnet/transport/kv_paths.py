@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pddnet.device.dilation import rdma_bytes_per_s
+from pddnet.device.line import ModelledLine
 from pddnet.transport.backends import MooncakeSettings, create_backend
-from pddnet.transport.kv_backend import BackendUnavailable, KVBackend
+from pddnet.transport.kv_backend import BackendUnavailable, KVBackend, KVWriter
 
 if TYPE_CHECKING:  # pragma: no cover
     from pddnet.config import ClusterConfig, DaemonSection
@@ -56,8 +58,10 @@ def mooncake_settings(config: ClusterConfig, local_host: str) -> MooncakeSetting
 class KVPaths:
     """The backend of each KV path this daemon takes part in (sender or receiver)."""
 
-    def __init__(self, backends: dict[str, KVBackend]) -> None:
+    def __init__(self, backends: dict[str, KVBackend],
+                 lines: dict[str, ModelledLine] | None = None) -> None:
         self._backends = backends
+        self.lines = lines or {}   # path -> the modelled line its writes cross (emulated NICs)
 
     @classmethod
     async def create(cls, config: ClusterConfig, section: DaemonSection, where: str,
@@ -78,7 +82,18 @@ class KVPaths:
         except BaseException:
             await cls(made).close()
             raise
-        return cls(made)
+        lines = {}
+        rate = rdma_bytes_per_s(config)
+        if rate is not None and "intra_dc" in paths:
+            lines["intra_dc"] = ModelledLine(rate)
+        return cls(made, lines)
+
+    async def open(self, path: str, descriptor: str) -> KVWriter:
+        """A writer on a path's backend to the region a receiver described, crossing the path's
+        modelled line if it has one."""
+        writer = await self.backend(path).open(descriptor)
+        writer.line = self.lines.get(path)
+        return writer
 
     def backend(self, path: str) -> KVBackend:
         try:
@@ -94,7 +109,10 @@ class KVPaths:
         return {path: b.name for path, b in self._backends.items()}
 
     def stats(self) -> dict[str, Any]:
-        return {path: b.stats() for path, b in self._backends.items()}
+        out = {path: b.stats() for path, b in self._backends.items()}
+        for path, line in self.lines.items():
+            out[path] = {**out[path], "modelled_line": line.to_stats()}
+        return out
 
     async def close(self) -> None:
         """Close each distinct backend once."""
