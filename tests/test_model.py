@@ -150,7 +150,7 @@ def test_same_prompt_twice_gives_identical_tokens(tiny: LlamaModel) -> None:
     assert greedy(init_random(ModelConfig.preset("tiny"), seed=1), prompt, 24) != first
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small", "medium"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-long", "small", "medium"])
 def test_greedy_output_is_not_degenerate(preset: str) -> None:
     model = init_random(ModelConfig.preset(preset), seed=0)
     tok = ByteTokenizer()

@@ -92,7 +92,7 @@ def test_shipped_profiles_load_and_match_the_presets():
     assert {"gpu-a", "gpu-b", "h100-sxm", "h20"} <= set(list_profiles("chips"))
     for name in list_profiles("chips"):
         assert load_chip(name).price_per_hour >= 0
-    for name in ("tiny", "small", "medium"):
+    for name in ("tiny", "tiny-long", "small", "medium"):
         prof, preset = load_model(name), ModelConfig.preset(name)
         assert prof.kv_bytes_per_token == preset.kv_bytes_per_token
         assert prof.total_params == preset.num_parameters

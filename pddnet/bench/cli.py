@@ -53,6 +53,8 @@ BENCHES: dict[str, BenchSpec] = {s.name: s for s in (
     BenchSpec("drc", "pddnet.bench.drc",
               "WAN KV bytes and TTFT with and without the decode-side RadixCache"),
     BenchSpec("handoff", "pddnet.bench.handoff", "token-id vs KV-direct handoff: payload, latency, quiet and jittery WAN"),
+    BenchSpec("engine", "pddnet.bench.engine",
+              "engine step time vs context: gather vs paged attention, and the roofline target"),
 )}
 
 

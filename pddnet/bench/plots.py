@@ -60,17 +60,25 @@ def cdf_plot(samples: Mapping[str, Sequence[float]], path: str | Path, xlabel: s
 
 
 def panels_plot(panels: Sequence[tuple[str, Series]], path: str | Path, xlabel: str,
-                title: str, logx: bool = False) -> Path | None:
-    """Side-by-side line plots sharing an x axis: one panel per (ylabel, series)."""
+                title: str, logx: bool = False, logy: bool = False,
+                ncols: int | None = None) -> Path | None:
+    """Line plots sharing an x axis: one panel per (ylabel, series), side by side (or in rows
+    of ``ncols``)."""
     if not have_matplotlib():
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
-    for ax, (ylabel, series) in zip(axes[0], panels, strict=True):
+    cols = min(ncols or len(panels), len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (ylabel, series) in zip(axes.flat, panels, strict=False):
         for label, (xs, ys) in series.items():
             ax.plot(list(xs), list(ys), marker="o", label=label)
         if logx:
             ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

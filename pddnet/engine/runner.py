@@ -4,9 +4,11 @@ A chunk is (new token ids, start position, block table): a whole prompt, a prefi
 extend of several known tokens on top of an existing cache, or a single decode token -- all the
 same to the runner. Linear layers run once over every chunk's tokens flattened; attention, per
 layer, first writes the step's K/V of all chunks into their slots, then lets each chunk's queries
-attend over its own sequence's keys ``0..start+len-1`` gathered from its blocks. Reading the
-chunk's own K/V back from the pool (instead of using the fresh tensors) is deliberate: decode,
-extend and prefill then see bit-identical keys, also when the pool stores a narrower dtype.
+attend over its own sequence's keys ``0..start+len-1`` read from its blocks in place
+(pddnet/model/paged_attention.py: tile by tile, online softmax, no copy of the context). Reading
+the chunk's own K/V back from the pool (instead of using the fresh tensors) is deliberate:
+decode, extend and prefill then see bit-identical keys, also when the pool stores a narrower
+dtype.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ import torch
 from pddnet.kv.pool import KVPool
 from pddnet.model.attention import causal_attention
 from pddnet.model.llama import LlamaModel
+from pddnet.model.paged_attention import paged_attention, plan_chunk
 
 LogitsMode = Literal["last", "all", "none"]
+# "paged" reads each sequence's KV in place; "gather" is the previous path (copy the whole
+# context out of the pool, then full-matrix `causal_attention`), kept selectable ONLY so that
+# `pdd bench engine` can measure old and new side by side in one run. The engine uses "paged".
+AttentionPath = Literal["paged", "gather"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,10 @@ class Chunk:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool,
+                 attention: AttentionPath = "paged") -> None:
+        if attention not in ("paged", "gather"):
+            raise ValueError(f"attention must be 'paged' or 'gather', got {attention!r}")
         cfg, spec = model.config, pool.spec
         if (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) != (
                 spec.num_layers, spec.num_kv_heads, spec.head_dim):
@@ -55,6 +65,7 @@ class ModelRunner:
                 f"{cfg.num_kv_heads} x {cfg.head_dim})")
         self.model = model
         self.pool = pool
+        self.attention = attention
 
     def run(self, chunks: Sequence[Chunk]) -> list[torch.Tensor | None]:
         """Forward all chunks in one call; per chunk its logits: [vocab] for "last",
@@ -82,9 +93,23 @@ class ModelRunner:
                 logits_rows.extend(range(s, len(ids)))
         slot_all = torch.cat(slots)
         pool = self.pool
+        cfg = self.model.config
+        # One plan per chunk and step (slot_mapping above checked its block ids), every layer.
+        plans = [plan_chunk(c.block_table, c.end, pool.spec.block_size, len(c.token_ids),
+                            cfg.num_heads, cfg.num_kv_heads)
+                 for c in chunks] if self.attention == "paged" else []
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
+            pool.write(layer, slot_all, k, v)
+            out = torch.empty_like(q)
+            k_blocks, v_blocks = pool.layer_blocks(layer)
+            for c, plan, (s, e) in zip(chunks, plans, bounds, strict=True):
+                out[s:e] = paged_attention(q[s:e], k_blocks, v_blocks, plan, c.start)
+            return out
+
+        def gather_attention(layer: int, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor) -> torch.Tensor:
             pool.write(layer, slot_all, k, v)
             out = torch.empty_like(q)
             for c, (s, e) in zip(chunks, bounds, strict=True):
@@ -94,7 +119,8 @@ class ModelRunner:
 
         input_ids = torch.tensor(ids, dtype=torch.long)
         # An empty index list (no chunk wants logits) skips the head entirely.
-        logits = self.model(input_ids, torch.cat(positions), attention,
+        logits = self.model(input_ids, torch.cat(positions),
+                            attention if self.attention == "paged" else gather_attention,
                             torch.tensor(logits_rows, dtype=torch.long))
         out: list[torch.Tensor | None] = []
         row = 0

@@ -252,6 +252,14 @@ class KVPool:
         self._flat(layer, 0).index_copy_(0, slots, k.to(s.torch_dtype))
         self._flat(layer, 1).index_copy_(0, slots, v.to(s.torch_dtype))
 
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of ``layer``'s K and V blocks, ``[num_blocks, block_size, Hkv, D]``
+        each, for attention that reads the pool in place (pddnet/model/paged_attention.py)."""
+        data = self._tensor()
+        if not 0 <= layer < self.spec.num_layers:
+            raise IndexError(f"layer {layer} out of range 0..{self.spec.num_layers - 1}")
+        return data[layer, 0], data[layer, 1]
+
     def gather(self, layer: int, block_table: Sequence[int], num_tokens: int,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[num_tokens, Hkv, D]`` of tokens ``0..num_tokens-1`` of a sequence."""

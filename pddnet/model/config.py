@@ -1,7 +1,8 @@
 """Model configuration and the built-in presets.
 
 All presets use the byte tokenizer's vocabulary (256 bytes, then BOS, EOS, PAD), so a preset
-runs without any tokenizer file. `tiny` runs in float64 so tests can compare results exactly;
+runs without any tokenizer file. `tiny` runs in float64 so tests can compare results exactly,
+and so does `tiny-long`, its long-context sibling (128K positions, the smallest compute);
 `small` and `medium` are sized for benchmarks: their per-token KV (16 KiB and 32 KiB in float32)
 makes KV transfers behave like a real model's, scaled down.
 """
@@ -117,6 +118,13 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": _byte_vocab_config(
         "tiny", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, max_position=4096, dtype="float64"),
+    # Long context (128K positions, Llama 3's rope_theta) at the least compute a Llama-style
+    # model can have: 2 layers, GQA with 2 query heads on 1 kv head, head_dim 8; 256 bytes of
+    # KV per token, ~32K parameters. float64, so it is token-exact like `tiny`. At 64K tokens
+    # attention is nearly all of its work, so its step time is the paged attention's.
+    "tiny-long": _byte_vocab_config(
+        "tiny-long", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=8, max_position=131072, rope_theta=500000.0, dtype="float64"),
     # 8 layers x 2 (K,V) x 4 kv heads x 64 x 4 bytes = 16 KiB per token; ~19M parameters.
     "small": _byte_vocab_config(
         "small", hidden_size=512, intermediate_size=1024, num_layers=8, num_heads=8,
