@@ -84,6 +84,39 @@ def test_ttft_quick(tmp_path, capsys):
             assert blocks["used"] == 0, (mode, role)    # nothing leaked after the run
 
 
+def test_engine_quick(tmp_path, capsys):
+    assert pdd("bench", "engine", "--quick", "--no-progress", "--out", str(tmp_path)) == 0
+    (path,) = (tmp_path / "engine").glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["config"]["quick"] is True and data["torch_threads"] == 1
+    assert len(data["machine"]["loadavg"]) == len(data["loadavg_before"]) == 3
+    assert data["model"]["name"] == "tiny-long" and data["target"]["model"] == "llama-3-70b"
+    shapes = {(r["kind"], r["context"], r["chunk"], r["batch"]) for r in data["rows"]}
+    assert shapes == {(k, n, c, b) for n in (256, 1024) for k, c, b in (
+        ("prefill", 128, 1), ("decode", 1, 1), ("decode", 1, 4))}
+    for r in data["rows"]:
+        assert r["modelled_s"] > 0
+        for p in ("gather", "paged"):
+            entry = r["paths"][p]
+            assert len(entry["times_s"]) == 2 and entry["median_s"] > 0
+            assert r["k"][p] == pytest.approx(entry["median_s"] / r["modelled_s"])
+        assert r["max_logit_diff"] < 1e-9      # both paths computed the same forward
+    # a longer prefill chunk or a bigger batch costs the modelled target more
+    model = {(r["kind"], r["context"], r["batch"]): r["modelled_s"] for r in data["rows"]}
+    assert model[("decode", 1024, 4)] > model[("decode", 1024, 1)]
+    assert (tmp_path / "engine" / path.with_suffix(".png").name).exists()
+    assert "k paged" in capsys.readouterr().out
+
+    # a shape the old path could not hold is recorded as skipped, the new one still measured
+    assert pdd("bench", "engine", "--contexts", "300", "--chunks", "64", "--batches", "2",
+               "--repeats", "1", "--max-old-gib", "1e-6", "--no-progress", "--out",
+               str(tmp_path / "capped")) == 0
+    (path,) = (tmp_path / "capped" / "engine").glob("*.json")
+    for r in json.loads(path.read_text())["rows"]:
+        assert "GiB of temporaries" in r["paths"]["gather"]["skipped"]
+        assert r["paths"]["paged"]["median_s"] > 0 and r["speedup"] is None
+
+
 def test_handoff_mode_quick(tmp_path):
     assert pdd("bench", "handoff-mode", "--quick", "--no-progress", "--out",
                str(tmp_path)) == 0
@@ -186,3 +219,176 @@ def test_mode_summary_shares_and_sla():
     assert s["token_share"] == {"prefill": 0.0, "relay": 0.6, "main_decode": 0.4}
     assert s["output_tokens"] == s["client_tokens"] == 5
     assert s["sla"]["met"] == 1 and s["sla"]["goodput_req_s"] == pytest.approx(0.25)
+
+
+# -- emulated devices: time dilation on the client's side, the flags, the devices section -----
+
+EMULATED = ("--target-model", "llama-3-70b", "--device", "prefill=h100-sxm:8",
+            "--device", "relay=h100-sxm:8", "--device", "main-decode=h200-sxm:8")
+
+
+def test_stream_record_reports_modelled_durations():
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.handoff_mode import handoff_metrics
+    from pddnet.bench.ttft import handoff_latency_s, mode_summary, tpot_s
+
+    times = [10.4, 10.6, 11.0]
+    raw = StreamRecord(sent_at=10.0, first_token_at=10.4, token_times=times,
+                       token_ids=[1, 2, 3])
+    paced = StreamRecord(sent_at=10.0, first_token_at=10.4, token_times=list(times),
+                         token_ids=[1, 2, 3], dilation=4.0)
+    # unpaced: exactly the raw differences, as before dilation existed
+    assert raw.ttft_s == 10.4 - 10.0 and raw.inter_token_s() == [10.6 - 10.4, 11.0 - 10.6]
+    assert tpot_s(raw) == (11.0 - 10.4) / 2
+    # paced at k = 4: every duration / k, the raw (wall) times untouched
+    assert paced.ttft_s == pytest.approx(0.1) and paced.wall_ttft_s == pytest.approx(0.4)
+    assert paced.inter_token_s() == pytest.approx([0.05, 0.1])
+    assert tpot_s(paced) == pytest.approx(0.075)
+    assert paced.token_times == times and paced.sent_at == 10.0
+    s = mode_summary([paced], sla_ttft_s=0.2, sla_tpot_s=0.08, makespan_s=2.0)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.1) and s["sla"]["met"] == 1
+    # the router's timeline `time` is wall clock too: its handoff latency is / the router's k
+    timeline = [{"event": "handoff_start", "time": 5.0}, {"event": "first_md_token", "time": 5.4}]
+    assert handoff_latency_s({"timeline": timeline}) == pytest.approx(0.4)
+    assert handoff_latency_s({"timeline": timeline, "emulation": {"dilation": 4.0}}) \
+        == pytest.approx(0.1)
+    # handoff-mode's figures: stall, handoff duration and RLD occupancy all / k
+    hm_times = [1.00, 1.01, 1.02, 1.03, 1.08, 1.09, 1.10]
+    pdd_obj = {"relay_tokens": 4, "main_tokens": 3, "handoff_mode": "one-shot",
+               "timeline": [{"event": "rld_kv_complete", "time": 0.99},
+                            {"event": "handoff_start", "time": 1.025, "detail": {"value": 3}},
+                            {"event": "first_md_token", "time": 1.075}]}
+    one = handoff_metrics(record(hm_times, pdd_obj), prompt_len=100)
+    rec = record(hm_times, pdd_obj)
+    rec.dilation = 5.0
+    five = handoff_metrics(rec, prompt_len=100)
+    for key in ("stall_s", "handoff_s", "rld_occupancy_token_s", "itl_median_s"):
+        assert five[key] == pytest.approx(one[key] / 5), key
+
+
+async def test_drivers_stretch_the_workload_by_the_dilation():
+    """Against a tiny streaming server: arrivals (and think times) x k, records carry k."""
+    import time
+
+    from aiohttp import ClientSession, web
+    from aiohttp.test_utils import TestServer
+
+    from pddnet.bench.agent_workload import AgentRequest
+    from pddnet.bench.drive import drive_agent, drive_poisson, warm_up
+    from pddnet.bench.workload import BenchRequest
+
+    async def completions(request):
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            chunk = {"choices": [{"token_ids": [i + 7]}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    k = 3.0
+    async with TestServer(app) as server, ClientSession() as session:
+        url = str(server.make_url("/"))
+        await warm_up(session, url, "m", dilation=k)
+        poisson = [BenchRequest(a, (1, 2), 2) for a in (0.0, 0.05, 0.1)]
+        t0 = time.time()
+        recs = await drive_poisson(session, url, poisson, "m", dilation=k)
+        for req, rec in zip(poisson, recs, strict=True):
+            assert rec.error is None and rec.dilation == k and rec.token_ids == [7, 8]
+            assert rec.sent_at - t0 >= req.arrival_s * k - 0.01        # stretched by k
+            assert rec.ttft_s == (rec.first_token_at - rec.sent_at) / k
+        agent = [AgentRequest(0, 0, 0.0, (1, 2, 3), 2, (0, 0), (1, 2, 3)),
+                 AgentRequest(0, 1, 0.08, (1, 2, 3, 0, 0, 4), 2, (0, 0), (4,))]
+        t0 = time.time()
+        recs = await drive_agent(session, url, agent, "m", dilation=k)
+        assert [r.dilation for r in recs] == [k, k]
+        assert recs[1].sent_at - t0 >= 0.08 * k - 0.01      # the think time stretched too
+        # unpaced: k = 1 on every record, durations exactly the raw ones
+        t0 = time.time()
+        recs = await drive_poisson(session, url, poisson, "m")
+        for req, rec in zip(poisson, recs, strict=True):
+            assert rec.dilation == 1.0 and rec.ttft_s == rec.first_token_at - rec.sent_at
+            assert rec.sent_at - t0 >= req.arrival_s - 0.01
+
+
+def test_device_setup_resolves_auto_once_on_the_widest_mode(monkeypatch):
+    from pddnet.bench import ttft
+    from pddnet.bench.devices import setup_devices
+    from pddnet.device import probe
+
+    probed = []
+
+    def fake_probe(config, log=print, **kw):
+        probed.append(config.mode.value)
+        return probe.ProbeResult(3.5, 64, 4, 1.5)
+
+    monkeypatch.setattr(probe, "probe_dilation", fake_probe)
+    p = argparse.ArgumentParser()
+    ttft.add_arguments(p)
+    args = p.parse_args(["--quick", *EMULATED, "--dilation", "auto"])
+    ttft.apply_quick(args)
+    devices = setup_devices(args, {m: ttft.cluster_overrides(m, args) for m in args.modes})
+    assert probed == ["pdd"]                       # once, on the mode with every role
+    assert devices.dilation == devices.overrides["dilation"] == 3.5 and devices.auto
+    assert devices.line() == ("devices: emulated llama-3-70b on prefill 8 x h100-sxm, relay "
+                              "8 x h100-sxm, main_decode 8 x h200-sxm; k = 3.5 (auto) "
+                              "(times / k)")
+    assert devices.wall_rate_mbit(1000.0) == pytest.approx(1000.0 * 1024 / 327680 / 3.5)
+    plain = setup_devices(p.parse_args([]), {"same-dc": {"mode": "same-dc"}})
+    assert not plain.emulated and plain.dilation == 1.0 and plain.overrides == {}
+    assert plain.line() == "devices: unpaced: this box's own times"
+
+
+@pytest.mark.parametrize("bench", ["ttft", "drc", "handoff-mode", "transport", "demo"])
+@pytest.mark.parametrize("flag, message", [
+    ("gpu=h100-sxm", "'gpu' runs no model"),
+    ("main-decode=h999", "unknown chip profile 'h999'"),
+    ("relay=h100-sxm:0", "GPUS must be an integer >= 1"),
+])
+def test_bad_device_flags_fail_before_any_cluster(bench, flag, message, monkeypatch, capsys,
+                                                  tmp_path):
+    from pddnet.cluster.local import LocalCluster
+
+    def no_cluster(*a, **kw):
+        raise AssertionError("a cluster was started despite a bad --device")
+
+    monkeypatch.setattr(LocalCluster, "__init__", no_cluster)
+    devices = [d if not d.startswith("main-decode") else flag for d in EMULATED]
+    if flag.startswith(("gpu", "relay")):
+        devices = [*EMULATED, "--device", flag]
+    argv = ["--quick", "--no-progress", "--out", str(tmp_path), *devices]
+    with pytest.raises(SystemExit) as exc:
+        pdd(bench, *argv) if bench == "demo" else pdd("bench", bench, *argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())          # nothing written, nothing run
+
+
+@pytest.mark.timeout(240)
+def test_ttft_quick_on_emulated_devices(tmp_path, capsys):
+    assert pdd("bench", "ttft", "--quick", "--no-progress", "--modes", "same-dc", "pdd",
+               "--workloads", "long", "--bw-mbit", "10000", *EMULATED, "--dilation", "2",
+               "--out", str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    data = only_result(tmp_path / "ttft")
+    assert set(data["devices"]) == {"same-dc", "pdd"}
+    roles = {"same-dc": {"prefill", "relay"}, "pdd": {"prefill", "relay", "main_decode"}}
+    for mode, report in data["devices"].items():
+        assert report["emulated"] and report["dilation"] == 2.0 and report["steps"] > 0
+        assert set(report["roles"]) == roles[mode]
+        assert 0 <= report["overruns"] <= report["steps"]
+        # a run over 1% overruns is called out at the end, never silently
+        assert (f"NOT VALID: ttft {mode} overran" in out) == (not report["valid"])
+    assert data["config"]["dilation_k"] == 2.0 and data["emulation"]["wire_scale"] > 0
+    assert ("devices: emulated llama-3-70b on prefill 8 x h100-sxm, relay 8 x h100-sxm, "
+            "main_decode 8 x h200-sxm; k = 2 (times / k)") in out
+    for mode, s in data["workloads"]["long"].items():
+        assert s["completed"] == s["requests"] > 0, (mode, s["errors"])
+        assert s["output_tokens"] == s["client_tokens"]
+    for row in data["requests"]["pdd"]:
+        assert row["dilation"] == 2.0
+        assert row["ttft_s"] == pytest.approx((row["token_times"][0] - row["sent_at"]) / 2)
+        assert row["pdd"]["emulation"]["dilation"] == 2.0

@@ -1,4 +1,11 @@
-"""A streaming completions client that measures what the user sees (TTFT, inter-token gaps)."""
+"""A streaming completions client that measures what the user sees (TTFT, inter-token gaps).
+
+A cluster on emulated devices runs time-dilated by k (pddnet.device.dilation): the client's
+raw clock readings (``sent_at``, ``first_token_at``, ``token_times``: ``time.time()``, the
+clock of the daemons' timelines) stay wall-clock, and every duration the record reports
+(``ttft_s``, ``inter_token_s``, ``span_s``) is divided by the record's ``dilation``: the
+modelled world's time. Unpaced (k = 1) the numbers are exactly the raw ones.
+"""
 
 from __future__ import annotations
 
@@ -16,20 +23,33 @@ class StreamRecord:
     token_ids: list[int] = field(default_factory=list)
     pdd: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    dilation: float = 1.0          # the cluster's time dilation k: reported durations are / k
+
+    def span_s(self, start: float, end: float) -> float:
+        """A duration between two of this record's raw (wall-clock) times, in modelled time."""
+        return (end - start) / self.dilation
 
     @property
     def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.span_s(self.sent_at,
+                                                                    self.first_token_at)
+
+    @property
+    def wall_ttft_s(self) -> float | None:
+        """TTFT on this box's clock (= ttft_s when unpaced)."""
         return None if self.first_token_at is None else self.first_token_at - self.sent_at
 
     def inter_token_s(self) -> list[float]:
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+        return [self.span_s(a, b) for a, b in zip(t, t[1:], strict=False)]
 
 
-async def stream_completion(session: Any, url: str, body: dict[str, Any]) -> StreamRecord:
-    """POST a streaming completion with return_token_ids and record token arrival times."""
+async def stream_completion(session: Any, url: str, body: dict[str, Any],
+                            dilation: float = 1.0) -> StreamRecord:
+    """POST a streaming completion with return_token_ids and record token arrival times
+    (`dilation`: the cluster's k, kept on the record so its durations come out modelled)."""
     body = {**body, "stream": True, "return_token_ids": True}
-    rec = StreamRecord(sent_at=time.time())
+    rec = StreamRecord(sent_at=time.time(), dilation=dilation)
     async with session.post(url.rstrip("/") + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             rec.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"

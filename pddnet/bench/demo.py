@@ -7,11 +7,17 @@ long prompts plus a few multi-turn agent conversations), shows live progress, pr
 side table (TTFT percentiles, RLD's share of output tokens, WAN bytes, handoff latency) and
 writes its plots, the result JSON and a Perfetto trace of one PDD request into a folder it
 names. About 1.5-2.5 minutes on 2 cores with the small model.
+
+With emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) the three
+clusters run paced at one k (auto is probed once, before the first cluster): the workload's time
+is stretched by k, every time shown is the modelled one (/ k), and a mode whose daemons overran
+more than 1% of their forwards is flagged NOT VALID at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ from pddnet.bench.agent_workload import AgentWorkloadParams, generate_agent_work
 from pddnet.bench.plots import cdf_plot, grouped_bars
 from pddnet.bench.results import write_result
 from pddnet.bench.workload import poisson_long_prompts
+from pddnet.device import flags as device_flags
 
 MODES = ("pdd", "cross-dc", "same-dc")
 
@@ -44,16 +51,24 @@ def ttft_namespace(args: argparse.Namespace) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     ttft.add_arguments(p)
     ns = p.parse_args([])
-    for key in ("model", "wan", "rtt_ms", "jitter_ms", "bw_mbit", "threads", "seed", "quick"):
+    for key in ("model", "wan", "rtt_ms", "jitter_ms", "bw_mbit", "threads", "seed", "quick",
+                "target_model", "device", "dilation"):
         setattr(ns, key, getattr(args, key))
     return ns
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from pddnet.bench import ttft
+    from pddnet.bench.devices import print_validity, setup_devices
     from pddnet.obs.trace import write_trace
 
     apply_quick(args)
+    targs = ttft_namespace(args)
+    try:   # the device flags, checked against every mode (and auto probed) before any cluster
+        devices = setup_devices(targs, {m: ttft.cluster_overrides(m, targs) for m in args.modes})
+    except ValueError as exc:
+        print(f"pdd demo: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     t0 = time.monotonic()
     folder = Path(args.out) / "demo" / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
@@ -62,11 +77,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"pdd demo: model {args.model}, {n} requests per mode ({len(workloads['long'])} long "
           f"prompts, {len(workloads['agent'])} agent turns), WAN rtt {args.rtt_ms:g} ms, jitter "
           f"{args.jitter_ms:g} ms, {args.bw_mbit:g} Mbit/s; writing to {folder}/", flush=True)
-    targs = ttft_namespace(args)
+    print(devices.line(), flush=True)
     per_mode: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
         t_mode = time.monotonic()
-        per_mode[mode] = await ttft.run_mode(mode, workloads, targs, not args.no_progress)
+        per_mode[mode] = await ttft.run_mode(mode, workloads, targs, not args.no_progress,
+                                             devices)
         shell = per_mode[mode].get("wan_shell") or "none"
         print(f"  {mode}: done in {time.monotonic() - t_mode:.0f} s (WAN shell: {shell})",
               flush=True)
@@ -88,20 +104,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
               if k != "handler"}
     config["wan_shell"] = {m: r.get("wan_shell") for m, r in per_mode.items()}
+    config["dilation_k"] = devices.dilation
     requests = {m: [ttft.request_row(r, w) for w in workloads for r in res["records"][w]]
                 for m, res in per_mode.items()}
+    reports = {m: res["devices"] for m, res in per_mode.items()}
     path = write_result("demo", {"config": config, "threads_per_daemon": args.threads,
                                  "modes": table, "ratios": ratios, "folder": str(folder),
+                                 "emulation": devices.to_dict(), "devices": reports,
                                  "requests": requests,
                                  "elapsed_s": time.monotonic() - t0}, args.out)
     final = folder / "result.json"
     path.replace(final)
-    print_table(table, ratios)
+    print_table(table, ratios, devices.line())
     print(f"\nresults and plots in {folder}/ ({time.monotonic() - t0:.0f} s):")
     for f in [final, *files]:
         print(f"  {f}")
+    warnings = print_validity(reports, "demo")
     return {"folder": str(folder), "path": str(final), "modes": table, "ratios": ratios,
-            "files": [str(f) for f in files]}
+            "files": [str(f) for f in files], "devices": reports, "warnings": warnings}
 
 
 def write_plots(folder: Path, per_mode: dict[str, dict[str, Any]],
@@ -123,10 +143,13 @@ def write_plots(folder: Path, per_mode: dict[str, dict[str, Any]],
     return [p for p in out if p is not None]
 
 
-def print_table(table: dict[str, dict[str, Any]], ratios: dict[str, Any]) -> None:
+def print_table(table: dict[str, dict[str, Any]], ratios: dict[str, Any],
+                devices_line: str | None = None) -> None:
     def ms(v: float | None) -> str:
         return f"{'-':>8}" if v is None else f"{v * 1e3:8.0f}"
 
+    if devices_line:
+        print(f"\n{devices_line}", end="")
     print(f"\n{'mode':>9} {'ok':>5} {'TTFT p50':>8} {'p90':>8} {'p99':>8} {'RLD share':>9} "
           f"{'WAN MiB':>8} {'handoff mean':>12} {'max':>8}  (ms)")
     for mode, s in table.items():
@@ -153,14 +176,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan", default="auto", choices=("auto", "kernel", "packet", "proxy"))
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--jitter-ms", type=float, default=2.0)
-    p.add_argument("--bw-mbit", type=float, default=100.0)
+    p.add_argument("--bw-mbit", type=float, default=None,
+                   help="WAN rate per direction, in the modelled world when devices are "
+                        "emulated (default 100; --quick: 4)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="results", help="the demo writes into OUT/demo/<timestamp>/")
+    device_flags.add_arguments(p)
 
 
 def apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.model, args.requests, args.rate, args.conversations = "tiny", 4, 4.0, 1
-        args.prompt_len, args.max_tokens, args.bw_mbit = (64, 256), (8, 16), 4.0
+        args.prompt_len, args.max_tokens = (64, 256), (8, 16)
+    if args.bw_mbit is None:    # an explicit --bw-mbit wins over --quick's 4 Mbit/s
+        args.bw_mbit = 4.0 if args.quick else 100.0

@@ -8,6 +8,10 @@ byte counts compare DRC alone (with the pipeline policy free to choose, DRC's sm
 would also change pipelines; that is the ttft benchmark's business). Greedy decoding with
 ignore_eos makes the two runs' prompts identical, so requests pair up by index; each is binned
 by the hit MD really had in the DRC run.
+
+With emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) both
+clusters run paced at one k: conversation arrivals and think times are stretched by k, TTFTs are
+modelled (/ k), and the JSON's `devices` says per variant how well the box kept up.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pddnet.bench.agent_workload import (
     ideal_hit_ratios,
 )
 from pddnet.bench.results import summary, write_result
+from pddnet.device import flags as device_flags
 from pddnet.kv.radix import HIT_INTERVAL_LABELS, hit_interval
 
 QUICK = AgentWorkloadParams(num_conversations=4, conversation_rate_per_s=6.0, think_time_s=0.2,
@@ -44,33 +49,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MD's KV pool in blocks of 16 (room for the conversations' prefixes)")
     p.add_argument("--out", default="results", help="folder for results/<bench>/...")
     p.add_argument("--no-progress", action="store_true")
+    device_flags.add_arguments(p)
+
+
+def variant_overrides(args: argparse.Namespace, prefix_cache: str) -> dict[str, Any]:
+    return {"policy.pipeline": "p_md", "main_decode.prefix_cache": prefix_cache,
+            "main_decode.num_blocks": args.md_blocks, "prefill.num_blocks": 2048,
+            "model.threads": 1}
 
 
 async def run_variant(args: argparse.Namespace, workload: list, prefix_cache: str,
-                      show_progress: bool) -> dict[str, Any]:
+                      show_progress: bool, devices: Any = None) -> dict[str, Any]:
     import aiohttp
 
+    from pddnet.bench.devices import UNPACED, daemon_stats
     from pddnet.bench.drive import drive_agent, warm_up
     from pddnet.bench.progress import progress
     from pddnet.cluster.local import LocalCluster
 
-    overrides = {"policy.pipeline": "p_md", "main_decode.prefix_cache": prefix_cache,
-                 "main_decode.num_blocks": args.md_blocks, "prefill.num_blocks": 2048,
-                 "model.threads": 1}
+    devices = devices or UNPACED
+    k = devices.dilation
+    overrides = {**variant_overrides(args, prefix_cache), **devices.overrides}
     async with LocalCluster(mode="pdd", model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
                             jitter_ms=0.0, bw_mbit=args.bw_mbit, overrides=overrides) as cluster:
-        timeout = aiohttp.ClientTimeout(total=600)
+        timeout = aiohttp.ClientTimeout(total=600 * k)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            await warm_up(session, cluster.url, args.model)
+            await warm_up(session, cluster.url, args.model, dilation=k)
             with progress(len(workload), f"drc {prefix_cache}", enabled=show_progress) as bar:
-                records = await drive_agent(session, cluster.url, workload, args.model, bar)
-        md = await cluster.stats("main_decode")
-        p = await cluster.stats("prefill")
+                records = await drive_agent(session, cluster.url, workload, args.model, bar,
+                                            dilation=k)
+        stats = await daemon_stats(cluster)
         shell = cluster.wan.get("shell")
     errors = [r.error for r in records if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(records)} requests failed, e.g. {errors[0]}")
-    return {"records": records, "md": md, "prefill": p, "shell": shell}
+    return {"records": records, "md": stats["main_decode"], "prefill": stats["prefill"],
+            "stats": stats, "shell": shell}
 
 
 def prompt_tokens(pdd: dict[str, Any]) -> int:
@@ -95,14 +109,21 @@ def _per_interval(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pddnet.bench.devices import device_reports, print_validity, setup_devices
+
     params = QUICK if args.quick else FULL
     if args.conversations:
         params = dataclasses.replace(params, num_conversations=args.conversations)
+    base = {"mode": "pdd", "model.name": args.model, "wan.shell": args.wan,
+            "wan.rtt_ms": args.rtt_ms, "wan.bw_mbit": args.bw_mbit}
+    devices = setup_devices(args, {v: {**base, **variant_overrides(args, v)}
+                                   for v in ("radix", "off")})
     workload = generate_agent_workload(params, seed=args.seed)
     ideal = hit_distribution(ideal_hit_ratios(workload))
     show = not args.no_progress
-    on = await run_variant(args, workload, "radix", show)
-    off = await run_variant(args, workload, "off", show)
+    on = await run_variant(args, workload, "radix", show, devices)
+    off = await run_variant(args, workload, "off", show, devices)
+    reports = device_reports({"radix": on["stats"], "off": off["stats"]})
     rows = []
     for rec_on, rec_off in zip(on["records"], off["records"], strict=True):
         if rec_on.token_ids != rec_off.token_ids:
@@ -124,7 +145,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"model": args.model, "wan_shell": on["shell"], "rtt_ms": args.rtt_ms,
                    "bw_mbit": args.bw_mbit, "md_blocks": args.md_blocks, "seed": args.seed,
                    "pipeline": "p_md", "torch_threads_per_daemon": 1,
-                   "workload": dataclasses.asdict(params)},
+                   "workload": dataclasses.asdict(params),
+                   "target_model": getattr(args, "target_model", None),
+                   "device": getattr(args, "device", []),
+                   "dilation": getattr(args, "dilation", None),
+                   "dilation_k": devices.dilation},
+        "emulation": devices.to_dict(), "devices": reports,
+        "devices_line": devices.line(),
         "requests": len(rows), "mean_hit": mean_hit,
         "hit_distribution_measured": measured, "hit_distribution_ideal": ideal,
         "wan_kv_bytes_drc": total_on, "wan_kv_bytes_no_drc": total_off,
@@ -140,6 +167,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result["path"] = str(path)
     result["plots"] = _plots(result, path)
     print_table(result)
+    result["warnings"] = print_validity(reports, "drc")
     return result
 
 
@@ -169,6 +197,8 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"\ndrc: {r['requests']} requests, mean MD hit {r['mean_hit']:.3f}, "
           f"WAN {r['config']['wan_shell']} {r['config']['rtt_ms']:g} ms "
           f"{r['config']['bw_mbit']:g} Mbit/s, model {r['config']['model']}, 1 torch thread/daemon")
+    if r.get("devices_line"):
+        print(r["devices_line"])
     print(f"{'hit interval':<12} {'share':>7} {'ideal':>7} {'KV MiB DRC':>11} "
           f"{'no DRC':>9} {'ratio':>7} {'TTFT p50 DRC':>13} {'no DRC':>8}")
     for label, v in r["per_interval"].items():
@@ -192,5 +222,9 @@ def print_table(r: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)
-    asyncio.run(run(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    try:
+        asyncio.run(run(args))
+    except ValueError as exc:
+        p.error(str(exc))
     return 0

@@ -5,6 +5,10 @@ record what the client sees (`StreamRecord` per request, in workload order).
 - `drive_agent`: multi-turn conversations; turn t is sent at max(its arrival, turn t-1 done)
   and its prompt is built from what turn t-1 really returned (closed loop per conversation).
 Both take a `progress` (pddnet.bench.progress) updated once per finished request.
+
+On emulated devices (``dilation`` k > 1) the workload's own time is stretched: a request due
+at ``arrival_s`` is sent ``arrival_s x k`` wall seconds after the start (think times included),
+so the offered load is the modelled one; the records carry k and report durations / k.
 """
 
 from __future__ import annotations
@@ -24,21 +28,23 @@ def _body(model: str, prompt: Sequence[int], max_tokens: int, **extra: Any) -> d
             "ignore_eos": True, **extra}
 
 
-async def warm_up(session: Any, url: str, model: str) -> None:
+async def warm_up(session: Any, url: str, model: str, dilation: float = 1.0) -> None:
     """One tiny request, so that first-touch costs (allocations, lazy imports) are not measured."""
-    rec = await stream_completion(session, url, _body(model, [1, 2, 3], 2))
+    rec = await stream_completion(session, url, _body(model, [1, 2, 3], 2), dilation=dilation)
     if rec.error is not None:
         raise RuntimeError(f"warm-up request failed: {rec.error}")
 
 
 async def drive_poisson(session: Any, url: str, workload: Sequence[BenchRequest], model: str,
-                        progress: Any = None, **extra: Any) -> list[StreamRecord]:
+                        progress: Any = None, dilation: float = 1.0,
+                        **extra: Any) -> list[StreamRecord]:
     start = time.monotonic()
 
     async def one(req: BenchRequest) -> StreamRecord:
-        await asyncio.sleep(max(0.0, req.arrival_s - (time.monotonic() - start)))
+        await asyncio.sleep(max(0.0, req.arrival_s * dilation - (time.monotonic() - start)))
         rec = await stream_completion(session, url, _body(model, req.prompt_token_ids,
-                                                          req.max_tokens, **extra))
+                                                          req.max_tokens, **extra),
+                                      dilation=dilation)
         if progress is not None:
             progress.update(1)
         return rec
@@ -47,7 +53,7 @@ async def drive_poisson(session: Any, url: str, workload: Sequence[BenchRequest]
 
 
 async def drive_agent(session: Any, url: str, workload: Sequence[AgentRequest], model: str,
-                      progress: Any = None) -> list[StreamRecord]:
+                      progress: Any = None, dilation: float = 1.0) -> list[StreamRecord]:
     by_conv: dict[int, list[int]] = {}
     for i, r in enumerate(workload):
         by_conv.setdefault(r.conversation_id, []).append(i)
@@ -59,9 +65,10 @@ async def drive_agent(session: Any, url: str, workload: Sequence[AgentRequest], 
         output: list[int] = []
         for i in sorted(indices, key=lambda j: workload[j].turn):
             req = workload[i]
-            await asyncio.sleep(max(0.0, req.arrival_s - (time.monotonic() - start)))
+            await asyncio.sleep(max(0.0, req.arrival_s * dilation - (time.monotonic() - start)))
             prompt = follow_up_prompt(req, prompt, output)
-            rec = await stream_completion(session, url, _body(model, prompt, req.max_tokens))
+            rec = await stream_completion(session, url, _body(model, prompt, req.max_tokens),
+                                          dilation=dilation)
             records[i] = rec
             if progress is not None:
                 progress.update(1)
@@ -69,7 +76,8 @@ async def drive_agent(session: Any, url: str, workload: Sequence[AgentRequest], 
                 for j in indices:
                     if records[j] is None:
                         records[j] = StreamRecord(sent_at=time.time(),
-                                                  error=f"not sent: turn {req.turn} failed")
+                                                  error=f"not sent: turn {req.turn} failed",
+                                                  dilation=dilation)
                         if progress is not None:
                             progress.update(1)
                 return

@@ -14,6 +14,13 @@ at a time (per-request `handoff_mode`), each with a fresh prompt. Measured per r
   (prompt + tokens made so far, integrated over the client's token arrival times);
 - handoff duration: handoff_start (RLD) -> first_md_token (MD);
 - the backlog actually reached (handoff_start's detail) -- plotted on the x axis.
+
+With emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) the
+cluster runs paced at k: every time above is modelled (/ k), the calibrated decode step too;
+the WAN rates set through the control API are computed on this box's clock and real bytes
+(the step in wall seconds, the small model's KV) and reported as the modelled line's rate
+(x k / the wire scale) beside the rate the emulator really ran (`wall_rate_mbit`);
+--max-rate-mbit caps the modelled rate.
 """
 
 from __future__ import annotations
@@ -26,10 +33,19 @@ import time
 from typing import Any
 
 from pddnet.bench.client import StreamRecord, stream_completion
+from pddnet.bench.devices import (
+    UNPACED,
+    DeviceSetup,
+    daemon_stats,
+    device_report,
+    print_validity,
+    setup_devices,
+)
 from pddnet.bench.drive import warm_up
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
 from pddnet.bench.results import write_result
+from pddnet.device import flags as device_flags
 
 MODES = ("one-shot", "streaming", "dynamic")
 STALL_TAIL_TOKENS = 8    # tokens after the cut that still count as "around the handoff"
@@ -52,7 +68,8 @@ def _value(detail: Any) -> int | None:
 
 
 def handoff_metrics(rec: StreamRecord, prompt_len: int) -> dict[str, Any]:
-    """The handoff figures of one completed PDD request (see the module docstring)."""
+    """The handoff figures of one completed PDD request (see the module docstring); times
+    in the modelled world (the record's raw times / its dilation)."""
     pdd, times = rec.pdd, rec.token_times
     ev = _events(pdd)
     relay = int(pdd.get("relay_tokens", 0))
@@ -71,7 +88,7 @@ def handoff_metrics(rec: StreamRecord, prompt_len: int) -> dict[str, Any]:
     if backlog is not None and times:
         lo = max(1, min(backlog, relay))   # gap i is token i-1 -> token i
         hi = min(len(times) - 1, relay + STALL_TAIL_TOKENS)
-        window = [times[i] - times[i - 1] for i in range(lo, hi + 1)]
+        window = [rec.span_s(times[i - 1], times[i]) for i in range(lo, hi + 1)]
         out["stall_s"] = max(window) if window else None
     landed = ev.get("rld_kv_complete")
     if landed is not None and 0 < relay <= len(times):
@@ -81,9 +98,9 @@ def handoff_metrics(rec: StreamRecord, prompt_len: int) -> dict[str, Any]:
             t = times[i]
             occupancy += held * max(0.0, t - t_prev)
             held, t_prev = prompt_len + i + 1.0, t
-        out["rld_occupancy_token_s"] = occupancy
+        out["rld_occupancy_token_s"] = occupancy / rec.dilation
     if start is not None and "first_md_token" in ev:
-        out["handoff_s"] = ev["first_md_token"]["time"] - start["time"]
+        out["handoff_s"] = rec.span_s(start["time"], ev["first_md_token"]["time"])
     return out
 
 
@@ -119,58 +136,68 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                  # every request must go through RLD: the pipeline policy would send a small
                  # KV straight to MD, and there would be no handoff to measure
                  "policy.pipeline": "p_rld_md"}
+    devices = setup_devices(args, {"handoff-mode": {
+        "mode": "pdd", "model.name": args.model, "wan.shell": args.wan,
+        "wan.rtt_ms": args.rtt_ms, **overrides}})
+    k = devices.dilation
     rng = random.Random(args.seed)
     rows: list[dict[str, Any]] = []
     calibration: dict[str, Any] = {}
     async with LocalCluster(mode="pdd", model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
-                            bw_mbit=None, overrides=overrides) as cluster:
+                            bw_mbit=None, overrides={**overrides, **devices.overrides}) as cluster:
         control = ControlClient(cluster.wan["control_url"])
-        timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+        timeout = aiohttp.ClientTimeout(total=args.request_timeout * k)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            await warm_up(session, cluster.url, args.model)
+            await warm_up(session, cluster.url, args.model, dilation=k)
 
             async def one(mode: str, max_tokens: int) -> StreamRecord:
                 body = {"model": args.model, "prompt": fresh_prompt(rng, args.prompt_len),
                         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                         "handoff_mode": mode}
-                return await stream_completion(session, cluster.url, body)
+                return await stream_completion(session, cluster.url, body, dilation=k)
 
             # Calibration on the unlimited link: the decode step, and the backlog RLD reaches
-            # anyway (prefill-to-copy overlap plus the round trip).
+            # anyway (prefill-to-copy overlap plus the round trip). The rates below are set on
+            # the emulator, so they are computed on its terms: wall seconds and real KV bytes.
             cal = await one("one-shot", 64)
             if cal.error is not None:
                 raise RuntimeError(f"calibration request failed: {cal.error}")
             m = handoff_metrics(cal, args.prompt_len)
             times = cal.token_times
-            step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.01
+            step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.01 * k
             baseline = m["backlog"] or 0
             kv_bytes = int(cal.pdd.get("wan_kv_bytes") or
                            (kv_per_token or 1024) * args.prompt_len)
-            calibration = {"step_s": step, "baseline_backlog": baseline, "kv_bytes": kv_bytes}
+            max_rate = devices.wall_rate_mbit(args.max_rate_mbit)
+            calibration = {"step_s": step / k, "step_wall_s": step,
+                           "baseline_backlog": baseline, "kv_bytes": kv_bytes,
+                           "wire_scale": devices.wire_scale}
             total = len(args.backlogs) * len(args.modes) * args.repeats
             with progress(total, "handoff-mode", enabled=not args.no_progress) as bar:
                 for target in args.backlogs:
-                    rate = rate_for_backlog(target, baseline, step, kv_bytes, args.max_rate_mbit)
-                    await control.set("both", rate_mbit=rate)
+                    wall_rate = rate_for_backlog(target, baseline, step, kv_bytes, max_rate)
+                    rate = None if wall_rate is None else devices.modelled_rate_mbit(wall_rate)
+                    await control.set("both", rate_mbit=wall_rate)
                     # room for the backlog overshooting its target and for streaming's
                     # catch-up, so that MD always takes over before the request ends
                     max_tokens = 2 * target + 64
                     for rep in range(args.repeats):
                         for mode in args.modes:
                             rec = await one(mode, max_tokens)
-                            row = {"target_backlog": target, "rate_mbit": rate, "mode": mode,
+                            row = {"target_backlog": target, "rate_mbit": rate,
+                                   "wall_rate_mbit": wall_rate, "mode": mode,
                                    "repeat": rep, "max_tokens": max_tokens,
                                    **handoff_metrics(rec, args.prompt_len),
-                                   "pdd": rec.pdd, "token_times": rec.token_times}
+                                   "pdd": rec.pdd, "token_times": rec.token_times,
+                                   "dilation": rec.dilation}
                             rows.append(row)
                             bar.update(1)
                             if row["stall_s"] is not None:
                                 bar.set_postfix(backlog=row["backlog"], mode=mode,
                                                 stall=f"{row['stall_s'] * 1e3:.0f}ms")
             await control.clear("both")
-        md_stats = await cluster.stats("main_decode")
-        relay_stats = await cluster.stats("relay")
-    return finish(args, rows, calibration, md_stats, relay_stats)
+        stats = await daemon_stats(cluster)
+    return finish(args, rows, calibration, stats["main_decode"], stats["relay"], stats, devices)
 
 
 def aggregate(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, dict[str, Any]]:
@@ -215,7 +242,12 @@ def threshold_finding(agg: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def finish(args: argparse.Namespace, rows: list[dict[str, Any]], calibration: dict[str, Any],
-           md_stats: dict[str, Any], relay_stats: dict[str, Any]) -> dict[str, Any]:
+           md_stats: dict[str, Any], relay_stats: dict[str, Any],
+           stats: dict[str, dict[str, Any]] | None = None,
+           devices: DeviceSetup | None = None) -> dict[str, Any]:
+    devices = devices or UNPACED
+    stats = stats or {"main_decode": md_stats, "relay": relay_stats}
+    report = device_report(stats)
     agg = aggregate(rows, list(args.modes))
     finding = threshold_finding(agg)
     config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
@@ -228,11 +260,12 @@ def finish(args: argparse.Namespace, rows: list[dict[str, Any]], calibration: di
         "not_handed_off": sum(1 for r in rows if r["ok"] and not r["handed_off"]),
         "errors": [r["error"] for r in rows if not r["ok"]][:5],
     }
+    config["dilation_k"] = devices.dilation
     path = write_result("handoff-mode", {
         "config": config, "threads_per_daemon": args.threads, "calibration": calibration,
         "by_mode": agg, "threshold": finding, "consistency": consistency,
-        "requests": rows, "daemon_stats": {"main_decode": md_stats, "relay": relay_stats}},
-        args.out)
+        "emulation": devices.to_dict(), "devices": report,
+        "requests": rows, "daemon_stats": stats}, args.out)
     series: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
     for key in ("stall_s", "rld_occupancy_token_s", "handoff_s"):
         series[key] = {}
@@ -247,14 +280,17 @@ def finish(args: argparse.Namespace, rows: list[dict[str, Any]], calibration: di
                       path.with_suffix(".png"), "RLD backlog at TAKEOVER (tokens)",
                       f"Handoff modes, model {args.model}, chunk {args.chunk} "
                       f"(dynamic threshold {args.threshold})", logx=True)
-    print_table(args, agg, finding, consistency, calibration)
+    print_table(args, agg, finding, consistency, calibration, devices.line())
     print(f"wrote {path}" + (f"\nwrote {png}" if png else ""))
+    warnings = print_validity({"": report}, "handoff-mode")
     return {"path": str(path), "by_mode": agg, "threshold": finding,
-            "consistency": consistency, "plot": str(png) if png else None}
+            "consistency": consistency, "plot": str(png) if png else None,
+            "devices": report, "warnings": warnings}
 
 
 def print_table(args: argparse.Namespace, agg: dict[str, Any], finding: dict[str, Any],
-                consistency: dict[str, Any], calibration: dict[str, Any]) -> None:
+                consistency: dict[str, Any], calibration: dict[str, Any],
+                devices_line: str | None = None) -> None:
     def f(v: float | None, scale: float = 1e3, fmt: str = "7.1f") -> str:
         return f"{'-':>7}" if v is None else format(v * scale, fmt)
 
@@ -262,6 +298,8 @@ def print_table(args: argparse.Namespace, agg: dict[str, Any], finding: dict[str
           f"chunk {args.chunk}, dynamic threshold {args.threshold}; decode step "
           f"{calibration['step_s'] * 1e3:.1f} ms, baseline backlog "
           f"{calibration['baseline_backlog']} tokens")
+    if devices_line:
+        print(devices_line)
     print(f"{'target':>6} {'mode':>9} {'backlog':>7} {'stall':>7} {'handoff':>7} "
           f"{'RLD tok-s':>9} {'used':>10}   (ms)")
     for target in (str(b) for b in args.backlogs):
@@ -292,13 +330,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=int, default=64, help="policy.handoff_threshold_tokens")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--rtt-ms", type=float, default=10.0)
-    p.add_argument("--max-rate-mbit", type=float, default=10000.0)
+    p.add_argument("--max-rate-mbit", type=float, default=10000.0,
+                   help="cap on the WAN rate set per backlog (modelled when devices are "
+                        "emulated)")
     p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="results")
+    device_flags.add_arguments(p)
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -318,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     t0 = time.monotonic()
-    asyncio.run(run(args))
+    try:
+        asyncio.run(run(args))
+    except ValueError as exc:
+        p.error(str(exc))
     print(f"({time.monotonic() - t0:.0f} s)")
     return 0

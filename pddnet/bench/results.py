@@ -53,34 +53,3 @@ def write_result(bench: str, data: dict[str, Any], out_dir: str | Path = "result
     path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
     return path
 
-
-def device_report(stats_by_role: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The emulated devices of one cluster run, from its daemons' stats(): per role the device
-    and its overruns, and whether the run's times are valid (every role at most 1% overrun
-    forwards; else the dilation that would have made them so). ``{"emulated": False}`` for an
-    unpaced run."""
-    from pddnet.device.pacer import VALID_OVERRUN_SHARE
-
-    roles = {r: s["device"] for r, s in stats_by_role.items()
-             if isinstance(s.get("device"), dict) and s["device"].get("emulated")}
-    if not roles:
-        return {"emulated": False}
-    steps = sum(d["steps"] for d in roles.values())
-    overruns = sum(d["overruns"] for d in roles.values())
-    valid = all(d["overrun_share"] <= VALID_OVERRUN_SHARE for d in roles.values())
-    return {"emulated": True, "roles": roles, "steps": steps, "overruns": overruns,
-            "overrun_share": overruns / steps if steps else 0.0, "valid": valid,
-            "dilation": max(d["dilation"] for d in roles.values()),
-            "dilation_needed": max(d["dilation_needed"] for d in roles.values())}
-
-
-def validity_warning(report: dict[str, Any], what: str = "this run") -> str | None:
-    """The line a benchmark prints when its emulated devices overran on more than 1% of the
-    forwards: its times are not those of the modelled devices."""
-    if not report.get("emulated") or report["valid"]:
-        return None
-    worst = max(report["roles"].items(), key=lambda kv: kv[1]["overrun_share"])
-    return (f"NOT VALID: {what} overran its modelled devices on {report['overruns']} of "
-            f"{report['steps']} forwards ({worst[0]}: {worst[1]['overrun_share']:.1%} > 1%), so "
-            f"its times are this box's, not the devices'; rerun with --dilation "
-            f"{report['dilation_needed']:g} or more (it ran at k = {report['dilation']:g})")

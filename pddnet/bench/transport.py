@@ -8,6 +8,14 @@
 3. decode: end-to-end tokens/s of a same-dc pddnet cluster (router + P + one decode daemon,
    separate processes) vs the reference Engine in one process, same requests (greedy).
    Checked: both produce the same tokens.
+
+Emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) apply to part 3
+only, the one part that runs a cluster: parts 1 and 2 measure this box's own plumbing (a memcpy,
+a proxy's goodput against its own configured rate) and have no device to pace. Paced, the
+cluster's tokens/s are modelled (elapsed / k) and its ideal is no longer the CPU reference (which
+still runs, for the token check) but the modelled devices: `daemon_over_device_busy` is the
+devices' summed modelled compute time over the cluster's modelled elapsed time (1 = nothing but
+device time; it can exceed 1 where P's and the decode instance's work overlapped).
 """
 
 from __future__ import annotations
@@ -21,9 +29,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pddnet.bench.devices import (
+    UNPACED,
+    DeviceSetup,
+    daemon_stats,
+    device_report,
+    print_validity,
+    setup_devices,
+)
+from pddnet.bench.drive import warm_up
 from pddnet.bench.plots import grouped_bars
 from pddnet.bench.progress import progress
 from pddnet.bench.results import write_result
+from pddnet.device import flags as device_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -181,30 +199,44 @@ def reference_engine(model: str, requests: list[dict[str, Any]], threads: int) -
             "tokens_per_s": sum(map(len, tokens)) / elapsed, "token_ids": tokens}
 
 
+def _busy_s(stats: dict[str, dict[str, Any]]) -> float:
+    """The modelled devices' summed compute time so far (0 unpaced)."""
+    return sum(float(s.get("device", {}).get("modelled_busy_s", 0.0)) for s in stats.values())
+
+
 async def decode_daemon(model: str, requests: list[dict[str, Any]], threads: int,
-                        wan: str) -> dict[str, Any]:
+                        wan: str, devices: DeviceSetup = UNPACED) -> dict[str, Any]:
     """The same requests through a same-dc cluster (router, P, one decode daemon)."""
     import aiohttp
 
     from pddnet.bench.client import stream_completion
-    from pddnet.bench.drive import warm_up
     from pddnet.cluster.local import LocalCluster
 
+    k = devices.dilation
     async with LocalCluster(mode="same-dc", model=model, wan=wan,
-                            overrides={"model.threads": threads}) as cluster:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            await warm_up(session, cluster.url, model)
+                            overrides={"model.threads": threads,
+                                       **devices.overrides}) as cluster:
+        timeout = aiohttp.ClientTimeout(total=600 * k)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await warm_up(session, cluster.url, model, dilation=k)
+            before = await daemon_stats(cluster) if devices.emulated else {}
             t0 = time.perf_counter()
             recs = await asyncio.gather(*(stream_completion(session, cluster.url, {
                 "model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"],
-                "temperature": 0, "ignore_eos": True}) for r in requests))
+                "temperature": 0, "ignore_eos": True}, dilation=k) for r in requests))
             elapsed = time.perf_counter() - t0
+        stats = await daemon_stats(cluster)
     errors = [r.error for r in recs if r.error]
     if errors:
         raise RuntimeError(f"decode daemon requests failed: {errors[:3]}")
     tokens = [r.token_ids for r in recs]
-    return {"elapsed_s": elapsed, "tokens": sum(map(len, tokens)),
-            "tokens_per_s": sum(map(len, tokens)) / elapsed, "token_ids": tokens}
+    out = {"elapsed_s": elapsed / k, "tokens": sum(map(len, tokens)),
+           "tokens_per_s": sum(map(len, tokens)) / (elapsed / k), "token_ids": tokens,
+           "stats": stats}
+    if devices.emulated:
+        out["elapsed_wall_s"] = elapsed
+        out["device_busy_s"] = _busy_s(stats) - _busy_s(before)
+    return out
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -213,6 +245,9 @@ async def decode_daemon(model: str, requests: list[dict[str, Any]], threads: int
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     apply_quick(args)
     check_args(args)
+    devices = setup_devices(args, {"decode": {"mode": "same-dc", "model.name": args.model,
+                                              "wan.shell": args.wan,
+                                              "model.threads": args.threads}})
     steps = 1 + len(args.rates) + 3
     with progress(steps, "transport", "part", enabled=not args.no_progress) as bar:
         shm = await asyncio.to_thread(bench_shm, args.model, args.shm_tokens, args.repeats)
@@ -228,11 +263,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # during the run shows up as a spread instead of skewing the ratio unseen.
         ref = await asyncio.to_thread(reference_engine, args.model, requests, args.threads)
         bar.update(1)
-        daemon = await decode_daemon(args.model, requests, args.threads, args.wan)
+        daemon = await decode_daemon(args.model, requests, args.threads, args.wan, devices)
         bar.update(1)
         ref2 = await asyncio.to_thread(reference_engine, args.model, requests, args.threads)
         bar.update(1)
     ref_tps = (ref["tokens_per_s"] + ref2["tokens_per_s"]) / 2
+    stats = daemon.pop("stats")
+    report = device_report(stats)
     decode = {"requests": len(requests), "prompt_len": args.decode_prompt_len,
               "max_tokens": args.decode_max_tokens,
               "reference": {**{k: v for k, v in ref.items() if k != "token_ids"},
@@ -240,29 +277,43 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             "tokens_per_s_before_after": [ref["tokens_per_s"],
                                                           ref2["tokens_per_s"]]},
               "daemon": {k: v for k, v in daemon.items() if k != "token_ids"},
-              "daemon_over_reference": daemon["tokens_per_s"] / ref_tps,
+              # paced, the reference (this CPU, unpaced) is no ideal for modelled devices
+              "daemon_over_reference": (None if devices.emulated
+                                        else daemon["tokens_per_s"] / ref_tps),
               "tokens_identical": daemon["token_ids"] == ref["token_ids"] == ref2["token_ids"]}
+    if devices.emulated:
+        decode["daemon_over_device_busy"] = daemon["device_busy_s"] / daemon["elapsed_s"]
     config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
+    config["dilation_k"] = devices.dilation
     path = write_result("transport", {"config": config, "threads_per_daemon": args.threads,
-                                      "shm": shm, "wan": wan, "decode": decode}, args.out)
+                                      "shm": shm, "wan": wan, "decode": decode,
+                                      "emulation": {**devices.to_dict(), "applies_to": "decode"},
+                                      "devices": report, "daemon_stats": stats}, args.out)
+    decode_bar = ({"decode\n(x device busy time)": {
+                      "pddnet": decode["daemon_over_device_busy"], "ideal": 1.0}}
+                  if devices.emulated else
+                  {"decode\n(x reference tok/s)": {"pddnet": decode["daemon_over_reference"],
+                                                   "ideal": 1.0}})
     png = grouped_bars(
         {"shm write\nvs memcpy (GB/s)": {"pddnet": shm["region_write_gb_s"],
                                          "ideal": shm["memcpy_private_gb_s"]},
          **{f"WAN {w['rate_mbit']:g} Mbit/s\n(x rate)": {"pddnet": w["goodput_over_rate"],
                                                           "ideal": 1.0} for w in wan},
-         "decode\n(x reference tok/s)": {"pddnet": decode["daemon_over_reference"],
-                                         "ideal": 1.0}},
+         **decode_bar},
         path.with_suffix(".png"), "measured (pddnet) vs ideal",
         f"Transport costs, model {args.model}, one run")
-    print_table(args, shm, wan, decode)
+    print_table(args, shm, wan, decode, devices)
     print(f"wrote {path}" + (f"\nwrote {png}" if png else ""))
+    warnings = print_validity({"decode": report}, "transport")
     return {"path": str(path), "shm": shm, "wan": wan, "decode": decode,
-            "plot": str(png) if png else None}
+            "plot": str(png) if png else None, "devices": report, "warnings": warnings}
 
 
 def print_table(args: argparse.Namespace, shm: dict[str, Any], wan: list[dict[str, Any]],
-                decode: dict[str, Any]) -> None:
+                decode: dict[str, Any], devices: DeviceSetup = UNPACED) -> None:
     print(f"\ntransport benchmark: model {args.model}, {args.threads} torch thread(s)")
+    print(devices.line() + (" -- the decode part only; shm and WAN are this box's"
+                            if devices.emulated else ""))
     print(f"shm   {shm['bytes'] / 2**20:.1f} MiB of KV ({shm['tokens']} tokens): region write "
           f"{shm['region_write_gb_s']:.2f} GB/s, memcpy {shm['memcpy_private_gb_s']:.2f} GB/s "
           f"(into shm {shm['memcpy_shared_gb_s']:.2f} GB/s): write / memcpy "
@@ -272,6 +323,14 @@ def print_table(args: argparse.Namespace, shm: dict[str, Any], wan: list[dict[st
               f"{w['goodput_mbit']:.1f} Mbit/s = {w['goodput_over_rate']:.1%} of the rate")
     r, d = decode["reference"], decode["daemon"]
     before, after = r["tokens_per_s_before_after"]
+    if decode["daemon_over_reference"] is None:   # paced: the ideal is the devices' busy time
+        print(f"decode {decode['requests']} x {decode['max_tokens']} tokens: pddnet same-dc "
+              f"cluster {d['tokens_per_s']:.0f} tok/s modelled, its devices busy "
+              f"{d['device_busy_s'] * 1e3:.1f} ms of its {d['elapsed_s'] * 1e3:.1f} ms = "
+              f"{decode['daemon_over_device_busy']:.2f}x (reference Engine on this CPU "
+              f"{r['tokens_per_s']:.0f} tok/s, not comparable); identical tokens: "
+              f"{decode['tokens_identical']}")
+        return
     print(f"decode {decode['requests']} x {decode['max_tokens']} tokens: reference Engine "
           f"{r['tokens_per_s']:.0f} tok/s (before {before:.0f}, after {after:.0f}), pddnet same-dc cluster {d['tokens_per_s']:.0f} tok/s "
           f"= {decode['daemon_over_reference']:.2f}x; identical tokens: "
@@ -295,6 +354,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="results")
+    device_flags.add_arguments(p)
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -318,5 +378,9 @@ def check_args(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)
-    asyncio.run(run(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    try:
+        asyncio.run(run(args))
+    except ValueError as exc:
+        p.error(str(exc))
     return 0

@@ -7,6 +7,11 @@ prompt is built from what the previous turn really returned). Everything is meas
 client's side: TTFT P50/P90/P99, inter-token latency P50/P99, goodput under a TTFT + TPOT SLA,
 and the share of output tokens each daemon produced. Ratios are against same-dc (the ideal),
 from this one run. Plots: TTFT CDFs of the three systems per workload.
+
+With emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) every
+cluster runs paced at the same k: the workload's arrivals and think times are stretched by k,
+every reported time is divided by k, and the JSON's `devices` says per mode how well the box
+kept up (a run that overran more than 1% of its forwards is flagged NOT VALID).
 """
 
 from __future__ import annotations
@@ -20,11 +25,19 @@ from typing import Any
 
 from pddnet.bench.agent_workload import AgentWorkloadParams, generate_agent_workload
 from pddnet.bench.client import StreamRecord
+from pddnet.bench.devices import (
+    UNPACED,
+    DeviceSetup,
+    device_reports,
+    print_validity,
+    setup_devices,
+)
 from pddnet.bench.drive import drive_agent, drive_poisson, warm_up
 from pddnet.bench.plots import cdf_plot
 from pddnet.bench.progress import progress
 from pddnet.bench.results import summary, write_result
 from pddnet.bench.workload import poisson_long_prompts
+from pddnet.device import flags as device_flags
 
 MODES = ("same-dc", "cross-dc", "pdd")
 WORKLOADS = ("long", "agent")
@@ -38,21 +51,26 @@ PRODUCERS = (("prefill", "prefill_tokens"), ("relay", "relay_tokens"),
 def tpot_s(rec: StreamRecord) -> float | None:
     """Mean time per output token after the first (None for fewer than two tokens)."""
     t = rec.token_times
-    return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+    return rec.span_s(t[0], t[-1]) / (len(t) - 1) if len(t) > 1 else None
 
 
 def request_row(rec: StreamRecord, workload: str) -> dict[str, Any]:
-    """What the result JSON keeps of one request (enough for `pdd trace` and re-analysis)."""
+    """What the result JSON keeps of one request (enough for `pdd trace` and re-analysis):
+    ttft_s and tpot_s in modelled time, sent_at and token_times raw (wall clock, the clock of
+    the `pdd` timeline's `time`), and the dilation k that divides the one into the other."""
     return {"workload": workload, "ok": rec.error is None, "error": rec.error,
             "ttft_s": rec.ttft_s, "tpot_s": tpot_s(rec), "num_tokens": len(rec.token_ids),
-            "sent_at": rec.sent_at, "token_times": rec.token_times, "pdd": rec.pdd}
+            "sent_at": rec.sent_at, "token_times": rec.token_times, "dilation": rec.dilation,
+            "pdd": rec.pdd}
 
 
 def handoff_latency_s(pdd: dict[str, Any]) -> float | None:
-    """From RLD starting the handoff (TAKEOVER seen) to MD's first token after the cut."""
+    """From RLD starting the handoff (TAKEOVER seen) to MD's first token after the cut, in
+    modelled time (the timeline's `time` is wall clock: / the router's dilation)."""
     ev = {e["event"]: e["time"] for e in pdd.get("timeline", [])}
     if "handoff_start" in ev and "first_md_token" in ev:
-        return ev["first_md_token"] - ev["handoff_start"]
+        k = float((pdd.get("emulation") or {}).get("dilation", 1.0))
+        return (ev["first_md_token"] - ev["handoff_start"]) / k
     return None
 
 
@@ -153,39 +171,61 @@ def make_workloads(args: argparse.Namespace) -> dict[str, list[Any]]:
     return out
 
 
+def cluster_overrides(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What a cluster of `mode` is configured with (beside the emulated devices): for checking
+    the device flags against every mode before any cluster starts."""
+    out = {"mode": mode, "model.name": args.model, "wan.shell": args.wan,
+           "wan.rtt_ms": args.rtt_ms, "wan.jitter_ms": args.jitter_ms,
+           "model.threads": args.threads, "policy.handoff": args.handoff}
+    if args.bw_mbit is not None:
+        out["wan.bw_mbit"] = args.bw_mbit
+    return out
+
+
 async def run_mode(mode: str, workloads: dict[str, list[Any]], args: argparse.Namespace,
-                   show_progress: bool = True) -> dict[str, Any]:
-    """One cluster in `mode`; every workload in turn; records, makespans and daemon stats."""
+                   show_progress: bool = True,
+                   devices: DeviceSetup | None = None) -> dict[str, Any]:
+    """One cluster in `mode`; every workload in turn; records, makespans and daemon stats.
+    `devices`: the run's emulated devices (`drive.setup_devices`); None: from `args`' flags."""
     import aiohttp
 
     from pddnet.cluster.local import LocalCluster
 
-    overrides = {"model.threads": args.threads, "policy.handoff": args.handoff}
-    out: dict[str, Any] = {"records": {}, "makespan_s": {}, "md_wan_bytes": {}, "stats": {}}
+    if devices is None:
+        devices = setup_devices(args, {mode: cluster_overrides(mode, args)})
+    k = devices.dilation
+    overrides = {"model.threads": args.threads, "policy.handoff": args.handoff,
+                 **devices.overrides}
+    out: dict[str, Any] = {"records": {}, "makespan_s": {}, "makespan_wall_s": {},
+                           "md_wan_bytes": {}, "stats": {}}
     async with LocalCluster(mode=mode, model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
                             jitter_ms=args.jitter_ms, bw_mbit=args.bw_mbit,
                             overrides=overrides) as cluster:
         out["wan_shell"] = cluster.wan.get("shell")
         has_md = "main_decode" in cluster.daemons
-        timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+        timeout = aiohttp.ClientTimeout(total=args.request_timeout * k)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            await warm_up(session, cluster.url, args.model)
+            await warm_up(session, cluster.url, args.model, dilation=k)
             for name, workload in workloads.items():
                 before = await cluster.stats("main_decode") if has_md else None
                 t0 = time.monotonic()
                 with progress(len(workload), f"{mode:>8} {name:<5}",
                               enabled=show_progress) as bar:
                     if name == "agent":
-                        recs = await drive_agent(session, cluster.url, workload, args.model, bar)
+                        recs = await drive_agent(session, cluster.url, workload, args.model, bar,
+                                                 dilation=k)
                     else:
                         recs = await drive_poisson(session, cluster.url, workload, args.model,
-                                                   bar)
-                out["makespan_s"][name] = time.monotonic() - t0
+                                                   bar, dilation=k)
+                wall = time.monotonic() - t0
+                out["makespan_wall_s"][name] = wall
+                out["makespan_s"][name] = wall / k
                 out["records"][name] = recs
                 after = await cluster.stats("main_decode") if has_md else None
                 out["md_wan_bytes"][name] = md_wan_bytes_in(after) - md_wan_bytes_in(before)
         for role in cluster.daemons:
             out["stats"][role] = await cluster.stats(role)
+    out["devices"] = device_reports({mode: out["stats"]})[mode]
     return out
 
 
@@ -205,7 +245,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sla-tpot-ms", type=float, default=50.0)
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--jitter-ms", type=float, default=2.0)
-    p.add_argument("--bw-mbit", type=float, default=100.0)
+    p.add_argument("--bw-mbit", type=float, default=None,
+                   help="WAN rate per direction, in the modelled world when devices are "
+                        "emulated (default 100; --quick: 4)")
     p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
     p.add_argument("--handoff", default="dynamic", choices=("one-shot", "streaming", "dynamic"))
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
@@ -215,12 +257,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write a Chrome/Perfetto trace per mode and workload")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="results")
+    device_flags.add_arguments(p)
 
 
 def apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.model, args.requests, args.rate = "tiny", 6, 4.0
-        args.prompt_len, args.max_tokens, args.bw_mbit = (64, 256), (8, 16), 4.0
+        args.prompt_len, args.max_tokens = (64, 256), (8, 16)
+    if args.bw_mbit is None:    # an explicit --bw-mbit wins over --quick's 4 Mbit/s
+        args.bw_mbit = 4.0 if args.quick else 100.0
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -237,10 +282,11 @@ def check_args(args: argparse.Namespace) -> None:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     apply_quick(args)
     check_args(args)
+    devices = setup_devices(args, {m: cluster_overrides(m, args) for m in args.modes})
     workloads = make_workloads(args)
     per_mode: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
-        per_mode[mode] = await run_mode(mode, workloads, args, not args.no_progress)
+        per_mode[mode] = await run_mode(mode, workloads, args, not args.no_progress, devices)
     sla = (args.sla_ttft_ms / 1e3, args.sla_tpot_ms / 1e3)
     summaries = {w: {m: {**mode_summary(per_mode[m]["records"][w], *sla,
                                         per_mode[m]["makespan_s"][w]),
@@ -250,11 +296,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
               if k not in ("handler", "bench_spec")}
     config["wan_shell"] = {m: per_mode[m].get("wan_shell") for m in args.modes}
+    config["dilation_k"] = devices.dilation
     requests = {m: [request_row(r, w) for w in workloads for r in per_mode[m]["records"][w]]
                 for m in args.modes}
+    reports = {m: per_mode[m]["devices"] for m in args.modes}
     path = write_result("ttft", {"config": config, "threads_per_daemon": args.threads,
                                  "workloads": summaries, "ratios": ratios,
                                  "modes": summaries.get("long") or summaries.get("agent"),
+                                 "emulation": devices.to_dict(), "devices": reports,
+                                 "makespan_wall_s": {m: per_mode[m]["makespan_wall_s"]
+                                                     for m in args.modes},
                                  "daemon_stats": {m: per_mode[m]["stats"] for m in args.modes},
                                  "requests": requests}, args.out)
     plots = []
@@ -262,7 +313,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         png = cdf_plot({m: [r.ttft_s for r in per_mode[m]["records"][w] if r.ttft_s is not None]
                         for m in args.modes},
                        path.with_name(f"{path.stem}-{w}-ttft-cdf.png"),
-                       "TTFT (ms), measured by the client",
+                       "TTFT (ms), measured by the client"
+                       + (f" (modelled: wall / k = {devices.dilation:g})"
+                          if devices.emulated else ""),
                        f"TTFT CDF, {w} workload: {' vs '.join(args.modes)} (one run)")
         if png:
             plots.append(str(png))
@@ -278,13 +331,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         path.with_name(f"{path.stem}-{m}-{w}.trace.json"),
                         [r.pdd for r in recs], {r.pdd["request_id"]: r.token_times
                                                 for r in recs})))
-    print_table(summaries, ratios, args, path, plots + traces)
+    print_table(summaries, ratios, args, path, plots + traces, devices)
+    warnings = print_validity(reports, "ttft")
     return {"path": str(path), "workloads": summaries, "ratios": ratios, "plots": plots,
-            "traces": traces}
+            "traces": traces, "devices": reports, "warnings": warnings}
 
 
 def print_table(summaries: dict[str, Any], ratios: dict[str, Any], args: argparse.Namespace,
-                path: Path, files: list[str]) -> None:
+                path: Path, files: list[str], devices: DeviceSetup | None = None) -> None:
     def ms(v: float | None) -> str:
         return f"{'-':>8}" if v is None else f"{v * 1e3:8.1f}"
 
@@ -292,6 +346,7 @@ def print_table(summaries: dict[str, Any], ratios: dict[str, Any], args: argpars
           f"jitter {args.jitter_ms} ms bw {args.bw_mbit} Mbit/s, {args.threads} torch "
           f"thread(s) per daemon; SLA TTFT <= {args.sla_ttft_ms:g} ms, TPOT <= "
           f"{args.sla_tpot_ms:g} ms")
+    print((devices or UNPACED).line())
     for w, per_mode in summaries.items():
         print(f"\n[{w}] {'mode':>8} {'ok':>5} {'TTFT p50':>8} {'p90':>8} {'p99':>8} "
               f"{'ITL p50':>8} {'ITL p99':>8} {'SLA met':>7} {'RLD':>6} {'MD':>6}  (ms)")
