@@ -13,7 +13,7 @@ class ConstantStep:
     """Every decode step takes STEP_S, whatever the batch (hand-computable times)."""
 
     def decode_step_time(self, batch, context_tokens, extend_tokens=0, extend_pairs=0.0,
-                         extend_seqs=None, jitter=True):
+                         extend_seqs=None, jitter=True, extend_context=0.0):
         return STEP_S
 
 

@@ -15,11 +15,13 @@ where
   ``scale_up_gbs``, which like the datasheets adds both directions);
 - per_seq (chip ``step_per_seq_us``) and per_ctx (chip ``step_per_ctx_token_ns``, A = the context
   tokens the S sequences attend to, cached plus new) are serial host-side work the roofline has no
-  term for: pddnet's CPU engine runs attention sequence by sequence in Python and gathers each
-  sequence's paged KV into a contiguous copy per layer, so on a CPU a decode step grows with
-  the batch and its context far faster than the bytes read (batch 1 -> 16: ~3x). Both default
-  to 0, so GPU profiles (fused, batched attention kernels) are pure roofline; a profile fitted
-  by ``scripts/sim_calibrate.py`` sets them.
+  term for: pddnet's CPU engine runs attention sequence by sequence in Python (and, when the
+  shipped ``cpu-local`` profile was fitted, gathered each sequence's paged KV into a contiguous
+  copy per layer; it now reads the pool in place, pddnet/model/paged_attention.py, so a refit
+  would give smaller terms), so on a CPU a decode step grows with the batch and its context far
+  faster than the bytes read (batch 1 -> 16: ~3x). Both default to 0, so GPU profiles (fused,
+  batched attention kernels) are pure roofline; a profile fitted by ``scripts/sim_calibrate.py``
+  sets them.
 A chip's ``step_jitter_cv`` (default 0: none) multiplies every decode / extend step by a random
 factor of mean 1 and that coefficient of variation (log-normal, so never negative), drawn from a
 stream seeded by the chip's name: deterministic for a run, like everything in the simulator.
@@ -194,12 +196,13 @@ class InstanceCost:
 
     def decode_step_time(self, batch: int, context_tokens: float, extend_tokens: int = 0,
                          extend_pairs: float = 0.0, extend_seqs: int | None = None,
-                         jitter: bool = True) -> float:
+                         jitter: bool = True, extend_context: float = 0.0) -> float:
         """One continuous-batching step: `batch` sequences decode one token each over
         `context_tokens` cached positions in total, plus `extend_tokens` recomputed tokens
         (attending `extend_pairs` pairs) of `extend_seqs` sequences (default: one when there
-        are extend tokens) batched into the same forward. The per-context term counts the
-        decoding sequences' context only (an extend's own context is not passed in). With the
+        are extend tokens) batched into the same forward, on top of `extend_context` cached
+        positions of theirs, whose KV the forward reads too (so an extend costs what the
+        engine's paced forward over the same chunks costs: ``prefill_step_time``). With the
         chip's ``step_jitter_cv`` > 0 and ``jitter``, the time is multiplied by one seeded
         random factor of mean 1; ``jitter=False`` gives the mean (for estimates). On a shared
         host (``host``) the step, estimate or not, is slowed by ``contention()``: what a
@@ -209,7 +212,7 @@ class InstanceCost:
         if extend_seqs is None:
             extend_seqs = 1 if extend_tokens > 0 else 0
         t = self.forward_time(batch + extend_tokens, context_tokens + extend_pairs,
-                              context_tokens, seqs=batch + extend_seqs)
+                              context_tokens + extend_context, seqs=batch + extend_seqs)
         if jitter and self._jitter is not None:
             mu, sigma = self._jitter
             t *= self._jitter_rng.lognormvariate(mu, sigma)

@@ -303,7 +303,7 @@ class DecodeInstance:
             self.tau = 0.0
             return
         s1 = self.step
-        ext_tokens, ext_pairs = 0, 0.0
+        ext_tokens, ext_pairs, ext_ctx = 0, 0.0, 0
         self._step_extend = []
         for m in self._extending:
             c = min(m.extend_chunk, m.extend_left)
@@ -313,6 +313,7 @@ class DecodeInstance:
             ext_tokens += c
             ctx = m.ctx0 + m.extend_done
             ext_pairs += c * (ctx + c / 2)
+            ext_ctx += ctx
         if ext_tokens or self._pending:
             k = 1
         else:
@@ -324,7 +325,8 @@ class DecodeInstance:
                 k = max(1, min(k, heap[0][0] - s1))
         ctx_mid = self._ctx_base + self.n * (s1 + (k - 1) / 2)
         tau = self.cost.decode_step_time(self.n, ctx_mid, ext_tokens, ext_pairs,
-                                         extend_seqs=len(self._step_extend))
+                                         extend_seqs=len(self._step_extend),
+                                         extend_context=ext_ctx)
         self.seg_t0, self.seg_s0, self.seg_end, self.tau = now, s1, s1 + k, tau
         self._token += 1
         self.loop.at(now + k * tau, self._end_segment, self._token)

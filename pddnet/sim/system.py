@@ -507,6 +507,9 @@ class SimulatedSystem:
     def _md_cancelled(self, now: float, st: ReqState) -> None:
         if st.md_member is not None:
             self.decode[st.md_idx].inst.drop(st.md_member)
+            # unlinked, as _md_finished does: else the request and the member it was
+            # streaming into (RLD finished it first) hold each other until a collection
+            st.md_member = None
         self._release(st, keep=False)
 
     def _kv_at_md(self, t: float, st: ReqState) -> None:
