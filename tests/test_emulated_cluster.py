@@ -1,4 +1,5 @@
-"""A whole cluster paced as llama-3-70b (P and RLD on 8 x H100, MD on 8 x H200) at time dilation
+"""A whole cluster paced as llama-3-70b (P and RLD on 8 x H100, MD on 8 x the source's "GPU B" in
+pdd mode and on 8 x H200 in cross-dc) at time dilation
 k = 3: token-exact against the colocated reference in every mode, every daemon paced and
 accounting its forwards, reported times in the modelled world (/ k, never below the modelled
 prefill), and the target model's KV bytes reported beside the real ones.
@@ -17,7 +18,8 @@ from pddnet.device.profiles import load_chip, load_model
 from tests.test_cluster_e2e import assert_token_exact, make_requests, reference, run_all
 
 K = 3.0
-DEVICES = {"prefill": "h100-sxm", "relay": "h100-sxm", "main_decode": "h200-sxm"}
+DEVICES = {"prefill": "h100-sxm", "relay": "h100-sxm", "main_decode": "gpu-b"}
+MD_CHIP = {"pdd": "gpu-b", "cross-dc": "h200-sxm"}
 ROLES = {"pdd": ("prefill", "relay", "main_decode"), "same-dc": ("prefill", "relay"),
          "cross-dc": ("prefill", "main_decode")}
 
@@ -25,7 +27,7 @@ ROLES = {"pdd": ("prefill", "relay", "main_decode"), "same-dc": ("prefill", "rel
 def emulated(mode: str) -> dict:
     out: dict = {"target_model": "llama-3-70b", "dilation": K, "wan.bw_mbit": 10000.0}
     for role in ROLES[mode]:
-        out[f"{role}.device"] = DEVICES[role]
+        out[f"{role}.device"] = MD_CHIP[mode] if role == "main_decode" else DEVICES[role]
         out[f"{role}.gpus"] = 8
     return out
 
@@ -55,7 +57,8 @@ async def test_paced_cluster_is_token_exact_and_reports_modelled_times(mode):
         assert pdd["target_wan_kv_bytes"] == round(pdd["wan_kv_bytes"] * 327680 / 1024)
     for role, st in stats.items():
         dev = st["device"]
-        assert dev["emulated"] and dev["chip"] == DEVICES[role] and dev["gpus"] == 8
+        chip = MD_CHIP[mode] if role == "main_decode" else DEVICES[role]
+        assert dev["emulated"] and dev["chip"] == chip and dev["gpus"] == 8
         assert dev["target_model"] == "llama-3-70b" and dev["dilation"] == K
         assert dev["steps"] > 0 and dev["modelled_busy_s"] > 0
         assert 0 <= dev["overruns"] <= dev["steps"]

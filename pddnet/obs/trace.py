@@ -92,9 +92,11 @@ def request_trace_events(pdd: Mapping[str, Any], pid: int, origin: float,
     timeline = _check(pdd)
     ev = _events_by_name(timeline)
     rid = str(pdd.get("request_id", f"request {pid}"))
+    # on emulated devices the modelled world's time: wall seconds / k (pddnet.device.dilation)
+    k = float((pdd.get("emulation") or {}).get("dilation", 1.0))
 
     def us(t: float) -> float:
-        return round((t - origin) * 1e6, 3)
+        return round((t - origin) / k * 1e6, 3)
 
     out: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid,
@@ -113,7 +115,7 @@ def request_trace_events(pdd: Mapping[str, Any], pid: int, origin: float,
                   if token_times and 0 < relay_tokens <= len(token_times) else None)
     for track, name, start, end, args in _spans(pdd, ev, last_relay):
         out.append({"ph": "X", "name": name, "cat": track, "pid": pid, "tid": _TID[track],
-                    "ts": us(start), "dur": round((end - start) * 1e6, 3), "args": args})
+                    "ts": us(start), "dur": round((end - start) / k * 1e6, 3), "args": args})
     for e in timeline:
         track = _TRACK_OF_PRODUCER.get(str(e["producer"]), "router")
         out.append({"ph": "i", "s": "t", "name": e["event"], "cat": "milestone", "pid": pid,
@@ -139,9 +141,13 @@ def chrome_trace(requests: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     for pid, pdd in enumerate(pdds, start=1):
         times = (token_times or {}).get(str(pdd.get("request_id")))
         events += request_trace_events(pdd, pid, origin, times)
+    emulations = {json.dumps(p["emulation"], sort_keys=True) for p in pdds if p.get("emulation")}
+    clock = "time.time() of the box every daemon runs on"
+    if emulations:
+        clock += "; on emulated devices, divided by each request's dilation k"
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"origin_unix_s": origin, "requests": len(pdds),
-                          "clock": "time.time() of the box every daemon runs on"}}
+            "otherData": {"origin_unix_s": origin, "requests": len(pdds), "clock": clock,
+                          "emulation": [json.loads(e) for e in sorted(emulations)]}}
 
 
 def write_trace(path: str | Path, requests: Mapping[str, Any] | Sequence[Mapping[str, Any]],
