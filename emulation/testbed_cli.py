@@ -21,18 +21,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     _name(up)
     up.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip delay (ms)")
     up.add_argument("--jitter-ms", type=float, default=0.0, help="jitter per direction (ms)")
-    up.add_argument("--jitter-dist", default=None, help="uniform | normal | pareto-normal")
+    up.add_argument("--jitter-dist", default=None,
+                    help="uniform | normal | pareto-normal (default: the link model's, normal)")
     up.add_argument("--bw-mbit", type=float, default=None,
-                    help="rate per direction (Mbit/s); default unlimited")
+                    help="rate per direction (Mbit/s) (default: unlimited)")
     up.add_argument("--loss-pct", type=float, default=0.0, help="random loss per direction (%%)")
-    up.add_argument("--queue-bytes", type=int, default=None, help="bottleneck queue limit")
-    up.add_argument("--mtu", type=int, default=9000, help="WAN MTU (default 9000)")
+    up.add_argument("--queue-bytes", type=int, default=None,
+                    help="bottleneck queue limit (default: the link model's, 1 MiB)")
+    up.add_argument("--mtu", type=int, default=9000, help="WAN MTU")
     up.add_argument("--shell", choices=["packet", "kernel", "auto"], default="auto",
                     help="packet (TUN + userspace forwarder), kernel (veth + netem), auto: "
                     "kernel where the kernel has netem, else packet")
-    up.add_argument("--addr-a", default="10.77.0.1", help="address in A (default 10.77.0.1)")
-    up.add_argument("--addr-b", default="10.77.0.2", help="address in B (default 10.77.0.2)")
-    up.add_argument("--seed", type=int, default=0)
+    up.add_argument("--addr-a", default="10.77.0.1", help="address in A")
+    up.add_argument("--addr-b", default="10.77.0.2", help="address in B")
+    up.add_argument("--seed", type=int, default=0, help="seed of the link model's randomness")
     up.set_defaults(handler=cmd_up)
 
     down = tsub.add_parser("down", help="remove everything the testbed made (also after a crash)")
@@ -47,14 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex = tsub.add_parser("exec", help="run a command inside namespace a or b",
                          usage="pdd testbed exec [--name N] a|b -- CMD [ARGS...]")
     _name(ex)
-    ex.add_argument("side", choices=["a", "b"])
+    ex.add_argument("side", choices=["a", "b"], help="namespace of datacenter A or B")
     ex.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     ex.set_defaults(handler=cmd_exec)
 
 
 def _name(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--name", default="pdd", help="testbed name (default pdd): namespaces are "
-                   "<name>-a and <name>-b")
+    p.add_argument("--name", default="pdd", help="testbed name: namespaces are <name>-a and "
+                   "<name>-b")
 
 
 def _fail(msg: str, code: int = 1) -> int:

@@ -44,24 +44,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     proxy = wan_sub.add_parser("proxy", help="TCP proxy through the link model (no root)",
                                description="Proxy TCP from --listen to --upstream through the "
                                "link model; runs until SIGINT/SIGTERM.")
-    proxy.add_argument("--listen", type=_host_port, required=True, metavar="HOST:PORT")
-    proxy.add_argument("--upstream", type=_host_port, required=True, metavar="HOST:PORT")
+    proxy.add_argument("--listen", type=_host_port, required=True, metavar="HOST:PORT",
+                       help="address to accept connections on")
+    proxy.add_argument("--upstream", type=_host_port, required=True, metavar="HOST:PORT",
+                       help="address to forward them to")
     proxy.add_argument("--control", type=_host_port, default=("127.0.0.1", 0), metavar="HOST:PORT",
-                       help="control API address (default 127.0.0.1, any free port)")
+                       help="control API address (default: 127.0.0.1:0, any free port)")
     proxy.add_argument("--rtt-ms", type=float, default=0.0,
                        help="round-trip delay in ms (half each way)")
     proxy.add_argument("--jitter-ms", type=float, default=0.0, help="jitter per direction, ms")
     proxy.add_argument("--jitter-dist", default="normal",
                        help="uniform | normal | pareto-normal")
     proxy.add_argument("--bw-mbit", type=float, default=None,
-                       help="bottleneck rate per direction, Mbit/s (default unlimited)")
-    proxy.add_argument("--queue-bytes", type=int, default=None, help="bottleneck queue limit")
-    proxy.add_argument("--burst-bytes", type=int, default=None, help="token bucket depth")
+                       help="bottleneck rate per direction, Mbit/s (default: unlimited)")
+    proxy.add_argument("--queue-bytes", type=int, default=None,
+                       help="bottleneck queue limit (default: the link model's, 1 MiB)")
+    proxy.add_argument("--burst-bytes", type=int, default=None,
+                       help="token bucket depth (default: the link model's, 15000)")
     proxy.add_argument("--chunk-bytes", type=int, default=32 * 1024,
-                       help="largest byte chunk handed to the model (default 32 KiB)")
-    proxy.add_argument("--seed", type=int, default=0)
+                       help="largest byte chunk handed to the model")
+    proxy.add_argument("--seed", type=int, default=0, help="seed of the link model's randomness")
     proxy.add_argument("--schedule", default=None, metavar="FILE",
-                       help="trace (.csv/.jsonl) or steps (.json) to replay from the start")
+                       help="trace (.csv/.jsonl) or steps (.json) to replay from the start "
+                            "(default: none)")
     proxy.add_argument("--loop", action="store_true", help="repeat --schedule")
     proxy.set_defaults(handler=run_proxy)
 
@@ -72,14 +77,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         return p
 
     show = client("show", "print a running emulator's effects and counters")
-    show.add_argument("--direction", default="both", choices=["both", "a_to_b", "b_to_a"])
+    show.add_argument("--direction", default="both", choices=["both", "a_to_b", "b_to_a"],
+                      help="which direction to print")
     show.add_argument("--json", action="store_true", help="the raw JSON")
     show.set_defaults(handler=run_show)
 
     set_ = client("set", "change effects: pdd wan set --control URL delay_ms=40 rate_mbit=100")
-    set_.add_argument("--direction", default="both", choices=["both", "a_to_b", "b_to_a"])
+    set_.add_argument("--direction", default="both", choices=["both", "a_to_b", "b_to_a"],
+                      help="which direction to change")
     set_.add_argument("--duration", type=float, default=None,
-                      help="seconds after which the change reverts by itself")
+                      help="seconds after which the change reverts by itself (default: it "
+                           "stays)")
     set_.add_argument("--clear", action="store_true",
                       help="first return to the initial effects (then apply any key=value)")
     set_.add_argument("effects", nargs="*", metavar="key=value")
@@ -88,8 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     chaos = client("chaos", "one chaos verb with a duration: partition | latency-spike "
                    "(add_ms=) | bandwidth-collapse (fraction=) | loss-burst (loss_pct=) | "
                    "jitter-storm (jitter_ms=) | heal")
-    chaos.add_argument("kind")
-    chaos.add_argument("--duration", type=float, default=None)
+    chaos.add_argument("kind", help="partition | latency-spike | bandwidth-collapse | "
+                       "loss-burst | jitter-storm | heal")
+    chaos.add_argument("--duration", type=float, default=None,
+                       help="seconds the fault lasts (no default: required)")
     chaos.add_argument("params", nargs="*", metavar="key=value")
     chaos.set_defaults(handler=run_chaos)
 

@@ -7,11 +7,91 @@ Registration functions import nothing heavy (torch, aiohttp) at module import ti
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+
+def version() -> str:
+    """pddnet's version: the installed package's metadata (from pyproject.toml), else the
+    source tree's ``pddnet.__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("pddnet")
+    except PackageNotFoundError:  # pragma: no cover - running from a tree that is not installed
+        from pddnet import __version__
+
+        return __version__
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether `--help` states this option's default: it takes a value and has one worth
+    saying (not None, not an empty list; a flag's False goes without saying)."""
+    if action.nargs == 0 or action.default is argparse.SUPPRESS or action.required:
+        return False
+    if not action.option_strings and action.nargs not in ("?", "*"):
+        return False  # a required positional
+    return action.default is not None and action.default != [] and action.default != ()
+
+
+def format_default(value: Any) -> str:
+    """A default as it would be typed: lists and tuples (nargs) space-separated."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option that takes a value shows "(default: X)", unless its help already says what
+    its default is (help texts of options whose default is None say what None means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not shows_default(action) or "default" in text.lower():
+            return text
+        shown = format_default(action.default).replace("%", "%%")
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and shows_default(action):
+            action = copy.copy(action)  # argparse prints no help line at all when help is None
+            action.help = ""
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+
+_FORMATTERS: dict[type, type] = {}
+
+
+def with_defaults(cls: type) -> type:
+    """`cls` (a parser's formatter class) that also shows defaults; keeps e.g. raw descriptions."""
+    if issubclass(cls, DefaultsHelpFormatter):
+        return cls
+    if cls in (argparse.HelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        return DefaultsHelpFormatter
+    if cls not in _FORMATTERS:
+        _FORMATTERS[cls] = type(f"Defaults{cls.__name__}", (cls, DefaultsHelpFormatter), {})
+    return _FORMATTERS[cls]
+
+
+def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("pdd",)
+                 ) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every parser of the tree with its command path, the root first."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            seen: set[int] = set()
+            for name, child in action._name_parser_map.items():
+                if id(child) not in seen:  # aliases map to the same parser
+                    seen.add(id(child))
+                    yield from walk_parsers(child, (*path, name))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import pddnet
     from emulation.cli import register_testbed, register_wan
     from pddnet.bench.cli import register as register_bench
     from pddnet.cluster.cli import register as register_cluster
@@ -19,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pddnet.model.cli import register_model
     from pddnet.sim.cli import register as register_sim
 
-    parser = argparse.ArgumentParser(prog="pdd", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pdd", description=(pddnet.__doc__ or "").strip(),
+                                     epilog="pdd COMMAND --help shows a command's options.")
+    parser.add_argument("--version", action="version", version=f"pddnet {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register_generate(sub)
     register_model(sub)
@@ -28,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_cluster(sub)
     register_bench(sub)     # bench, demo, trace
     register_sim(sub)
+    # every --help page shows the defaults, whichever module registered the command
+    for _, p in walk_parsers(parser):
+        p.formatter_class = with_defaults(p.formatter_class)
     return parser
 
 

@@ -23,22 +23,35 @@ def register(sub: Any) -> None:
         "up", help="start a whole local cluster (router, P, RLD, MD, the WAN between them)",
         description="Start router, P, RLD (not in cross-dc) and MD as separate processes, joined "
                     "by the emulated WAN; print the endpoint; stop everything on Ctrl-C/SIGTERM.")
-    up.add_argument("--config", default=None, metavar="FILE", help="cluster TOML (flags override)")
-    up.add_argument("--mode", choices=["pdd", "cross-dc", "same-dc"], default=None)
-    up.add_argument("--model", default=None, metavar="tiny|small|medium|PATH")
-    up.add_argument("--rtt-ms", type=float, default=None, help="WAN round trip (default 30)")
-    up.add_argument("--jitter-ms", type=float, default=None, help="WAN jitter per direction")
-    up.add_argument("--bw-mbit", type=float, default=None, help="WAN rate per direction")
-    up.add_argument("--port", type=int, default=None, help="router HTTP port (default 8000)")
+    up.add_argument("--config", default=None, metavar="FILE",
+                    help="cluster TOML; the flags below override it (default: none, built-in "
+                         "defaults)")
+    up.add_argument("--mode", choices=["pdd", "cross-dc", "same-dc"], default=None,
+                    help="PDD or one of its two baselines (default: --config's mode, else pdd)")
+    up.add_argument("--model", default=None, metavar="tiny|small|medium|PATH",
+                    help="preset (seeded random weights, byte vocabulary) or a folder in HF "
+                         "Llama layout (default: --config's [model] name, else tiny)")
+    up.add_argument("--rtt-ms", type=float, default=None,
+                    help="WAN round trip (default: --config's, else 30)")
+    up.add_argument("--jitter-ms", type=float, default=None,
+                    help="WAN jitter per direction (default: --config's, else 0)")
+    up.add_argument("--bw-mbit", type=float, default=None,
+                    help="WAN rate per direction (default: --config's, else 1000)")
+    up.add_argument("--port", type=int, default=None,
+                    help="router HTTP port (default: --config's, else 8000)")
     up.add_argument("--wan", choices=["auto", "kernel", "packet", "proxy"], default=None,
-                    help="WAN shell (default auto: kernel, else packet, else proxy)")
+                    help="WAN shell (default: --config's, else auto: kernel, else packet, else "
+                         "proxy)")
     up.add_argument("--run-dir", default=None, metavar="DIR",
-                    help="where the run file, config and logs go (default runs/<name>)")
-    up.add_argument("--threads", type=int, default=None, help="torch threads per daemon")
+                    help="where the run file, config and logs go (default: --config's run_dir, "
+                         "else runs/<name>)")
+    up.add_argument("--threads", type=int, default=None,
+                    help="torch threads per daemon (default: --config's, else 1)")
     up.add_argument("--intra-dc-transport", choices=["shm", "mooncake"], default=None,
-                    help="KV backend P -> RLD (default shm; [transport] intra_dc)")
+                    help="KV backend P -> RLD (default: --config's [transport] intra_dc, else "
+                         "shm)")
     up.add_argument("--wan-transport", choices=["tcp", "mooncake"], default=None,
-                    help="KV backend P -> MD (default tcp; [transport] wan)")
+                    help="KV backend P -> MD (default: --config's [transport] wan, else tcp)")
     up.add_argument("--placement", choices=["datacenter", "hosts"], default="datacenter",
                     help="datacenter: daemons share their datacenter's namespace; hosts: one "
                          "namespace per daemon, as on separate machines (needs --wan packet|"
@@ -48,19 +61,23 @@ def register(sub: Any) -> None:
 
     serve = sub.add_parser("serve", help="run one daemon (prefill|relay|main-decode|router)",
                            description="Run one pddnet daemon until SIGTERM/SIGINT.")
-    serve.add_argument("role", choices=sorted(SERVE_ROLES))
-    serve.add_argument("--config", required=True, metavar="FILE")
+    serve.add_argument("role", choices=sorted(SERVE_ROLES), help="the daemon to run")
+    serve.add_argument("--config", required=True, metavar="FILE",
+                       help="cluster TOML (the same file on every host; docs/deploy.md)")
     serve.add_argument("--stats-file", default=None, metavar="PATH",
-                       help="write the daemon's stats here at start, on SIGUSR1 and at exit")
+                       help="write the daemon's stats here at start, on SIGUSR1 and at exit "
+                            "(default: none)")
     serve.set_defaults(handler=_serve)
 
     status = sub.add_parser("status", help="show the daemons of a cluster (`pdd up`'s run file, or "
                                            "any cluster from its config)")
-    status.add_argument("--run-dir", default="runs/pdd", metavar="DIR")
+    status.add_argument("--run-dir", default="runs/pdd", metavar="DIR",
+                        help="the run folder `pdd up` printed (its run.json)")
     status.add_argument("--config", default=None, metavar="FILE",
                         help="ask the cluster this file describes (from any host that reaches "
-                             "it): the router's /health and each daemon's port")
-    status.add_argument("--json", action="store_true")
+                             "it): the router's /health and each daemon's port (default: none, "
+                             "read --run-dir)")
+    status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(handler=_status)
 
 

@@ -15,24 +15,92 @@ from typing import Any
 def register_generate(sub: Any) -> None:
     parser = sub.add_parser(
         "generate", help="generate a completion with the colocated reference engine",
-        description="Tokenise --prompt, run it through the reference engine (paged KV, "
-                    "continuous batching scheduler) and print the completion, its token ids and "
-                    "how long prefill and each decode step took.")
-    parser.add_argument("--prompt", required=True, help="prompt text")
+        description="Tokenise the prompt (--prompt, --prompt-file or --prompt-ids: exactly one), "
+                    "run it through the reference engine (paged KV, continuous batching "
+                    "scheduler) and print the completion, its token ids and how long prefill and "
+                    "each decode step took.")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT",
+                        help="prompt text (the tokenizer's BOS is put in front)")
+    prompt.add_argument("--prompt-file", metavar="PATH",
+                        help="read the prompt from a file, - for stdin, byte for byte (a final "
+                             "newline included: printf or echo -n leave it out). With a preset's "
+                             "byte vocabulary any bytes are taken as they are (NUL too); a "
+                             "checkpoint's tokenizer needs UTF-8. BOS is put in front")
+    prompt.add_argument("--prompt-ids", metavar="ID,ID,...",
+                        help="the prompt's token ids, separated by commas, used exactly as given "
+                             "(no BOS added); each must be in the model's vocabulary")
     parser.add_argument("--model", default="small", metavar="tiny|small|medium|PATH",
-                        help="preset name or a folder in HF Llama layout (default: small)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+                        help="preset name (seeded random weights, byte vocabulary) or a folder in "
+                             "HF Llama layout")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
     parser.add_argument("--seed", type=int, default=None,
                         help="sampling seed (default: a fresh one when --temperature > 0)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+                        help="sampling temperature; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k best tokens (0 = all)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.set_defaults(handler=_generate)
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    """"1, 2,3" -> [1, 2, 3]; ValueError naming the offending item."""
+    if not text.strip():
+        raise ValueError("--prompt-ids: no token ids given")
+    items = [item.strip() for item in text.split(",")]
+    if items and items[-1] == "" and len(items) > 1:
+        items.pop()  # a trailing comma
+    ids: list[int] = []
+    for n, item in enumerate(items, 1):
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"--prompt-ids: item {n} ({item!r}) is not an integer token id; "
+                             f"expected ids separated by commas, e.g. 1,2,3") from None
+        if value < 0:
+            raise ValueError(f"--prompt-ids: item {n} ({value}) is negative; token ids are >= 0")
+        ids.append(value)
+    return ids
+
+
+def read_prompt_file(path: str) -> bytes:
+    """The prompt file's bytes; "-" reads stdin to its end."""
+    if path == "-":
+        return sys.stdin.buffer.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"--prompt-file: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def prompt_token_ids(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> list[int]:
+    """The prompt of --prompt / --prompt-file / --prompt-ids as token ids for this model."""
+    if args.prompt_ids is not None:
+        ids = parse_prompt_ids(args.prompt_ids)
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"--prompt-ids: {', '.join(map(str, bad[:5]))}"
+                             f"{' ...' if len(bad) > 5 else ''} outside the vocabulary of "
+                             f"{args.model} (ids 0..{vocab_size - 1})")
+        return ids
+    if args.prompt_file is not None:
+        from pddnet.model.tokenizer import ByteTokenizer
+
+        data = read_prompt_file(args.prompt_file)
+        if isinstance(tokenizer, ByteTokenizer):  # ids 0..255 are the bytes themselves
+            return [tokenizer.bos_token_id, *data]
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompt-file: not UTF-8 at byte {exc.start} (this model's "
+                             f"tokenizer takes text; --prompt-ids takes token ids)") from None
+        return tokenizer.encode(text, add_bos=True)
+    return tokenizer.encode(args.prompt, add_bos=True)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -52,6 +120,11 @@ def _generate(args: argparse.Namespace) -> int:
         return fail(f"--threads must be >= 1, got {args.threads}")
     if args.block_size < 1:
         return fail(f"--block-size must be >= 1, got {args.block_size}")
+    if args.prompt_ids is not None:
+        try:  # a malformed list is said before the model loads
+            parse_prompt_ids(args.prompt_ids)
+        except ValueError as exc:
+            return fail(str(exc))
     torch.set_num_threads(args.threads or 1)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               seed=args.seed)
@@ -62,7 +135,10 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     load_s = time.perf_counter() - t_load
-    prompt = tokenizer.encode(args.prompt, add_bos=True)
+    try:
+        prompt = prompt_token_ids(args, tokenizer, model.config.vocab_size)
+    except ValueError as exc:
+        return fail(str(exc))
     blocks = -(-(len(prompt) + args.max_tokens) // args.block_size) + 1
     engine = Engine(model, tokenizer, num_blocks=blocks, block_size=args.block_size,
                     max_num_batched_tokens=max(2048, args.block_size))

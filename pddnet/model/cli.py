@@ -26,7 +26,7 @@ def register_model(sub: Any) -> None:
     export.add_argument("--model", required=True, metavar="tiny|small|medium|DIR",
                         help="preset name or a folder in HF Llama layout")
     export.add_argument("--out", required=True, metavar="DIR", help="folder to write (created)")
-    export.add_argument("--seed", type=int, default=0, help="weight seed for presets (default 0)")
+    export.add_argument("--seed", type=int, default=0, help="weight seed for presets")
     export.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                         help="dtype of the written weights (default: the model's own)")
     export.set_defaults(handler=_export)
