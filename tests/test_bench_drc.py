@@ -32,3 +32,21 @@ async def test_drc_quick_run_is_consistent(tmp_path):
     assert data["byte_reduction"] > 2   # multi-turn traffic reuses most of each prompt
     assert sum(v["requests"] for v in data["per_interval"].values()) == data["requests"]
     assert data["md_drc_stats"]["lookups"] >= data["requests"]
+    # vLLM's serving metrics of each run, over the same requests
+    for run in ("drc", "no_drc"):
+        s = data["serving"][run]
+        assert s["completed"] == data["requests"] and s["failed"] == 0
+        assert s["total_input_tokens"] == sum(r["prompt_tokens"] for r in rows)
+        assert s["output_throughput"] == s["total_output_tokens"] / s["duration"]
+        assert 0 < s["median_ttft_ms"] <= s["p99_ttft_ms"] and s["median_tpot_ms"] > 0
+        assert s["goodput_slos_ms"] == {"ttft": 1000.0, "tpot": 50.0}
+    assert data["serving"]["drc"]["total_output_tokens"] \
+        == data["serving"]["no_drc"]["total_output_tokens"]     # greedy: the same outputs
+    assert data["serving"]["drc"]["median_ttft_ms"] == pytest.approx(
+        sorted_median([r["ttft_ms_drc"] for r in rows]))
+
+
+def sorted_median(xs):
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2

@@ -127,13 +127,23 @@ def test_summaries_and_ratios_from_trials():
     assert [r10["relay_tokens"], r120["relay_tokens"]] == [10, 120]
     assert r10[handoff.TOKEN_ID]["max_over_mean"] == 1.0
     assert r10[handoff.KV_DIRECT]["max_over_mean"] == pytest.approx(5.0 / 2.0)
+    # vLLM's stat keys, in ms: KV-direct's 1, 1, 1, 5 s
+    kv10 = r10[handoff.KV_DIRECT]
+    assert kv10["mean_handoff_latency_ms"] == pytest.approx(2000.0)
+    assert kv10["median_handoff_latency_ms"] == pytest.approx(1000.0)
+    assert kv10["std_handoff_latency_ms"] == pytest.approx(3 ** 0.5 * 1000.0)   # population
+    assert kv10["p99_handoff_latency_ms"] == pytest.approx(1000.0 + 0.97 * 4000.0)
+    assert kv10["max_handoff_latency_ms"] == 5000.0 and kv10["mean_wire_ms"] == 1000.0
     q = r10["kv_direct_over_token_id"]
-    assert q["payload"] == 50 and q["mean"] == pytest.approx(2.0) and q["max"] == 5.0
+    assert q["payload"] == 50 and q["mean_handoff_latency_ms"] == pytest.approx(2.0)
+    assert q["max_handoff_latency_ms"] == 5.0 and q["max_wire_ms"] == 5.0
     head = handoff.headline(rows)
     assert head["relay_tokens"] == 120          # nearest to the source's 100 tokens
-    assert head["conditions"]["quiet"]["kv_direct_over_token_id"]["mean"] == 1.0
+    assert head["conditions"]["quiet"]["kv_direct_over_token_id"][
+        "mean_handoff_latency_ms"] == 1.0
     grew = head["conditions"]["jitter"]["over_quiet"]     # what the disturbance added
-    assert grew[handoff.TOKEN_ID]["mean_s"] == 1.0 and grew[handoff.KV_DIRECT]["max_s"] == 3.0
+    assert grew[handoff.TOKEN_ID]["mean_handoff_latency_ms"] == 1.0
+    assert grew[handoff.KV_DIRECT]["max_handoff_latency_ms"] == 3.0
     assert "over_quiet" not in head["conditions"]["quiet"]
 
 
@@ -177,9 +187,10 @@ async def test_quick_run_is_consistent(tmp_path):
             assert row["kv_direct_over_token_id"]["payload"] == pytest.approx(
                 kv["payload_bytes"] / tok["payload_bytes"])
             for s in (tok, kv):
-                lat = s["latency_s"]
-                assert s["token_exact"] and s["n"] == reps == lat["n"]
-                assert 0 < lat["p50"] <= lat["p99"] <= lat["max"] and lat["mean"] <= lat["max"]
+                assert s["token_exact"] and s["n"] == reps
+                assert 0 < s["median_handoff_latency_ms"] <= s["p99_handoff_latency_ms"] \
+                    <= s["max_handoff_latency_ms"]
+                assert s["mean_handoff_latency_ms"] <= s["max_handoff_latency_ms"]
                 assert s["max_over_mean"] >= 1.0
         pay = [row["token-id"]["payload_bytes"] for row in c["rows"]]
         assert pay == sorted(pay)                           # more ids, more bytes

@@ -47,17 +47,37 @@ def test_ttft_quick(tmp_path, capsys):
     for workload, modes in data["workloads"].items():
         assert set(modes) == {"same-dc", "cross-dc", "pdd"}
         for mode, s in modes.items():
-            assert s["completed"] == s["requests"] > 0, (workload, mode, s["errors"])
+            assert s["completed"] > 0 and s["failed"] == 0, (workload, mode, s["errors"])
+            assert_serving_summary(s, percentiles=(90, 99))
             assert sum(s["token_share"].values()) == pytest.approx(1.0)
-            assert s["output_tokens"] == s["client_tokens"]       # every token attributed
-            assert 0 <= s["sla"]["met"] <= s["requests"]
-            assert s["ttft_s"]["p50"] <= s["ttft_s"]["p99"]
+            # every token the client received is attributed to a producer
+            assert sum(s["tokens_by_producer"].values()) == s["total_output_tokens"]
+            assert s["goodput_slos_ms"] == {"ttft": 1000.0, "tpot": 50.0}   # the default
+            assert 0 <= s["good_completed"] <= s["completed"]
+            assert s["request_goodput"] <= s["request_throughput"]
+            assert sum(s["pipeline_split"].values()) == s["completed"]
+            # a handoff is a P->RLD->MD request MD took over, with a measured latency
+            assert s["handoff_count"] == s["pipeline_split"].get("p_rld_md", 0) \
+                - s["p_rld_md_finished_on_rld"]
+            assert s["cluster_mode"] == mode
         assert modes["same-dc"]["token_share"]["main_decode"] == 0   # no MD in same-dc
         assert modes["cross-dc"]["token_share"]["relay"] == 0        # no RLD in cross-dc
-        assert modes["same-dc"]["md_wan_bytes"] == 0
-        assert modes["cross-dc"]["md_wan_bytes"] >= modes["cross-dc"]["wan_kv_bytes"] > 0
+        assert modes["cross-dc"]["pipeline_split"] == {"p_md": modes["cross-dc"]["completed"]}
+        assert modes["same-dc"]["md_wan_bytes_received"] == 0
+        assert modes["cross-dc"]["md_wan_bytes_received"] \
+            >= modes["cross-dc"]["wan_kv_bytes"] > 0
+        assert modes["cross-dc"]["target_wan_kv_bytes"] == modes["cross-dc"]["wan_kv_bytes"]
         assert set(data["ratios"][workload]) == {"pdd/same-dc", "cross-dc/same-dc",
                                                   "pdd/cross-dc"}
+        assert set(data["ratios"][workload]["pdd/same-dc"]) == {
+            "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms"}
+    for row in data["requests"]["pdd"]:
+        n = row["output_len"]
+        assert row["ok"] and n == len(row["token_times"]) and row["input_len"] > 0
+        assert row["e2el_ms"] >= row["ttft_ms"] > 0
+        assert row["tpot_ms"] == pytest.approx((row["e2el_ms"] - row["ttft_ms"]) / (n - 1))
+    out = capsys.readouterr().out
+    assert "median_ttft" in out and "request_goodput" in out and "P->RLD->MD" in out
     pngs = sorted(p.name.split("-", 2)[-1] for p in (tmp_path / "ttft").glob("*.png"))
     assert pngs == ["agent-ttft-cdf.png", "long-ttft-cdf.png"]
     assert len(list((tmp_path / "ttft").glob("*.trace.json"))) == 6
@@ -141,6 +161,14 @@ def test_handoff_mode_quick(tmp_path):
     if one_shot:   # one-shot hands everything over in one HANDOFF: MD extends it in one step
         assert c["md_max_extend_tokens"]["one-shot"] >= min(r["relay_tokens"] for r in one_shot)
     assert set(data["by_mode"]) == {"one-shot", "streaming", "dynamic"}
+    for mode, serving in data["serving"].items():     # vLLM's per-request latency stats
+        n = sum(1 for r in data["requests"] if r["mode"] == mode)
+        assert serving["completed"] == n and serving["failed"] == 0
+        assert 0 < serving["median_ttft_ms"] <= serving["median_e2el_ms"]
+        assert serving["median_tpot_ms"] > 0 and serving["p99_itl_ms"] >= 0
+        assert "request_throughput" not in serving     # one request at a time: no throughput
+    for r in rows:
+        assert r["e2el_ms"] >= r["ttft_ms"] > 0 and r["tpot_ms"] > 0
     assert len(list((tmp_path / "handoff-mode").glob("*.png"))) == 1
 
 
@@ -154,7 +182,13 @@ def test_transport_quick(tmp_path):
         assert 0 < w["bytes_received"] <= w["bytes_sent"]
     d = data["decode"]
     assert d["tokens_identical"]          # the daemon path yields the reference's tokens
-    assert d["daemon"]["tokens"] == d["reference"]["tokens"] == d["requests"] * d["max_tokens"]
+    assert d["daemon"]["total_output_tokens"] == d["reference"]["total_output_tokens"] \
+        == d["requests"] * d["max_tokens"]
+    daemon = d["daemon"]                  # vLLM's names for the cluster's requests
+    assert daemon["completed"] == d["requests"] and daemon["failed"] == 0
+    assert daemon["output_throughput"] == pytest.approx(
+        daemon["total_output_tokens"] / daemon["duration"])
+    assert 0 < daemon["median_ttft_ms"] <= daemon["median_e2el_ms"]
     assert len(list((tmp_path / "transport").glob("*.png"))) == 1
     assert not [p for p in Path("/dev/shm").glob("pdd-bench-*")]
 
@@ -168,12 +202,39 @@ def test_demo_quick(tmp_path, capsys):
     assert data["machine"]["cores"] >= 1 and data["threads_per_daemon"] == 1
     assert set(data["modes"]) == {"pdd", "cross-dc", "same-dc"}
     for mode, s in data["modes"].items():
-        assert s["completed"] == s["requests"] > 0, (mode, s["errors"])
+        assert s["completed"] > 0 and s["failed"] == 0, (mode, s["errors"])
+        assert_serving_summary(s, percentiles=(90, 99))
         assert sum(s["token_share"].values()) == pytest.approx(1.0)
+        assert sum(s["pipeline_split"].values()) == s["completed"]
+        lanes = s["md_lane_bytes"]
+        assert s["md_wan_bytes_received"] == sum(d["bytes_in"] for d in lanes.values())
+        assert s["md_wan_bytes_sent"] == sum(d["bytes_out"] for d in lanes.values())
+    assert data["modes"]["same-dc"]["md_lane_bytes"] == {}             # no MD, no WAN
+    pdd_mode = data["modes"]["pdd"]
+    assert pdd_mode["md_wan_bytes_received"] >= pdd_mode["wan_kv_bytes"] \
+        + pdd_mode["handoff_bytes"]
     assert data["config"]["wan_shell"]["same-dc"] in (None, "none")   # no WAN at all
     assert data["config"]["wan_shell"]["pdd"] in ("kernel", "packet", "proxy")
-    assert {"ttft-cdf.png", "token-share.png", "wan-bytes.png"} <= {
+    assert {"ttft-cdf.png", "token-share.png", "pipelines.png", "wan-bytes.png"} <= {
         p.name for p in folder.glob("*.png")}
+    for header in ("median_ttft", "p99_ttft", "median_tpot", "median_itl", "median_e2el",
+                   "request_goodput", "output_throughput", "P->MD", "P->RLD->MD", "P->RLD",
+                   "handoffs", "mean_handoff_latency"):
+        assert header in out, header
+
+    # the plots' groups: same-dc's decode instance is D, nobody is P, every request counted
+    from pddnet.bench.demo import pipeline_groups, token_share_groups, wan_groups
+
+    shares = token_share_groups(data["modes"])
+    assert set(shares["same-dc"]) == {"D (same-dc's decode)"}
+    assert set(shares["pdd"]) == {"RLD", "MD"} and set(shares["cross-dc"]) == {"MD"}
+    for mode, g in pipeline_groups(data["modes"]).items():
+        assert sum(g.values()) == data["modes"][mode]["completed"]
+    assert pipeline_groups(data["modes"])["same-dc"] == {
+        "P->D (same-dc)": data["modes"]["same-dc"]["completed"]}
+    wan = wan_groups(data["modes"])["cross-dc"]
+    assert wan["KV payload (P -> MD)"] == pytest.approx(
+        data["modes"]["cross-dc"]["wan_kv_bytes"] / 2**20)
 
 
 # -- the pure measurement functions the benchmarks rest on ----------------------------------
@@ -209,16 +270,34 @@ def test_handoff_metrics_stall_occupancy_and_duration():
     assert rate_for_backlog(11, 10, 0.001, 10**9, 100.0) == 100.0  # capped
 
 
-def test_mode_summary_shares_and_sla():
-    from pddnet.bench.ttft import mode_summary, tpot_s
+def assert_serving_summary(s: dict, percentiles=(90, 99)) -> None:
+    """vLLM's bench serve keys, consistent with each other."""
+    for key in ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "request_goodput", "output_throughput",
+                "total_token_throughput"):
+        assert key in s, key
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        keys = [f"{stat}_{metric}_ms" for stat in ("mean", "median", "std")]
+        keys += [f"p{p}_{metric}_ms" for p in percentiles]
+        assert all(k in s for k in keys), (metric, keys)
+        assert s[f"median_{metric}_ms"] <= s[f"p{max(percentiles)}_{metric}_ms"]
+    assert s["median_ttft_ms"] <= s["median_e2el_ms"]
+    assert s["output_throughput"] == pytest.approx(s["total_output_tokens"] / s["duration"])
+    assert s["request_throughput"] == pytest.approx(s["completed"] / s["duration"])
+
+
+def test_mode_summary_shares_and_goodput():
+    from pddnet.bench.metrics import tpot_s
+    from pddnet.bench.ttft import mode_summary
 
     fast = record([0.1, 0.11, 0.12], {"relay_tokens": 1, "main_tokens": 2})
     slow = record([2.0, 2.2], {"relay_tokens": 2})
     assert tpot_s(fast) == pytest.approx(0.01) and tpot_s(slow) == pytest.approx(0.2)
-    s = mode_summary([fast, slow], sla_ttft_s=1.0, sla_tpot_s=0.05, makespan_s=4.0)
+    s = mode_summary([fast, slow], {"ttft": 1000.0, "tpot": 50.0}, duration_s=4.0)
     assert s["token_share"] == {"prefill": 0.0, "relay": 0.6, "main_decode": 0.4}
-    assert s["output_tokens"] == s["client_tokens"] == 5
-    assert s["sla"]["met"] == 1 and s["sla"]["goodput_req_s"] == pytest.approx(0.25)
+    assert s["total_output_tokens"] == sum(s["tokens_by_producer"].values()) == 5
+    assert s["good_completed"] == 1 and s["request_goodput"] == pytest.approx(0.25)
+    assert s["output_throughput"] == pytest.approx(5 / 4.0)
 
 
 # -- emulated devices: time dilation on the client's side, the flags, the devices section -----
@@ -230,7 +309,8 @@ EMULATED = ("--target-model", "llama-3-70b", "--device", "prefill=h100-sxm:8",
 def test_stream_record_reports_modelled_durations():
     from pddnet.bench.client import StreamRecord
     from pddnet.bench.handoff_mode import handoff_metrics
-    from pddnet.bench.ttft import handoff_latency_s, mode_summary, tpot_s
+    from pddnet.bench.metrics import e2el_s, handoff_latency_s, tpot_s
+    from pddnet.bench.ttft import mode_summary
 
     times = [10.4, 10.6, 11.0]
     raw = StreamRecord(sent_at=10.0, first_token_at=10.4, token_times=times,
@@ -243,10 +323,12 @@ def test_stream_record_reports_modelled_durations():
     # paced at k = 4: every duration / k, the raw (wall) times untouched
     assert paced.ttft_s == pytest.approx(0.1) and paced.wall_ttft_s == pytest.approx(0.4)
     assert paced.inter_token_s() == pytest.approx([0.05, 0.1])
-    assert tpot_s(paced) == pytest.approx(0.075)
+    assert tpot_s(paced) == pytest.approx(0.075) and e2el_s(paced) == pytest.approx(0.25)
     assert paced.token_times == times and paced.sent_at == 10.0
-    s = mode_summary([paced], sla_ttft_s=0.2, sla_tpot_s=0.08, makespan_s=2.0)
-    assert s["ttft_s"]["p50"] == pytest.approx(0.1) and s["sla"]["met"] == 1
+    s = mode_summary([paced], {"ttft": 200.0, "tpot": 80.0}, duration_s=2.0)
+    assert s["median_ttft_ms"] == pytest.approx(100.0) and s["good_completed"] == 1
+    assert s["median_e2el_ms"] == pytest.approx(250.0)
+    assert s["mean_itl_ms"] == pytest.approx(75.0)
     # the router's timeline `time` is wall clock too: its handoff latency is / the router's k
     timeline = [{"event": "handoff_start", "time": 5.0}, {"event": "first_md_token", "time": 5.4}]
     assert handoff_latency_s({"timeline": timeline}) == pytest.approx(0.4)
@@ -262,7 +344,8 @@ def test_stream_record_reports_modelled_durations():
     rec = record(hm_times, pdd_obj)
     rec.dilation = 5.0
     five = handoff_metrics(rec, prompt_len=100)
-    for key in ("stall_s", "handoff_s", "rld_occupancy_token_s", "itl_median_s"):
+    for key in ("stall_s", "handoff_s", "rld_occupancy_token_s", "median_itl_ms", "ttft_ms",
+                "tpot_ms", "e2el_ms"):
         assert five[key] == pytest.approx(one[key] / 5), key
 
 
@@ -386,9 +469,10 @@ def test_ttft_quick_on_emulated_devices(tmp_path, capsys):
     assert ("devices: emulated llama-3-70b on prefill 8 x h100-sxm, relay 8 x h100-sxm, "
             "main_decode 8 x h200-sxm; k = 2 (times / k)") in out
     for mode, s in data["workloads"]["long"].items():
-        assert s["completed"] == s["requests"] > 0, (mode, s["errors"])
-        assert s["output_tokens"] == s["client_tokens"]
+        assert s["completed"] > 0 and s["failed"] == 0, (mode, s["errors"])
+        assert sum(s["tokens_by_producer"].values()) == s["total_output_tokens"]
     for row in data["requests"]["pdd"]:
         assert row["dilation"] == 2.0
-        assert row["ttft_s"] == pytest.approx((row["token_times"][0] - row["sent_at"]) / 2)
+        assert row["ttft_ms"] == pytest.approx(
+            (row["token_times"][0] - row["sent_at"]) / 2 * 1e3)
         assert row["pdd"]["emulation"]["dilation"] == 2.0

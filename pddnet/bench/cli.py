@@ -36,23 +36,28 @@ class BenchSpec:
         return mod
 
     def parser(self) -> argparse.ArgumentParser:
+        from pddnet.cli import DefaultsHelpFormatter
+
         mod = self.load()
         p = argparse.ArgumentParser(prog=f"pdd bench {self.name}",
-                                    description=(mod.__doc__ or self.help).splitlines()[0])
+                                    description=(mod.__doc__ or self.help).splitlines()[0],
+                                    formatter_class=DefaultsHelpFormatter)
         mod.add_arguments(p)
         return p
 
 
 BENCHES: dict[str, BenchSpec] = {s.name: s for s in (
     BenchSpec("ttft", "pddnet.bench.ttft",
-              "same-dc vs cross-dc vs pdd: TTFT, ITL, goodput under SLA, RLD/MD token shares"),
+              "same-dc vs cross-dc vs pdd: ttft, tpot, itl, e2el, request_goodput, RLD/MD "
+              "token shares"),
     BenchSpec("handoff-mode", "pddnet.bench.handoff_mode",
               "one-shot vs streaming vs dynamic handoff over RLD backlogs of 8..512 tokens"),
     BenchSpec("transport", "pddnet.bench.transport",
               "shm write vs memcpy, WAN goodput vs rate, decode daemon vs reference engine"),
     BenchSpec("drc", "pddnet.bench.drc",
               "WAN KV bytes and TTFT with and without the decode-side RadixCache"),
-    BenchSpec("handoff", "pddnet.bench.handoff", "token-id vs KV-direct handoff: payload, latency, quiet and jittery WAN"),
+    BenchSpec("handoff", "pddnet.bench.handoff",
+              "token-id vs KV-direct handoff: payload, latency, quiet and jittery WAN"),
     BenchSpec("engine", "pddnet.bench.engine",
               "engine step time vs context: gather vs paged attention, and the roofline target"),
 )}

@@ -24,6 +24,7 @@ class StreamRecord:
     pdd: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     dilation: float = 1.0          # the cluster's time dilation k: reported durations are / k
+    prompt_len: int | None = None  # prompt tokens sent (None for a text prompt)
 
     def span_s(self, start: float, end: float) -> float:
         """A duration between two of this record's raw (wall-clock) times, in modelled time."""
@@ -49,7 +50,9 @@ async def stream_completion(session: Any, url: str, body: dict[str, Any],
     """POST a streaming completion with return_token_ids and record token arrival times
     (`dilation`: the cluster's k, kept on the record so its durations come out modelled)."""
     body = {**body, "stream": True, "return_token_ids": True}
-    rec = StreamRecord(sent_at=time.time(), dilation=dilation)
+    prompt = body.get("prompt")
+    rec = StreamRecord(sent_at=time.time(), dilation=dilation,
+                       prompt_len=len(prompt) if isinstance(prompt, list) else None)
     async with session.post(url.rstrip("/") + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             rec.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"

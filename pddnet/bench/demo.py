@@ -3,10 +3,14 @@
 Brings up a whole cluster in each mode -- pdd, then the cross-dc and same-dc baselines -- on
 the testbed (LocalCluster's wan="auto": the packet shell when root and /dev/net/tun are there,
 the proxy shell otherwise; it says which), sends each the same short mixed workload (Poisson
-long prompts plus a few multi-turn agent conversations), shows live progress, prints a side by
-side table (TTFT percentiles, RLD's share of output tokens, WAN bytes, handoff latency) and
-writes its plots, the result JSON and a Perfetto trace of one PDD request into a folder it
-names. About 1.5-2.5 minutes on 2 cores with the small model.
+long prompts whose outputs outlast their KV's crossing, so that pdd sends them P->RLD->MD and
+hands them off, plus a multi-turn agent conversation), shows live progress, prints two side by
+side tables -- vLLM's serving metrics (ttft, tpot, itl, e2el, request_goodput,
+output_throughput; docs/benchmarks.md, "Metrics") and pddnet's own (requests per pipeline,
+handoffs and their latency, RLD's and MD's share of the output tokens, MiB over the WAN) -- and
+writes its plots (TTFT CDFs, who produced the tokens, the pipeline split, the WAN bytes by
+kind), the result JSON and a Perfetto trace of one PDD request into a folder it names. About
+1-1.5 minutes on 2 cores with the small model.
 
 With emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) the three
 clusters run paced at one k (auto is probed once, before the first cluster): the workload's time
@@ -22,8 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pddnet.bench import metrics
 from pddnet.bench.agent_workload import AgentWorkloadParams, generate_agent_workload
-from pddnet.bench.plots import cdf_plot, grouped_bars
+from pddnet.bench.plots import cdf_plot, stacked_bars
 from pddnet.bench.results import write_result
 from pddnet.bench.workload import poisson_long_prompts
 from pddnet.device import flags as device_flags
@@ -64,7 +69,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     apply_quick(args)
     targs = ttft_namespace(args)
-    try:   # the device flags, checked against every mode (and auto probed) before any cluster
+    try:   # the SLOs and device flags, checked (auto probed) before any cluster starts
+        slos = metrics.goodput_config(args)
         devices = setup_devices(targs, {m: ttft.cluster_overrides(m, targs) for m in args.modes})
     except ValueError as exc:
         print(f"pdd demo: error: {exc}", file=sys.stderr)
@@ -86,12 +92,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         shell = per_mode[mode].get("wan_shell") or "none"
         print(f"  {mode}: done in {time.monotonic() - t_mode:.0f} s (WAN shell: {shell})",
               flush=True)
-    sla = (args.sla_ttft_ms / 1e3, args.sla_tpot_ms / 1e3)
     table: dict[str, dict[str, Any]] = {}
     for mode, res in per_mode.items():
         records = [r for w in workloads for r in res["records"][w]]
-        s = ttft.mode_summary(records, *sla, sum(res["makespan_s"].values()))
-        s["md_wan_bytes"] = sum(res["md_wan_bytes"].values())
+        s = ttft.mode_summary(records, slos, sum(res["makespan_s"].values()),
+                              args.metric_percentiles)
+        s["md_wan_bytes_received"] = sum(res["md_wan_bytes"].values())
+        lanes: dict[str, dict[str, int]] = {}
+        for per_lane in res["md_lane_bytes"].values():
+            for lane, d in per_lane.items():
+                acc = lanes.setdefault(lane, {"bytes_in": 0, "bytes_out": 0})
+                for key, v in d.items():
+                    acc[key] += v
+        s["md_lane_bytes"] = lanes
+        s["md_wan_bytes_sent"] = sum(d["bytes_out"] for d in lanes.values())
         table[mode] = s
     ratios = ttft.ttft_ratios(table) if "same-dc" in table else {}
     files = write_plots(folder, per_mode, table, workloads)
@@ -105,6 +119,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
               if k != "handler"}
     config["wan_shell"] = {m: r.get("wan_shell") for m, r in per_mode.items()}
     config["dilation_k"] = devices.dilation
+    config["goodput_slos_ms"] = slos
     requests = {m: [ttft.request_row(r, w) for w in workloads for r in res["records"][w]]
                 for m, res in per_mode.items()}
     reports = {m: res["devices"] for m, res in per_mode.items()}
@@ -115,7 +130,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                  "elapsed_s": time.monotonic() - t0}, args.out)
     final = folder / "result.json"
     path.replace(final)
-    print_table(table, ratios, devices.line())
+    print_table(table, ratios, devices.line(), slos, args.metric_percentiles)
     print(f"\nresults and plots in {folder}/ ({time.monotonic() - t0:.0f} s):")
     for f in [final, *files]:
         print(f"  {f}")
@@ -124,42 +139,139 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "files": [str(f) for f in files], "devices": reports, "warnings": warnings}
 
 
+# what each daemon is called in each mode: same-dc's one decode instance (the relay role's
+# daemon) is "D", pdd's are RLD and MD, cross-dc's MD; P makes no output token in any mode
+PRODUCER_LABELS = {"same-dc": {"relay": "D (same-dc's decode)"},
+                   "cross-dc": {"main_decode": "MD"},
+                   "pdd": {"relay": "RLD", "main_decode": "MD"}}
+PIPELINE_LABELS = {"p_md": "P->MD", "p_rld_md": "P->RLD->MD", "p_rld": "P->RLD",
+                   "same_dc": "P->D (same-dc)"}
+COLORS = {"D (same-dc's decode)": "tab:gray", "RLD": "tab:orange", "MD": "tab:blue",
+          "P->MD": "tab:blue", "P->RLD->MD, handed off": "tab:green",
+          "P->RLD->MD, finished on RLD": "tab:olive", "P->RLD": "tab:orange",
+          "P->D (same-dc)": "tab:gray",
+          "KV payload (P -> MD)": "tab:blue", "token-id handoffs (RLD -> MD)": "tab:green",
+          "other bytes into MD": "tab:purple", "bytes out of MD": "tab:pink"}
+
+
+def token_share_groups(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for mode, s in table.items():
+        names = PRODUCER_LABELS.get(mode, {"relay": "RLD", "main_decode": "MD"})
+        out[mode] = {names[p]: s["token_share"][p] for p in ("relay", "main_decode")
+                     if p in names}
+    return out
+
+
+def pipeline_groups(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Requests per pipeline, P->RLD->MD split into handed off and finished on RLD."""
+    out: dict[str, dict[str, float]] = {}
+    for mode, s in table.items():
+        g: dict[str, float] = {}
+        if s.get("cluster_mode") == "same-dc":     # P and its one decode instance, D
+            out[mode] = {PIPELINE_LABELS["same_dc"]: s["completed"]}
+            continue
+        split = s["pipeline_split"]
+        order = [w for w in PIPELINE_LABELS if w in split] + [w for w in split
+                                                              if w not in PIPELINE_LABELS]
+        for wire, n in ((w, split[w]) for w in order):
+            if wire == "p_rld_md":
+                on_rld = s["p_rld_md_finished_on_rld"]
+                g["P->RLD->MD, handed off"] = n - on_rld
+                g["P->RLD->MD, finished on RLD"] = on_rld
+            else:
+                g[PIPELINE_LABELS.get(wire, wire)] = n
+        out[mode] = g
+    return out
+
+
+def wan_groups(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """MiB over the WAN, by what they were: MD's received bytes split into P's KV payload,
+    RLD's token-id handoffs and the rest, and what MD sent."""
+    out: dict[str, dict[str, float]] = {}
+    for mode, s in table.items():
+        kv, handoff = s["wan_kv_bytes"], s["handoff_bytes"]
+        other = max(0, s["md_wan_bytes_received"] - kv - handoff)
+        out[mode] = {"KV payload (P -> MD)": kv / 2**20,
+                     "token-id handoffs (RLD -> MD)": handoff / 2**20,
+                     "other bytes into MD": other / 2**20,
+                     "bytes out of MD": s.get("md_wan_bytes_sent", 0) / 2**20}
+    return out
+
+
+def wan_notes(table: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Under each mode's bar, the bytes too small to see in it, in KiB."""
+    out: dict[str, str] = {}
+    for mode, s in table.items():
+        if not s.get("md_lane_bytes"):
+            out[mode] = "(no WAN)"
+            continue
+        kv, handoff = s["wan_kv_bytes"], s["handoff_bytes"]
+        other = max(0, s["md_wan_bytes_received"] - kv - handoff)
+        out[mode] = (f"into MD besides KV:\n{handoff / 1024:.1f} KiB handoffs\n"
+                     f"{other / 1024:.0f} KiB other\nout of MD: "
+                     f"{s.get('md_wan_bytes_sent', 0) / 1024:.0f} KiB")
+    return out
+
+
 def write_plots(folder: Path, per_mode: dict[str, dict[str, Any]],
                 table: dict[str, dict[str, Any]], workloads: dict[str, Any]) -> list[Path]:
     out: list[Path | None] = []
     ttfts = {m: [r.ttft_s for w in workloads for r in res["records"][w] if r.ttft_s is not None]
              for m, res in per_mode.items()}
-    out.append(cdf_plot(ttfts, folder / "ttft-cdf.png", "TTFT (ms), measured by the client",
+    out.append(cdf_plot(ttfts, folder / "ttft-cdf.png", "ttft (ms), measured by the client",
                         "TTFT CDF: pdd vs cross-dc vs same-dc (same workload and WAN)"))
-    out.append(grouped_bars({m: {"RLD": s["token_share"]["relay"],
-                                 "MD": s["token_share"]["main_decode"],
-                                 "P": s["token_share"]["prefill"]} for m, s in table.items()},
-                            folder / "token-share.png", "share of output tokens",
-                            "Who produced the output tokens"))
-    out.append(grouped_bars({m: {"WAN KV bytes (MiB)": s["wan_kv_bytes"] / 2**20,
-                                 "all bytes MD received (MiB)": s["md_wan_bytes"] / 2**20}
-                             for m, s in table.items()},
-                            folder / "wan-bytes.png", "MiB", "Bytes over the WAN"))
+    handoffs = {m: f"{s['handoff_count']} handoffs" for m, s in table.items()
+                if "main_decode" in PRODUCER_LABELS.get(m, {}) and "relay"
+                in PRODUCER_LABELS.get(m, {})}
+    out.append(stacked_bars(token_share_groups(table), folder / "token-share.png",
+                            "share of output tokens", "Who produced the output tokens",
+                            COLORS, value_fmt="{:.0%}", notes=handoffs,
+                            caption="D: same-dc's one decode instance (in datacenter A, beside "
+                                    "P). RLD: pdd's relay decode in A; MD: the main decode in "
+                                    "B, behind the WAN. P produces no output token in any "
+                                    "mode."))
+    counts = pipeline_groups(table)
+    out.append(stacked_bars(counts, folder / "pipelines.png", "requests",
+                            "Pipeline split per mode", COLORS, value_fmt="{:.0f}",
+                            total_fmt="{:.0f} requests", notes=handoffs,
+                            caption="The pipeline P chose per request (the pdd object's "
+                                    "`pipeline`). P->RLD->MD requests either hand off to MD "
+                                    "(by token ids, once MD's copy of the KV is complete) or "
+                                    "finish on RLD before that; P->RLD: RLD alone (its output "
+                                    "ends before the KV could cross); P->MD: the KV crosses "
+                                    "first, MD decodes everything."))
+    out.append(stacked_bars(wan_groups(table), folder / "wan-bytes.png", "MiB",
+                            "Bytes over the WAN (all of MD's lanes)", COLORS,
+                            value_fmt="{:.1f}", total_fmt="{:.1f} MiB", notes=wan_notes(table),
+                            caption="KV payload: the prompts' KV P sent MD (the pdd object's "
+                                    "wan_kv_bytes). Token-id handoffs: RLD's HANDOFF messages "
+                                    "(handoff_bytes). Other bytes into MD: KV chunk framing, "
+                                    "control messages (P's allocation requests and KV_DONE, "
+                                    "RLD's TAKEOVER replies, cancels) and the router's "
+                                    "pings. Out of MD: its token events to the router and its "
+                                    "replies to P and RLD. same-dc has no WAN."))
     return [p for p in out if p is not None]
 
 
 def print_table(table: dict[str, dict[str, Any]], ratios: dict[str, Any],
-                devices_line: str | None = None) -> None:
-    def ms(v: float | None) -> str:
-        return f"{'-':>8}" if v is None else f"{v * 1e3:8.0f}"
-
+                devices_line: str | None = None, slos: dict[str, float] | None = None,
+                percentiles: Any = metrics.DEFAULT_PERCENTILES) -> None:
     if devices_line:
         print(f"\n{devices_line}", end="")
-    print(f"\n{'mode':>9} {'ok':>5} {'TTFT p50':>8} {'p90':>8} {'p99':>8} {'RLD share':>9} "
-          f"{'WAN MiB':>8} {'handoff mean':>12} {'max':>8}  (ms)")
-    for mode, s in table.items():
-        t, h = s["ttft_s"], s["handoff_latency_s"]
-        print(f"{mode:>9} {s['completed']:>2}/{s['requests']:<2} {ms(t['p50'])} {ms(t['p90'])} "
-              f"{ms(t['p99'])} {s['token_share']['relay']:9.1%} "
-              f"{s['md_wan_bytes'] / 2**20:8.1f} {ms(h['mean']):>12} {ms(h['max'])}")
+    rows = list(table.items())
+    print(f"\nvLLM's serving metrics (names and definitions: docs/benchmarks.md, \"Metrics\"); "
+          f"ms, request_goodput req/s under {metrics.goodput_label(slos or {})}, "
+          f"output_throughput tok/s:")
+    metrics.print_columns(rows, metrics.serving_columns(list(percentiles)))
+
+    print("\npddnet's own (requests per pipeline, handoffs RLD -> MD and their latency in ms, "
+          "share of output tokens, MiB over the WAN):")
+    metrics.print_columns(rows, metrics.pdd_columns(table.values()))
     for name, r in ratios.items():
-        parts = ", ".join(f"{q} {v:.2f}x" for q, v in r.items() if v is not None)
-        print(f"TTFT {name}: {parts}")
+        parts = ", ".join(f"{k[:-len('_ttft_ms')]} {v:.2f}x" for k, v in r.items()
+                          if v is not None)
+        print(f"ttft {name}: {parts}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,12 +279,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--requests", type=int, default=8, help="long-prompt requests per mode")
-    p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(128, 512), metavar=("MIN", "MAX"))
-    p.add_argument("--max-tokens", type=int, nargs=2, default=(24, 64), metavar=("MIN", "MAX"))
-    p.add_argument("--conversations", type=int, default=2, help="agent conversations per mode")
-    p.add_argument("--sla-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--sla-tpot-ms", type=float, default=50.0)
+    p.add_argument("--rate", type=float, default=0.8, help="Poisson arrivals per second")
+    # outputs long next to their KV's crossing time, so that pdd's pipeline policy sends the
+    # long prompts P->RLD->MD and RLD is still decoding when MD's copy lands: they hand off
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(192, 448), metavar=("MIN", "MAX"))
+    p.add_argument("--max-tokens", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--conversations", type=int, default=1, help="agent conversations per mode")
+    metrics.add_arguments(p)
     p.add_argument("--wan", default="auto", choices=("auto", "kernel", "packet", "proxy"))
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--jitter-ms", type=float, default=2.0)

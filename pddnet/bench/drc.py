@@ -11,7 +11,9 @@ by the hit MD really had in the DRC run.
 
 With emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) both
 clusters run paced at one k: conversation arrivals and think times are stretched by k, TTFTs are
-modelled (/ k), and the JSON's `devices` says per variant how well the box kept up.
+modelled (/ k), and the JSON's `devices` says per variant how well the box kept up. Each run's
+ttft, tpot, itl, e2el, request_goodput and output_throughput are reported under vLLM's names
+(`serving`; pddnet.bench.metrics).
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
+from pddnet.bench import metrics
 from pddnet.bench.agent_workload import (
     AgentWorkloadParams,
     generate_agent_workload,
     hit_distribution,
     ideal_hit_ratios,
 )
-from pddnet.bench.results import summary, write_result
+from pddnet.bench.results import percentile, write_result
 from pddnet.device import flags as device_flags
 from pddnet.kv.radix import HIT_INTERVAL_LABELS, hit_interval
 
@@ -39,7 +43,8 @@ FULL = AgentWorkloadParams(num_conversations=40, conversation_rate_per_s=2.0, th
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a few conversations (smoke test)")
-    p.add_argument("--conversations", type=int, default=None, help="override the count")
+    p.add_argument("--conversations", type=int, default=None,
+                   help="agent conversations (default: 40, or 4 with --quick)")
     p.add_argument("--model", default="tiny", help="model preset (tiny: 1 KiB KV per token)")
     p.add_argument("--wan", default="auto", choices=["auto", "packet", "proxy"])
     p.add_argument("--rtt-ms", type=float, default=30.0)
@@ -49,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MD's KV pool in blocks of 16 (room for the conversations' prefixes)")
     p.add_argument("--out", default="results", help="folder for results/<bench>/...")
     p.add_argument("--no-progress", action="store_true")
+    metrics.add_arguments(p)
     device_flags.add_arguments(p)
 
 
@@ -75,16 +81,18 @@ async def run_variant(args: argparse.Namespace, workload: list, prefix_cache: st
         timeout = aiohttp.ClientTimeout(total=600 * k)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await warm_up(session, cluster.url, args.model, dilation=k)
+            t0 = time.monotonic()
             with progress(len(workload), f"drc {prefix_cache}", enabled=show_progress) as bar:
                 records = await drive_agent(session, cluster.url, workload, args.model, bar,
                                             dilation=k)
+            duration = (time.monotonic() - t0) / k
         stats = await daemon_stats(cluster)
         shell = cluster.wan.get("shell")
     errors = [r.error for r in records if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(records)} requests failed, e.g. {errors[0]}")
     return {"records": records, "md": stats["main_decode"], "prefill": stats["prefill"],
-            "stats": stats, "shell": shell}
+            "stats": stats, "shell": shell, "duration": duration}
 
 
 def prompt_tokens(pdd: dict[str, Any]) -> int:
@@ -103,13 +111,16 @@ def _per_interval(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         off = sum(r["bytes_no_drc"] for r in sel)
         out[label] = {"requests": len(sel), "bytes_drc": on, "bytes_no_drc": off,
                       "reduction": (off / on) if on else None,
-                      "ttft_drc_p50": summary([r["ttft_drc"] for r in sel])["p50"],
-                      "ttft_no_drc_p50": summary([r["ttft_no_drc"] for r in sel])["p50"]}
+                      "median_ttft_ms_drc": percentile([r["ttft_ms_drc"] for r in sel], 50),
+                      "median_ttft_ms_no_drc": percentile([r["ttft_ms_no_drc"] for r in sel],
+                                                          50)}
     return out
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from pddnet.bench.devices import device_reports, print_validity, setup_devices
+
+    slos = metrics.goodput_config(args)
 
     params = QUICK if args.quick else FULL
     if args.conversations:
@@ -134,7 +145,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                      "interval": hit_interval(hit / prompt),
                      "bytes_drc": rec_on.pdd.get("wan_kv_bytes", 0),
                      "bytes_no_drc": rec_off.pdd.get("wan_kv_bytes", 0),
-                     "ttft_drc": rec_on.ttft_s, "ttft_no_drc": rec_off.ttft_s})
+                     "ttft_ms_drc": rec_on.ttft_s * 1e3, "ttft_ms_no_drc": rec_off.ttft_s * 1e3})
     total_on = sum(r["bytes_drc"] for r in rows)
     total_off = sum(r["bytes_no_drc"] for r in rows)
     measured = {label: c / len(rows) for label, c in zip(
@@ -149,15 +160,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    "target_model": getattr(args, "target_model", None),
                    "device": getattr(args, "device", []),
                    "dilation": getattr(args, "dilation", None),
-                   "dilation_k": devices.dilation},
+                   "dilation_k": devices.dilation, "goodput_slos_ms": slos,
+                   "metric_percentiles": args.metric_percentiles},
         "emulation": devices.to_dict(), "devices": reports,
         "devices_line": devices.line(),
         "requests": len(rows), "mean_hit": mean_hit,
         "hit_distribution_measured": measured, "hit_distribution_ideal": ideal,
         "wan_kv_bytes_drc": total_on, "wan_kv_bytes_no_drc": total_off,
         "byte_reduction": (total_off / total_on) if total_on else None,
-        "ttft_drc": summary([r["ttft_drc"] for r in rows]),
-        "ttft_no_drc": summary([r["ttft_no_drc"] for r in rows]),
+        # vLLM's serving metrics of each run (pddnet.bench.metrics)
+        "serving": {"drc": metrics.serving_metrics(on["records"], on["duration"], slos,
+                                                   args.metric_percentiles),
+                    "no_drc": metrics.serving_metrics(off["records"], off["duration"], slos,
+                                                      args.metric_percentiles)},
         "per_interval": _per_interval(rows),
         "md_drc_stats": on["md"].get("drc"),
         "p_view": on["prefill"].get("planner", {}).get("view"),
@@ -200,22 +215,24 @@ def print_table(r: dict[str, Any]) -> None:
     if r.get("devices_line"):
         print(r["devices_line"])
     print(f"{'hit interval':<12} {'share':>7} {'ideal':>7} {'KV MiB DRC':>11} "
-          f"{'no DRC':>9} {'ratio':>7} {'TTFT p50 DRC':>13} {'no DRC':>8}")
+          f"{'no DRC':>9} {'ratio':>7} {'median_ttft DRC':>15} {'no DRC':>8}")
     for label, v in r["per_interval"].items():
         ratio = f"{v['reduction']:.1f}x" if v["reduction"] else "-"
-        t_on, t_off = v["ttft_drc_p50"], v["ttft_no_drc_p50"]
+        t_on, t_off = v["median_ttft_ms_drc"], v["median_ttft_ms_no_drc"]
         print(f"{label:<12} {r['hit_distribution_measured'][label]:>7.1%} "
               f"{r['hit_distribution_ideal'][label]:>7.1%} {v['bytes_drc'] / 2**20:>11.2f} "
               f"{v['bytes_no_drc'] / 2**20:>9.2f} {ratio:>7} "
-              f"{'-' if t_on is None else f'{t_on * 1e3:.0f} ms':>13} "
-              f"{'-' if t_off is None else f'{t_off * 1e3:.0f} ms':>8}")
+              f"{'-' if t_on is None else f'{t_on:.0f} ms':>15} "
+              f"{'-' if t_off is None else f'{t_off:.0f} ms':>8}")
     red = r["byte_reduction"]
     print(f"total WAN KV: {r['wan_kv_bytes_drc'] / 2**20:.1f} MiB with DRC vs "
           f"{r['wan_kv_bytes_no_drc'] / 2**20:.1f} MiB without: "
           f"{'-' if red is None else f'{red:.1f}x'} fewer bytes")
-    t_on, t_off = r["ttft_drc"], r["ttft_no_drc"]
-    print(f"TTFT p50 {t_on['p50'] * 1e3:.0f} ms vs {t_off['p50'] * 1e3:.0f} ms, "
-          f"p99 {t_on['p99'] * 1e3:.0f} ms vs {t_off['p99'] * 1e3:.0f} ms")
+    print("vLLM's serving metrics of the two runs (ms; request_goodput req/s under "
+          f"{metrics.goodput_label(r['config']['goodput_slos_ms'])}, output_throughput tok/s):")
+    metrics.print_columns([("DRC", r["serving"]["drc"]), ("no DRC", r["serving"]["no_drc"])],
+                          metrics.serving_columns(r["config"]["metric_percentiles"]),
+                          label="run")
     print(f"results: {r['path']}")
 
 

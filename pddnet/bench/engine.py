@@ -1,5 +1,7 @@
-"""Engine step time against context length: the old gather path vs paged attention, and the
-roofline time of the same forward on a modelled target (a big model on a real chip).
+"""Engine step time against context length: gather vs paged attention, beside the roofline.
+
+The old gather path and paged attention side by side, and the roofline time of the same
+forward on a modelled target (a big model on a real chip).
 
 Each shape is one forward of the model runner -- what ``Engine.step`` runs, without the
 scheduling and sampling around it (well under a millisecond):

@@ -21,6 +21,8 @@ token: "MD can sample the next token", made concrete by including in both paths 
 that yields those logits (the extend for token-id, a one-token decode for KV-direct). It is
 split into wire time (cut -> the last byte MD needs has been decoded) and MD time (the rest:
 extend, or the last imports + decode). Both ends live in this process, so one clock times them.
+Each is summarised under vLLM's stat-key names (mean_/median_/std_/p90_/p99_/max_ +
+handoff_latency, wire, md, forward, import + _ms; pddnet.bench.metrics.stats_ms).
 
 This runs at benchmark level, not inside the daemons (their own handoff is token-id only), but
 on the same parts they use: a real `Engine` per side (torch threads as --threads), the
@@ -55,9 +57,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pddnet.bench.metrics import stats_ms
 from pddnet.bench.plots import cdf_plot, panels_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import summary, write_result
+from pddnet.bench.results import write_result
 
 TOKEN_ID = "token-id"
 KV_DIRECT = "kv-direct"
@@ -138,7 +141,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--conditions lists a condition twice")
 
 
-# -- setup per prompt (RLD's thread; not timed) -----------------------------------------------------
+# -- setup per prompt (RLD's thread; not timed) ---------------------------------------------------
 
 
 @dataclass
@@ -206,7 +209,7 @@ def make_prompts(count: int, length: int, vocab: int, bos: int, seed: int) -> li
             for _ in range(count)]
 
 
-# -- MD's side: one handoff on a fresh engine ---------------------------------------------------------
+# -- MD's side: one handoff on a fresh engine -----------------------------------------------------
 
 
 class MainTrial:
@@ -407,7 +410,7 @@ class MainSide:
                 trial.fail(exc)
 
 
-# -- RLD's side: the two ways to cut ------------------------------------------------------------------
+# -- RLD's side: the two ways to cut --------------------------------------------------------------
 
 
 class RelaySide:
@@ -459,7 +462,7 @@ class RelaySide:
         return t_cut
 
 
-# -- competing traffic --------------------------------------------------------------------------------
+# -- competing traffic ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -518,7 +521,7 @@ class BulkSender:
         return self.stats
 
 
-# -- the emulated WAN: `pdd wan proxy` in its own process ------------------------------------------------
+# -- the emulated WAN: `pdd wan proxy` in its own process -----------------------------------------
 
 _PROXY_LINE = re.compile(r"wan proxy: (\S+):(\d+) -> .*; control (http://\S+)")
 
@@ -591,7 +594,7 @@ class WanLink:
             self._log = None
 
 
-# -- one run -------------------------------------------------------------------------------------------
+# -- one run --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -661,7 +664,8 @@ async def handoff_once(rig: Rig, path: str, rid: str, prep: Prepared, n: int,
     finally:
         rig.main.trials.pop(rid, None)
         await trial.close()
-    sent = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) > before.get(k, 0)}
+    sent = {k: after.get(k, 0) - before.get(k, 0) for k in after
+            if after.get(k, 0) > before.get(k, 0)}
     expected = prep.reference[n + 1:n + 3]
     return {"path": path, "request_id": rid, "relay_tokens": n, "prompt": prep.index,
             "latency_s": got["t_sampled"] - t_cut, "wire_s": got["t_arrived"] - t_cut,
@@ -720,14 +724,15 @@ async def run_condition(rig: Rig, args: argparse.Namespace, ci: int, name: str,
                             "loadavg_1min": {"before": load_before, "after": _loadavg()}}
     if bulk is not None:
         info["bulk"] = {"transfers": bulk.transfers, "bytes": bulk.bytes,
-                        "seconds": bulk.seconds, "received_bytes": rig.main.bulk_bytes - sink_before,
+                        "seconds": bulk.seconds,
+                        "received_bytes": rig.main.bulk_bytes - sink_before,
                         "offered_load": args.bulk_load,
                         "measured_load": bulk.bytes * 8 / max(bulk.seconds, 1e-9)
                         / (args.bw_mbit * 1e6)}
     return {"trials": trials, "info": info}
 
 
-# -- summarising (pure) --------------------------------------------------------------------------------
+# -- summarising (pure) ---------------------------------------------------------------------------
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -735,19 +740,28 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def path_summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    lat = [t["latency_s"] for t in trials]
-    s = summary(lat)
-    wire = summary([t["wire_s"] for t in trials])
-    return {"n": len(trials), "latency_s": s, "max_over_mean": _ratio(s["max"], s["mean"]),
-            "wire_s": wire, "wire_max_over_mean": _ratio(wire["max"], wire["mean"]),
-            "md_s": summary([t["md_s"] for t in trials]),
-            "forward_s": summary([t["forward_s"] for t in trials]),
-            "import_s": summary([t["import_s"] for t in trials]),
+    """One path's handoffs at one relay count and condition: the stats of the handoff latency
+    and its parts under vLLM's stat-key names (mean_/median_/std_/p90_/p99_/max_<x>_ms;
+    pddnet.bench.metrics), max / mean, the bytes and the forward sizes."""
+    def st(name: str, key: str) -> dict[str, float | None]:
+        return stats_ms(name, [t[key] for t in trials], with_max=True)
+
+    lat, wire = st("handoff_latency", "latency_s"), st("wire", "wire_s")
+    return {"n": len(trials), **lat,
+            "max_over_mean": _ratio(lat["max_handoff_latency_ms"],
+                                    lat["mean_handoff_latency_ms"]),
+            **wire, "wire_max_over_mean": _ratio(wire["max_wire_ms"], wire["mean_wire_ms"]),
+            **st("md", "md_s"), **st("forward", "forward_s"), **st("import", "import_s"),
             "payload_bytes": max((t["payload_bytes"] for t in trials), default=None),
             "payload_bytes_min": min((t["payload_bytes"] for t in trials), default=None),
             "kv_bytes_received": max((t["kv_bytes_received"] for t in trials), default=None),
             "forward_tokens": sorted({t["forward_tokens"] for t in trials}),
             "token_exact": all(t["token_exact"] for t in trials)}
+
+
+# the latency stats whose KV-direct / token-id ratio a row and the headline report
+RATIO_KEYS = ("mean_handoff_latency_ms", "median_handoff_latency_ms", "p99_handoff_latency_ms",
+              "max_handoff_latency_ms", "mean_wire_ms", "max_wire_ms")
 
 
 def summarise(trials: Sequence[dict[str, Any]], conditions: Sequence[str],
@@ -762,15 +776,17 @@ def summarise(trials: Sequence[dict[str, Any]], conditions: Sequence[str],
                    for p in PATHS}
             tok, kv = per[TOKEN_ID], per[KV_DIRECT]
             ratios = {"payload": _ratio(kv["payload_bytes"], tok["payload_bytes"]),
-                      "max_over_mean": _ratio(kv["max_over_mean"], tok["max_over_mean"]),
-                      "wire_mean": _ratio(kv["wire_s"]["mean"], tok["wire_s"]["mean"]),
-                      "wire_max": _ratio(kv["wire_s"]["max"], tok["wire_s"]["max"])}
-            for q in ("mean", "p50", "p99", "max"):
-                ratios[q] = _ratio(kv["latency_s"][q], tok["latency_s"][q])
+                      "max_over_mean": _ratio(kv["max_over_mean"], tok["max_over_mean"])}
+            for key in RATIO_KEYS:
+                ratios[key] = _ratio(kv[key], tok[key])
             rows.append({"relay_tokens": n, TOKEN_ID: tok, KV_DIRECT: kv,
                          "kv_direct_over_token_id": ratios})
         out[cond] = rows
     return out
+
+
+HEADLINE_KEYS = ("mean_handoff_latency_ms", "p99_handoff_latency_ms", "max_handoff_latency_ms",
+                 "max_over_mean", "mean_wire_ms", "max_wire_ms", "wire_max_over_mean")
 
 
 def headline(rows: dict[str, list[dict[str, Any]]], target: int = HEADLINE_TOKENS
@@ -784,28 +800,25 @@ def headline(rows: dict[str, list[dict[str, Any]]], target: int = HEADLINE_TOKEN
         out["payload_bytes"] = {p: row[p]["payload_bytes"] for p in PATHS}
         out["payload_ratio"] = row["kv_direct_over_token_id"]["payload"]
         out["conditions"][cond] = {
-            **{p: {"mean_s": row[p]["latency_s"]["mean"], "p99_s": row[p]["latency_s"]["p99"],
-                   "max_s": row[p]["latency_s"]["max"], "max_over_mean": row[p]["max_over_mean"],
-                   "wire_mean_s": row[p]["wire_s"]["mean"], "wire_max_s": row[p]["wire_s"]["max"],
-                   "wire_max_over_mean": row[p]["wire_max_over_mean"]}
-               for p in PATHS},
+            **{p: {k: row[p][k] for k in HEADLINE_KEYS} for p in PATHS},
             "kv_direct_over_token_id": row["kv_direct_over_token_id"]}
     base = out["conditions"].get("quiet")
     for cond, c in out["conditions"].items():   # what the disturbance added, path by path
         if base is not None and cond != "quiet":
             c["over_quiet"] = {p: {k: _ratio(c[p][k], base[p][k]) for k in
-                                   ("mean_s", "max_s", "wire_mean_s", "wire_max_s")}
+                                   ("mean_handoff_latency_ms", "max_handoff_latency_ms",
+                                    "mean_wire_ms", "max_wire_ms")}
                                for p in PATHS}
     return out
 
 
-# -- output -----------------------------------------------------------------------------------------
+# -- output ---------------------------------------------------------------------------------------
 
 
 def print_table(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]],
                 head: dict[str, Any], kv_per_token: int, infos: dict[str, Any]) -> None:
     def ms(v: float | None) -> str:
-        return f"{'-':>6}" if v is None else f"{v * 1e3:6.1f}"
+        return f"{'-':>6}" if v is None else f"{v:6.1f}"
 
     def x(v: float | None) -> str:
         return f"{'-':>5}" if v is None else f"{v:5.2f}"
@@ -823,50 +836,58 @@ def print_table(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]],
         load = info["loadavg_1min"]
         if load["before"] is not None and load["after"] is not None:
             extra.append(f"load average {load['before']:.1f} -> {load['after']:.1f}")
-        print(f"\n[{cond}] {', '.join(extra)}\n  latencies in ms, from RLD's cut to MD's "
-              f"first token sampled")
+        print(f"\n[{cond}] {', '.join(extra)}\n  handoff_latency in ms, from RLD's cut to MD's "
+              f"first token sampled (mean, median, p99, max; max/mean)")
         print(f"{'relay':>5} | {'payload B tok':>13} {'KV-direct':>10} {'x':>6} | "
-              f"{'tok mean':>8} {'p50':>6} {'p99':>6} {'max':>6} {'max/mn':>6} | "
-              f"{'KV mean':>7} {'p50':>6} {'p99':>6} {'max':>6} {'max/mn':>6} | "
+              f"{'tok mean':>8} {'median':>6} {'p99':>6} {'max':>6} {'max/mn':>6} | "
+              f"{'KV mean':>7} {'median':>6} {'p99':>6} {'max':>6} {'max/mn':>6} | "
               f"{'KV/tok mean':>11} {'max':>5} | exact")
         for r in cond_rows:
             tok, kv, q = r[TOKEN_ID], r[KV_DIRECT], r["kv_direct_over_token_id"]
-            lt, lk = tok["latency_s"], kv["latency_s"]
+
+            def lat(s: dict[str, Any]) -> str:
+                return " ".join(ms(s[f"{k}_handoff_latency_ms"]) for k in ("median", "p99",
+                                                                            "max"))
+
             exact = "yes" if tok["token_exact"] and kv["token_exact"] else "NO"
             print(f"{r['relay_tokens']:>5} | {tok['payload_bytes']:>13} "
                   f"{kv['payload_bytes']:>10} {q['payload'] or 0:6.0f} | "
-                  f"{ms(lt['mean']):>8} {ms(lt['p50'])} {ms(lt['p99'])} {ms(lt['max'])} "
-                  f"{x(tok['max_over_mean']):>6} | {ms(lk['mean']):>7} {ms(lk['p50'])} "
-                  f"{ms(lk['p99'])} {ms(lk['max'])} {x(kv['max_over_mean']):>6} | "
-                  f"{x(q['mean']):>11} {x(q['max'])} | {exact}")
+                  f"{ms(tok['mean_handoff_latency_ms']):>8} {lat(tok)} "
+                  f"{x(tok['max_over_mean']):>6} | {ms(kv['mean_handoff_latency_ms']):>7} "
+                  f"{lat(kv)} {x(kv['max_over_mean']):>6} | "
+                  f"{x(q['mean_handoff_latency_ms']):>11} {x(q['max_handoff_latency_ms'])} | "
+                  f"{exact}")
         print("  of which on the wire (cut -> MD has decoded the last frame it needs), and MD:")
         for r in cond_rows:
             tok, kv = r[TOKEN_ID], r[KV_DIRECT]
-            print(f"{r['relay_tokens']:>5} | token-id wire mean {ms(tok['wire_s']['mean'])} max "
-                  f"{ms(tok['wire_s']['max'])} max/mn {x(tok['wire_max_over_mean'])}, MD "
-                  f"{ms(tok['md_s']['mean'])} | KV-direct wire mean {ms(kv['wire_s']['mean'])} "
-                  f"max {ms(kv['wire_s']['max'])} max/mn {x(kv['wire_max_over_mean'])}, MD "
-                  f"{ms(kv['md_s']['mean'])}")
+            print(f"{r['relay_tokens']:>5} | token-id wire mean {ms(tok['mean_wire_ms'])} max "
+                  f"{ms(tok['max_wire_ms'])} max/mn {x(tok['wire_max_over_mean'])}, MD "
+                  f"{ms(tok['mean_md_ms'])} | KV-direct wire mean {ms(kv['mean_wire_ms'])} "
+                  f"max {ms(kv['max_wire_ms'])} max/mn {x(kv['wire_max_over_mean'])}, MD "
+                  f"{ms(kv['mean_md_ms'])}")
     n = head["relay_tokens"]
     pb = head["payload_bytes"]
     print(f"\nat {n} relay tokens: payload token-id {pb[TOKEN_ID]} B vs KV-direct "
           f"{pb[KV_DIRECT]} B ({head['payload_ratio']:.0f}x; source: 1.5 KB vs 4649 KB)")
     for cond, c in head["conditions"].items():
         t, k = c[TOKEN_ID], c[KV_DIRECT]
-        print(f"  {cond:>11}: token-id mean {t['mean_s'] * 1e3:.1f} ms, max "
-              f"{t['max_s'] * 1e3:.1f} ms (max/mean {t['max_over_mean']:.2f}); KV-direct mean "
-              f"{k['mean_s'] * 1e3:.1f} ms, max {k['max_s'] * 1e3:.1f} ms (max/mean "
-              f"{k['max_over_mean']:.2f}); KV-direct / token-id mean "
-              f"{c['kv_direct_over_token_id']['mean']:.2f}x, max "
-              f"{c['kv_direct_over_token_id']['max']:.2f}x")
+        q = c["kv_direct_over_token_id"]
+        print(f"  {cond:>11}: token-id mean {t['mean_handoff_latency_ms']:.1f} ms, max "
+              f"{t['max_handoff_latency_ms']:.1f} ms (max/mean {t['max_over_mean']:.2f}); "
+              f"KV-direct mean {k['mean_handoff_latency_ms']:.1f} ms, max "
+              f"{k['max_handoff_latency_ms']:.1f} ms (max/mean {k['max_over_mean']:.2f}); "
+              f"KV-direct / token-id mean {q['mean_handoff_latency_ms']:.2f}x, max "
+              f"{q['max_handoff_latency_ms']:.2f}x")
         print(f"  {'':>11}  wire only: token-id max/mean {t['wire_max_over_mean']:.2f}, "
               f"KV-direct {k['wire_max_over_mean']:.2f}")
         if "over_quiet" in c:
             g = c["over_quiet"]
-            print(f"  {'':>11}  vs quiet: token-id mean {g[TOKEN_ID]['mean_s']:.2f}x, max "
-                  f"{g[TOKEN_ID]['max_s']:.2f}x, wire mean {g[TOKEN_ID]['wire_mean_s']:.2f}x; "
-                  f"KV-direct mean {g[KV_DIRECT]['mean_s']:.2f}x, max {g[KV_DIRECT]['max_s']:.2f}x,"
-                  f" wire mean {g[KV_DIRECT]['wire_mean_s']:.2f}x")
+            gt, gk = g[TOKEN_ID], g[KV_DIRECT]
+            print(f"  {'':>11}  vs quiet: token-id mean {gt['mean_handoff_latency_ms']:.2f}x, "
+                  f"max {gt['max_handoff_latency_ms']:.2f}x, wire mean "
+                  f"{gt['mean_wire_ms']:.2f}x; KV-direct mean "
+                  f"{gk['mean_handoff_latency_ms']:.2f}x, max {gk['max_handoff_latency_ms']:.2f}x,"
+                  f" wire mean {gk['mean_wire_ms']:.2f}x")
 
 
 def plot(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]],
@@ -880,11 +901,11 @@ def plot(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]],
         return out
 
     def ms(q: str) -> Callable[[dict[str, Any]], float | None]:
-        return lambda s: None if s["latency_s"][q] is None else s["latency_s"][q] * 1e3
+        return lambda s: s[f"{q}_handoff_latency_ms"]
 
     written = []
-    png = panels_plot([("mean handoff latency (ms)", series(ms("mean"))),
-                       ("max handoff latency (ms)", series(ms("max"))),
+    png = panels_plot([("mean_handoff_latency (ms)", series(ms("mean"))),
+                       ("max_handoff_latency (ms)", series(ms("max"))),
                        ("max / mean", series(lambda s: s["max_over_mean"]))],
                       path.with_suffix(".png"), "relay tokens handed over",
                       f"Token-id vs KV-direct handoff, model {args.model}, {args.rtt_ms:g} ms "
@@ -902,7 +923,7 @@ def plot(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]],
     return written
 
 
-# -- entry point ------------------------------------------------------------------------------------
+# -- entry point ----------------------------------------------------------------------------------
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -13,7 +13,9 @@ at a time (per-request `handoff_mode`), each with a fresh prompt. Measured per r
 - RLD occupancy: token-seconds of KV RLD held, from its copy landing to its last token
   (prompt + tokens made so far, integrated over the client's token arrival times);
 - handoff duration: handoff_start (RLD) -> first_md_token (MD);
-- the backlog actually reached (handoff_start's detail) -- plotted on the x axis.
+- the backlog actually reached (handoff_start's detail) -- plotted on the x axis;
+- vLLM's per-request metrics beside them (ttft_ms, tpot_ms, e2el_ms, median_itl_ms; per mode
+  their stats under vLLM's names in `serving`, pddnet.bench.metrics).
 
 With emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) the
 cluster runs paced at k: every time above is modelled (/ k), the calibrated decode step too;
@@ -32,6 +34,7 @@ import statistics
 import time
 from typing import Any
 
+from pddnet.bench import metrics
 from pddnet.bench.client import StreamRecord, stream_completion
 from pddnet.bench.devices import (
     UNPACED,
@@ -80,11 +83,16 @@ def handoff_metrics(rec: StreamRecord, prompt_len: int) -> dict[str, Any]:
         "relay_tokens": relay, "main_tokens": int(pdd.get("main_tokens", 0)),
         "mode_used": pdd.get("handoff_mode"), "backlog": backlog,
         "handed_off": int(pdd.get("main_tokens", 0)) > 0 and backlog is not None,
-        "handoff_bytes": pdd.get("handoff_bytes"), "stall_s": None, "itl_median_s": None,
-        "rld_occupancy_token_s": None, "handoff_s": None}
+        "handoff_bytes": pdd.get("handoff_bytes"), "stall_s": None,
+        "rld_occupancy_token_s": None, "handoff_s": None,
+        # vLLM's per-request metrics (pddnet.bench.metrics), ms
+        "ttft_ms": None if rec.ttft_s is None else rec.ttft_s * 1e3,
+        "tpot_ms": None if (tpot := metrics.tpot_s(rec)) is None else tpot * 1e3,
+        "e2el_ms": None if (e2el := metrics.e2el_s(rec)) is None else e2el * 1e3,
+        "median_itl_ms": None}
     gaps = rec.inter_token_s()
     if gaps:
-        out["itl_median_s"] = statistics.median(gaps)
+        out["median_itl_ms"] = statistics.median(gaps) * 1e3
     if backlog is not None and times:
         lo = max(1, min(backlog, relay))   # gap i is token i-1 -> token i
         hi = min(len(times) - 1, relay + STALL_TAIL_TOKENS)
@@ -142,6 +150,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     k = devices.dilation
     rng = random.Random(args.seed)
     rows: list[dict[str, Any]] = []
+    records: dict[str, list[StreamRecord]] = {m: [] for m in args.modes}
     calibration: dict[str, Any] = {}
     async with LocalCluster(mode="pdd", model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
                             bw_mbit=None, overrides={**overrides, **devices.overrides}) as cluster:
@@ -184,6 +193,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     for rep in range(args.repeats):
                         for mode in args.modes:
                             rec = await one(mode, max_tokens)
+                            records[mode].append(rec)
                             row = {"target_backlog": target, "rate_mbit": rate,
                                    "wall_rate_mbit": wall_rate, "mode": mode,
                                    "repeat": rep, "max_tokens": max_tokens,
@@ -197,14 +207,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                 stall=f"{row['stall_s'] * 1e3:.0f}ms")
             await control.clear("both")
         stats = await daemon_stats(cluster)
-    return finish(args, rows, calibration, stats["main_decode"], stats["relay"], stats, devices)
+    return finish(args, rows, calibration, stats["main_decode"], stats["relay"], stats, devices,
+                  records)
 
 
 def aggregate(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, dict[str, Any]]:
     """Per mode, per target backlog: means over repeats of the measured figures."""
     out: dict[str, dict[str, Any]] = {}
-    keys = ("backlog", "stall_s", "rld_occupancy_token_s", "handoff_s", "itl_median_s",
-            "relay_tokens", "handoff_bytes")
+    keys = ("backlog", "stall_s", "rld_occupancy_token_s", "handoff_s", "median_itl_ms",
+            "ttft_ms", "tpot_ms", "relay_tokens", "handoff_bytes")
     for mode in modes:
         per: dict[str, Any] = {}
         for target in sorted({r["target_backlog"] for r in rows}):
@@ -244,7 +255,8 @@ def threshold_finding(agg: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def finish(args: argparse.Namespace, rows: list[dict[str, Any]], calibration: dict[str, Any],
            md_stats: dict[str, Any], relay_stats: dict[str, Any],
            stats: dict[str, dict[str, Any]] | None = None,
-           devices: DeviceSetup | None = None) -> dict[str, Any]:
+           devices: DeviceSetup | None = None,
+           records: dict[str, list[StreamRecord]] | None = None) -> dict[str, Any]:
     devices = devices or UNPACED
     stats = stats or {"main_decode": md_stats, "relay": relay_stats}
     report = device_report(stats)
@@ -261,9 +273,15 @@ def finish(args: argparse.Namespace, rows: list[dict[str, Any]], calibration: di
         "errors": [r["error"] for r in rows if not r["ok"]][:5],
     }
     config["dilation_k"] = devices.dilation
+    # vLLM's per-request latency stats per handoff mode, over every backlog (requests run one
+    # at a time here, so no throughput: duration None)
+    serving = {mode: {k: v for k, v in metrics.serving_metrics(
+        recs, None, None, getattr(args, "metric_percentiles", metrics.DEFAULT_PERCENTILES)
+    ).items() if k.endswith("_ms") or k in ("completed", "failed", "total_output_tokens")}
+        for mode, recs in (records or {}).items()}
     path = write_result("handoff-mode", {
         "config": config, "threads_per_daemon": args.threads, "calibration": calibration,
-        "by_mode": agg, "threshold": finding, "consistency": consistency,
+        "by_mode": agg, "serving": serving, "threshold": finding, "consistency": consistency,
         "emulation": devices.to_dict(), "devices": report,
         "requests": rows, "daemon_stats": stats}, args.out)
     series: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
@@ -280,17 +298,18 @@ def finish(args: argparse.Namespace, rows: list[dict[str, Any]], calibration: di
                       path.with_suffix(".png"), "RLD backlog at TAKEOVER (tokens)",
                       f"Handoff modes, model {args.model}, chunk {args.chunk} "
                       f"(dynamic threshold {args.threshold})", logx=True)
-    print_table(args, agg, finding, consistency, calibration, devices.line())
+    print_table(args, agg, finding, consistency, calibration, devices.line(), serving)
     print(f"wrote {path}" + (f"\nwrote {png}" if png else ""))
     warnings = print_validity({"": report}, "handoff-mode")
-    return {"path": str(path), "by_mode": agg, "threshold": finding,
+    return {"path": str(path), "by_mode": agg, "serving": serving, "threshold": finding,
             "consistency": consistency, "plot": str(png) if png else None,
             "devices": report, "warnings": warnings}
 
 
 def print_table(args: argparse.Namespace, agg: dict[str, Any], finding: dict[str, Any],
                 consistency: dict[str, Any], calibration: dict[str, Any],
-                devices_line: str | None = None) -> None:
+                devices_line: str | None = None,
+                serving: dict[str, dict[str, Any]] | None = None) -> None:
     def f(v: float | None, scale: float = 1e3, fmt: str = "7.1f") -> str:
         return f"{'-':>7}" if v is None else format(v * scale, fmt)
 
@@ -301,13 +320,13 @@ def print_table(args: argparse.Namespace, agg: dict[str, Any], finding: dict[str
     if devices_line:
         print(devices_line)
     print(f"{'target':>6} {'mode':>9} {'backlog':>7} {'stall':>7} {'handoff':>7} "
-          f"{'RLD tok-s':>9} {'used':>10}   (ms)")
+          f"{'RLD tok-s':>9} {'used':>10} {'median_itl':>10}   (ms)")
     for target in (str(b) for b in args.backlogs):
         for mode in args.modes:
             e = agg[mode][target]
             print(f"{target:>6} {mode:>9} {f(e['backlog'], 1, '7.0f')} {f(e['stall_s'])} "
                   f"{f(e['handoff_s'])} {f(e['rld_occupancy_token_s'], 1, '9.1f')} "
-                  f"{','.join(e['modes_used']):>10}")
+                  f"{','.join(e['modes_used']):>10} {f(e['median_itl_ms'], 1, '10.1f')}")
     for r in finding.get("by_backlog", []):
         occ = r["occupancy_ratio_streaming_over_oneshot"]
         print(f"  backlog {r['backlog']:.0f}: one-shot stall / streaming stall "
@@ -318,6 +337,13 @@ def print_table(args: argparse.Namespace, agg: dict[str, Any], finding: dict[str
               f"{finding['streaming_pays_from_backlog']} on (dynamic's threshold: "
               f"{args.threshold})")
     print(f"  MD's largest extend per mode: {consistency['md_max_extend_tokens']}")
+    if serving:
+        print("  vLLM's per-request metrics per handoff mode, over every backlog (ms):")
+        pct = [float(k[1:-len("_itl_ms")]) for k in next(iter(serving.values()))
+               if k.startswith("p") and k.endswith("_itl_ms")]
+        cols = [c for c in metrics.serving_columns(pct, goodput=False)
+                if c[0] != "output_throughput"]
+        metrics.print_columns(list(serving.items()), cols, indent="  ")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -339,6 +365,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="results")
+    metrics.add_arguments(p, goodput=False)
     device_flags.add_arguments(p)
 
 

@@ -30,11 +30,12 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: str | Path) -> Path:
+def _save(fig: Any, path: str | Path, tight_bbox: bool = False) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # tight_bbox: the saved image grows to hold what lies outside the axes (a legend below)
+    fig.savefig(path, dpi=110, bbox_inches="tight" if tight_bbox else None)
     _pyplot().close(fig)
     return path
 
@@ -107,3 +108,51 @@ def grouped_bars(groups: Mapping[str, Mapping[str, float]], path: str | Path, yl
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def stacked_bars(groups: Mapping[str, Mapping[str, float]], path: str | Path, ylabel: str,
+                 title: str, colors: Mapping[str, str] | None = None, value_fmt: str = "{:.2f}",
+                 total_fmt: str | None = None, notes: Mapping[str, str] | None = None,
+                 caption: str | None = None) -> Path | None:
+    """One stacked bar per group (x axis), one segment per label (zero segments are left
+    out); each segment annotated with `value_fmt`, each bar's total above it with `total_fmt`
+    and its `notes` under its name; the legend right of the axes and the `caption` below
+    them, so that neither covers a bar."""
+    if not have_matplotlib():
+        return None
+    plt = _pyplot()
+    names = list(groups)
+    labels: list[str] = []
+    for g in groups.values():
+        labels += [k for k, v in g.items() if v and k not in labels]
+    fig, ax = plt.subplots(figsize=(max(5.5, (2.4 if notes else 1.9) * len(names)), 4.6))
+    bottoms = [0.0] * len(names)
+    top = max((sum(float(v or 0.0) for v in g.values()) for g in groups.values()),
+              default=0.0) or 1.0
+    for label in labels:
+        values = [float(groups[n].get(label, 0.0) or 0.0) for n in names]
+        bars = ax.bar(range(len(names)), values, 0.6, bottom=bottoms, label=label,
+                      color=(colors or {}).get(label))
+        for bar, v, b in zip(bars, values, bottoms, strict=True):
+            if v > 0.04 * top:   # a thinner segment has no room for its number
+                ax.text(bar.get_x() + bar.get_width() / 2, b + v / 2, value_fmt.format(v),
+                        ha="center", va="center", fontsize=8)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    if total_fmt:
+        for i, total in enumerate(bottoms):
+            ax.text(i, total + top * 0.015, total_fmt.format(total), ha="center", va="bottom",
+                    fontsize=9)
+    ax.set_ylim(0, top * 1.12)
+    ax.set_xticks(list(range(len(names))),
+                  [f"{n}\n{(notes or {}).get(n, '')}".rstrip() for n in names],
+                  fontsize=8 if notes else None)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    if labels:   # outside the axes, on the right: it never covers a bar
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if caption:
+        import textwrap
+
+        fig.text(0.02, -0.01, textwrap.fill(caption, 110), ha="left", va="top", fontsize=7.5)
+    return _save(fig, path, tight_bbox=True)

@@ -5,17 +5,19 @@
    bytes (into private memory, and into the shared mapping). Checked: the region reads back
    exactly what was written.
 2. WAN: bulk TCP goodput through the proxy-shell emulator vs the link's configured rate.
-3. decode: end-to-end tokens/s of a same-dc pddnet cluster (router + P + one decode daemon,
-   separate processes) vs the reference Engine in one process, same requests (greedy).
-   Checked: both produce the same tokens.
+3. decode: end-to-end output_throughput (output tokens / s, vLLM's name) of a same-dc pddnet
+   cluster (router + P + one decode daemon, separate processes) vs the reference Engine in one
+   process, same requests (greedy), with the cluster's requests' ttft, tpot, itl and e2el
+   (pddnet.bench.metrics). Checked: both produce the same tokens.
 
 Emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) apply to part 3
 only, the one part that runs a cluster: parts 1 and 2 measure this box's own plumbing (a memcpy,
 a proxy's goodput against its own configured rate) and have no device to pace. Paced, the
-cluster's tokens/s are modelled (elapsed / k) and its ideal is no longer the CPU reference (which
-still runs, for the token check) but the modelled devices: `daemon_over_device_busy` is the
-devices' summed modelled compute time over the cluster's modelled elapsed time (1 = nothing but
-device time; it can exceed 1 where P's and the decode instance's work overlapped).
+cluster's output_throughput is modelled (duration / k) and its ideal is no longer the CPU
+reference (which still runs, for the token check) but the modelled devices:
+`daemon_over_device_busy` is the devices' summed modelled compute time over the cluster's
+modelled duration (1 = nothing but device time; it can exceed 1 where P's and the decode
+instance's work overlapped).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from pddnet.bench.devices import (
     setup_devices,
 )
 from pddnet.bench.drive import warm_up
+from pddnet.bench.metrics import DEFAULT_PERCENTILES, serving_metrics
+from pddnet.bench.metrics import add_arguments as add_metric_arguments
 from pddnet.bench.plots import grouped_bars
 from pddnet.bench.progress import progress
 from pddnet.bench.results import write_result
@@ -195,8 +199,8 @@ def reference_engine(model: str, requests: list[dict[str, Any]], threads: int) -
     finally:
         torch.set_num_threads(old)
     tokens = [out[rid] for rid in ids]
-    return {"elapsed_s": elapsed, "tokens": sum(map(len, tokens)),
-            "tokens_per_s": sum(map(len, tokens)) / elapsed, "token_ids": tokens}
+    return {"duration": elapsed, "total_output_tokens": sum(map(len, tokens)),
+            "output_throughput": sum(map(len, tokens)) / elapsed, "token_ids": tokens}
 
 
 def _busy_s(stats: dict[str, dict[str, Any]]) -> float:
@@ -205,7 +209,8 @@ def _busy_s(stats: dict[str, dict[str, Any]]) -> float:
 
 
 async def decode_daemon(model: str, requests: list[dict[str, Any]], threads: int,
-                        wan: str, devices: DeviceSetup = UNPACED) -> dict[str, Any]:
+                        wan: str, devices: DeviceSetup = UNPACED,
+                        percentiles: Any = DEFAULT_PERCENTILES) -> dict[str, Any]:
     """The same requests through a same-dc cluster (router, P, one decode daemon)."""
     import aiohttp
 
@@ -230,12 +235,15 @@ async def decode_daemon(model: str, requests: list[dict[str, Any]], threads: int
     if errors:
         raise RuntimeError(f"decode daemon requests failed: {errors[:3]}")
     tokens = [r.token_ids for r in recs]
-    out = {"elapsed_s": elapsed / k, "tokens": sum(map(len, tokens)),
-           "tokens_per_s": sum(map(len, tokens)) / (elapsed / k), "token_ids": tokens,
+    # vLLM's serving metrics of these requests (ttft, tpot, itl, e2el; output_throughput over
+    # the duration), modelled on emulated devices
+    out = {**serving_metrics(recs, elapsed / k, None, percentiles), "token_ids": tokens,
            "stats": stats}
     if devices.emulated:
         out["elapsed_wall_s"] = elapsed
         out["device_busy_s"] = _busy_s(stats) - _busy_s(before)
+    out.pop("goodput_slos_ms")
+    out.pop("good_completed")
     return out
 
 
@@ -263,26 +271,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # during the run shows up as a spread instead of skewing the ratio unseen.
         ref = await asyncio.to_thread(reference_engine, args.model, requests, args.threads)
         bar.update(1)
-        daemon = await decode_daemon(args.model, requests, args.threads, args.wan, devices)
+        daemon = await decode_daemon(args.model, requests, args.threads, args.wan, devices,
+                                     args.metric_percentiles)
         bar.update(1)
         ref2 = await asyncio.to_thread(reference_engine, args.model, requests, args.threads)
         bar.update(1)
-    ref_tps = (ref["tokens_per_s"] + ref2["tokens_per_s"]) / 2
+    ref_tps = (ref["output_throughput"] + ref2["output_throughput"]) / 2
     stats = daemon.pop("stats")
     report = device_report(stats)
     decode = {"requests": len(requests), "prompt_len": args.decode_prompt_len,
               "max_tokens": args.decode_max_tokens,
               "reference": {**{k: v for k, v in ref.items() if k != "token_ids"},
-                            "tokens_per_s": ref_tps,
-                            "tokens_per_s_before_after": [ref["tokens_per_s"],
-                                                          ref2["tokens_per_s"]]},
+                            "output_throughput": ref_tps,
+                            "output_throughput_before_after": [ref["output_throughput"],
+                                                               ref2["output_throughput"]]},
               "daemon": {k: v for k, v in daemon.items() if k != "token_ids"},
               # paced, the reference (this CPU, unpaced) is no ideal for modelled devices
               "daemon_over_reference": (None if devices.emulated
-                                        else daemon["tokens_per_s"] / ref_tps),
+                                        else daemon["output_throughput"] / ref_tps),
               "tokens_identical": daemon["token_ids"] == ref["token_ids"] == ref2["token_ids"]}
     if devices.emulated:
-        decode["daemon_over_device_busy"] = daemon["device_busy_s"] / daemon["elapsed_s"]
+        decode["daemon_over_device_busy"] = daemon["device_busy_s"] / daemon["duration"]
     config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
     config["dilation_k"] = devices.dilation
     path = write_result("transport", {"config": config, "threads_per_daemon": args.threads,
@@ -292,8 +301,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     decode_bar = ({"decode\n(x device busy time)": {
                       "pddnet": decode["daemon_over_device_busy"], "ideal": 1.0}}
                   if devices.emulated else
-                  {"decode\n(x reference tok/s)": {"pddnet": decode["daemon_over_reference"],
-                                                   "ideal": 1.0}})
+                  {"decode\n(x reference\noutput_throughput)": {
+                      "pddnet": decode["daemon_over_reference"], "ideal": 1.0}})
     png = grouped_bars(
         {"shm write\nvs memcpy (GB/s)": {"pddnet": shm["region_write_gb_s"],
                                          "ideal": shm["memcpy_private_gb_s"]},
@@ -322,19 +331,25 @@ def print_table(args: argparse.Namespace, shm: dict[str, Any], wan: list[dict[st
         print(f"WAN   configured {w['rate_mbit']:g} Mbit/s, rtt {w['rtt_ms']:g} ms: goodput "
               f"{w['goodput_mbit']:.1f} Mbit/s = {w['goodput_over_rate']:.1%} of the rate")
     r, d = decode["reference"], decode["daemon"]
-    before, after = r["tokens_per_s_before_after"]
+    before, after = r["output_throughput_before_after"]
+    serving = (f"       the cluster's requests: median_ttft {d['median_ttft_ms']:.1f} ms, "
+               f"median_tpot {d['median_tpot_ms']:.2f} ms, median_itl {d['median_itl_ms']:.2f} "
+               f"ms, median_e2el {d['median_e2el_ms']:.0f} ms (vLLM's definitions)")
     if decode["daemon_over_reference"] is None:   # paced: the ideal is the devices' busy time
         print(f"decode {decode['requests']} x {decode['max_tokens']} tokens: pddnet same-dc "
-              f"cluster {d['tokens_per_s']:.0f} tok/s modelled, its devices busy "
-              f"{d['device_busy_s'] * 1e3:.1f} ms of its {d['elapsed_s'] * 1e3:.1f} ms = "
-              f"{decode['daemon_over_device_busy']:.2f}x (reference Engine on this CPU "
-              f"{r['tokens_per_s']:.0f} tok/s, not comparable); identical tokens: "
-              f"{decode['tokens_identical']}")
+              f"cluster output_throughput {d['output_throughput']:.0f} tok/s modelled, its "
+              f"devices busy {d['device_busy_s'] * 1e3:.1f} ms of its "
+              f"{d['duration'] * 1e3:.1f} ms = {decode['daemon_over_device_busy']:.2f}x "
+              f"(reference Engine on this CPU {r['output_throughput']:.0f} tok/s, not "
+              f"comparable); identical tokens: {decode['tokens_identical']}")
+        print(serving)
         return
-    print(f"decode {decode['requests']} x {decode['max_tokens']} tokens: reference Engine "
-          f"{r['tokens_per_s']:.0f} tok/s (before {before:.0f}, after {after:.0f}), pddnet same-dc cluster {d['tokens_per_s']:.0f} tok/s "
-          f"= {decode['daemon_over_reference']:.2f}x; identical tokens: "
+    print(f"decode {decode['requests']} x {decode['max_tokens']} tokens: output_throughput of "
+          f"the reference Engine {r['output_throughput']:.0f} tok/s (before {before:.0f}, after "
+          f"{after:.0f}), of the pddnet same-dc cluster {d['output_throughput']:.0f} tok/s = "
+          f"{decode['daemon_over_reference']:.2f}x; identical tokens: "
           f"{decode['tokens_identical']}")
+    print(serving)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -354,6 +369,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="results")
+    add_metric_arguments(p, goodput=False)
     device_flags.add_arguments(p)
 
 

@@ -4,9 +4,11 @@ Each system is brought up in turn as a real LocalCluster (separate daemon proces
 emulated WAN between the datacenters) and fed the same two seeded workloads: Poisson arrivals
 of long prompts, then multi-turn agent conversations (pddnet.bench.agent_workload; each turn's
 prompt is built from what the previous turn really returned). Everything is measured from the
-client's side: TTFT P50/P90/P99, inter-token latency P50/P99, goodput under a TTFT + TPOT SLA,
-and the share of output tokens each daemon produced. Ratios are against same-dc (the ideal),
-from this one run. Plots: TTFT CDFs of the three systems per workload.
+client's side, under vLLM's names and definitions (pddnet.bench.metrics, docs/benchmarks.md
+"Metrics": ttft, tpot, itl, e2el stats, request_goodput under --goodput's SLOs,
+output_throughput), and beside them pddnet's own: the share of output tokens each daemon
+produced, WAN KV bytes, the pipeline split and the handoffs. Ratios are against same-dc (the
+ideal), from this one run. Plots: TTFT CDFs of the three systems per workload.
 
 With emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) every
 cluster runs paced at the same k: the workload's arrivals and think times are stretched by k,
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pddnet.bench import metrics
 from pddnet.bench.agent_workload import AgentWorkloadParams, generate_agent_workload
 from pddnet.bench.client import StreamRecord
 from pddnet.bench.devices import (
@@ -35,104 +39,63 @@ from pddnet.bench.devices import (
 from pddnet.bench.drive import drive_agent, drive_poisson, warm_up
 from pddnet.bench.plots import cdf_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import summary, write_result
+from pddnet.bench.results import write_result
 from pddnet.bench.workload import poisson_long_prompts
 from pddnet.device import flags as device_flags
 
 MODES = ("same-dc", "cross-dc", "pdd")
 WORKLOADS = ("long", "agent")
-PRODUCERS = (("prefill", "prefill_tokens"), ("relay", "relay_tokens"),
-             ("main_decode", "main_tokens"))
 
 
 # -- per request ------------------------------------------------------------------------------
 
 
-def tpot_s(rec: StreamRecord) -> float | None:
-    """Mean time per output token after the first (None for fewer than two tokens)."""
-    t = rec.token_times
-    return rec.span_s(t[0], t[-1]) / (len(t) - 1) if len(t) > 1 else None
-
-
 def request_row(rec: StreamRecord, workload: str) -> dict[str, Any]:
     """What the result JSON keeps of one request (enough for `pdd trace` and re-analysis):
-    ttft_s and tpot_s in modelled time, sent_at and token_times raw (wall clock, the clock of
-    the `pdd` timeline's `time`), and the dilation k that divides the one into the other."""
+    ttft_ms, tpot_ms and e2el_ms in modelled time (vLLM's definitions, pddnet.bench.metrics;
+    itl is token_times' gaps / dilation), input_len and output_len (vLLM's per-request names),
+    sent_at and token_times raw (wall clock, the clock of the `pdd` timeline's `time`), and
+    the dilation k that divides the one into the other."""
+    def ms(v: float | None) -> float | None:
+        return None if v is None else v * 1e3
+
     return {"workload": workload, "ok": rec.error is None, "error": rec.error,
-            "ttft_s": rec.ttft_s, "tpot_s": tpot_s(rec), "num_tokens": len(rec.token_ids),
+            "ttft_ms": ms(rec.ttft_s), "tpot_ms": ms(metrics.tpot_s(rec)),
+            "e2el_ms": ms(metrics.e2el_s(rec)), "input_len": rec.prompt_len,
+            "output_len": len(rec.token_ids),
             "sent_at": rec.sent_at, "token_times": rec.token_times, "dilation": rec.dilation,
             "pdd": rec.pdd}
-
-
-def handoff_latency_s(pdd: dict[str, Any]) -> float | None:
-    """From RLD starting the handoff (TAKEOVER seen) to MD's first token after the cut, in
-    modelled time (the timeline's `time` is wall clock: / the router's dilation)."""
-    ev = {e["event"]: e["time"] for e in pdd.get("timeline", [])}
-    if "handoff_start" in ev and "first_md_token" in ev:
-        k = float((pdd.get("emulation") or {}).get("dilation", 1.0))
-        return (ev["first_md_token"] - ev["handoff_start"]) / k
-    return None
 
 
 # -- per mode ---------------------------------------------------------------------------------
 
 
-def mode_summary(records: Sequence[StreamRecord], sla_ttft_s: float, sla_tpot_s: float,
-                 makespan_s: float | None = None) -> dict[str, Any]:
-    ok = [r for r in records if r.error is None and r.ttft_s is not None]
-    itl = [g for r in ok for g in r.inter_token_s()]
-    tokens = {name: sum(int(r.pdd.get(key, 0) or 0) for r in ok) for name, key in PRODUCERS}
-    total = sum(tokens.values())
-    client_tokens = sum(len(r.token_ids) for r in ok)
-    meets = [r for r in ok if r.ttft_s <= sla_ttft_s
-             and (tpot_s(r) is None or tpot_s(r) <= sla_tpot_s)]
-    handoffs = [h for r in ok if (h := handoff_latency_s(r.pdd)) is not None]
-    return {
-        "requests": len(records), "completed": len(ok),
-        "errors": [r.error for r in records if r.error is not None][:5],
-        "ttft_s": summary([r.ttft_s for r in ok]),
-        "router_ttft_s": summary([r.pdd["ttft_s"] for r in ok if r.pdd.get("ttft_s") is not None]),
-        "itl_s": summary(itl),
-        "tpot_s": summary([t for r in ok if (t := tpot_s(r)) is not None]),
-        "output_tokens": total, "client_tokens": client_tokens,
-        "tokens_by_producer": tokens,
-        "token_share": {name: (n / total if total else 0.0) for name, n in tokens.items()},
-        # kept under the old names too (docs/benchmarks.md quotes them)
-        "relay_token_share": tokens["relay"] / total if total else 0.0,
-        "main_token_share": tokens["main_decode"] / total if total else 0.0,
-        "sla": {"ttft_s": sla_ttft_s, "tpot_s": sla_tpot_s, "met": len(meets),
-                "fraction": len(meets) / len(records) if records else 0.0,
-                "goodput_req_s": (len(meets) / makespan_s) if makespan_s else None},
-        "wan_kv_bytes": sum(int(r.pdd.get("wan_kv_bytes", 0) or 0) for r in ok),
-        "handoff_bytes": sum(int(r.pdd.get("handoff_bytes", 0) or 0) for r in ok),
-        "prefix_hit_tokens": sum(int(r.pdd.get("prefix_hit_tokens", 0) or 0) for r in ok),
-        "handoff_latency_s": summary(handoffs),
-        "handoff_modes": _count(r.pdd.get("handoff_mode") for r in ok),
-        "pipelines": _count(r.pdd.get("pipeline") for r in ok),
-    }
-
-
-def _count(values: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[str(v)] = out.get(str(v), 0) + 1
-    return out
+def mode_summary(records: Sequence[StreamRecord], slos: dict[str, float] | None,
+                 duration_s: float | None = None,
+                 percentiles: Sequence[float] = metrics.DEFAULT_PERCENTILES) -> dict[str, Any]:
+    """vLLM's serving metrics over `duration_s` (the run's modelled makespan) under the SLOs
+    `slos` (ms by metric), then pddnet's own figures beside them (pddnet.bench.metrics)."""
+    return {**metrics.serving_metrics(records, duration_s, slos, percentiles),
+            **metrics.pdd_extras(records, percentiles)}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def ttft_keys(summary: dict[str, Any]) -> list[str]:
+    """The TTFT stat keys a summary has, in order: median_ttft_ms, then pNN_ttft_ms."""
+    found = (m for k in summary if (m := re.fullmatch(r"p([0-9.]+)_ttft_ms", k)))
+    return ["median_ttft_ms"] + [m.group(0) for m in sorted(found, key=lambda m: float(m[1]))]
+
+
 def ttft_ratios(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    base = summaries["same-dc"]["ttft_s"]
-    out = {f"{m}/same-dc": {q: ratio(summaries[m]["ttft_s"][q], base[q])
-                            for q in ("p50", "p90", "p99")}
-           for m in ("pdd", "cross-dc") if m in summaries}
-    if "pdd" in summaries and "cross-dc" in summaries:
-        out["pdd/cross-dc"] = {q: ratio(summaries["pdd"]["ttft_s"][q],
-                                        summaries["cross-dc"]["ttft_s"][q])
-                               for q in ("p50", "p90", "p99")}
-    return out
+    """pdd / same-dc, cross-dc / same-dc and pdd / cross-dc of every TTFT stat (median and
+    the selected percentiles), keyed by the stat's name."""
+    pairs = [(m, "same-dc") for m in ("pdd", "cross-dc")] + [("pdd", "cross-dc")]
+    return {f"{a}/{b}": {k: ratio(summaries[a][k], summaries[b][k])
+                         for k in ttft_keys(summaries[a])}
+            for a, b in pairs if a in summaries and b in summaries}
 
 
 def md_wan_bytes_in(stats: dict[str, Any] | None) -> int:
@@ -140,6 +103,18 @@ def md_wan_bytes_in(stats: dict[str, Any] | None) -> int:
     if not stats:
         return 0
     return sum(int(d.get("bytes_in", 0)) for d in stats.get("lanes", {}).values())
+
+
+def md_lane_bytes(before: dict[str, Any] | None, after: dict[str, Any] | None
+                  ) -> dict[str, dict[str, int]]:
+    """Per lane of MD (bulk: P's KV chunks; control: P's and RLD's control messages, RLD's
+    token-id HANDOFFs; events: the router), the bytes in and out between two stats()."""
+    def lanes(stats: dict[str, Any] | None) -> dict[str, dict[str, int]]:
+        return (stats or {}).get("lanes", {})
+
+    b, a = lanes(before), lanes(after)
+    return {lane: {d: int(a[lane].get(d, 0)) - int(b.get(lane, {}).get(d, 0))
+                   for d in ("bytes_in", "bytes_out")} for lane in a}
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -197,7 +172,7 @@ async def run_mode(mode: str, workloads: dict[str, list[Any]], args: argparse.Na
     overrides = {"model.threads": args.threads, "policy.handoff": args.handoff,
                  **devices.overrides}
     out: dict[str, Any] = {"records": {}, "makespan_s": {}, "makespan_wall_s": {},
-                           "md_wan_bytes": {}, "stats": {}}
+                           "md_wan_bytes": {}, "md_lane_bytes": {}, "stats": {}}
     async with LocalCluster(mode=mode, model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
                             jitter_ms=args.jitter_ms, bw_mbit=args.bw_mbit,
                             overrides=overrides) as cluster:
@@ -223,6 +198,7 @@ async def run_mode(mode: str, workloads: dict[str, list[Any]], args: argparse.Na
                 out["records"][name] = recs
                 after = await cluster.stats("main_decode") if has_md else None
                 out["md_wan_bytes"][name] = md_wan_bytes_in(after) - md_wan_bytes_in(before)
+                out["md_lane_bytes"][name] = md_lane_bytes(before, after)
         for role in cluster.daemons:
             out["stats"][role] = await cluster.stats(role)
     out["devices"] = device_reports({mode: out["stats"]})[mode]
@@ -241,8 +217,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=6, help="agent conversations")
     p.add_argument("--conversation-rate", type=float, default=0.4,
                    help="new agent conversations per second")
-    p.add_argument("--sla-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--sla-tpot-ms", type=float, default=50.0)
+    metrics.add_arguments(p)
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--jitter-ms", type=float, default=2.0)
     p.add_argument("--bw-mbit", type=float, default=None,
@@ -282,21 +257,23 @@ def check_args(args: argparse.Namespace) -> None:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     apply_quick(args)
     check_args(args)
+    slos = metrics.goodput_config(args)
     devices = setup_devices(args, {m: cluster_overrides(m, args) for m in args.modes})
     workloads = make_workloads(args)
     per_mode: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
         per_mode[mode] = await run_mode(mode, workloads, args, not args.no_progress, devices)
-    sla = (args.sla_ttft_ms / 1e3, args.sla_tpot_ms / 1e3)
-    summaries = {w: {m: {**mode_summary(per_mode[m]["records"][w], *sla,
-                                        per_mode[m]["makespan_s"][w]),
-                         "md_wan_bytes": per_mode[m]["md_wan_bytes"][w]}
+    summaries = {w: {m: {**mode_summary(per_mode[m]["records"][w], slos,
+                                        per_mode[m]["makespan_s"][w], args.metric_percentiles),
+                         "md_wan_bytes_received": per_mode[m]["md_wan_bytes"][w],
+                         "md_lane_bytes": per_mode[m]["md_lane_bytes"][w]}
                      for m in args.modes} for w in workloads}
     ratios = {w: ttft_ratios(summaries[w]) for w in workloads}
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
               if k not in ("handler", "bench_spec")}
     config["wan_shell"] = {m: per_mode[m].get("wan_shell") for m in args.modes}
     config["dilation_k"] = devices.dilation
+    config["goodput_slos_ms"] = slos
     requests = {m: [request_row(r, w) for w in workloads for r in per_mode[m]["records"][w]]
                 for m in args.modes}
     reports = {m: per_mode[m]["devices"] for m in args.modes}
@@ -331,33 +308,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         path.with_name(f"{path.stem}-{m}-{w}.trace.json"),
                         [r.pdd for r in recs], {r.pdd["request_id"]: r.token_times
                                                 for r in recs})))
-    print_table(summaries, ratios, args, path, plots + traces, devices)
+    print_table(summaries, ratios, args, path, plots + traces, devices, slos)
     warnings = print_validity(reports, "ttft")
     return {"path": str(path), "workloads": summaries, "ratios": ratios, "plots": plots,
             "traces": traces, "devices": reports, "warnings": warnings}
 
 
 def print_table(summaries: dict[str, Any], ratios: dict[str, Any], args: argparse.Namespace,
-                path: Path, files: list[str], devices: DeviceSetup | None = None) -> None:
-    def ms(v: float | None) -> str:
-        return f"{'-':>8}" if v is None else f"{v * 1e3:8.1f}"
-
+                path: Path, files: list[str], devices: DeviceSetup | None = None,
+                slos: dict[str, float] | None = None) -> None:
+    pct = list(args.metric_percentiles)
     print(f"\nTTFT benchmark: model {args.model}, WAN {args.wan} shell rtt {args.rtt_ms} ms "
           f"jitter {args.jitter_ms} ms bw {args.bw_mbit} Mbit/s, {args.threads} torch "
-          f"thread(s) per daemon; SLA TTFT <= {args.sla_ttft_ms:g} ms, TPOT <= "
-          f"{args.sla_tpot_ms:g} ms")
+          f"thread(s) per daemon; goodput SLOs (ms) {metrics.goodput_label(slos or {})}")
     print((devices or UNPACED).line())
+    print("vLLM's metric names (docs/benchmarks.md, Metrics): durations in ms, request_goodput "
+          "in req/s, output_throughput in tok/s")
     for w, per_mode in summaries.items():
-        print(f"\n[{w}] {'mode':>8} {'ok':>5} {'TTFT p50':>8} {'p90':>8} {'p99':>8} "
-              f"{'ITL p50':>8} {'ITL p99':>8} {'SLA met':>7} {'RLD':>6} {'MD':>6}  (ms)")
-        for mode, s in per_mode.items():
-            t, i = s["ttft_s"], s["itl_s"]
-            share = s["token_share"]
-            print(f"{'':>{len(w) + 2}} {mode:>8} {s['completed']:>2}/{s['requests']:<2} "
-                  f"{ms(t['p50'])} {ms(t['p90'])} {ms(t['p99'])} {ms(i['p50'])} {ms(i['p99'])} "
-                  f"{s['sla']['fraction']:7.0%} {share['relay']:6.1%} {share['main_decode']:6.1%}")
+        print(f"\n[{w}]")
+        metrics.print_columns(list(per_mode.items()), metrics.serving_columns(pct), indent="  ")
+        print("  pddnet's own: requests per pipeline, handoffs RLD -> MD (ms), share of output "
+              "tokens, MiB over the WAN")
+        metrics.print_columns(list(per_mode.items()),
+                              metrics.pdd_columns(per_mode.values()), indent="  ")
         for name, r in ratios[w].items():
-            parts = ", ".join(f"{q} {v:.2f}x" for q, v in r.items() if v is not None)
+            parts = ", ".join(f"{k[:-len('_ttft_ms')]} {v:.2f}x" for k, v in r.items()
+                              if v is not None)
             print(f"  TTFT {name}: {parts}")
     print(f"\nwrote {path}")
     for f in files:
