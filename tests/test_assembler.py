@@ -150,3 +150,20 @@ def test_event_is_refused_whole():
     asm.feed_tokens(2, [3, 4], "relay")
     asm.feed_tokens(1, [2, 9], "main_decode")  # index 2 conflicts: nothing of it is placed
     assert asm.finish_reason == "error" and asm.tokens == []
+
+
+def test_stop_at_ends_the_stream_where_the_caller_saw_a_stop_string():
+    asm = StreamAssembler(max_tokens=50, eos_token_id=EOS)
+    asm.feed_tokens(0, [1, 2, 3, 4], "relay")
+    asm.feed_tokens(6, [7], "main_decode")           # pending, never released now
+    with pytest.raises(ValueError, match="outside the 4 released tokens"):
+        asm.stop_at(5)
+    asm.stop_at(3)
+    assert asm.finished and asm.finish_reason == "stop" and asm.tokens == [1, 2, 3]
+    assert asm.producers == ["relay"] * 3 and asm.num_pending == 0
+    assert asm.feed_tokens(4, [5, 6], "relay") is None and asm.late_events == 1
+    # the daemons were told to stop: their own counts are no inconsistency
+    asm.feed_done("length", 50, "main_decode")
+    assert asm.warnings == [] and asm.tokens == [1, 2, 3]
+    asm.stop_at(1)                                   # no-op once finished
+    assert asm.tokens == [1, 2, 3]

@@ -88,10 +88,31 @@ def test_full_body():
     ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream", "stream must be true or false"),
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options", "only allowed when stream"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, "n", "not supported"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
-    ({"model": "tiny", "prompt": "x", "stop": ["\n"]}, "stop", "not supported"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, "n", "n must be an integer in [1, 16]"),
+    ({"model": "tiny", "prompt": "x", "n": 17}, "n", "n must be an integer in [1, 16]"),
+    ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 3}, "best_of", "not supported"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be"),
+    ({"model": "tiny", "prompt": "x", "logprobs": True}, "logprobs", "logprobs must be"),
+    ({"model": "tiny", "prompt": "x", "stop": [""]}, "stop", "1..1024 characters"),
+    ({"model": "tiny", "prompt": "x", "stop": 5}, "stop", "string or an array of strings"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16"),
     ({"model": "tiny", "prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"model": "tiny", "prompt": "x", "suffix": "z"}, "suffix", "not supported"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
+     "less than or equal to max_tokens=4"),
+    ({"model": "tiny", "prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be"),
+    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"model": "tiny", "prompt": "x", "frequency_penalty": "x"}, "frequency_penalty",
+     "must be a number"),
+    ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"model": "tiny", "prompt": "x", "repetition_penalty": 101}, "repetition_penalty",
+     "[0, 100]"),
+    ({"model": "tiny", "prompt": "x", "top_logprobs": 2}, "top_logprobs",
+     "Unrecognized request argument"),
+    ({"model": "tiny", "prompt": "x", "stream": True,
+      "stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats",
+     "true or false"),
     ({"model": "tiny", "prompt": "x", "stop_token_ids": [300]}, "stop_token_ids", "[0, 259)"),
     ({"model": "tiny", "prompt": "x", "handoff_mode": "fast"}, "handoff_mode", "one-shot"),
     ({"model": "tiny", "prompt": "x", "bogus": 1}, "bogus", "Unrecognized request argument"),
@@ -316,3 +337,284 @@ async def test_router_health_is_503_without_its_daemons():
                 assert r.status == 503 and "not connected" in (await r.json())["error"]["message"]
     finally:
         await router.close()
+
+
+# -- issue 24: vLLM's sampling extensions, stop strings, n, logprobs, chat ----------------------
+
+def test_extension_fields_parse_and_travel_in_the_sampling_fields():
+    r = parse({"model": "tiny", "prompt": "x", "max_tokens": 30, "min_tokens": 10,
+               "stop": "\n\n", "n": 3, "best_of": 3, "logprobs": 5, "presence_penalty": 0.5,
+               "frequency_penalty": -1, "repetition_penalty": 1.3,
+               "include_stop_str_in_output": True, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert (r.n, r.min_tokens, r.stop, r.logprobs) == (3, 10, ("\n\n",), 5)
+    assert r.include_stop_str_in_output and r.continuous_usage and not r.chat
+    fields = r.sampling_fields()
+    assert fields["min_tokens"] == 10 and fields["repetition_penalty"] == 1.3
+    assert fields["frequency_penalty"] == -1.0 and fields["logprobs"] == 5
+    from pddnet.protocol import Submit
+    Submit(request_id="r", prompt_token_ids=r.prompt_token_ids, seed=1, **fields)  # valid wire
+
+
+def parse_chat(body, limit=4096, template=None):
+    from pddnet.model.chat_template import load_chat_template
+    from pddnet.roles.openai_api import parse_chat_request
+
+    template = template or load_chat_template(None, TOK)
+
+    def render(messages, add_generation_prompt, kwargs):
+        text = template.render(messages, add_generation_prompt, **kwargs)
+        return TOK.encode(text, add_bos=template.add_bos), text
+    return parse_chat_request(body, MODEL, render, limit)
+
+
+def test_chat_request_renders_the_messages():
+    r = parse_chat({"model": "tiny", "messages": [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 2})
+    assert r.chat and r.prompt_text == "system: S\nuser: a\nb\nassistant:"
+    assert r.prompt_token_ids == tuple(TOK.encode(r.prompt_text, add_bos=True))
+    assert (r.max_tokens, r.logprobs) == (9, 2)
+    # default max_tokens: the rest of the context, within the server's limit
+    r = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, limit=100)
+    assert r.max_tokens == 100 and r.logprobs is None
+    r = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "logprobs": True})
+    assert r.logprobs == 0
+    r = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "add_generation_prompt": False, "tools": [], "response_format": {"type":
+                                                                                "text"}})
+    assert r.prompt_text == "user: hi\n"
+
+
+@pytest.mark.parametrize("extra, param, fragment", [
+    ({"messages": []}, "messages", "non-empty array"),
+    ({"messages": "hi"}, "messages", "non-empty array"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content",
+     "string or an array of text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content", "only text parts"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", "role must be a non-empty string"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages[0].tool_calls", "not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    ({"top_logprobs": 3}, "top_logprobs", "needs logprobs to be true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "must be an integer >= 1"),
+    ({"max_tokens": 5000}, "max_tokens", "server's limit"),
+    ({"prompt": "x"}, "prompt", "Unrecognized request argument"),
+    ({"suffix": "x"}, "suffix", "Unrecognized request argument"),
+    ({"chat_template_kwargs": []}, "chat_template_kwargs", "must be an object"),
+])
+def test_bad_chat_bodies_get_400_naming_the_field(extra, param, fragment):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(ApiError) as info:
+        parse_chat(body)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert fragment in info.value.message
+
+
+def test_choice_text_stop_strings_as_vllm():
+    from pddnet.roles.openai_api import ChoiceText
+
+    def decode(ids):
+        return TOK.decode(ids)
+
+    ids = TOK.encode("Hello STOP world", add_bos=False)
+    t = ChoiceText(decode, ("STOP",))
+    kept = t.feed(ids)
+    assert kept == len("Hello STOP") and t.text == "Hello " and t.stopped == "STOP"
+    assert t.final and t.emittable == len("Hello ")
+    inc = ChoiceText(decode, ("STOP", "xyz"), include_stop=True)
+    assert inc.feed(ids) == len("Hello STOP") and inc.text == "Hello STOP"
+    # streaming holds back len(longest stop) - 1 characters, so no part of a stop is sent
+    held = ChoiceText(decode, ("STOP",))
+    assert held.feed(TOK.encode("Hello ST", add_bos=False)) is None
+    assert held.text[:held.emittable] == "Hello"
+    assert held.finish() is False and held.text[:held.emittable] == "Hello ST"
+    # not before min_tokens tokens: a stop string inside the first min_tokens is text
+    late = ChoiceText(decode, ("l",), min_tokens=3)
+    assert late.feed(TOK.encode("hello", add_bos=False)) == 4 and late.text == "hel"
+    # a stop string completed by text the detokenizer held back (a cut UTF-8 character)
+    euro = ChoiceText(decode, ("€",))
+    raw = list("a€".encode())
+    assert euro.feed(raw) == 4 and euro.text == "a"
+
+
+def test_chat_and_logprob_shapes():
+    from pddnet.roles.openai_api import (
+        ChoiceResult,
+        chat_logprobs,
+        completion_logprobs,
+        response_body,
+    )
+
+    r = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "return_token_ids": True, "logprobs": True, "top_logprobs": 1})
+    body = response_body("chatcmpl-1", 5, "tiny", r,
+                         [ChoiceResult(0, "ab", [97, 98], "length", None, None, {"x": 1})],
+                         {"x": 1})
+    assert body["object"] == "chat.completion" and body["prompt_token_ids"][0] == 256
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "ab"}
+    assert choice["token_ids"] == [97, 98] and choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": 2,
+                             "total_tokens": len(r.prompt_token_ids) + 2}
+    entries = [(-0.5, (98, 97), (-0.1, -0.5)), None]
+    chat = chat_logprobs([97, 98], entries, lambda t: chr(t))
+    assert chat["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
+        {"token": "b", "logprob": -0.1, "bytes": [98]},
+        {"token": "a", "logprob": -0.5, "bytes": [97]}]}
+    assert chat["content"][1]["logprob"] is None
+    comp, end = completion_logprobs([97, 98], [(-0.5, (98,), (-0.1,)), (-1.0, (), ())],
+                                    lambda t: chr(t), offset=3)
+    assert comp == {"text_offset": [3, 4], "token_logprobs": [-0.5, -1.0], "tokens": ["a", "b"],
+                    "top_logprobs": [{"b": -0.1, "a": -0.5}, {"b": -1.0}]} and end == 5
+    first = completion_chunk("c", 1, "tiny", "a", r, [97], first=True)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert first["prompt_token_ids"][0] == 256
+    last = completion_chunk("c", 1, "tiny", "", r, (), "stop", {"p": 1}, stop_reason="\n")
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["stop_reason"] == "\n"
+
+
+async def _token(daemon, rid, index, ids, producer="relay", **extra):
+    from pddnet.protocol import messages as m
+
+    await daemon.send(m.TokenEvent(request_id=rid, index=index, token_ids=tuple(ids),
+                                   producer=producer, time=time.time(), **extra))
+
+
+async def _done(daemon, rid, n, producer="relay"):
+    from pddnet.protocol import messages as m
+
+    await daemon.send(m.RequestDone(request_id=rid, reason="length", num_prompt_tokens=3,
+                                    num_output_tokens=n, producer=producer, time=time.time()))
+
+
+async def test_router_stop_string_ends_the_choice_and_cancels_the_daemons():
+    from pddnet.protocol import messages as m
+
+    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
+        post = asyncio.ensure_future(http.post(
+            router.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "ab", "max_tokens": 50, "temperature": 0,
+                  "stop": ["!!", "zz"], "return_token_ids": True, "stream": True}))
+        rid = (await daemons["prefill"].wait_for(m.Submit)).request_id
+        await _token(daemons["relay"], rid, 0, b"Hi!")
+        await _token(daemons["main_decode"], rid, 4, b"yy", "main_decode")  # not released yet
+        await _token(daemons["relay"], rid, 3, b"!x")     # "Hi!!" completes "!!" at index 3
+        resp = await post
+        lines = [json.loads(line[6:]) for line in (await resp.read()).split(b"\n\n")
+                 if line.startswith(b"data: {")]
+        text = "".join(c["choices"][0]["text"] for c in lines)
+        ids = [t for c in lines for t in c["choices"][0].get("token_ids", [])]
+        assert text == "Hi" and ids == list(b"Hi!!")   # the stop string is not in the text
+        last = lines[-1]["choices"][0]
+        assert last["finish_reason"] == "stop" and last["stop_reason"] == "!!"
+        assert all("!" not in c["choices"][0]["text"] for c in lines)   # never sent, held
+        for d in daemons.values():   # every daemon is told to stop and free the request
+            cancel = await d.wait_for(m.Cancel)
+            assert cancel.request_id == rid and "stop string" in cancel.reason
+        assert router.stats()["active_requests"] == 0
+
+
+async def test_router_n_choices_have_derived_seeds_and_logprobs():
+    from pddnet.protocol import messages as m
+
+    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
+        post = asyncio.ensure_future(http.post(
+            router.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": 0.7,
+                  "seed": 41, "n": 2, "logprobs": 1, "return_token_ids": True}))
+        p = daemons["prefill"]
+        while sum(isinstance(x, m.Submit) for x in p.received) < 2:
+            await p.wait_for(m.Submit)
+            await asyncio.sleep(0.01)
+        subs = [x for x in p.received if isinstance(x, m.Submit)]
+        assert [s.seed for s in subs] == [41, 42] and all(s.logprobs == 1 for s in subs)
+        for i, sub in enumerate(subs):
+            await _token(daemons["relay"], sub.request_id, 0, [65 + i, 66],
+                         logprobs=(-0.25, -0.5), top_logprob_ids=(65 + i, 66),
+                         top_logprobs=(-0.25, -0.5))
+            await _done(daemons["relay"], sub.request_id, 2)
+        resp = await post
+        body = await resp.json()
+        assert resp.status == 200, body
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert [c["text"] for c in body["choices"]] == ["AB", "BB"]
+        assert body["usage"]["completion_tokens"] == 4
+        lp = body["choices"][1]["logprobs"]
+        assert lp["tokens"] == ["B", "B"] and lp["token_logprobs"] == [-0.25, -0.5]
+        assert lp["top_logprobs"] == [{"B": -0.25}, {"B": -0.5}]
+        assert body["choices"][0]["pdd"]["seed"] == 41 and body["choices"][1]["pdd"]["seed"] == 42
+        assert body["pdd"]["seed"] == 41
+
+
+async def test_router_chat_stream_shape():
+    from pddnet.protocol import messages as m
+
+    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
+        post = asyncio.ensure_future(http.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 3, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}))
+        sub = await daemons["prefill"].wait_for(m.Submit)
+        assert sub.prompt_token_ids == tuple(TOK.encode("user: hi\nassistant:", add_bos=True))
+        await _token(daemons["relay"], sub.request_id, 0, b"OK.")
+        await _done(daemons["relay"], sub.request_id, 3)
+        resp = await post
+        chunks = [json.loads(line[6:]) for line in (await resp.read()).split(b"\n\n")
+                  if line.startswith(b"data: {")]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "OK."}
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length" and "pdd" in chunks[-2]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+        async with http.post(router.url + "/v1/chat/completions",
+                             json={"model": "tiny", "messages": [{"role": "user"}],
+                                   "tools": [{"type": "function"}]}) as r:
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["param"] == "tools"
+
+
+async def test_router_streams_n_choices_each_to_its_end():
+    from pddnet.protocol import messages as m
+
+    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
+        post = asyncio.ensure_future(http.post(
+            router.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "ab", "max_tokens": 3, "temperature": 0,
+                  "n": 2, "stream": True, "stream_options": {"include_usage": True}}))
+        p = daemons["prefill"]
+        while sum(isinstance(x, m.Submit) for x in p.received) < 2:
+            await p.wait_for(m.Submit)
+            await asyncio.sleep(0.01)
+        subs = [x for x in p.received if isinstance(x, m.Submit)]
+        assert [s.seed for s in subs] == [None, None]    # greedy: both choices alike
+        await _token(daemons["relay"], subs[1].request_id, 0, b"xyz")   # choice 1 ends first
+        await daemons["relay"].send(m.RequestDone(
+            request_id=subs[1].request_id, reason="length", num_prompt_tokens=3,
+            num_output_tokens=3, producer="relay", time=time.time()))
+        await asyncio.sleep(0.1)
+        await _token(daemons["relay"], subs[0].request_id, 0, b"xy")
+        await _token(daemons["main_decode"], subs[0].request_id, 2, b"z", "main_decode")
+        await daemons["main_decode"].send(m.RequestDone(
+            request_id=subs[0].request_id, reason="length", num_prompt_tokens=3,
+            num_output_tokens=3, producer="main_decode", time=time.time()))
+        resp = await asyncio.wait_for(post, 5)
+        chunks = [json.loads(line[6:]) for line in (await resp.read()).split(b"\n\n")
+                  if line.startswith(b"data: {")]
+        texts = {0: "", 1: ""}
+        for c in chunks[:-1]:
+            (choice,) = c["choices"]
+            texts[choice["index"]] += choice["text"]
+        assert texts == {0: "xyz", 1: "xyz"}
+        finals = [c["choices"][0]["index"] for c in chunks[:-1]
+                  if c["choices"][0]["finish_reason"] == "length"]
+        assert finals == [1, 0]
+        assert chunks[-1]["usage"]["completion_tokens"] == 6

@@ -31,15 +31,27 @@ from pddnet.protocol import (
     KvAllocRequest,
     KvAllocResponse,
     KvChunk,
+    KvDone,
     Limits,
     Message,
     MessageType,
     ProtocolError,
     Submit,
+    TokenEvent,
     decode_bytes,
     encode_bytes,
 )
-from pddnet.protocol.messages import Bool, Bytes, Float, Nullable, Spec, Str, UInt, UIntList
+from pddnet.protocol.messages import (
+    Bool,
+    Bytes,
+    Float,
+    FloatList,
+    Nullable,
+    Spec,
+    Str,
+    UInt,
+    UIntList,
+)
 
 FUZZ = settings(max_examples=100, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -55,7 +67,12 @@ def spec_strategy(spec: Spec) -> st.SearchStrategy:
     if isinstance(spec, Float):
         lo = spec.lo if math.isfinite(spec.lo) else -1e9
         hi = spec.hi if math.isfinite(spec.hi) else 1e9
-        return st.floats(lo, hi, allow_nan=False, allow_infinity=False)
+        return st.floats(lo, hi, allow_nan=False, allow_infinity=False, exclude_min=spec.lo_open)
+    if isinstance(spec, FloatList):
+        lo = spec.lo if math.isfinite(spec.lo) else -1e9
+        hi = spec.hi if math.isfinite(spec.hi) else 1e9
+        return st.lists(st.floats(lo, hi, allow_nan=False, allow_infinity=False),
+                        max_size=min(spec.max_len, 12))
     if isinstance(spec, Bool):
         return st.booleans()
     if isinstance(spec, Str):
@@ -74,6 +91,19 @@ def spec_strategy(spec: Spec) -> st.SearchStrategy:
 
 def _fix_up(cls: type[Message], values: dict, draw) -> dict:
     """Make drawn values satisfy the message's cross-field rules (rarely true by chance)."""
+    if "min_tokens" in values:  # SamplingFields: never more than max_tokens
+        values["min_tokens"] = min(values["min_tokens"], values["max_tokens"])
+    if cls is TokenEvent:
+        n = len(values["token_ids"])
+        lps = values["logprobs"] = (values["logprobs"] * n)[:n] if values["logprobs"] else []
+        k = draw(st.integers(0, 3)) if lps else 0
+        values["top_logprob_ids"] = [i % 7 for i in range(n * k)]
+        values["top_logprobs"] = [-float(i) for i in range(n * k)]
+    elif cls is KvDone:
+        top = values["first_top_ids"]
+        values["first_top_logprobs"] = [-1.0] * len(top)
+        if top and values["first_logprob"] is None:
+            values["first_logprob"] = -0.5
     if cls is KvAllocRequest:
         values["num_tokens"] = len(values["prompt_token_ids"])
         values["expected_hit_tokens"] = min(values["expected_hit_tokens"], values["num_tokens"])

@@ -41,6 +41,7 @@ class Collector:
         self.conns: dict[str, object] = {}
         self.tokens: dict[str, dict[int, tuple[int, str]]] = defaultdict(dict)
         self.duplicates: list[tuple[str, int]] = []
+        self.logprobs: dict[str, dict[int, tuple]] = defaultdict(dict)
         self.done: dict[str, RequestDone] = {}
         self.timeline: dict[str, list[Timeline]] = defaultdict(list)
         self.errors: list[ErrorMessage] = []
@@ -62,6 +63,12 @@ class Collector:
                     if i in seen:
                         self.duplicates.append((msg.request_id, i))
                     seen[i] = (tok, msg.producer)
+                if msg.logprobs:  # (logprob, top ids, top logprobs) per index
+                    k = len(msg.top_logprob_ids) // len(msg.token_ids)
+                    for j, lp in enumerate(msg.logprobs):
+                        self.logprobs[msg.request_id][msg.index + j] = (
+                            lp, msg.top_logprob_ids[j * k:(j + 1) * k],
+                            msg.top_logprobs[j * k:(j + 1) * k])
             elif isinstance(msg, RequestDone):
                 self.done[msg.request_id] = msg
             elif isinstance(msg, Timeline):
@@ -358,7 +365,9 @@ async def test_dynamic_picks_one_shot_for_a_quick_copy_and_streaming_for_a_slow_
     cfg = make_config(ClusterMode.PDD, "dynamic", handoff_chunk=4, handoff_threshold_tokens=32)
     async with running(cfg, md_delay=0.0) as (daemons, col):
         await run_workload(tiny, col, workload(5)[1:2])      # MD's copy lands at once
-        daemons["main_decode"].kv_arrival_delay_s = 0.2      # now it lags RLD's
+        # now it lags RLD: long enough for > 32 relay tokens on a loaded box (~15 ms a step),
+        # short enough that RLD, ~2 ms a step alone, is far from its 500 tokens
+        daemons["main_decode"].kv_arrival_delay_s = 0.6
         await run_workload(tiny, col, workload(9)[3:4])
         fast = col.events("r5-1")["handoff_start"]
         slow = col.events("r9-3")["handoff_start"]
@@ -611,3 +620,118 @@ async def test_a_finished_prefill_is_copied_to_rld_while_the_next_prefill_runs(t
     assert a["rld_kv_complete"].time < b["prefill_end"].time, (
         f"A's copy completed {a['rld_kv_complete'].time - b['prefill_end'].time:+.3f} s after "
         "B's prefill ended: it waited behind B's step")
+
+
+# -- vLLM's sampling extensions (issue 24): penalties, min_tokens, n, logprobs ------------------
+
+def extension_requests() -> list[dict]:
+    """Penalties and min_tokens, greedy and seeded, two choices of one prompt (n = 2 as the
+    router sends it: one SUBMIT per choice, seed = choice_seed(seed, i)), logprobs."""
+    from pddnet.engine.sampling import choice_seed
+
+    prompt = [(7 * j) % 40 + 1 for j in range(40)]     # repetitive: the penalties matter
+    base = dict(prompt_token_ids=prompt, max_tokens=120, top_p=1.0, ignore_eos=False)
+    out = [dict(base, request_id="pen-greedy", temperature=0.0, seed=None,
+                repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3,
+                logprobs=3),
+           dict(base, request_id="mintok", temperature=0.9, seed=77, min_tokens=100,
+                stop_token_ids=(10, 32), presence_penalty=-0.5, logprobs=0)]
+    for i in range(2):
+        out.append(dict(base, request_id=f"n2-{i}", temperature=1.0, seed=choice_seed(2**64 - 1, i),
+                        frequency_penalty=1.1, repetition_penalty=0.8, top_p=0.95))
+    return out
+
+
+def extension_params(r: dict) -> SamplingParams:
+    return SamplingParams(temperature=r["temperature"], top_p=r["top_p"], seed=r["seed"],
+                          min_tokens=r.get("min_tokens", 0),
+                          stop_token_ids=tuple(r.get("stop_token_ids", ())),
+                          presence_penalty=r.get("presence_penalty", 0.0),
+                          frequency_penalty=r.get("frequency_penalty", 0.0),
+                          repetition_penalty=r.get("repetition_penalty", 1.0),
+                          logprobs=r.get("logprobs"))
+
+
+@pytest.mark.parametrize("mode", [ClusterMode.PDD, ClusterMode.CROSS_DC, ClusterMode.SAME_DC])
+async def test_sampling_extensions_token_exact_across_the_handoff_and_a_replay(tiny, mode):
+    """Penalties (a function of the prompt and every output token so far), min_tokens and
+    n = 2 seeds stay token-exact when RLD hands over to MD mid-stream, and when MD replays a
+    request from the tokens the client has; logprobs computed wherever a token is sampled
+    (P for index 0, RLD, MD) reach the router with it and match the reference."""
+    model, tok = tiny
+    reqs = extension_requests()
+    refs = {}
+    for r in reqs:
+        eng = Engine(model, tok, num_blocks=128, block_size=16)
+        refs[r["request_id"]] = eng.generate_logprobs(r["prompt_token_ids"], r["max_tokens"],
+                                                      extension_params(r), r["ignore_eos"])
+        eng.close()
+    # the extensions change the tokens (or the test would prove nothing)
+    plain = Engine(model, tok, num_blocks=128, block_size=16).generate(
+        reqs[0]["prompt_token_ids"], 120, SamplingParams(), False)
+    assert refs["pen-greedy"][0] != plain
+    assert refs["n2-0"][0] != refs["n2-1"][0]
+    mintok = refs["mintok"][0]
+    assert len(mintok) >= 100 and not {10, 32, tok.eos_token_id} & set(mintok[:99])
+
+    cfg = make_config(mode, "streaming", handoff_chunk=4)
+    async with running(cfg, md_delay=0.25) as (daemons, col):
+        for r in reqs:
+            await col.send("prefill", Submit(**r))
+        for r in reqs:
+            await col.wait_until(lambda r=r: col.complete(r["request_id"]),
+                                 what=f"{r['request_id']} to complete")
+        assert not col.duplicates and not col.errors
+        for r in reqs:
+            rid = r["request_id"]
+            tokens, entries = refs[rid]
+            assert col.output(rid) == tokens, rid
+            if r.get("logprobs") is not None:   # every token's, wherever it was sampled
+                got = col.logprobs[rid]
+                assert sorted(got) == list(range(len(tokens))), rid
+                for i, e in enumerate(entries):
+                    assert abs(got[i][0] - e.logprob) < 1e-9 and got[i][1] == e.top_ids, (rid, i)
+        if mode is ClusterMode.PDD:
+            handed = [r["request_id"] for r in reqs if {"main_decode", "relay"}
+                      <= set(col.producers(r["request_id"]))]
+            assert handed, "some request must be handed over from RLD to MD mid-stream"
+        # A replay by token ids on a decode tier (what the router does when the carrier is
+        # lost): the history-dependent sampling continues token-exact from index 50.
+        r = dict(reqs[1], request_id="mintok-replay")
+        tier = "relay" if mode is ClusterMode.SAME_DC else "main_decode"
+        await col.send(tier, Submit(**r, output_token_ids=tuple(mintok[:50])))
+        await col.wait_until(lambda: "mintok-replay" in col.done and len(
+            col.tokens["mintok-replay"]) == col.done["mintok-replay"].num_output_tokens - 50,
+                             what="the replay")
+        got = col.tokens["mintok-replay"]
+        assert [got[i][0] for i in sorted(got)] == mintok[50:]
+        assert sorted(got) == list(range(50, len(mintok)))
+        await all_free(daemons)
+
+
+async def test_logprobs_reach_the_router_with_their_tokens(tiny):
+    """TOKEN_EVENT carries each token's raw logprob and top-k where it was sampled: P's first
+    token (through KV_DONE), RLD's, MD's after the cut; equal to the reference engine's."""
+    model, tok = tiny
+    r = dict(request_id="lp", prompt_token_ids=list(range(1, 60)), max_tokens=300,
+             temperature=0.8, top_p=1.0, seed=5, ignore_eos=True, logprobs=4,
+             repetition_penalty=1.2)
+    eng = Engine(model, tok, num_blocks=128, block_size=16)
+    want_tokens, want = eng.generate_logprobs(r["prompt_token_ids"], 300, extension_params(r),
+                                              True)
+    eng.close()
+    cfg = make_config(ClusterMode.PDD, "one-shot", handoff_chunk=4)
+    async with running(cfg, md_delay=0.25) as (daemons, col):
+        await col.send("prefill", Submit(**r))
+        await col.wait_until(lambda: col.complete("lp"), what="lp to complete")
+        assert col.output("lp") == want_tokens
+        producers = col.producers("lp")
+        assert producers[0] == "relay" and producers[-1] == "main_decode", producers
+        assert len(want) == len(want_tokens) == len(col.logprobs["lp"])
+        for i, entry in enumerate(want):
+            lp, top_ids, top_lps = col.logprobs["lp"][i]
+            assert abs(lp - entry.logprob) < 1e-9, i
+            assert top_ids == entry.top_ids and len(top_ids) == 4
+            assert all(abs(a - b) < 1e-9 for a, b in zip(top_lps, entry.top_logprobs,
+                                                         strict=True))
+        await all_free(daemons)

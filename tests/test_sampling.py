@@ -10,7 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pddnet.engine.sampling import SamplingParams, sample_batch, sample_token, uniform_for
+from pddnet.engine.sampling import (
+    SamplingParams,
+    choice_seed,
+    process_logits,
+    sample_batch,
+    sample_token,
+    token_logprob,
+    uniform_for,
+)
 
 
 def probs_to_logits(probs: list[float]) -> torch.Tensor:
@@ -159,3 +167,110 @@ def test_sample_token_is_a_pure_function(values: list[float], params: SamplingPa
         better = sum(1 for i, v in enumerate(values) if v > values[first] or
                      (v == values[first] and i < first))
         assert better < params.top_k
+
+
+# -- vLLM's logits processing: penalties and min_tokens (issue 24) ------------------------------
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() -> None:
+    logits = torch.tensor([2.0, -1.0, 3.0, -2.0, 1.0], dtype=torch.float64)
+    p = SamplingParams(repetition_penalty=2.0)
+    # token 0 in the prompt, token 1 in the output, 3 in both; 2 and 4 unseen
+    out = process_logits(logits, p, prompt_ids=[0, 3], output_ids=[1, 3, 3])
+    assert out.tolist() == [1.0, -2.0, 3.0, -4.0, 1.0]
+    assert logits.tolist() == [2.0, -1.0, 3.0, -2.0, 1.0]  # the input is not changed
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
+    logits = torch.zeros(4, dtype=torch.float64)
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    out = process_logits(logits, p, prompt_ids=[0, 0, 0], output_ids=[1, 2, 2, 2])
+    assert out.tolist() == [0.0, -0.75, -1.75, 0.0]
+    # negative values reward repetition (OpenAI's range is [-2, 2])
+    assert process_logits(logits, SamplingParams(presence_penalty=-1.0), [], [3]).tolist() == \
+        [0.0, 0.0, 0.0, 1.0]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
+    logits = torch.tensor([0.0, 5.0, 4.0, 1.0], dtype=torch.float64)
+    p = SamplingParams(min_tokens=3, stop_token_ids=(2,))
+    masked = process_logits(logits, p, [0], [3, 3], eos_token_id=1)
+    assert masked[1] == masked[2] == -math.inf and masked[3] == 1.0
+    assert sample_batch(logits[None], [p], [5], [([0], [3, 3])], eos_token_id=1) == [3]
+    # the third output exists: nothing is masked any more
+    assert sample_batch(logits[None], [p], [6], [([0], [3, 3, 3])], eos_token_id=1) == [1]
+    # seeded sampling never draws a masked token either
+    hot = SamplingParams(temperature=5.0, seed=3, min_tokens=1, stop_token_ids=(2,))
+    draws_ = {sample_batch(logits[None], [hot], [pos], [([0], [])], 1)[0] for pos in range(300)}
+    assert draws_ == {0, 3}
+
+
+def test_penalties_apply_to_greedy_and_need_the_history() -> None:
+    logits = torch.tensor([1.0, 0.9, 0.0], dtype=torch.float64)
+    p = SamplingParams(frequency_penalty=0.2)
+    assert sample_batch(logits[None], [p], [9], [([], [0])]) == [1]
+    with pytest.raises(ValueError, match="need each row's token history"):
+        sample_batch(logits[None], [p], [9])
+    assert sample_batch(logits[None], [SamplingParams()], [9]) == [0]   # unchanged without
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    (SamplingParams(min_tokens=-1), r"min_tokens must be an integer >= 0"),
+    (SamplingParams(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+    (SamplingParams(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\]"),
+    (SamplingParams(repetition_penalty=0.0), r"repetition_penalty must be in \(0, 100\]"),
+    (SamplingParams(logprobs=21), r"logprobs must be None or an integer in \[0, 20\]"),
+    (SamplingParams(stop_token_ids=(-1,)), r"stop_token_ids must be a sequence"),
+])
+def test_extension_validation_errors(params: SamplingParams, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        params.validate()
+
+
+def test_token_logprob_is_raw_log_softmax_with_ranked_top_k() -> None:
+    logits = torch.tensor([1.0, 3.0, 3.0, 0.5], dtype=torch.float64)
+    entry = token_logprob(logits, 3, 3)
+    logp = torch.log_softmax(logits, -1)
+    assert entry.token_id == 3 and entry.logprob == float(logp[3])
+    assert entry.top_ids == (1, 2, 0)   # ties: lower id first
+    assert entry.top_logprobs == tuple(float(logp[i]) for i in (1, 2, 0))
+    assert token_logprob(logits, 0, 0).top_ids == ()
+    floor = token_logprob(torch.tensor([0.0, -1e6], dtype=torch.float64), 1, 1)
+    assert floor.logprob == -9999.0     # what vLLM reports for -inf
+
+
+def test_choice_seeds_follow_vllm_and_the_router_agrees() -> None:
+    from pddnet.roles.router import choice_seed as router_choice_seed
+
+    assert [choice_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert choice_seed(2**64 - 1, 1) == 0
+    for seed, i in ((0, 0), (123, 5), (2**64 - 2, 3)):
+        assert router_choice_seed(seed, i) == choice_seed(seed, i)
+
+
+def test_engine_min_tokens_and_stop_token_ids_match_a_hand_driven_loop() -> None:
+    from pddnet.engine.engine import Engine
+    from pddnet.model.loader import load_model
+
+    model, tok = load_model("tiny")
+    prompt = [256] + list(b"penalties and min tokens")
+    params = SamplingParams(temperature=1.2, seed=4, min_tokens=20, stop_token_ids=(101, 32),
+                            repetition_penalty=1.5, presence_penalty=0.5)
+    engine = Engine(model, tok, num_blocks=64, block_size=16)
+    out = engine.generate(prompt, 60, params)
+    assert len(out) >= 20
+    assert not {101, 32, tok.eos_token_id} & set(out[:19])
+    assert out[-1] in (101, 32, tok.eos_token_id) or len(out) == 60
+    # the same tokens from a step-by-step recomputation of every position
+    ids = list(prompt)
+    for i, t in enumerate(out):
+        logits = model(torch.tensor(ids), torch.arange(len(ids)), _full_attention)[-1]
+        row = process_logits(logits, params, prompt, ids[len(prompt):], tok.eos_token_id)
+        assert sample_token(row, params, len(ids)) == t, i
+        ids.append(t)
+    engine.close()
+
+
+def _full_attention(layer, q, k, v):
+    from pddnet.model.attention import causal_attention
+
+    return causal_attention(q, k, v, 0)

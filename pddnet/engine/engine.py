@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from pddnet.engine.runner import Chunk, ModelRunner
-from pddnet.engine.sampling import SamplingParams, sample_batch
+from pddnet.engine.sampling import SamplingParams, TokenLogprob, sample_batch, token_logprob
 from pddnet.engine.scheduler import BlockManager, Scheduler
 from pddnet.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
@@ -56,6 +56,8 @@ class StepOutput:
     num_computed_this_step: int
     finished: bool
     finish_reason: FinishReason | None
+    # per new token, when the request asked for logprobs (SamplingParams.logprobs)
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -380,11 +382,18 @@ class Engine:
             self.blocks.register_computed(c.seq)
         sampling_chunks = [(c, lg) for c, lg in zip(scheduled, logits, strict=True) if c.sample]
         sampled: dict[int, int] = {}
+        logprobs: dict[int, TokenLogprob] = {}
         if sampling_chunks:
             stacked = torch.stack([lg for _, lg in sampling_chunks])
-            tokens = sample_batch(stacked, [c.seq.sampling for c, _ in sampling_chunks],
-                                  [c.seq.num_tokens for c, _ in sampling_chunks])
+            seqs = [c.seq for c, _ in sampling_chunks]
+            histories = ([(s.prompt_token_ids, s.output_token_ids) for s in seqs]
+                         if any(s.sampling.processes_logits for s in seqs) else None)
+            tokens = sample_batch(stacked, [s.sampling for s in seqs],
+                                  [s.num_tokens for s in seqs], histories, self.eos_token_id)
             sampled = {id(c): int(t) for (c, _), t in zip(sampling_chunks, tokens, strict=True)}
+            for (c, lg), t in zip(sampling_chunks, tokens, strict=True):
+                if c.seq.sampling.logprobs is not None:  # raw: the model's own logits
+                    logprobs[id(c)] = token_logprob(lg, int(t), c.seq.sampling.logprobs)
         now = time.monotonic()
         outputs = []
         for c in scheduled:
@@ -402,8 +411,10 @@ class Engine:
                 reason = seq.stop_reason_after(token)
                 if reason is not None:
                     self._finish(seq, reason)
+            lp = logprobs.get(id(c))
             outputs.append(StepOutput(seq.request_id, new, index, seq.num_computed_tokens,
-                                      c.num_tokens, reason is not None, reason))
+                                      c.num_tokens, reason is not None, reason,
+                                      (lp,) if lp is not None and new else None))
         n_tokens = sum(c.num_tokens for c in scheduled)
         prefill = sum(c.num_tokens for c in scheduled if c.num_tokens > 1)
         self.num_steps += 1
@@ -430,6 +441,26 @@ class Engine:
         """Run one request to completion; returns its output token ids. Other queued requests
         progress too (their tokens are on their sequences), but their StepOutputs are dropped."""
         return list(self.stream(prompt_token_ids, max_tokens, sampling, ignore_eos))
+
+    def generate_logprobs(self, prompt_token_ids: Seq[int], max_tokens: int,
+                          sampling: SamplingParams, ignore_eos: bool = False
+                          ) -> tuple[list[int], list[TokenLogprob]]:
+        """Like ``generate``, with each token's log-probabilities (``sampling.logprobs`` top
+        ones); the reference for what the daemons carry to the router."""
+        rid = self.add_request(prompt_token_ids, max_tokens, sampling, ignore_eos=ignore_eos)
+        seq = self._seqs[rid]
+        tokens: list[int] = []
+        entries: list[TokenLogprob] = []
+        while not seq.is_finished:
+            outputs = self.step()
+            if not outputs:
+                self.abort(rid)
+                raise RuntimeError(f"engine made no progress on request {rid!r}")
+            for out in outputs:
+                if out.request_id == rid:
+                    tokens += out.new_token_ids
+                    entries += out.logprobs or ()
+        return tokens, entries
 
     def stream(self, prompt_token_ids: Seq[int], max_tokens: int,
                sampling: SamplingParams | None = None, ignore_eos: bool = False,

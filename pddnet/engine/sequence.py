@@ -26,7 +26,7 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"            # EOS sampled (or appended)
+    STOP = "stop"            # EOS or one of the request's stop_token_ids sampled (or appended)
     LENGTH = "length"        # max_tokens reached
     ABORT = "abort"          # aborted by the caller
 
@@ -106,6 +106,8 @@ class Sequence:
     def stop_reason_after(self, token_id: int) -> FinishReason | None:
         """Why the sequence stops once ``token_id`` has been appended (None: it goes on)."""
         if not self.ignore_eos and self.eos_token_id is not None and token_id == self.eos_token_id:
+            return FinishReason.STOP
+        if token_id in self.sampling.stop_token_ids:
             return FinishReason.STOP
         if self.num_output_tokens >= self.max_tokens:
             return FinishReason.LENGTH

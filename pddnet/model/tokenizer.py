@@ -99,7 +99,8 @@ class HFTokenizer:
         return self._backend.decode([int(t) for t in token_ids], skip_special_tokens=skip_special)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file's top-level object; {} when it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -109,12 +110,12 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _special_id(folder: Path, backend: Any, kind: str) -> int | None:
     """BOS/EOS id: config.json's `<kind>_token_id`, else tokenizer_config.json's token text."""
-    value = _read_json(folder / "config.json").get(f"{kind}_token_id")
+    value = read_json_object(folder / "config.json").get(f"{kind}_token_id")
     if isinstance(value, list):  # Llama 3 lists several EOS ids; the first is the primary one
         value = value[0] if value else None
     if isinstance(value, int):
         return value
-    token = _read_json(folder / "tokenizer_config.json").get(f"{kind}_token")
+    token = read_json_object(folder / "tokenizer_config.json").get(f"{kind}_token")
     if isinstance(token, dict):  # older files store an AddedToken object
         token = token.get("content")
     if isinstance(token, str):

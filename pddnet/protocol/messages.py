@@ -41,6 +41,9 @@ TOKEN_ID_MAX = 2**31 - 1  # token ids must fit an int32 tensor
 MAX_TOKEN_LIST = 1 << 20  # longest token id list a message may carry (prompts, handoffs)
 MAX_BLOCK_LIST = 1 << 20
 MAX_TEXT = 4096
+MAX_TOP_LOGPROBS = 20        # top log-probabilities per token (pddnet.engine.sampling)
+MAX_LOGPROB_TOKENS = 4096    # tokens of one TOKEN_EVENT that carries log-probabilities
+LOGPROB_MIN = -9999.0        # -inf is reported as this (as vLLM does)
 
 
 def _describe_value(value: object) -> str:
@@ -94,20 +97,53 @@ class UInt(Spec):
 class Float(Spec):
     lo: float = -math.inf
     hi: float = math.inf
+    lo_open: bool = False   # the lower bound itself is excluded: (lo, hi]
+
+    def ok(self, value: object) -> bool:
+        return (type(value) is float and math.isfinite(value)  # type: ignore[arg-type]
+                and (self.lo < value if self.lo_open else self.lo <= value)  # type: ignore[operator]
+                and value <= self.hi)  # type: ignore[operator]
 
     def check(self, where: str, value: object) -> float:
         # An int is accepted for a float field (a sender writing `0` for a time is not wrong);
         # a bool, NaN or infinity is.
         if _is_int(value):
             value = float(value)  # type: ignore[arg-type]
-        if type(value) is not float or not math.isfinite(value) or not self.lo <= value <= self.hi:
+        if not self.ok(value):
             raise self._fail(where, value)
-        return value
+        return value  # type: ignore[return-value]
 
     def describe(self) -> str:
         if math.isinf(self.lo) and math.isinf(self.hi):
             return "a finite float"
-        return f"a finite float in [{self.lo}, {self.hi}]"
+        return f"a finite float in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+
+
+@dataclass(frozen=True)
+class FloatList(Spec):
+    """A list of finite floats in [lo, hi]; normalised to a tuple (ints become floats)."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    max_len: int = MAX_TOKEN_LIST
+
+    def check(self, where: str, value: object) -> tuple[float, ...]:
+        if type(value) not in (list, tuple) or len(value) > self.max_len:  # type: ignore[arg-type]
+            raise self._fail(where, value)
+        item_spec = Float(self.lo, self.hi)
+        out = []
+        for i, item in enumerate(value):  # type: ignore[arg-type]
+            if _is_int(item):
+                item = float(item)
+            if not item_spec.ok(item):
+                raise SchemaError(f"{where}[{i}] must be {item_spec.describe()}, got "
+                                  f"{_describe_value(item)}")
+            out.append(item)
+        return tuple(out)
+
+    def describe(self) -> str:
+        return (f"a list of 0..{_bound(self.max_len)} finite floats in "
+                f"[{self.lo}, {self.hi}]")
 
 
 @dataclass(frozen=True)
@@ -472,6 +508,21 @@ class SamplingFields:
         UIntList(hi=TOKEN_ID_MAX, max_len=256), default=(), doc="extra stop tokens besides EOS"
     )
     ignore_eos: bool = field(Bool(), default=False, doc="do not stop on EOS")
+    min_tokens: int = field(UInt(0, MAX_TOKEN_LIST), default=0,
+                            doc="EOS and stop_token_ids masked until this many outputs")
+    presence_penalty: float = field(Float(-2.0, 2.0), default=0.0,
+                                    doc="minus this once per token present in the output")
+    frequency_penalty: float = field(Float(-2.0, 2.0), default=0.0,
+                                     doc="minus this per occurrence in the output")
+    repetition_penalty: float = field(Float(0.0, 100.0, lo_open=True), default=1.0,
+                                      doc="prompt + output tokens: logit / it (> 0) or x it; 1 = off")
+    logprobs: int | None = field(Nullable(UInt(0, MAX_TOP_LOGPROBS)), default=None,
+                                 doc="return each token's logprob and this many top ones")
+
+
+def _check_sampling(name: str, v: Mapping[str, Any]) -> None:
+    _require(v["min_tokens"] <= v["max_tokens"],
+             f"{name} min_tokens {v['min_tokens']} exceeds max_tokens {v['max_tokens']}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -491,6 +542,7 @@ class Submit(SamplingFields, Message):
 
     @classmethod
     def _cross_check(cls, v: Mapping[str, Any]) -> None:
+        _check_sampling("SUBMIT", v)
         _require(
             len(v["output_token_ids"]) < v["max_tokens"],
             f"SUBMIT output_token_ids has {len(v['output_token_ids'])} tokens but max_tokens is "
@@ -520,6 +572,27 @@ class TokenEvent(Message):
                                        doc="the tokens, in index order")
     producer: str = field(Str(max_len=16, choices=PRODUCERS), doc="who computed the tokens")
     time: float = field(TIME, doc="when they were produced (producer's clock)")
+    logprobs: tuple[float, ...] = field(
+        FloatList(LOGPROB_MIN, 0.0, MAX_LOGPROB_TOKENS), default=(),
+        doc="per token its raw logprob ([] = not requested)")
+    top_logprob_ids: tuple[int, ...] = field(
+        UIntList(hi=TOKEN_ID_MAX, max_len=MAX_TOP_LOGPROBS * MAX_LOGPROB_TOKENS), default=(),
+        doc="k per token, token after token: the top-k ids")
+    top_logprobs: tuple[float, ...] = field(
+        FloatList(LOGPROB_MIN, 0.0, MAX_TOP_LOGPROBS * MAX_LOGPROB_TOKENS), default=(),
+        doc="their logprobs, same layout")
+
+    @classmethod
+    def _cross_check(cls, v: Mapping[str, Any]) -> None:
+        n, lps, top = len(v["token_ids"]), v["logprobs"], v["top_logprob_ids"]
+        _require(not lps or len(lps) == n,
+                 f"TOKEN_EVENT carries {len(lps)} logprobs for {n} tokens")
+        _require(len(v["top_logprobs"]) == len(top),
+                 f"TOKEN_EVENT has {len(top)} top_logprob_ids but {len(v['top_logprobs'])} "
+                 f"top_logprobs")
+        _require(not top or (lps and len(top) % n == 0 and len(top) // n <= MAX_TOP_LOGPROBS),
+                 f"TOKEN_EVENT top logprobs ({len(top)}) must be k per token (k <= "
+                 f"{MAX_TOP_LOGPROBS}) for its {n} tokens, with their logprobs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -587,6 +660,7 @@ class KvAllocRequest(SamplingFields, Message):
 
     @classmethod
     def _cross_check(cls, v: Mapping[str, Any]) -> None:
+        _check_sampling("KV_ALLOC_REQUEST", v)
         n = len(v["prompt_token_ids"])
         _require(v["num_tokens"] == n,
                  f"KV_ALLOC_REQUEST num_tokens is {v['num_tokens']} but prompt_token_ids has {n}")
@@ -705,6 +779,21 @@ class KvDone(Message):
     num_bytes: int = field(UInt(0, U64_MAX), doc="KV payload bytes sent or written")
     first_token_id: int = field(UInt(0, TOKEN_ID_MAX), doc="output index 0, sampled by P")
     time: float = field(TIME, doc="when P finished sending")
+    first_logprob: float | None = field(Nullable(Float(LOGPROB_MIN, 0.0)), default=None,
+                                        doc="its raw logprob, when the request asks for them")
+    first_top_ids: tuple[int, ...] = field(UIntList(hi=TOKEN_ID_MAX, max_len=MAX_TOP_LOGPROBS),
+                                           default=(), doc="the top-k token ids at index 0")
+    first_top_logprobs: tuple[float, ...] = field(
+        FloatList(LOGPROB_MIN, 0.0, MAX_TOP_LOGPROBS), default=(), doc="their logprobs")
+
+    @classmethod
+    def _cross_check(cls, v: Mapping[str, Any]) -> None:
+        top = v["first_top_ids"]
+        _require(len(v["first_top_logprobs"]) == len(top),
+                 f"KV_DONE has {len(top)} first_top_ids but {len(v['first_top_logprobs'])} "
+                 f"first_top_logprobs")
+        _require(not top or v["first_logprob"] is not None,
+                 "KV_DONE carries top logprobs without first_logprob")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,7 @@ class StreamAssembler:
     _pending: dict[int, tuple[int, str]] = field(default_factory=dict)
     _expected_total: int | None = None                     # from REQUEST_DONE
     _total_reason: str = "eos"
+    stopped_by_caller: bool = False                        # see stop_at
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -105,7 +106,7 @@ class StreamAssembler:
         if self.finished:
             # The client's stream is already complete; a disagreement is worth a note only.
             if reason not in ("cancel", "error") and self.finish_reason not in ("cancel", "error") \
-                    and num_output_tokens != len(self.tokens):
+                    and num_output_tokens != len(self.tokens) and not self.stopped_by_caller:
                 self.warnings.append(f"REQUEST_DONE from {producer} says {num_output_tokens} "
                                      f"tokens; the stream ended after {len(self.tokens)}")
             return
@@ -130,6 +131,21 @@ class StreamAssembler:
     def cancel(self) -> None:
         if not self.finished:
             self._end("cancel")
+
+    def stop_at(self, num_tokens: int) -> None:
+        """The caller ended the stream after `num_tokens` released tokens with reason 'stop'
+        (a stop string in the text, which only the caller sees): later tokens are dropped,
+        and producers still running (they were told to stop) may report other counts."""
+        if self.finished:
+            return
+        if not 0 < num_tokens <= len(self.tokens):
+            raise ValueError(f"stop_at({num_tokens}) outside the {len(self.tokens)} released "
+                             f"tokens")
+        del self.tokens[num_tokens:]
+        del self.producers[num_tokens:]
+        self._pending.clear()
+        self.stopped_by_caller = True
+        self._end("stop")
 
     def fail(self, message: str) -> None:
         if not self.finished:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -21,7 +22,7 @@ from pddnet.config import ClusterConfig, DaemonSection
 from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
 from pddnet.device.pacer import StepPacer
 from pddnet.engine.engine import Engine, KVReservation, StepOutput
-from pddnet.engine.sampling import SamplingParams
+from pddnet.engine.sampling import SamplingParams, TokenLogprob
 from pddnet.engine.sequence import FinishReason
 from pddnet.engine.worker import EngineWorker
 from pddnet.kv.allocator import OutOfBlocks
@@ -38,7 +39,7 @@ from pddnet.protocol import (
     Submit,
     TokenEvent,
 )
-from pddnet.protocol.messages import SamplingFields, Timeline
+from pddnet.protocol.messages import MAX_LOGPROB_TOKENS, SamplingFields, Timeline
 from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
 
 from .peer import Peer
@@ -62,8 +63,62 @@ def instance_id(config: ClusterConfig, role: str) -> str:
 
 
 def sampling_of(fields: SamplingFields) -> SamplingParams:
+    """The engine's sampling parameters for a request's wire fields (SUBMIT, KV_ALLOC_REQUEST):
+    every tier builds the same ones, so every tier samples alike."""
     return SamplingParams(temperature=fields.temperature, top_p=fields.top_p,
-                          top_k=fields.top_k, seed=fields.seed)
+                          top_k=fields.top_k, seed=fields.seed, min_tokens=fields.min_tokens,
+                          stop_token_ids=tuple(fields.stop_token_ids),
+                          presence_penalty=fields.presence_penalty,
+                          frequency_penalty=fields.frequency_penalty,
+                          repetition_penalty=fields.repetition_penalty,
+                          logprobs=fields.logprobs)
+
+
+SAMPLING_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingFields))
+
+
+def sampling_fields(msg: SamplingFields) -> dict[str, Any]:
+    """A message's SamplingFields as keyword arguments, to pass them on unchanged."""
+    return {name: getattr(msg, name) for name in SAMPLING_FIELD_NAMES}
+
+
+def event_logprobs(entries: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None,
+                   n: int) -> dict[str, Any]:
+    """TOKEN_EVENT's logprob fields for `n` tokens ({} when none are carried). Every token
+    needs its entry and all the same k; otherwise nothing is carried (the router then reports
+    the gap)."""
+    present = [e for e in entries or () if e is not None]
+    if not present or len(present) != n or len({len(e.top_ids) for e in present}) != 1:
+        return {}
+    return {"logprobs": tuple(e.logprob for e in present),
+            "top_logprob_ids": tuple(i for e in present for i in e.top_ids),
+            "top_logprobs": tuple(x for e in present for x in e.top_logprobs)}
+
+
+def take_logprobs(store: dict[int, TokenLogprob], fields: SamplingFields, index: int,
+                  n: int) -> list[TokenLogprob | None] | None:
+    """The logprob entries of output indices [index, index + n) for a TOKEN_EVENT, taken out
+    of a request's store (index -> entry, filled as the engine samples); None when the request
+    does not ask for logprobs."""
+    if fields.logprobs is None:
+        return None
+    return [store.pop(i, None) for i in range(index, index + n)]
+
+
+def kv_done_logprob(entry: TokenLogprob | None) -> dict[str, Any]:
+    """KV_DONE's fields for the first token's logprobs (P samples it)."""
+    if entry is None:
+        return {}
+    return {"first_logprob": entry.logprob, "first_top_ids": entry.top_ids,
+            "first_top_logprobs": entry.top_logprobs}
+
+
+def first_token_logprob(done: Any) -> TokenLogprob | None:
+    """The first token's logprobs as KV_DONE carries them (None: not requested)."""
+    if done.first_logprob is None:
+        return None
+    return TokenLogprob(done.first_token_id, done.first_logprob, tuple(done.first_top_ids),
+                        tuple(done.first_top_logprobs))
 
 
 def first_token_ends(token: int, fields: SamplingFields, eos: int | None) -> str | None:
@@ -427,10 +482,19 @@ class Daemon:
         self.counters["router_messages_dropped"] += 1
         log.warning("%s: no router connected; dropped %s", self.instance_id, msg.TYPE.name)
 
-    def emit_tokens(self, rid: str, index: int, tokens: tuple[int, ...] | list[int]) -> None:
+    def emit_tokens(self, rid: str, index: int, tokens: tuple[int, ...] | list[int],
+                    logprobs: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None = None,
+                    ) -> None:
+        """TOKEN_EVENT(s) to the router; with `logprobs` (one entry per token, for a request
+        that asks for them) at most MAX_LOGPROB_TOKENS tokens per event."""
         self.counters["tokens_emitted"] += len(tokens)
-        self.to_router(TokenEvent(request_id=rid, index=index, token_ids=tuple(tokens),
-                                  producer=self.role, time=now()))
+        tokens = tuple(tokens)
+        step = MAX_LOGPROB_TOKENS if logprobs else max(1, len(tokens))
+        for start in range(0, len(tokens), step):
+            part = tokens[start:start + step]
+            extra = event_logprobs(logprobs[start:start + step], len(part)) if logprobs else {}
+            self.to_router(TokenEvent(request_id=rid, index=index + start, token_ids=part,
+                                      producer=self.role, time=now(), **extra))
 
     def request_done(self, rid: str, reason: str, num_prompt: int, num_output: int) -> RequestDone:
         msg = RequestDone(request_id=rid, reason=reason, num_prompt_tokens=num_prompt,
@@ -487,7 +551,8 @@ class Daemon:
             return True  # our own abort
         new = out.new_token_ids[:len(reasons)]
         if new:
-            self.emit_tokens(out.request_id, out.output_index, new)
+            self.emit_tokens(out.request_id, out.output_index, new,
+                             out.logprobs[:len(new)] if out.logprobs else None)
         reason = reasons[-1] if reasons else None
         if reason is not None:
             del self.replays[out.request_id]

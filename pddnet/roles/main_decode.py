@@ -36,6 +36,7 @@ from typing import Any
 
 from pddnet.config import ClusterConfig
 from pddnet.engine.engine import Engine, KVReservation, StepOutput
+from pddnet.engine.sampling import TokenLogprob
 from pddnet.engine.sequence import FinishReason
 from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache
 from pddnet.kv.transfer import ExportedKV, KVExportMeta, import_kv
@@ -73,7 +74,16 @@ from pddnet.protocol.handoff import (
 )
 from pddnet.transport import Connection
 
-from .common import Outbox, Serial, first_token_ends, log, sampling_of, step_end_reasons
+from .common import (
+    Outbox,
+    Serial,
+    first_token_ends,
+    first_token_logprob,
+    log,
+    sampling_of,
+    step_end_reasons,
+    take_logprobs,
+)
 from .kv_receiver import KvReceiver
 
 WITH_RELAY_PIPELINES = ("p_rld_md",)
@@ -114,6 +124,8 @@ class _Request:
     last_chunk_at: float = 0.0
     first_chunk_bytes: int = 0
     writes_stopped: bool = False     # P's KV_ABORT came: no one-sided write is in flight
+    # output index -> logprobs of a token sampled for it, until emitted (requests asking them)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
     @property
     def rid(self) -> str:
@@ -427,10 +439,13 @@ class MainDecodeDaemon(KvReceiver):
                                    span_s=max(0.0, span)))
         alloc = req.alloc
         first = done.first_token_id
+        entry = first_token_logprob(done)
+        if entry is not None and not req.fsm.with_relay:  # MD emits index 0 (P->MD)
+            req.logprobs[0] = entry
         ends = first_token_ends(first, alloc, self.engine.eos_token_id)
         if ends is not None:  # P's token ended the request: nothing to decode here
             if not req.fsm.with_relay:
-                self.emit_tokens(req.rid, 0, [first])
+                self.emit_tokens(req.rid, 0, [first], take_logprobs(req.logprobs, alloc, 0, 1))
                 self.request_done(req.rid, ends, alloc.num_tokens, 1)
             self._stop(req)
             return
@@ -492,6 +507,8 @@ class MainDecodeDaemon(KvReceiver):
                 continue  # our own abort
             new_tokens = out.new_token_ids[:len(reasons)]
             reason = reasons[-1] if reasons else None
+            for i, entry in enumerate(out.logprobs or ()):
+                req.logprobs[out.output_index + i] = entry
             if out.finished:
                 req.started = False  # the engine freed the blocks itself
             if req.fsm.mode is not None:
@@ -530,7 +547,8 @@ class MainDecodeDaemon(KvReceiver):
                 self.rld.post(Takeover(request_id=rid, ready_position=a.ready_position,
                                        chunk_tokens=a.chunk_tokens))
             elif isinstance(a, EmitTokens):
-                self.emit_tokens(rid, a.index, a.token_ids)
+                self.emit_tokens(rid, a.index, a.token_ids,
+                                 take_logprobs(req.logprobs, req.alloc, a.index, len(a.token_ids)))
             elif isinstance(a, FirstMainToken):
                 self.timeline(rid, "first_md_token", a.index)
             elif isinstance(a, HandoffEnded):

@@ -31,6 +31,7 @@ from typing import Any
 
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
+from pddnet.engine.sampling import TokenLogprob
 from pddnet.kv.transfer import ExportedKV, export_kv
 from pddnet.policy.pipeline import Pipeline, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner, Plan
@@ -70,7 +71,7 @@ from pddnet.transport.kv_backend import (
 from pddnet.transport.kv_paths import KVPaths
 from pddnet.transport.stripes import StripedSender
 
-from .common import Daemon, Serial, log, now, sampling_of
+from .common import Daemon, Serial, kv_done_logprob, log, now, sampling_fields, sampling_of
 from .peer import Peer
 
 RELAY, MAIN = "relay", "main_decode"
@@ -107,6 +108,7 @@ class _Request:
     asked: set[str] = field(default_factory=set)   # targets sent KV_ALLOC_REQUEST
     exporting: int = 0                      # exports reading this sequence's blocks right now
     exports_idle: asyncio.Event = field(default_factory=asyncio.Event)
+    first_logprob: TokenLogprob | None = None   # index 0's, when the request asks for them
 
 
 class PrefillDaemon(Daemon):
@@ -289,10 +291,8 @@ class PrefillDaemon(Daemon):
             request_id=sub.request_id, prompt_token_ids=sub.prompt_token_ids,
             num_tokens=req.flow.num_tokens, block_size=spec.block_size, dtype=spec.dtype,
             num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            expected_hit_tokens=hit, pipeline=req.pipeline.wire, max_tokens=sub.max_tokens,
-            temperature=sub.temperature, top_p=sub.top_p, top_k=sub.top_k, seed=sub.seed,
-            stop_token_ids=sub.stop_token_ids, ignore_eos=sub.ignore_eos,
-            handoff_mode=sub.handoff_mode))
+            expected_hit_tokens=hit, pipeline=req.pipeline.wire, handoff_mode=sub.handoff_mode,
+            **sampling_fields(sub)))
 
     def _change_pipeline(self, req: _Request, pipeline: Pipeline, reason: str) -> None:
         rid = req.submit.request_id
@@ -439,6 +439,8 @@ class PrefillDaemon(Daemon):
                 continue
             self._run(req, req.flow.computed_upto(out.num_computed_tokens))
             if out.new_token_ids:
+                if out.logprobs:
+                    req.first_logprob = out.logprobs[0]
                 self.timeline(out.request_id, "prefill_end", out.num_computed_tokens)
                 self._run(req, req.flow.first_token_sampled(out.new_token_ids[0]))
 
@@ -591,7 +593,7 @@ class PrefillDaemon(Daemon):
         c = xfer.completion() if xfer is not None else None  # None: all of it was cached there
         done = KvDone(request_id=rid, num_tokens=n, num_chunks=c.num_chunks if c else 0,
                       num_bytes=c.num_bytes if c else 0, first_token_id=a.first_token,
-                      time=now())
+                      time=now(), **kv_done_logprob(req.first_logprob))
         if a.target == MAIN:
             self.timeline(rid, "wan_kv_sent", done.num_bytes)
         self.control[a.target].post(done)

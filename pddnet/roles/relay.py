@@ -27,11 +27,12 @@ import os
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import KVReservation, StepOutput
+from pddnet.engine.sampling import TokenLogprob
 from pddnet.kv.shm import segment_name
 from pddnet.policy.admission import RelayAdmission
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
@@ -68,9 +69,11 @@ from .common import (
     Outbox,
     Serial,
     first_token_ends,
+    first_token_logprob,
     log,
     sampling_of,
     step_end_reasons,
+    take_logprobs,
 )
 from .kv_receiver import KvReceiver
 from .peer import Peer
@@ -89,6 +92,8 @@ class _Request:
     decoding: bool = False           # the engine sequence exists
     kv_done: bool = False            # P's KV_DONE came: none of its writes is in flight
     handoff_bytes: int = 0
+    # output index -> logprobs of a token sampled for it, until emitted (requests asking them)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
     @property
     def rid(self) -> str:
@@ -222,6 +227,9 @@ class RelayDaemon(KvReceiver):
             return
         self.timeline(req.rid, "rld_kv_complete", msg.num_bytes)
         first = msg.first_token_id
+        entry = first_token_logprob(msg)
+        if entry is not None:
+            req.logprobs[0] = entry
         ends = first_token_ends(first, alloc, self.engine.eos_token_id)
         if ends is None:
             req.decoding = True
@@ -326,6 +334,8 @@ class RelayDaemon(KvReceiver):
                 continue
             if out.finished:
                 req.decoding = False  # the engine freed the blocks itself
+            for i, entry in enumerate(out.logprobs or ()):
+                req.logprobs[out.output_index + i] = entry
             for i, (tok, reason) in enumerate(zip(out.new_token_ids, reasons, strict=False)):
                 self._apply(req, req.fsm.rld_token(out.output_index + i, tok, reason))
 
@@ -340,7 +350,8 @@ class RelayDaemon(KvReceiver):
         rid = req.rid
         for a in actions:
             if isinstance(a, EmitTokens):
-                self.emit_tokens(rid, a.index, a.token_ids)
+                self.emit_tokens(rid, a.index, a.token_ids,
+                                 take_logprobs(req.logprobs, req.alloc, a.index, len(a.token_ids)))
             elif isinstance(a, SendHandoff):
                 msg = Handoff(request_id=rid, start_index=a.start_index, token_ids=a.token_ids,
                               final=a.final, mode=a.mode)

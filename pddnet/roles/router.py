@@ -27,18 +27,30 @@ from aiohttp import web
 
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
+from pddnet.model.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ChatTemplateUnavailable,
+    load_chat_template,
+)
 from pddnet.protocol import messages as m
 from pddnet.roles.assembler import StreamAssembler
 from pddnet.roles.openai_api import (
     ApiError,
+    ChoiceResult,
+    ChoiceText,
     CompletionRequest,
-    IncrementalDetokenizer,
+    LogprobEntry,
     ModelInfo,
     bad_request,
+    chat_logprobs,
     completion_chunk,
-    completion_response,
+    completion_logprobs,
     models_response,
+    parse_chat_request,
     parse_completion_request,
+    response_body,
+    usage,
     usage_chunk,
 )
 
@@ -77,6 +89,19 @@ def model_info_and_tokenizer(spec: str) -> tuple[ModelInfo, Any]:
     return info, tok
 
 
+def chat_template_for(spec: str, tokenizer: Any) -> ChatTemplate:
+    """The model folder's chat template; the documented fallback for presets."""
+    from pddnet.model.config import PRESETS
+
+    return load_chat_template(None if spec in PRESETS else Path(spec), tokenizer)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed of an n > 1 request (pddnet.engine.sampling.choice_seed: the
+    router stays torch-free, so the one-line rule is repeated here and tested equal)."""
+    return (seed + index) % (1 << 64)
+
+
 @dataclass
 class RequestState:
     request_id: str
@@ -96,9 +121,21 @@ class RequestState:
     last_release: float | None = None     # when the client last got tokens (inter-token gaps)
     replays: int = 0
     replay_target: str | None = None
+    index: int = 0                         # the choice's index (n > 1: one state per choice)
+    text: ChoiceText | None = None         # its text, ended at a stop string
+    logprobs: dict[int, LogprobEntry] = field(default_factory=dict)   # by output index
+    last_change: float = field(default_factory=time.monotonic)
+    router_stopped: bool = False           # a stop string ended it (the daemons don't know)
+    cancel_sent: bool = False
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it
 
     def add_event(self, event: str, t: float, producer: str, detail: Any = None) -> None:
         self.timeline.append({"event": event, "time": t, "producer": producer, "detail": detail})
+        self.touch()
+
+    def touch(self) -> None:
+        """Something happened to the request (its stall clock restarts)."""
+        self.last_change = time.monotonic()
         self.changed.set()
 
 
@@ -214,6 +251,7 @@ class Router:
         self.clock = clock
         self.instance_id = f"router-{uuid.uuid4().hex[:8]}"
         self.model, self.tokenizer = model_info_and_tokenizer(config.model.name)
+        self.chat_template = chat_template_for(config.model.name, self.tokenizer)
         roles = PEERS_BY_MODE[config.mode]
         self.peers = {r: PeerLink(self, r, getattr(config, r).dial_address()) for r in roles}
         self.requests: dict[str, RequestState] = {}
@@ -264,7 +302,7 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for state in list(self.requests.values()):
             state.assembler.fail("the router is shutting down")
-            state.changed.set()
+            state.touch()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -302,6 +340,12 @@ class Router:
         if isinstance(msg, m.TokenEvent):
             if state.replay_target is None or msg.producer == state.replay_target:
                 state.owner = msg.producer
+            if msg.logprobs:
+                k = len(msg.top_logprob_ids) // len(msg.token_ids)
+                for j, lp in enumerate(msg.logprobs):
+                    state.logprobs.setdefault(msg.index + j, (
+                        lp, msg.top_logprob_ids[j * k:(j + 1) * k],
+                        msg.top_logprobs[j * k:(j + 1) * k]))
             was = len(state.assembler.tokens)
             released = state.assembler.feed_tokens(msg.index, msg.token_ids, msg.producer, now)
             if released is not None:
@@ -310,6 +354,7 @@ class Router:
                     gaps = [now - state.last_release] + [0.0] * (len(released.token_ids) - 1)
                     self._metrics.observe_gaps([g / self.dilation for g in gaps])
                 state.last_release = now
+                self._text_released(state, released.start, released.token_ids)
             if was == 0 and state.assembler.tokens:
                 state.add_event("first_token", now, "router", state.assembler.producers[0])
             if state.assembler.error:
@@ -329,7 +374,26 @@ class Router:
                 self._fail(state, peer.role, msg.code, msg.message)
         elif isinstance(msg, m.Timeline):
             self._on_timeline(state, peer, msg)
-        state.changed.set()
+        state.touch()
+
+    def _text_released(self, state: RequestState, start: int, token_ids: list[int]) -> None:
+        """Tokens released in order: their text. A stop string ends the choice here, at the
+        token that completed it; the daemons, which do not know stop strings, are told to stop
+        (CANCEL to all, as for a client that went away: each frees what it holds)."""
+        assert state.text is not None
+        keep = state.text.feed(token_ids)
+        if keep is None:
+            return
+        state.assembler.stop_at(start + keep)
+        state.router_stopped = True
+        state.stop_reason = state.text.stopped
+        state.add_event("stop_string", self.clock(), "router", state.text.stopped)
+        self._spawn(self._broadcast_cancel(state, "stop string"), f"stop {state.request_id}")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     def _fail(state: RequestState, who: str, code: str, message: str) -> None:
@@ -337,7 +401,7 @@ class Router:
         unavailable = "overload" in code or "capacity" in code or code.endswith("_lost")
         state.error_status = 503 if unavailable else 500
         state.assembler.fail(f"{who}: {code}: {message}")
-        state.changed.set()
+        state.touch()
 
     async def _replay(self, state: RequestState, lost: str, why: str) -> bool:
         """Replay the request by token ids on a live decode tier other than `lost`: prompt +
@@ -365,9 +429,7 @@ class Router:
         try:
             await self.peers[target].send(m.Submit(
                 request_id=state.request_id, prompt_token_ids=req.prompt_token_ids,
-                max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, seed=state.seed, stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos, output_token_ids=known))
+                seed=state.seed, output_token_ids=known, **req.sampling_fields()))
         except Exception as exc:
             self._fail(state, "router", f"{lost}_lost",
                        f"{why}; replay on {target} failed: {exc}")
@@ -437,6 +499,7 @@ class Router:
             self._fail(state, "router", f"{lost}_lost", why)
 
     async def _broadcast_cancel(self, state: RequestState, reason: str) -> None:
+        state.cancel_sent = True
         for peer in self.peers.values():
             with contextlib.suppress(Exception):
                 await peer.send(m.Cancel(request_id=state.request_id, reason=reason[:4096]))
@@ -447,6 +510,7 @@ class Router:
         app = web.Application(client_max_size=self.config.router.max_body_bytes,
                               middlewares=[self._errors])
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/stats", self._stats)
@@ -488,22 +552,51 @@ class Router:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_json(request)
+        req = parse_completion_request(body, self.model, self._encode,
+                                       self.config.router.max_tokens_limit)
+        return await self._serve(request, req, "cmpl")
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_json(request)
+        req = parse_chat_request(body, self.model, self._render_chat,
+                                 self.config.router.max_tokens_limit)
+        return await self._serve(request, req, "chatcmpl")
+
+    async def _read_json(self, request: web.Request) -> Any:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"request body exceeds {self.config.router.max_body_bytes} bytes",
                            "invalid_request_error", None, "body_too_large") from None
         try:
-            body = json.loads(raw)
+            return json.loads(raw)
         except ValueError as exc:
             raise bad_request(f"the request body is not valid JSON: {exc}") from None
-        req = parse_completion_request(body, self.model, self._encode,
-                                       self.config.router.max_tokens_limit)
-        if len(self.requests) >= self.config.router.max_concurrent_requests:
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     kwargs: dict[str, Any]) -> tuple[list[int], str]:
+        """Messages -> prompt through the model's chat template (pddnet.model.chat_template)."""
+        template = self.chat_template
+        try:
+            text = template.render(messages, add_generation_prompt, **kwargs)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages", "chat_template_error") from None
+        except ChatTemplateUnavailable as exc:
+            raise ApiError(500, f"this model's chat template cannot be used: {exc}",
+                           "server_error", None, "chat_template_unavailable") from None
+        return self.tokenizer.encode(text, add_bos=template.add_bos), text
+
+    async def _serve(self, request: web.Request, req: CompletionRequest,
+                     prefix: str) -> web.StreamResponse:
+        """One HTTP request: its n choices are n requests to the daemons (each its own seed,
+        `choice_seed`), answered together."""
+        limit = self.config.router.max_concurrent_requests
+        if len(self.requests) + req.n > limit:
             self.counters["rejected_overload"] += 1
             raise ApiError(503, f"the server is overloaded ({len(self.requests)} requests in "
-                           f"flight, limit {self.config.router.max_concurrent_requests}); retry "
-                           f"later", "server_error", None, "overloaded")
+                           f"flight, limit {limit}); retry later", "server_error", None,
+                           "overloaded")
         # P prefills every request; one live decode tier can serve it (pdd mode: RLD is the
         # fallback while MD is down, MD while RLD is).
         decode_up = [r for r in ("relay", "main_decode")
@@ -512,87 +605,125 @@ class Router:
             missing = [r for r, p in self.peers.items() if p.conn is None]
             raise ApiError(503, f"not connected to {', '.join(missing)}; retry later",
                            "server_error", None, "peers_unavailable")
-        state = self._admit(req)
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        states = self._admit(req, rid)
         try:
             try:
-                await self.peers["prefill"].send(self._submit(state))
+                for state in states:
+                    await self.peers["prefill"].send(self._submit(state))
             except ConnectionError as exc:
                 raise ApiError(503, f"cannot reach the prefill daemon: {exc}", "server_error",
                                None, "peers_unavailable") from None
             if req.stream:
-                return await self._respond_stream(request, state)
-            return await self._respond_whole(state)
+                return await self._respond_stream(request, rid, states)
+            return await self._respond_whole(rid, states)
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away (handler cancelled, or a write found the socket closed):
             # free the request everywhere.
             self.counters["cancelled"] += 1
-            state.assembler.cancel()
-            await asyncio.shield(self._broadcast_cancel(state, "client disconnected"))
+            for state in states:
+                state.assembler.cancel()
+                await asyncio.shield(self._broadcast_cancel(state, "client disconnected"))
             raise
         finally:
-            self.requests.pop(state.request_id, None)
+            for state in states:
+                self.requests.pop(state.request_id, None)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_bos=True)
 
-    def _admit(self, req: CompletionRequest) -> RequestState:
-        rid = f"cmpl-{uuid.uuid4().hex}"
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special=False)
+
+    def _admit(self, req: CompletionRequest, rid: str) -> list[RequestState]:
         # A concrete seed, fixed here: sampling is then a pure function of (seed, position), so
         # every daemon that samples the request picks the same tokens.
         seed = req.seed if req.seed is not None else (
             secrets.randbits(63) if req.temperature > 0 else None)
-        state = RequestState(request_id=rid, req=req, seed=seed, arrival=self.clock(),
-                             assembler=StreamAssembler(req.max_tokens, self.model.eos_token_id,
-                                                       req.stop_token_ids, req.ignore_eos))
-        state.add_event("arrival", state.arrival, "router", len(req.prompt_token_ids))
-        self.requests[rid] = state
+        changed = asyncio.Event()  # one for the whole HTTP request: any choice's progress
+        states = []
+        for i in range(req.n):
+            sub_id = rid if req.n == 1 else f"{rid}-{i}"
+            state = RequestState(
+                request_id=sub_id, req=req,
+                seed=None if seed is None else choice_seed(seed, i), arrival=self.clock(),
+                assembler=StreamAssembler(req.max_tokens, self.model.eos_token_id,
+                                          req.stop_token_ids, req.ignore_eos),
+                changed=changed, index=i,
+                text=ChoiceText(lambda ids: self.tokenizer.decode(ids, skip_special=True),
+                                req.stop, req.min_tokens, req.include_stop_str_in_output))
+            state.add_event("arrival", state.arrival, "router", len(req.prompt_token_ids))
+            self.requests[sub_id] = state
+            states.append(state)
         self.counters["requests"] += 1
-        return state
+        return states
 
     def _submit(self, state: RequestState) -> m.Submit:
         req = state.req
         return m.Submit(request_id=state.request_id, prompt_token_ids=req.prompt_token_ids,
-                        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                        top_k=req.top_k, seed=state.seed, stop_token_ids=req.stop_token_ids,
-                        ignore_eos=req.ignore_eos, handoff_mode=req.handoff_mode)
+                        seed=state.seed, handoff_mode=req.handoff_mode, **req.sampling_fields())
 
-    async def _next_change(self, state: RequestState, deadline: float) -> bool:
-        """Wait until something happened to the request; False at the deadline. A request no
-        daemon has said anything about for `router.stall_timeout_s` is replayed by token ids
-        (once): whatever swallowed it, a live decode tier carries it on."""
+    async def _next_change(self, states: list[RequestState], deadline: float) -> bool:
+        """Wait until something happened to one of the requests; False at the deadline. A
+        request no daemon has said anything about for `router.stall_timeout_s` is replayed by
+        token ids (once): whatever swallowed it, a live decode tier carries it on."""
         stall = self.config.router.stall_timeout_s
+        changed = states[0].changed
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 return False
+            live = [s for s in states if not s.assembler.finished]
+            wake = min((s.last_change + stall for s in live), default=now + stall)
             try:
-                await asyncio.wait_for(state.changed.wait(), min(remaining, stall))
+                await asyncio.wait_for(changed.wait(), max(0.0, min(deadline, wake) - now))
             except asyncio.TimeoutError:
-                if time.monotonic() < deadline and not state.assembler.finished \
-                        and state.replays == 0 and state.assembler.finish_reason is None:
-                    self.counters["stalls"] = self.counters.get("stalls", 0) + 1
-                    why = f"no progress for {stall:g} s (last carried by {state.owner})"
-                    # elsewhere than the silent carrier if possible, else wherever is live
-                    if not await self._replay(state, state.owner, why):
-                        await self._replay(state, "none", why)
+                now = time.monotonic()
+                for state in live:
+                    if now - state.last_change < stall or now >= deadline:
+                        continue
+                    state.last_change = now
+                    if not state.assembler.finished and state.replays == 0 \
+                            and state.assembler.finish_reason is None:
+                        self.counters["stalls"] = self.counters.get("stalls", 0) + 1
+                        why = f"no progress for {stall:g} s (last carried by {state.owner})"
+                        # elsewhere than the silent carrier if possible, else wherever is live
+                        if not await self._replay(state, state.owner, why):
+                            await self._replay(state, "none", why)
                 continue
-            state.changed.clear()
+            changed.clear()
             return True
 
     async def _wait_done_notice(self, state: RequestState) -> None:
-        """The stream is complete; give REQUEST_DONE and the last TIMELINEs a moment."""
+        """The stream is complete; give REQUEST_DONE and the last TIMELINEs a moment (not
+        after a stop string: the daemons were cancelled, no REQUEST_DONE comes)."""
         deadline = time.monotonic() + DONE_GRACE_S
-        while not state.done_seen and state.assembler.finish_reason in ("eos", "stop", "length"):
-            if not await self._next_change(state, deadline):
+        while not state.done_seen and not state.router_stopped \
+                and state.assembler.finish_reason in ("eos", "stop", "length"):
+            if not await self._next_change([state], deadline):
                 break
 
-    async def _until_finished(self, state: RequestState) -> None:
-        deadline = time.monotonic() + self.config.router.request_timeout_s
-        while not state.assembler.finished:
-            if not await self._next_change(state, deadline):
+    def _time_out(self, states: list[RequestState]) -> None:
+        """The request timeout passed: every choice not finished yet fails with a 504."""
+        for state in states:
+            if not state.assembler.finished:
                 state.error_code, state.error_status = "timeout", 504
                 state.assembler.fail(f"no completion within "
                                      f"{self.config.router.request_timeout_s:g} s")
+
+    async def _until_finished(self, states: list[RequestState]) -> None:
+        """Until every choice is finished, or one failed (the others are then cancelled)."""
+        deadline = time.monotonic() + self.config.router.request_timeout_s
+        while not all(s.assembler.finished for s in states):
+            if any(s.assembler.finish_reason == "error" for s in states):
+                break
+            if not await self._next_change(states, deadline):
+                self._time_out(states)
+        failed = [s for s in states if s.assembler.finish_reason == "error"]
+        for state in states:
+            if failed and not state.assembler.finished:
+                state.assembler.cancel()
+                await self._broadcast_cancel(state, f"choice {failed[0].index} failed")
 
     async def _finish(self, state: RequestState) -> None:
         asm = state.assembler
@@ -602,10 +733,21 @@ class Router:
         else:
             await self._wait_done_notice(state)
             self.counters["completed"] += 1
-            if not state.done_seen:
+            if not state.done_seen and not state.cancel_sent:
                 # The router saw the end (a stop token, EOS, max_tokens) but no daemon said so:
                 # make sure none of them keeps decoding or holding KV for it.
                 await self._broadcast_cancel(state, f"stream ended ({asm.finish_reason})")
+        assert state.text is not None
+        if asm.finish_reason not in ("error", "cancel") and state.text.finish():
+            state.router_stopped, state.stop_reason = True, state.text.stopped
+            asm.finish_reason = "stop"   # the held-back text completed a stop string
+        if asm.finish_reason == "stop" and state.stop_reason is None and asm.tokens \
+                and asm.tokens[-1] in state.req.stop_token_ids:
+            state.stop_reason = asm.tokens[-1]
+        missing = [i for i in range(len(asm.tokens)) if i not in state.logprobs]
+        if state.req.logprobs is not None and missing:
+            asm.warnings.append(f"no logprobs came for {len(missing)} token(s), first index "
+                                f"{missing[0]}")
         self.counters["tokens"] += len(asm.tokens)
         for p in asm.producers:
             self.tokens_by_producer[p] = self.tokens_by_producer.get(p, 0) + 1
@@ -623,50 +765,119 @@ class Router:
         return ApiError(state.error_status, state.assembler.error or "request failed", kind,
                         None, state.error_code)
 
-    async def _respond_whole(self, state: RequestState) -> web.Response:
-        await self._until_finished(state)
-        await self._finish(state)
-        asm = state.assembler
-        if asm.finish_reason == "error":
-            raise self._error(state)
-        text = self.tokenizer.decode(asm.tokens, skip_special=True)
-        body = completion_response(state.request_id, int(state.arrival), state.req.model, text,
-                                   asm.finish_reason, state.req, asm.tokens, self.pdd_object(state))
+    def _logprobs(self, state: RequestState, start: int, end: int,
+                  offset: int = 0) -> tuple[dict[str, Any] | None, int]:
+        """Tokens [start, end) of a choice: their logprobs object in the endpoint's shape (None
+        when not requested), and the completions text offset after them."""
+        req = state.req
+        if req.logprobs is None:
+            return None, offset
+        tokens = state.assembler.tokens[start:end]
+        entries = [state.logprobs.get(i) for i in range(start, end)]
+        if req.chat:
+            return chat_logprobs(tokens, entries, self._token_text), offset
+        return completion_logprobs(tokens, entries, self._token_text, offset)
+
+    async def _respond_whole(self, rid: str, states: list[RequestState]) -> web.Response:
+        await self._until_finished(states)
+        failed = [s for s in states if s.assembler.finish_reason == "error"]
+        for state in failed or states:
+            await self._finish(state)
+        if failed:
+            raise self._error(failed[0])
+        choices = []
+        for state in states:
+            asm = state.assembler
+            assert state.text is not None
+            choices.append(ChoiceResult(state.index, state.text.text, asm.tokens,
+                                        asm.finish_reason, state.stop_reason,
+                                        self._logprobs(state, 0, len(asm.tokens))[0],
+                                        self.pdd_object(state)))
+        first = states[0]
+        body = response_body(rid, int(first.arrival), first.req.model, first.req, choices,
+                             choices[0].pdd or {})
         return web.json_response(body)
 
-    async def _respond_stream(self, request: web.Request, state: RequestState) -> web.StreamResponse:
+    async def _respond_stream(self, request: web.Request, rid: str,
+                              states: list[RequestState]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        detok = IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special=True))
-        asm = state.assembler
-        created, model = int(state.arrival), state.req.model
-        sent = 0
+        req = states[0].req
+        created, model = int(states[0].arrival), req.model
+        num_prompt = len(req.prompt_token_ids)
+        sent_tokens = [0] * len(states)
+        sent_chars = [0] * len(states)
+        offsets = [0] * len(states)
+        closed = [False] * len(states)
         deadline = time.monotonic() + self.config.router.request_timeout_s
 
         async def emit(obj: dict[str, Any]) -> None:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
+        def usage_now() -> dict[str, int] | None:
+            if not req.continuous_usage:
+                return None
+            return usage(num_prompt, sum(len(s.assembler.tokens) for s in states))
+
+        def delta(i: int, state: RequestState) -> tuple[str, list[int], dict[str, Any] | None]:
+            """What choice i has that the client has not: text, tokens, their logprobs."""
+            asm, text = state.assembler, state.text
+            assert text is not None
+            new = asm.tokens[sent_tokens[i]:]
+            chars = text.text[sent_chars[i]:text.emittable]
+            logprobs, offsets[i] = self._logprobs(state, sent_tokens[i], len(asm.tokens),
+                                                  offsets[i])
+            sent_tokens[i] = len(asm.tokens)
+            sent_chars[i] += len(chars)
+            return chars, new, logprobs
+
+        error: RequestState | None = None
         while True:
-            if len(asm.tokens) > sent:
-                new = asm.tokens[sent:]
-                await emit(completion_chunk(state.request_id, created, model, detok.feed(new),
-                                            state.req, new, first=sent == 0))
-                sent += len(new)
-            if asm.finished:
+            # A pass over every choice; waiting only after a pass that found nothing to do (a
+            # choice's _finish may have consumed the shared change event meanwhile).
+            progressed = False
+            for i, state in enumerate(states):
+                if closed[i]:
+                    continue
+                asm = state.assembler
+                first = sent_tokens[i] == 0 and sent_chars[i] == 0
+                if len(asm.tokens) > sent_tokens[i]:
+                    chars, new, logprobs = delta(i, state)
+                    await emit(completion_chunk(rid, created, model, chars, req, new,
+                                                first=first, index=state.index,
+                                                logprobs=logprobs, usage_so_far=usage_now()))
+                    first = False
+                    progressed = True
+                if not asm.finished:
+                    continue
+                progressed = closed[i] = True
+                if asm.finish_reason == "error":
+                    error = error or state
+                    continue
+                await self._finish(state)
+                chars, new, logprobs = delta(i, state)
+                await emit(completion_chunk(rid, created, model, chars, req, new,
+                                            asm.finish_reason, self.pdd_object(state),
+                                            first=first, index=state.index, logprobs=logprobs,
+                                            stop_reason=state.stop_reason,
+                                            usage_so_far=usage_now()))
+            if all(closed) or error is not None:
                 break
-            if not await self._next_change(state, deadline):
-                state.error_code, state.error_status = "timeout", 504
-                asm.fail(f"no completion within {self.config.router.request_timeout_s:g} s")
-        await self._finish(state)
-        if asm.finish_reason == "error":
-            await emit(self._error(state).body())
-        else:
-            await emit(completion_chunk(state.request_id, created, model, detok.flush(),
-                                        state.req, (), asm.finish_reason, self.pdd_object(state)))
-            if state.req.include_usage:
-                await emit(usage_chunk(state.request_id, created, model,
-                                       len(state.req.prompt_token_ids), len(asm.tokens)))
+            if progressed:
+                continue
+            if not await self._next_change(states, deadline):
+                self._time_out(states)
+        if error is not None:
+            for state in states:   # the other choices stop too
+                if not state.assembler.finished:
+                    state.assembler.cancel()
+                    await self._broadcast_cancel(state, f"choice {error.index} failed")
+            await self._finish(error)
+            await emit(self._error(error).body())
+        elif req.include_usage:
+            await emit(usage_chunk(rid, created, model, num_prompt,
+                                   sum(len(s.assembler.tokens) for s in states), req.chat))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
