@@ -10,7 +10,7 @@ output_throughput; docs/benchmarks.md, "Metrics") and pddnet's own (requests per
 handoffs and their latency, RLD's and MD's share of the output tokens, MiB over the WAN) -- and
 writes its plots (TTFT CDFs, who produced the tokens, the pipeline split, the WAN bytes by
 kind), the result JSON and a Perfetto trace of one PDD request into a folder it names. About
-1-1.5 minutes on 2 cores with the small model.
+1.5 minutes on 2 cores with the small model (88 s measured alone).
 
 With emulated devices (--target-model, --device ROLE=CHIP[:GPUS], --dilation K|auto) the three
 clusters run paced at one k (auto is probed once, before the first cluster): the workload's time
