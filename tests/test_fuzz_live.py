@@ -389,8 +389,8 @@ INVALID_FIELDS = {
     "top_k": [-2, "k", 2.5],
     "seed": [-1, 2**64, "s"],
     "stream": ["yes", 1, [True]],
-    "n": [2, 0],
-    "logprobs": [3],
+    "n": [0, 17, "2"],                  # 1..16 choices are served (n > 1 since issue 24)
+    "logprobs": [-1, 21, "3"],           # 0..20 top logprobs are served
     "echo": [True],
     "stop_token_ids": ["x", [-1]],
     "handoff_mode": ["sideways", 3],
