@@ -15,6 +15,7 @@ from pddnet.cluster.local import LocalCluster
 from pddnet.engine.engine import Engine
 from pddnet.engine.sampling import SamplingParams, choice_seed
 from pddnet.model.loader import load_model
+from tests.test_chat_template import CHATML
 from tests.test_cluster_e2e import wait_kv_free
 
 openai = pytest.importorskip("openai")
@@ -89,12 +90,6 @@ async def test_official_client_streams_from_the_router():
 
 # -- chat completions on a real checkpoint folder, and vLLM's sampling extensions (issue 24) -----
 
-CHATML = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def chat_checkpoint(folder: Path) -> Path:
