@@ -154,6 +154,10 @@ class PeerLink:
         self.last_pong = 0.0
         self.unanswered = 0
         self.heartbeat_deadlines = 0
+        # Checked by the redial loop: Python 3.11's wait_for can swallow the cancel that close()
+        # sends (when the awaited close of a lost lane finishes in the same step), and the loop
+        # then redialled a stopped daemon for ever, so the router never exited on SIGTERM.
+        self.closing = False
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"router-peer-{self.role}")
@@ -163,7 +167,7 @@ class PeerLink:
 
         cfg = self.router.config
         backoff = 0.05
-        while True:
+        while not self.closing:
             try:
                 conn = await dial(self.address[0], self.address[1], role="router",
                                   instance_id=self.router.instance_id, lane="events",
@@ -200,6 +204,8 @@ class PeerLink:
                 self.connected.clear()
                 with contextlib.suppress(Exception):
                     await conn.close()
+            if self.closing:
+                return
             self.router._on_peer_lost(self)
 
     async def _heartbeat(self, conn: Any) -> None:
@@ -229,6 +235,7 @@ class PeerLink:
         await conn.send(msg)
 
     async def close(self) -> None:
+        self.closing = True
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
