@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -322,6 +323,21 @@ def test_pdd_up_then_sigterm_leaves_nothing(tmp_path):
                 break
             time.sleep(0.2)
         assert info and info["state"] == "up"
+        # Issue 23: "up" means ready, so a request sent at once is routed by the policy (not
+        # kept on RLD because P's lanes to MD were still being dialled).
+        url = info["router_url"]
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            health = json.loads(r.read())
+        assert health["status"] == "ok" and health["waiting_for"] == [], health
+        assert health["links"]["prefill"]["links"]["main-decode bulk"]["up"] is True
+        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4,
+                           "temperature": 0}).encode()
+        post = urllib.request.Request(url + "/v1/completions", data=body,
+                                      headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(post, timeout=60) as r:
+            decision = json.loads(r.read())["pdd"]["pipeline_decision"]
+        assert "unreachable" not in decision["reason"], decision
+        assert "configured" not in decision["reason"], decision
         pids = [d["pid"] for d in info["daemons"]]
         assert {d["role"] for d in info["daemons"]} == {"router", "prefill", "relay",
                                                         "main_decode"}

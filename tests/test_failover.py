@@ -5,6 +5,7 @@ daemon producing a request dies (the chaos suite in tests/chaos covers more faul
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -46,6 +47,13 @@ async def test_relay_finishes_alone_when_md_is_lost_before_the_cut(tiny):
     cfg.wan.heartbeat_s, cfg.wan.heartbeat_deadline_s = 0.2, 1.0
     async with running(cfg, md_delay=30.0) as (daemons, col):   # MD's copy never completes
         p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
+        # Readiness: each daemon reports every link it needs, all up, when the router connects.
+        await col.wait_until(lambda: len(col.links) == 3, what="every daemon's LINK_STATE")
+        assert set(col.links["prefill"]) == {"started", "relay control", "main-decode control",
+                                             "main-decode bulk"}
+        assert set(col.links["relay"]) == {"started", "main-decode control"}
+        assert set(col.links["main_decode"]) == {"started"}
+        assert all(s.up and s.ready for links in col.links.values() for s in links.values())
         await col.send("prefill", Submit(request_id="m1", prompt_token_ids=prompt, max_tokens=300,
                                          ignore_eos=True))
         await col.wait_until(lambda: len(col.tokens["m1"]) >= 5, what="RLD's first tokens")
@@ -61,6 +69,14 @@ async def test_relay_finishes_alone_when_md_is_lost_before_the_cut(tiny):
                                          ignore_eos=True))
         await col.wait_until(lambda: col.complete("m2"), what="m2 on RLD while MD is down")
         assert col.output("m2") == reference(tiny, prompt2, 12)
+        # ... and say why: MD's link is down, since when, with the cause (not "configured")
+        decision = json.loads(col.events("m2")["pipeline"].detail_str)
+        assert decision["pipeline"] == "p_rld", decision
+        assert decision["reason"].startswith("main_decode unreachable: main-decode control "
+                                             "down since "), decision
+        md_link = col.links["prefill"]["main-decode control"]
+        assert not md_link.up and not md_link.ready and md_link.detail
+        assert not col.links["prefill"]["main-decode bulk"].up
         assert p.stats()["counters"]["main_decode_down_rerouted"] == 1
         assert p.stats()["peers"]["main-decode control"]["up"] is False
         await all_free({"prefill": p, "relay": rld})

@@ -185,8 +185,12 @@ class ScriptedDaemon:
         return await self.server.start()
 
     async def _on_conn(self, conn) -> None:
+        from pddnet.protocol import messages as m
+
         self.conns.append(conn)
         with contextlib.suppress(Exception):
+            # as a real daemon does when the router connects: its links (here: just started)
+            await conn.send(m.LinkState(link="started", up=True, since=time.time(), ready=True))
             async for msg in conn:
                 self.received.append(msg)
                 self.got.set()
@@ -317,6 +321,77 @@ async def test_router_overload_disconnect_and_http_errors():
         assert router.stats()["cancelled"] == 1
 
 
+async def test_health_is_ok_only_when_every_daemon_reports_all_its_links_up():
+    """Issue 23: /health aggregates the daemons' LINK_STATE; a daemon missing a link keeps it
+    503, naming the link, since when and why."""
+    from pddnet.protocol import messages as m
+    from tests.polling import wait_for
+
+    async def health(http, status):
+        async with http.get(router.url + "/health") as r:
+            return (await r.json()) if r.status == status else None
+
+    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
+        ok = await wait_for(lambda: health(http, 200), 5, "/health ok")
+        assert ok["waiting_for"] == [] and ok["peers"] == dict.fromkeys(daemons, True)
+        await daemons["prefill"].send(m.LinkState(
+            link="main-decode control", up=False, since=time.time(), ready=False,
+            detail="redial: cannot connect to 10.0.0.2:7300"))
+        body = await wait_for(lambda: health(http, 503), 5, "/health degraded")
+        assert body["status"] == "degraded" and body["peers"]["prefill"] is False
+        [line] = body["waiting_for"]
+        assert line.startswith("prefill: main-decode control down since ")
+        assert line.endswith("(redial: cannot connect to 10.0.0.2:7300)")
+        link = body["links"]["prefill"]["links"]["main-decode control"]
+        assert link["up"] is False and "10.0.0.2" in link["detail"]
+        await daemons["prefill"].send(m.LinkState(link="main-decode control", up=True,
+                                                  since=time.time(), ready=True))
+        await wait_for(lambda: health(http, 200), 5, "/health ok again")
+
+
+@pytest.mark.parametrize("order", ["handed-then-lost", "lost-then-handed"])
+async def test_a_request_p_handed_to_rld_is_replayed_at_once_when_rld_is_lost(order):
+    """Issue 23's silent requests: P has handed the request to RLD (KV_DONE out, P forgets it)
+    and RLD dies before its own rld_kv_complete. The router replays it on MD at once, in
+    either order of the two news, instead of at the 30 s stall timer."""
+    from pddnet.protocol import messages as m
+    from tests.polling import wait_for
+
+    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
+        p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
+        post = asyncio.ensure_future(http.post(router.url + "/v1/completions", json={
+            "model": "tiny", "prompt": [1, 2], "max_tokens": 3, "temperature": 0}))
+        rid = (await p.wait_for(m.Submit)).request_id
+        handed = m.Timeline(request_id=rid, event="rld_kv_sent", time=time.time(),
+                            producer="prefill", detail_int=64)
+
+        async def relay_gone():
+            return router.peers["relay"].conn is None
+
+        async def relay_carries():
+            return router.requests[rid].owner == "relay"
+
+        if order == "handed-then-lost":
+            await p.send(handed)
+            await wait_for(relay_carries, 5, "the router to count RLD as the carrier")
+            await rld.server.close()
+        else:
+            await rld.server.close()
+            await wait_for(relay_gone, 5, "the router to see RLD gone")
+            await p.send(handed)
+        replay = await md.wait_for(m.Submit, timeout=5)  # the stall timer would be 30 s
+        assert replay.request_id == rid and replay.output_token_ids == ()
+        await md.send(m.TokenEvent(request_id=rid, index=0, token_ids=(72, 105, 33),
+                                   producer="main_decode", time=time.time()))
+        await md.send(m.RequestDone(request_id=rid, reason="length", num_prompt_tokens=3,
+                                    num_output_tokens=3, producer="main_decode",
+                                    time=time.time()))
+        resp = await post
+        body = await resp.json()
+        assert resp.status == 200 and body["choices"][0]["text"] == "Hi!", body
+        assert router.stats()["replays"] == 1 and "stalls" not in router.stats()
+
+
 async def test_router_health_is_503_without_its_daemons():
     from pddnet.cluster.wan_setup import free_port
     from pddnet.config import load_config
@@ -332,6 +407,8 @@ async def test_router_health_is_503_without_its_daemons():
                 body = await r.json()
                 assert r.status == 503 and body["peers"] == {"prefill": False,
                                                              "main_decode": False}
+                assert [w.split(":")[0] for w in body["waiting_for"]] == ["prefill",
+                                                                          "main_decode"]
             async with http.post(router.url + "/v1/completions",
                                  json={"model": "tiny", "prompt": "x"}) as r:
                 assert r.status == 503 and "not connected" in (await r.json())["error"]["message"]

@@ -23,7 +23,16 @@ from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import Engine
 from pddnet.engine.sampling import SamplingParams
 from pddnet.model.loader import load_model
-from pddnet.protocol import Cancel, ErrorMessage, Ping, Pong, RequestDone, Submit, TokenEvent
+from pddnet.protocol import (
+    Cancel,
+    ErrorMessage,
+    LinkState,
+    Ping,
+    Pong,
+    RequestDone,
+    Submit,
+    TokenEvent,
+)
 from pddnet.protocol.messages import Timeline
 from pddnet.roles.main_decode import MainDecodeDaemon
 from pddnet.roles.prefill import PrefillDaemon
@@ -46,6 +55,7 @@ class Collector:
         self.timeline: dict[str, list[Timeline]] = defaultdict(list)
         self.errors: list[ErrorMessage] = []
         self.pongs: list[Pong] = []
+        self.links: dict[str, dict[str, LinkState]] = defaultdict(dict)   # per daemon role
         self.changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -77,6 +87,8 @@ class Collector:
                 self.errors.append(msg)
             elif isinstance(msg, Pong):
                 self.pongs.append(msg)
+            elif isinstance(msg, LinkState):
+                self.links[conn.peer_role][msg.link] = msg
             self.changed.set()
 
     async def send(self, name: str, msg) -> None:

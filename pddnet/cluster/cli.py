@@ -421,7 +421,10 @@ def _status(args: argparse.Namespace) -> int:
                   f"{('alive' if d['alive'] else 'DEAD'):<6} "
                   f"{d['address']}{device}")
         h = st["health"]
-        print(f"  /health: HTTP {h.get('http_status')} "
-              f"{json.dumps({k: v for k, v in h.items() if k != 'http_status'})}")
+        brief = {k: v for k, v in h.items() if k not in ("http_status", "links", "waiting_for")}
+        verdict = "ready" if h.get("http_status") == 200 else "NOT READY"
+        print(f"  /health: HTTP {h.get('http_status')} {verdict} {json.dumps(brief)}")
+        for line in h.get("waiting_for") or []:
+            print(f"    waiting for {line}")
     alive = all(d["alive"] for d in st["daemons"])
     return 0 if alive and st["health"].get("http_status") == 200 else 1

@@ -122,6 +122,7 @@ class ClusterLauncher:
         self.router_url: str | None = None
         self.stop_report: StopReport | None = None
         self._stats_seq: dict[str, int] = {}
+        self._not_ready: list[str] = []   # what the router's /health last said it waits for
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -228,7 +229,8 @@ class ClusterLauncher:
                 if not pending and (not health or await self._healthy(session)):
                     return
                 if time.monotonic() > deadline:
-                    what = ", ".join(sorted(pending)) or "the router's /health"
+                    what = ", ".join(sorted(pending)) or "; ".join(
+                        ["the router's /health", *self._not_ready])
                     raise ClusterStartError(f"cluster not ready within {timeout:g} s (waiting "
                                             f"for {what})\n{self._log_tails(pending or {'router'})}")
                 await asyncio.sleep(0.1)
@@ -239,8 +241,12 @@ class ClusterLauncher:
         try:
             async with session.get(f"{self.router_url}/health",
                                    timeout=aiohttp.ClientTimeout(total=3)) as r:
+                if r.status != 200:  # what it waits for, for the error if it never comes
+                    with contextlib.suppress(ValueError, aiohttp.ClientError):
+                        self._not_ready = (await r.json()).get("waiting_for") or []
                 return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self._not_ready = [f"the router's /health did not answer: {exc or type(exc).__name__}"]
             return False
 
     def _check_alive(self) -> None:

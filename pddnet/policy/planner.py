@@ -81,14 +81,16 @@ class PipelinePlanner:
         self.view = DecodeCacheView(max_hashes=self.view.max_hashes)
 
     def plan(self, prompt_token_ids: Sequence[int], max_tokens: int,
-             rld_admits: bool = True, force: Pipeline | None = None) -> Plan:
-        """Decide a new request's pipeline (``force``: a configured one, recorded as such)."""
+             rld_admits: bool = True, force: Pipeline | None = None,
+             why: str | None = None) -> Plan:
+        """Decide a new request's pipeline. ``force``: a pipeline imposed from outside, recorded
+        with ``why`` (by default: configured in policy.pipeline)."""
         return self.plan_predicted(len(prompt_token_ids), self.view.predict(prompt_token_ids),
-                                   max_tokens, rld_admits=rld_admits, force=force)
+                                   max_tokens, rld_admits=rld_admits, force=force, why=why)
 
     def plan_predicted(self, prompt_tokens: int, prediction: HitPrediction, max_tokens: int,
                        hit_tokens: int | None = None, rld_admits: bool = True,
-                       force: Pipeline | None = None) -> Plan:
+                       force: Pipeline | None = None, why: str | None = None) -> Plan:
         """``plan`` with the view's prediction already made (the simulator predicts from the
         block hashes it keeps per conversation: ``DecodeCacheView.predict_from_hashes``).
         ``hit_tokens``: the predicted hit in tokens when the view counts in other units (the
@@ -104,7 +106,7 @@ class PipelinePlanner:
             wan_backlog_bytes=self.backlog.bytes)
         decision = self.policy.decide(inputs)
         if force is not None:
-            decision = PipelineDecision(force, "configured (policy.pipeline)",
+            decision = PipelineDecision(force, why or "configured (policy.pipeline)",
                                         decision.wan_transfer_s, decision.incremental_bytes)
         plan = Plan(decision, inputs, prediction)
         self.chosen[plan.pipeline.wire] += 1

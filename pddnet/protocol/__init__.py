@@ -54,6 +54,7 @@ from .messages import (
     KvChunk,
     KvDone,
     KvReceived,
+    LinkState,
     Message,
     MessageType,
     Ping,
@@ -85,7 +86,7 @@ __all__ = [
     # messages
     "MessageType", "Message", "SamplingFields", "MESSAGE_CLASSES", "message_class",
     "DTYPES", "ROLES", "PRODUCERS", "DONE_REASONS", "HANDOFF_MODES",
-    "Hello", "Auth", "AuthOk", "AuthFail", "Ping", "Pong", "ErrorMessage",
+    "Hello", "Auth", "AuthOk", "AuthFail", "Ping", "Pong", "ErrorMessage", "LinkState",
     "Submit", "Cancel", "TokenEvent", "RequestDone",
     "KvAllocRequest", "KvAllocResponse", "KvChunk", "KvDone", "KvAbort", "CacheEvents", "KvReceived",
     "RelayTokens", "Takeover", "Handoff", "Timeline",

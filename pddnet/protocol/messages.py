@@ -296,6 +296,7 @@ class MessageType(enum.IntEnum):
     PING = 5
     PONG = 6
     ERROR = 7
+    LINK_STATE = 8
     # request lifecycle (router <-> daemons)
     SUBMIT = 16
     CANCEL = 17
@@ -485,6 +486,20 @@ class ErrorMessage(Message):
     code: str = field(Str(max_len=64, pattern=CODE_PATTERN), doc="snake_case machine tag")
     message: str = field(REASON, doc="human-readable cause")
     fatal: bool = field(Bool(), default=False, doc="the sender closes the connection after it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkState(Message):
+    """P, RLD or MD -> router on the events lane: one link the daemon needs (a lane it dials)
+    went up or down. Sent on every change, and for every link when the router connects, so
+    the router's /health says ready only when every daemon has all its links up."""
+
+    TYPE = MessageType.LINK_STATE
+    link: str = field(Str(max_len=64), doc="which link, e.g. \"main-decode control\"")
+    up: bool = field(Bool(), doc="the link is up now")
+    since: float = field(TIME, doc="when it went up or down (sender's clock)")
+    detail: str = field(REASON, default="", doc="why it is down (its last loss), or \"\"")
+    ready: bool = field(Bool(), doc="every link the sender needs is up, this one included")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -895,7 +910,7 @@ class Handoff(Message):
 MESSAGE_CLASSES: dict[int, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
-        Hello, Auth, AuthOk, AuthFail, Ping, Pong, ErrorMessage,
+        Hello, Auth, AuthOk, AuthFail, Ping, Pong, ErrorMessage, LinkState,
         Submit, Cancel, TokenEvent, RequestDone, Timeline,
         KvAllocRequest, KvAllocResponse, KvChunk, KvDone, KvAbort, CacheEvents, KvReceived,
         RelayTokens, Takeover, Handoff,

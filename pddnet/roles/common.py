@@ -43,6 +43,7 @@ from pddnet.protocol.messages import MAX_LOGPROB_TOKENS, SamplingFields, Timelin
 from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
 
 from .peer import Peer
+from .readiness import STARTED, Link, all_up
 
 log = logging.getLogger("pddnet.roles")
 
@@ -282,6 +283,7 @@ class Daemon:
         self._tasks: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
         self._closing = False
+        self._started = Link(False, time.time(), "starting: loading the model, dialling its peers")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -317,6 +319,8 @@ class Daemon:
         except BaseException:
             await self.close()
             raise
+        self._started = Link(True, time.time())
+        self.link_changed(STARTED)
         log.info("%s listening on %s:%d", self.instance_id, sec.host, self.port)
 
     @property
@@ -406,6 +410,7 @@ class Daemon:
         if conn.lane == "events":
             box = self.outbox(conn, f"{conn.peer_role} events")
             self._router.append(box)
+            self._report_links(box)
         await self._serve(conn)
 
     async def _serve(self, conn: Connection) -> None:
@@ -472,13 +477,38 @@ class Daemon:
     async def dial_peers(self) -> None:
         """Dial the daemons this one sends to (none by default)."""
 
+    # -- readiness (pddnet/roles/readiness.py) --------------------------------------------------
+
+    def links(self) -> dict[str, Link]:
+        """Every link this daemon needs, by name: started, then each lane it dials."""
+        return {STARTED: self._started, **{p.name: p.link() for p in self.peers}}
+
+    @property
+    def ready(self) -> bool:
+        return all_up(self.links())
+
+    def link_changed(self, name: str) -> None:
+        """A link went up or down: tell the router (and what that does to our readiness)."""
+        links = self.links()
+        if name in links:
+            self.to_router(links[name].message(name, all_up(links)), drop_quietly=True)
+
+    def _report_links(self, box: Outbox) -> None:
+        """Every link's state, to a router whose events lane just connected."""
+        links = self.links()
+        ready = all_up(links)
+        for name, link in links.items():
+            box.post(link.message(name, ready))
+
     # -- the router ----------------------------------------------------------------------------
 
-    def to_router(self, msg: Message) -> None:
+    def to_router(self, msg: Message, drop_quietly: bool = False) -> None:
         for box in reversed(self._router):
             if box.alive:
                 box.post(msg)
                 return
+        if drop_quietly:  # a state the router will be sent whole when it connects
+            return
         self.counters["router_messages_dropped"] += 1
         log.warning("%s: no router connected; dropped %s", self.instance_id, msg.TYPE.name)
 
@@ -701,6 +731,7 @@ class Daemon:
                 "threads": self.config.model.threads, **self.step_times.to_stats(),
                 "tasks": len(asyncio.all_tasks()),
                 "peers": {p.name: p.stats() for p in self.peers},
+                "ready": self.ready,
                 "device": self.device_stats()}
 
     def device_stats(self) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 from pddnet.protocol import Message, Ping, Pong
 from pddnet.transport import Connection
 
+from .readiness import Link
+
 if TYPE_CHECKING:
     from .common import Daemon, Outbox
 
@@ -38,6 +40,7 @@ class Peer:
         self.on_up = on_up
         self.box: Outbox | None = None
         self.up = asyncio.Event()
+        self.changed_at = time.time()   # when `up` last changed (wall clock, for readiness)
         self.connects = 0
         self.losses = 0
         self.last_loss = ""
@@ -77,6 +80,12 @@ class Peer:
                                                           f"{self.name}")
         return conn
 
+    def link(self) -> Link:
+        """This lane as a link the daemon needs (its readiness)."""
+        up = self.up.is_set()
+        detail = "" if up else (self.last_loss or f"dialling {self.address[0]}:{self.address[1]}")
+        return Link(up, self.changed_at, detail)
+
     def stats(self) -> dict[str, object]:
         return {"up": self.up.is_set(), "address": f"{self.address[0]}:{self.address[1]}",
                 "connects": self.connects, "losses": self.losses, "last_loss": self.last_loss,
@@ -92,6 +101,11 @@ class Peer:
         if self.on_up is not None:
             await self.on_up(conn)
         self.up.set()
+        self._changed()
+
+    def _changed(self) -> None:
+        self.changed_at = time.time()
+        self.daemon.link_changed(self.name)
 
     async def _keep(self, conn: Connection) -> None:
         while True:
@@ -107,6 +121,7 @@ class Peer:
                 return  # the daemon is shutting down: nothing to keep up any more
             self.losses += 1
             self.last_loss = conn.close_reason or "closed"
+            self._changed()
             self.daemon.forget_outbox(self.box)
             conn = await self._reconnect()
 

@@ -73,8 +73,10 @@ from pddnet.transport.stripes import StripedSender
 
 from .common import Daemon, Serial, kv_done_logprob, log, now, sampling_fields, sampling_of
 from .peer import Peer
+from .readiness import Link
 
 RELAY, MAIN = "relay", "main_decode"
+BULK_LINK = "main-decode bulk"   # the WAN stripes that carry KV_CHUNK to MD (tcp backend)
 FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pipeline.RLD_ONLY}
 # Who serves a pipeline, in the order P asks them (MD waits for RLD's admission answer).
 TARGETS = {Pipeline.P_MD: (MAIN,), Pipeline.P_RLD_MD: (RELAY, MAIN),
@@ -178,6 +180,20 @@ class PrefillDaemon(Daemon):
         if self.planner is not None:
             self.planner.reset_view()
 
+    def links(self) -> dict[str, Link]:
+        """Also MD's bulk stripes, which come and go with its control lane."""
+        links = super().links()
+        if MAIN in self.control:
+            md = links[self.control[MAIN].name]
+            up = md.up and self.stripes is not None and self.stripes.alive
+            links[BULK_LINK] = Link(up, md.since, "" if up else md.detail or "not dialled yet")
+        return links
+
+    def link_changed(self, name: str) -> None:
+        super().link_changed(name)
+        if MAIN in self.control and name == self.control[MAIN].name:
+            super().link_changed(BULK_LINK)
+
     def on_rtt(self, conn: Connection, rtt_s: float) -> None:
         if conn.peer_role == MAIN and self.planner is not None:
             self.planner.observe_rtt(rtt_s)
@@ -243,6 +259,7 @@ class PrefillDaemon(Daemon):
         else:
             forced = self.config.policy.pipeline
             force = None if forced == "auto" else Pipeline.from_wire(forced)
+            why = None
             if down == [MAIN]:      # RLD is the fallback while MD is unreachable
                 force = Pipeline.RLD_ONLY
             elif down == [RELAY]:   # and MD while RLD is
@@ -250,7 +267,11 @@ class PrefillDaemon(Daemon):
             elif down:
                 self.error(rid, "no_decode_tier", "neither relay nor main decode is reachable")
                 return
-            plan = self.planner.plan(sub.prompt_token_ids, sub.max_tokens, force=force)
+            if down:
+                link = self.control[down[0]].link()
+                why = f"{down[0]} unreachable: {link.describe(self.control[down[0]].name)}"[:300]
+            plan = self.planner.plan(sub.prompt_token_ids, sub.max_tokens, force=force,
+                                     why=why)
             if down:
                 self.counters[f"{down[0]}_down_rerouted"] += 1
             pipeline = plan.pipeline
@@ -598,6 +619,9 @@ class PrefillDaemon(Daemon):
             self.timeline(rid, "wan_kv_sent", done.num_bytes)
         self.control[a.target].post(done)
         if a.target == RELAY:  # the one-sided writes are in RLD's memory already
+            # P's part towards RLD is over: the router now counts RLD as the request's carrier
+            # (were RLD to die before its own rld_kv_complete, nobody else would say so)
+            self.timeline(rid, "rld_kv_sent", done.num_bytes)
             self._run(req, req.flow.target_finished(a.target))
         # MD's copy is finished when MD says it has it all (KV_RECEIVED): until then the
         # transfer can still be cancelled (the singular filter) and P still holds the KV.

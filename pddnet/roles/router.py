@@ -53,6 +53,7 @@ from pddnet.roles.openai_api import (
     usage,
     usage_chunk,
 )
+from pddnet.roles.readiness import DaemonLinks
 
 log = logging.getLogger("pddnet.router")
 
@@ -154,6 +155,7 @@ class PeerLink:
         self.last_pong = 0.0
         self.unanswered = 0
         self.heartbeat_deadlines = 0
+        self.links = DaemonLinks()   # the daemon's readiness, from its LINK_STATE messages
         # Checked by the redial loop: Python 3.11's wait_for can swallow the cancel that close()
         # sends (when the awaited close of a lost lane finishes in the same step), and the loop
         # then redialled a stopped daemon for ever, so the router never exited on SIGTERM.
@@ -202,6 +204,7 @@ class PeerLink:
                 beat.cancel()
                 self.conn = None
                 self.connected.clear()
+                self.links.reset()
                 with contextlib.suppress(Exception):
                     await conn.close()
             if self.closing:
@@ -336,6 +339,11 @@ class Router:
             peer.last_pong = time.monotonic()
             peer.unanswered = 0
             return
+        if isinstance(msg, m.LinkState):
+            peer.links.apply(msg)
+            if not msg.up:
+                log.info("%s: %s down (%s)", peer.role, msg.link, msg.detail)
+            return
         rid = getattr(msg, "request_id", None)
         state = self.requests.get(rid) if rid is not None else None
         if state is None:
@@ -458,6 +466,17 @@ class Router:
                 state.owner = msg.producer or peer.role
             elif msg.event == "handoff_end":
                 state.owner = "main_decode"
+            elif state.owner == "prefill" and (msg.event == "rld_kv_sent" or (
+                    msg.event == "wan_kv_acked" and d.get("pipeline") == "p_md")):
+                # P's part is over and P forgets the request: if that decode tier dies before
+                # its own milestone, its loss must still replay the request. It may be lost
+                # already (its loss reached us first): replay now, not at the stall timer.
+                state.owner = "relay" if msg.event == "rld_kv_sent" else "main_decode"
+                carrier = self.peers.get(state.owner)
+                if carrier is not None and carrier.conn is None:
+                    self._spawn(self._replay_or_fail(
+                        state, state.owner, f"{state.owner} was lost as P handed it the request"),
+                        f"replay {state.request_id}")
         # Figures of the `pdd` object riding on the milestone they belong to.
         if msg.event == "prefill_start" and label:
             d.setdefault("pipeline", label)
@@ -542,11 +561,26 @@ class Router:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(models_response(self.model, self.created))
 
+    def readiness(self) -> dict[str, Any]:
+        """Ready when every daemon is connected and reports all its links up; otherwise what
+        it waits for, one line per link (pddnet/roles/readiness.py)."""
+        waiting: list[str] = []
+        for role, peer in self.peers.items():
+            if peer.conn is None:
+                waiting.append(f"{role}: the router's events lane is not connected"
+                               + (f" ({peer.last_error})" if peer.last_error else ""))
+            else:
+                waiting += peer.links.waiting_for(role)
+        return {"ready": not waiting, "waiting_for": waiting,
+                "peers": {r: p.conn is not None and p.links.ready for r, p in self.peers.items()},
+                "links": {r: p.links.to_json() for r, p in self.peers.items()}}
+
     async def _health(self, request: web.Request) -> web.Response:
-        peers = {r: p.conn is not None for r, p in self.peers.items()}
-        ok = all(peers.values())
+        ready = self.readiness()
+        ok = ready["ready"]
         body = {"status": "ok" if ok else "degraded", "mode": self.config.mode.value,
-                "model": self.model.name, "peers": peers,
+                "model": self.model.name, "peers": ready["peers"],
+                "waiting_for": ready["waiting_for"], "links": ready["links"],
                 "active_requests": len(self.requests)}
         return web.json_response(body, status=200 if ok else 503)
 

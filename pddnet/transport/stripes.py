@@ -55,6 +55,11 @@ class StripedSender:
         self.chunks_sent = [0] * len(lanes)
         self.bytes_sent = [0] * len(lanes)
 
+    @property
+    def alive(self) -> bool:
+        """Every lane is open (what P's readiness reports as its bulk link)."""
+        return not any(lane.closed or lane.peer_closed for lane in self.lanes)
+
     def _check_alive(self) -> None:
         for i, lane in enumerate(self.lanes):
             if lane.closed or lane.peer_closed:
