@@ -30,6 +30,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -141,6 +142,14 @@ class Outcome:
     prompt_len: int = 0
     stream: bool = False
     pdd: dict[str, Any] | None = None
+    started_at: float | None = None  # time.monotonic() when the request was sent
+    ended_at: float | None = None    # ... and when its answer ended (or was given up on)
+
+    @property
+    def latency_s(self) -> float | None:
+        if self.started_at is None or self.ended_at is None:
+            return None
+        return self.ended_at - self.started_at
 
     def describe(self) -> str:
         brief = {}
@@ -207,28 +216,53 @@ def judge(index: int, body: dict[str, Any], tokens: list[int], error: dict[str, 
     return out
 
 
+Verdict = Callable[..., Outcome]
+
+
+def count_only(index: int, body: dict[str, Any], tokens: list[int],
+               error: dict[str, Any] | None, http_status: int | None,
+               pdd: dict[str, Any] | None = None, detail: str = "") -> Outcome:
+    """A verdict without the reference engine (for the no-fault latency pass, whose bodies
+    have no precomputed reference): "completed" when all max_tokens came without an error."""
+    ok = error is None and len(tokens) == body["max_tokens"]
+    return Outcome(index=index, status="completed" if ok else "failed", tokens=tokens,
+                   expected_len=body["max_tokens"], http_status=http_status, error=error,
+                   detail=detail, prompt_len=len(body["prompt"]),
+                   stream=bool(body.get("stream")), pdd=pdd)
+
+
 async def send(session: aiohttp.ClientSession, url: str, index: int, body: dict[str, Any],
                read_late_s: float = 0.0, read_pause_s: float = 0.0,
-               timeout_s: float = CLIENT_TIMEOUT_S) -> Outcome:
-    """One completion through the router, judged. `read_late_s`: a slow client that starts
-    reading the stream only that long after the answer began; `read_pause_s` between chunks."""
+               timeout_s: float = CLIENT_TIMEOUT_S, verdict: Verdict = judge) -> Outcome:
+    """One completion through the router, judged (by `verdict`), with its start and end times.
+    `read_late_s`: a slow client that starts reading the stream only that long after the
+    answer began; `read_pause_s` between chunks."""
+    started = time.monotonic()
+    out = await _send_bounded(session, url, index, body, read_late_s, read_pause_s, timeout_s,
+                              verdict)
+    out.started_at, out.ended_at = started, time.monotonic()
+    return out
+
+
+async def _send_bounded(session: aiohttp.ClientSession, url: str, index: int,
+                        body: dict[str, Any], read_late_s: float, read_pause_s: float,
+                        timeout_s: float, verdict: Verdict) -> Outcome:
+    expected = len(reference_tokens(body)) if verdict is judge else body["max_tokens"]
     try:
         async with asyncio.timeout(timeout_s):
-            return await _send(session, url, index, body, read_late_s, read_pause_s)
+            return await _send(session, url, index, body, read_late_s, read_pause_s, verdict)
     except TimeoutError:
-        return Outcome(index=index, status="lost", tokens=[],
-                       expected_len=len(reference_tokens(body)), prompt_len=len(body["prompt"]),
-                       stream=bool(body.get("stream")),
+        return Outcome(index=index, status="lost", tokens=[], expected_len=expected,
+                       prompt_len=len(body["prompt"]), stream=bool(body.get("stream")),
                        detail=f"no answer within {timeout_s:g} s: the request hung")
     except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
-        return Outcome(index=index, status="lost", tokens=[],
-                       expected_len=len(reference_tokens(body)), prompt_len=len(body["prompt"]),
-                       stream=bool(body.get("stream")),
+        return Outcome(index=index, status="lost", tokens=[], expected_len=expected,
+                       prompt_len=len(body["prompt"]), stream=bool(body.get("stream")),
                        detail=f"the connection ended without an answer: {type(exc).__name__}: {exc}")
 
 
 async def _send(session: aiohttp.ClientSession, url: str, index: int, body: dict[str, Any],
-                read_late_s: float, read_pause_s: float) -> Outcome:
+                read_late_s: float, read_pause_s: float, verdict: Verdict = judge) -> Outcome:
     payload = {"model": MODEL, **body}
     async with session.post(url + "/v1/completions", json=payload) as r:
         if r.status != 200:
@@ -237,11 +271,11 @@ async def _send(session: aiohttp.ClientSession, url: str, index: int, body: dict
                 err = json.loads(text)
             except ValueError:
                 err = {"unparsed": text[:500]}
-            return judge(index, body, [], err, r.status)
+            return verdict(index, body, [], err, r.status)
         if not body.get("stream"):
             data = await r.json()
             choice = data["choices"][0]
-            return judge(index, body, list(choice["token_ids"]), None, 200, data.get("pdd"))
+            return verdict(index, body, list(choice["token_ids"]), None, 200, data.get("pdd"))
         if read_late_s:
             await asyncio.sleep(read_late_s)
         tokens: list[int] = []
@@ -252,8 +286,9 @@ async def _send(session: aiohttp.ClientSession, url: str, index: int, body: dict
             if not line:
                 continue
             if not line.startswith(b"data: "):
-                return judge(index, body, tokens, {"unparsed": line[:200].decode(errors="replace")},
-                             200, detail="a stream line that is not an SSE data event")
+                return verdict(index, body, tokens,
+                               {"unparsed": line[:200].decode(errors="replace")},
+                               200, detail="a stream line that is not an SSE data event")
             data = line[6:]
             if data == b"[DONE]":
                 done = True
@@ -268,13 +303,13 @@ async def _send(session: aiohttp.ClientSession, url: str, index: int, body: dict
                 await asyncio.sleep(read_pause_s)
         if not done:
             return Outcome(index=index, status="lost", tokens=tokens,
-                           expected_len=len(reference_tokens(body)),
-                           prompt_len=len(body["prompt"]), stream=True, http_status=200,
+                           expected_len=len(reference_tokens(body)) if verdict is judge
+                           else body["max_tokens"], prompt_len=len(body["prompt"]), stream=True, http_status=200,
                            error=error, detail="the stream ended without [DONE]")
         if error is None and (last is None or last["choices"][0].get("finish_reason") is None):
-            return judge(index, body, tokens, {"unparsed": "no finish_reason"}, 200,
-                         detail="[DONE] without a final chunk")
-        return judge(index, body, tokens, error, 200, (last or {}).get("pdd"))
+            return verdict(index, body, tokens, {"unparsed": "no finish_reason"}, 200,
+                           detail="[DONE] without a final chunk")
+        return verdict(index, body, tokens, error, 200, (last or {}).get("pdd"))
 
 
 # -- daemon state: the leak baseline ---------------------------------------------------------------
@@ -473,7 +508,13 @@ def when_phase(role: str, phases: tuple[str, ...], settle_s: float = 0.0,
 
 @dataclass
 class Fault:
-    """One fault: `inject` at the moment `at` says, `heal` afterwards (also on failure)."""
+    """One fault: `inject` at the moment `at` says, `heal` afterwards (also on failure).
+
+    `injected_at` / `healed_at` (time.monotonic()) are the moments the fault took effect and
+    was undone (link effect reverted, stopped process continued, killed process restarted and
+    serving); `inject` and `heal` mark them, as only they know when that happened. For a fault
+    that does not mark, run_case takes "inject was called" as injected_at and reports no
+    recovery time (it cannot know when the fault was undone)."""
 
     kind: str
     inject: Callable[[LocalCluster], Awaitable[str]]
@@ -481,6 +522,14 @@ class Fault:
     heal: Callable[[LocalCluster], Awaitable[None]] | None = None
     destructive: bool = False        # leaves the cluster unfit for further cases
     killed_roles: tuple[str, ...] = ()
+    injected_at: float | None = None
+    healed_at: float | None = None
+
+    def mark_injected(self) -> None:
+        self.injected_at = time.monotonic()
+
+    def mark_healed(self) -> None:
+        self.healed_at = time.monotonic()
 
 
 def control(cluster: LocalCluster) -> Any:
@@ -495,9 +544,13 @@ def control(cluster: LocalCluster) -> Any:
 def link_chaos(kind: str, at: Trigger, duration: float, **params: Any) -> Fault:
     """A chaos verb of the WAN control API (partition, latency-spike, jitter-storm, ...)."""
     async def inject(cluster: LocalCluster) -> str:
+        fault.mark_injected()
         await control(cluster).chaos(kind, duration, **params)
         extra = ", ".join(f"{k}={v}" for k, v in params.items())
-        await asyncio.sleep(duration)  # the fault lasts this long (it reverts by itself)
+        # The fault lasts this long: the emulator reverts it by itself `duration` after it
+        # applied it, i.e. at most a local round trip before this sleep ends.
+        await asyncio.sleep(duration)
+        fault.mark_healed()
         return f"{kind} for {duration:g} s" + (f" ({extra})" if extra else "")
 
     async def heal(cluster: LocalCluster) -> None:
@@ -505,15 +558,22 @@ def link_chaos(kind: str, at: Trigger, duration: float, **params: Any) -> Fault:
         with contextlib.suppress(Exception):
             await c.heal()
         await c.clear()
+        if fault.injected_at is not None and fault.healed_at is None:
+            fault.mark_healed()  # inject was cut short: the heal above undid the effect
 
-    return Fault(kind=kind, inject=inject, at=at, heal=heal)
+    fault = Fault(kind=kind, inject=inject, at=at, heal=heal)
+    return fault
 
 
 def reset_connections(at: Trigger) -> Fault:
     async def inject(cluster: LocalCluster) -> str:
+        fault.mark_injected()
         res = await control(cluster).reset_connections()
+        fault.mark_healed()  # a reset is over once done: from here the daemons must redial
         return f"reset {res.get('reset')} WAN connections"
-    return Fault(kind="connection-reset", inject=inject, at=at, destructive=True)
+
+    fault = Fault(kind="connection-reset", inject=inject, at=at, destructive=True)
+    return fault
 
 
 def sigkill(role: str, at: Trigger, restart: bool = True) -> Fault:
@@ -521,6 +581,7 @@ def sigkill(role: str, at: Trigger, restart: bool = True) -> Fault:
 
     async def inject(cluster: LocalCluster) -> str:
         pid = cluster.daemons[role].pid
+        fault.mark_injected()
         os.kill(pid, signal.SIGKILL)
         killed.add(pid)
         return f"SIGKILL {role} (pid {pid})"
@@ -535,27 +596,230 @@ def sigkill(role: str, at: Trigger, restart: bool = True) -> Fault:
             await asyncio.sleep(0.05)
         if restart:
             await restart_daemon(cluster, role)
+            fault.mark_healed()  # the new process serves (its peers may still be redialling)
 
-    return Fault(kind=f"sigkill-{role}", inject=inject, at=at, heal=heal, destructive=True,
-                 killed_roles=(role,))
+    fault = Fault(kind=f"sigkill-{role}", inject=inject, at=at, heal=heal, destructive=True,
+                  killed_roles=(role,))
+    return fault
 
 
 def sigstop(role: str, at: Trigger, hang_s: float) -> Fault:
     """Hang a daemon (SIGSTOP) for `hang_s`, then SIGCONT."""
     async def inject(cluster: LocalCluster) -> str:
         pid = cluster.daemons[role].pid
+        fault.mark_injected()
         os.kill(pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(hang_s)
         finally:
             os.kill(pid, signal.SIGCONT)
+            fault.mark_healed()
         return f"SIGSTOP {role} (pid {pid}) for {hang_s:g} s, then SIGCONT"
 
     async def heal(cluster: LocalCluster) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(cluster.daemons[role].pid, signal.SIGCONT)
 
-    return Fault(kind=f"sigstop-{role}", inject=inject, at=at, heal=heal)
+    fault = Fault(kind=f"sigstop-{role}", inject=inject, at=at, heal=heal)
+    return fault
+
+
+# -- fault figures: detection, recovery, added latency ---------------------------------------------
+
+HEALTH_POLL_S = 0.05       # the /health poller's period while a case runs
+HEALTH_POLL_MAX = 20000    # its bound on polls (~17 min at 50 ms, far beyond any case)
+PROBE_GAP_S = 0.1          # between recovery probes that the cluster refused with a clear error
+
+
+class HealthWatch:
+    """Polls the router's GET /health every HEALTH_POLL_S while a case runs, keeping the
+    router's non-200 answers: (arrival time, HTTP status, what it waited for first). A GET
+    that gets no answer within 1 s is not a verdict (the router was busy, not unready)."""
+
+    def __init__(self, url: str, period_s: float = HEALTH_POLL_S) -> None:
+        self.url = url
+        self.period_s = period_s
+        self.polls = 0
+        self.unready: list[tuple[float, int, str]] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as s:
+            for _ in range(HEALTH_POLL_MAX):
+                t = time.monotonic()
+                try:
+                    async with s.get(self.url + "/health") as r:
+                        if r.status != 200:
+                            body = await r.json(content_type=None)
+                            waiting = body.get("waiting_for") if isinstance(body, dict) else None
+                            first = waiting[0] if isinstance(waiting, list) and waiting else ""
+                            self.unready.append((time.monotonic(), r.status, str(first)[:300]))
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    pass
+                self.polls += 1
+                await asyncio.sleep(max(0.0, self.period_s - (time.monotonic() - t)))
+
+    def first_unready(self, since: float) -> tuple[float, int, str] | None:
+        """The first non-200 answer that arrived at or after `since`."""
+        return next((u for u in self.unready if u[0] >= since), None)
+
+
+def twin_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The no-fault twin of a request: the same prompt length, output length (the reference's,
+    with ignore_eos so that it is exactly that), sampling and streaming, but other prompt token
+    ids. Sending the very same body twice would let one of the two hit MD's radix cache (then
+    less or no KV crosses the WAN, the mid-transfer moment may never come, and the latencies
+    are not comparable); the tiny model's compute does not depend on the token values."""
+    prompt = body["prompt"]
+    rng = random.Random("twin:" + ",".join(map(str, prompt[:64])))
+    # every token after the first moves by 1..255 (mod 256): no block of it matches the original
+    twin = dict(body, prompt=[prompt[0]] + [(t + 1 + rng.randrange(255)) % 256
+                                            for t in prompt[1:]])
+    made = len(reference_tokens(body))
+    if made:
+        twin.update(max_tokens=made, ignore_eos=True)
+    return twin
+
+
+def probe_body(case: str) -> dict[str, Any]:
+    """The recovery probe of a case: a short streamed greedy request, its prompt drawn from the
+    case's name so that it does not hit a cache left by another case's probe."""
+    rng = random.Random("probe:" + case)
+    return {"prompt": [256] + [rng.randrange(256) for _ in range(120)], "max_tokens": 24,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+
+
+async def no_fault_pass(cluster: LocalCluster, bodies: list[dict[str, Any]], concurrency: int,
+                        probe: dict[str, Any] | None = None) -> tuple[list[Outcome],
+                                                                     Outcome | None]:
+    """The twins of `bodies`, through the router `concurrency` at a time, as the case sends
+    the originals: their latencies are the "without the fault" side of the added latency.
+    Then `probe`'s twin alone: what a recovery probe costs on a healthy, idle cluster."""
+    sem = asyncio.Semaphore(concurrency)
+    twins = [twin_body(b) for b in bodies]
+
+    async def one(i: int, body: dict[str, Any]) -> Outcome:
+        async with sem:
+            return await send(session, cluster.url, i, body, verdict=count_only)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        outs = list(await asyncio.gather(*(one(i, b) for i, b in enumerate(twins))))
+        probe_twin = await send(session, cluster.url, -99, twin_body(probe),
+                                verdict=count_only) if probe is not None else None
+    return outs, probe_twin
+
+
+async def probe_recovery(cluster: LocalCluster, body: dict[str, Any],
+                         retry_for_s: float = HEALTH_TIMEOUT_S) -> tuple[Outcome | None, int]:
+    """Fresh requests from the moment a fault was healed, one at a time, until one is not
+    refused with a clear error (the cluster saying it is not ready yet), for at most
+    `retry_for_s`: (that outcome, attempts), or (None, attempts) when all were refused."""
+    deadline = time.monotonic() + retry_for_s
+    attempts = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        while attempts == 0 or time.monotonic() < deadline:
+            attempts += 1
+            out = await send(session, cluster.url, -100 - attempts, body)
+            if out.status != "clear_error":
+                return out, attempts
+            await asyncio.sleep(PROBE_GAP_S)
+    return None, attempts
+
+
+def added_latency(outcomes: list[Outcome], twins: list[Outcome] | None,
+                  injected_at: float | None, recovered_at: float | None,
+                  whole_workload: bool = False) -> dict[str, Any]:
+    """Added latency of the affected requests: those in flight at the fault or started after
+    it and before recovery (`whole_workload`: all, for a fault that lasts the whole workload,
+    e.g. a slow client). Compared: affected requests that completed token-exact and whose twin
+    completed too; added = latency - twin's latency (negative when the fault run was faster)."""
+    per: list[dict[str, Any]] = []
+    added: list[float] = []
+    affected = 0
+    for o in outcomes:
+        if o.started_at is None or o.ended_at is None:
+            continue
+        if whole_workload:
+            hit = True
+        elif injected_at is None:
+            hit = False
+        else:
+            hit = o.ended_at > injected_at and (recovered_at is None or o.started_at < recovered_at)
+        affected += hit
+        twin = twins[o.index] if twins is not None and o.index < len(twins) else None
+        base = twin.latency_s if twin is not None and twin.status == "completed" else None
+        lat = o.latency_s
+        delta = round(lat - base, 3) if hit and o.status == "exact" and base is not None \
+            and lat is not None else None
+        if delta is not None:
+            added.append(delta)
+        # who produced the tokens explains many deltas: a request that RLD finished alone
+        # (its handoff to MD never came) can be faster than its handed-over twin
+        per.append({"index": o.index, "status": o.status, "affected": hit,
+                    "latency_s": round(lat, 3) if lat is not None else None,
+                    "no_fault_s": round(base, 3) if base is not None else None,
+                    "added_s": delta, "md_tokens": (o.pdd or {}).get("main_tokens"),
+                    "md_tokens_no_fault": (twin.pdd or {}).get("main_tokens")
+                    if twin is not None else None})
+    return {"affected": affected, "compared": len(added),
+            "added_p50_s": round(statistics.median(added), 3) if added else None,
+            "added_max_s": round(max(added), 3) if added else None, "requests": per}
+
+
+def _link_counts(st: DaemonState) -> tuple[int, int]:
+    """(peer losses, heartbeat deadlines) of one daemon, from its stats()."""
+    peers = st.stats.get("peers")
+    losses = sum(int(p.get("losses", 0)) for p in peers.values() if isinstance(p, dict)) \
+        if isinstance(peers, dict) else 0
+    counters = st.stats.get("counters")
+    deadlines = int(counters.get("heartbeat_deadlines", 0)) if isinstance(counters, dict) else 0
+    return losses, deadlines
+
+
+def link_losses(before: dict[str, DaemonState],
+                after: dict[str, DaemonState]) -> tuple[int, int]:
+    """(peer losses, heartbeat deadlines) the daemons counted between two snapshots; a
+    restarted daemon (another pid) counts everything since its start."""
+    losses = deadlines = 0
+    for role, now in after.items():
+        n_loss, n_dead = _link_counts(now)
+        base = before.get(role)
+        if base is not None and base.pid == now.pid:
+            b_loss, b_dead = _link_counts(base)
+            n_loss, n_dead = n_loss - b_loss, n_dead - b_dead
+        losses += n_loss
+        deadlines += n_dead
+    return losses, deadlines
+
+
+async def _states(cluster: LocalCluster) -> dict[str, DaemonState]:
+    """Every live daemon's state (a dead one is left out rather than failing the figures)."""
+    out = {}
+    for role, d in cluster.daemons.items():
+        if role == "router" or not pid_alive(d.pid):
+            continue
+        with contextlib.suppress(RuntimeError, TimeoutError, OSError, aiohttp.ClientError):
+            out[role] = await daemon_state(cluster, role)
+    return out
+
+
+async def _router_stalls(cluster: LocalCluster) -> int | None:
+    """The router's count of stall replays (stats()["stalls"], absent until the first)."""
+    try:
+        stats = await cluster.stats("router")
+    except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
+        return None
+    return int(stats.get("stalls", 0))
 
 
 # -- a case ----------------------------------------------------------------------------------------
@@ -584,6 +848,20 @@ class CaseResult:
     error_codes: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # What the fault cost (docs/chaos.md, "What a fault cost"); None: not measured / not seen.
+    detection_s: float | None = None     # injection -> the router's /health first not 200
+    detected_as: str = ""                # what /health waited for then
+    recover_s: float | None = None       # heal -> first fresh request token-exact
+    recovery_probes: int = 0             # fresh requests sent from the heal on until then
+    probe_no_fault_s: float | None = None  # the probe's twin on the idle, healthy cluster
+    affected: int = 0                    # requests in flight at the fault or before recovery
+    added_p50_s: float | None = None     # latency - no-fault twin's latency, affected requests
+    added_max_s: float | None = None
+    no_fault_pass_s: float | None = None  # what the twins' pass cost (wall clock)
+    stall_replays: int | None = None     # router stats()["stalls"] after - before
+    peer_losses: int | None = None       # daemons' stats()["peers"][*]["losses"] after - before
+    heartbeat_deadlines: int | None = None
+    latencies: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:
@@ -633,17 +911,46 @@ class CaseResult:
 async def run_case(cluster: LocalCluster, case: str, bodies: list[dict[str, Any]],
                    fault: Fault | None, seed: int | None = None, concurrency: int = 4,
                    suite: str = "chaos", read_late_s: float = 0.0, read_pause_s: float = 0.0,
-                   fault_timeout_s: float = 30.0, kind: str | None = None) -> CaseResult:
+                   fault_timeout_s: float = 30.0, kind: str | None = None,
+                   measure_no_fault: bool = True) -> CaseResult:
     """Run `bodies` through the router `concurrency` at a time, inject `fault` at its moment
-    (concurrently), heal, then check leaks and fresh requests. Recorded in REPORT."""
+    (concurrently), heal, then check leaks and fresh requests. Recorded in REPORT.
+
+    It also measures what the fault cost (docs/chaos.md): first the bodies' no-fault twins
+    (`measure_no_fault`, for a case with a fault or a `kind`), then, while the case runs, the
+    router's /health every 50 ms (detection), a recovery probe from the heal on (recovery),
+    and the router's stall replays and the daemons' peer losses over the whole case."""
     started = time.monotonic()
     result = CaseResult(suite=suite, case=case,
                         fault_kind=kind or (fault.kind if fault else "none"), seed=seed)
-    precompute_references(bodies + FRESH_BODIES)
+    probe = probe_body(case)
+    precompute_references(bodies + FRESH_BODIES + [probe])
+    stalls_before = await _router_stalls(cluster)
+    twins: list[Outcome] | None = None
+    if measure_no_fault and (fault is not None or kind is not None):
+        t0 = time.monotonic()
+        twins, probe_twin = await no_fault_pass(cluster, bodies, concurrency,
+                                                probe if fault is not None else None)
+        result.no_fault_pass_s = round(time.monotonic() - t0, 2)
+        if probe_twin is not None and probe_twin.status == "completed":
+            result.probe_no_fault_s = round(probe_twin.latency_s or 0.0, 3)
+        result.problems += [f"no-fault twin: {o.describe()}" for o in twins
+                            if o.status == "lost"]  # a hang is a hang, fault or not
+        # the leak baseline below is taken once the twins' requests are freed
+        await find_leaks(cluster, {}, timeout_s=5.0)
     baseline = await snapshot(cluster)
     killed_pids = {cluster.daemons[r].pid for r in (fault.killed_roles if fault else ())}
     sem = asyncio.Semaphore(concurrency)
     workload_done = asyncio.Event()
+    if fault is not None:
+        fault.injected_at = fault.healed_at = None
+    watch = HealthWatch(cluster.url)
+    probe_task: asyncio.Future | None = None
+
+    def start_probe() -> None:
+        nonlocal probe_task
+        if probe_task is None and fault is not None and fault.healed_at is not None:
+            probe_task = asyncio.ensure_future(probe_recovery(cluster, probe))
 
     async def one(i: int, body: dict[str, Any]) -> Outcome:
         async with sem:
@@ -661,8 +968,16 @@ async def run_case(cluster: LocalCluster, case: str, bodies: list[dict[str, Any]
             raise LookupError("the workload ended before the chosen moment came")
         ended.cancel()
         when = moment.result()
-        return f"{await fault.inject(cluster)} when {when}"
+        called = time.monotonic()
+        try:
+            detail = await fault.inject(cluster)
+        finally:
+            if fault.injected_at is None:
+                fault.injected_at = called
+        start_probe()  # a fault that is over when inject returns (link effect, SIGSTOP)
+        return f"{detail} when {when}"
 
+    watch.start()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             fault_task = asyncio.ensure_future(inject()) if fault else None
@@ -678,15 +993,34 @@ async def run_case(cluster: LocalCluster, case: str, bodies: list[dict[str, Any]
                     result.fault_detail = f"injection did not finish within {fault_timeout_s:g} s"
         result.add(outcomes)
     finally:
-        if fault is not None and fault.heal is not None:
-            try:
-                await fault.heal(cluster)
-            except Exception as exc:  # recorded: the case still gets its leak and fresh checks
-                result.problems.append(f"healing the fault failed: {type(exc).__name__}: {exc}")
+        try:
+            if fault is not None and fault.heal is not None:
+                try:
+                    await fault.heal(cluster)
+                except Exception as exc:  # recorded: the case still gets its leak and fresh checks
+                    result.problems.append(f"healing the fault failed: {type(exc).__name__}: {exc}")
+                start_probe()  # a fault that heal undoes (a killed daemon restarted)
+            probe_out, result.recovery_probes = await probe_task if probe_task else (None, 0)
+        finally:
+            await watch.stop()
+    recovered_at = _record_recovery(result, fault, probe_out)
+    _record_detection(result, fault, watch)
+    lat = added_latency(outcomes, twins, fault.injected_at if fault else None, recovered_at,
+                        whole_workload=fault is None and kind is not None)
+    result.affected, result.added_p50_s, result.added_max_s = \
+        lat["affected"], lat["added_p50_s"], lat["added_max_s"]
+    result.latencies = lat["requests"]
+    if twins is not None and lat["compared"] < lat["affected"]:
+        result.notes.append(f"added latency from {lat['compared']} of {lat['affected']} affected "
+                            f"requests (the others failed, or their twin did)")
     result.leaks = await find_leaks(cluster, baseline, killed_pids)
     fresh = await fresh_requests(cluster)
     result.fresh_ok = all(o.status == "exact" for o in fresh)
     result.problems += [f"after healing: {o.describe()}" for o in fresh if o.status != "exact"]
+    stalls_after = await _router_stalls(cluster)
+    if stalls_before is not None and stalls_after is not None:
+        result.stall_replays = stalls_after - stalls_before
+    result.peer_losses, result.heartbeat_deadlines = link_losses(baseline, await _states(cluster))
     if killed_pids:
         left = remove_segments_of(killed_pids)
         if left:
@@ -694,6 +1028,35 @@ async def run_case(cluster: LocalCluster, case: str, bodies: list[dict[str, Any]
     result.duration_s = round(time.monotonic() - started, 2)
     REPORT.add(result)
     return result
+
+
+def _record_recovery(result: CaseResult, fault: Fault | None,
+                     probe: Outcome | None) -> float | None:
+    """recover_s from the recovery probe; returns the moment of recovery (None: unknown)."""
+    if fault is None or fault.healed_at is None:
+        return None
+    if probe is None:
+        result.notes.append(f"no recovery probe was served within {HEALTH_TIMEOUT_S:g} s of the "
+                            f"heal ({result.recovery_probes} refused with a clear error)")
+        return None
+    if probe.status != "exact":  # the same invariants as every request
+        result.problems.append(f"recovery probe after the heal: {probe.describe()}")
+        return None
+    assert probe.ended_at is not None
+    result.recover_s = round(probe.ended_at - fault.healed_at, 3)
+    return probe.ended_at
+
+
+def _record_detection(result: CaseResult, fault: Fault | None, watch: HealthWatch) -> None:
+    """detection_s: injection -> the first non-200 /health answer after it (None: none came)."""
+    if fault is None or fault.injected_at is None or not result.fault_injected:
+        return
+    if any(u[0] < fault.injected_at for u in watch.unready):
+        result.notes.append("the router's /health was already not ok before the fault")
+    hit = watch.first_unready(fault.injected_at)
+    if hit is not None:
+        result.detection_s = round(hit[0] - fault.injected_at, 3)
+        result.detected_as = f"HTTP {hit[1]}: {hit[2]}"
 
 
 def chaos_seed() -> int:
@@ -708,7 +1071,27 @@ COLUMNS = [("suite", "suite"), ("case", "case"), ("fault", "fault_kind"), ("sent
            ("exact", "exact"), ("clear err", "clear_errors"), ("cancelled", "cancelled"), ("lost", "lost"),
            ("wrong", "wrong"), ("unclear", "unclear_errors"), ("dup", "duplicated"),
            ("skip", "skipped"), ("leaks", "leaks"), ("fresh ok", "fresh_ok"),
-           ("fuzz inputs", "fuzz_inputs"), ("s", "duration_s")]
+           ("fuzz inputs", "fuzz_inputs"), ("detect s", "detection_s"),
+           ("recover s", "recover_s"), ("affected", "affected"), ("added p50 s", "added_p50_s"),
+           ("added max s", "added_max_s"), ("stalls", "stall_replays"),
+           ("losses", "peer_losses"), ("s", "duration_s")]
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, list):
+        return str(len(v))
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if v is None:
+        return "-"  # not measured, or (detection) never visible
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def _spread(values: list[float | None]) -> dict[str, Any]:
+    """max and median of the measured values (None: not measured), and how many there were."""
+    got = [v for v in values if v is not None]
+    return {"cases": len(got), "max": max(got) if got else None,
+            "median": round(statistics.median(got), 3) if got else None}
 
 
 class SuiteReport:
@@ -735,17 +1118,18 @@ class SuiteReport:
                 "skipped_tokens": sum(r.skipped for r in c),
                 "leaks": sum(len(r.leaks) for r in c),
                 "fresh_request_failures": sum(not r.fresh_ok for r in c),
-                "fuzz_inputs": sum(r.fuzz_inputs for r in c)}
+                "fuzz_inputs": sum(r.fuzz_inputs for r in c),
+                "detection_s": _spread([r.detection_s for r in c]),
+                "recover_s": _spread([r.recover_s for r in c]),
+                "added_p50_s": _spread([r.added_p50_s for r in c]),
+                "added_max_s": _spread([r.added_max_s for r in c]),
+                "stall_replays": sum(r.stall_replays or 0 for r in c),
+                "peer_losses": sum(r.peer_losses or 0 for r in c)}
 
     def table(self) -> str:
         rows = [[h for h, _ in COLUMNS]]
         for r in self.cases:
-            row = []
-            for _, key in COLUMNS:
-                v = getattr(r, key)
-                row.append(str(len(v)) if isinstance(v, list) else
-                           ("yes" if v else "NO") if isinstance(v, bool) else str(v))
-            rows.append(row)
+            rows.append([_cell(getattr(r, key)) for _, key in COLUMNS])
         widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
                  for row in rows]
@@ -753,6 +1137,9 @@ class SuiteReport:
         t = self.totals()
         lines.append("")
         lines.append("totals: " + ", ".join(f"{k} {v}" for k, v in t.items()))
+        lines.append("detect s: fault -> router /health first not 200 (-: never, e.g. a latency "
+                     "spike); recover s: heal -> first fresh request token-exact; added: latency "
+                     "- no-fault twin's, affected requests (docs/chaos.md)")
         return "\n".join(lines)
 
     def write(self, path: Path | None = None) -> Path:

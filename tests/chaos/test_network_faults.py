@@ -98,9 +98,12 @@ def random_schedule(seed: int) -> Fault:
         done = []
         for gap, kind, duration, params in steps:
             await asyncio.sleep(gap)
+            if fault.injected_at is None:  # the figures time the schedule as one fault
+                fault.mark_injected()
             await c.chaos(kind, duration, **params)
             done.append(f"{kind} {duration} s {params}")
             await asyncio.sleep(duration)
+        fault.mark_healed()
         return "; ".join(done)
 
     async def heal(cluster) -> None:
@@ -108,7 +111,8 @@ def random_schedule(seed: int) -> Fault:
         await c.heal()
         await c.clear()
 
-    return Fault(kind="random-schedule", inject=inject, at=after(0.2), heal=heal)
+    fault = Fault(kind="random-schedule", inject=inject, at=after(0.2), heal=heal)
+    return fault
 
 
 @pytest.mark.heavy
