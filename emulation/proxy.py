@@ -300,7 +300,14 @@ class WanProxy:
             up = await asyncio.open_connection(self.upstream[0], self.upstream[1],
                                                limit=self.chunk_bytes * 2)
         except OSError:
+            # Reset, not a clean close: a dialler then sees a refusal and retries, as it would
+            # without the proxy, instead of an EOF it cannot tell from a peer that refused it
+            # (so daemons may start in any order behind the proxy).
             self.upstream_failures += 1
+            sock = writer.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.transport.abort()
             return
         for w in (writer, up[1]):

@@ -118,13 +118,13 @@ async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
     from pddnet.cluster.local import LocalCluster
 
     prompt = prompt_of(3, 120)
-    want = reference(tiny, prompt, 1500)
+    want = reference(tiny, prompt, 400)
     overrides = {"policy.pipeline": "p_rld_md", "policy.handoff": "one-shot",
                  "wan.heartbeat_s": 0.25, "wan.heartbeat_deadline_s": 1.5}
     async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=10.0, jitter_ms=0.0, bw_mbit=200.0,
                             overrides=overrides) as cluster:
         seen: list[int] = []
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1500, "temperature": 0,
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "temperature": 0,
                 "ignore_eos": True}
         task = asyncio.create_task(_stream(cluster.url, body, seen))
         await after_the_cut(cluster, seen)
@@ -154,13 +154,13 @@ async def test_a_hung_md_is_detected_and_its_request_replayed(tiny):
     from pddnet.cluster.local import LocalCluster
 
     prompt = prompt_of(5, 100)
-    want = reference(tiny, prompt, 1200)
+    want = reference(tiny, prompt, 400)
     overrides = {"policy.pipeline": "p_rld_md", "policy.handoff": "one-shot",
                  "wan.heartbeat_s": 0.25, "wan.heartbeat_deadline_s": 1.5}
     async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=10.0, jitter_ms=0.0, bw_mbit=200.0,
                             overrides=overrides) as cluster:
         seen: list[int] = []
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1200, "temperature": 0,
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "temperature": 0,
                 "ignore_eos": True}
         task = asyncio.create_task(_stream(cluster.url, body, seen))
         await after_the_cut(cluster, seen)

@@ -19,8 +19,22 @@ pytestmark = pytest.mark.skipif(compiled.missing_tools() is not None,
                                 reason=f"cannot compile here: {compiled.missing_tools()}")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def quick_build():
+    """Build at -O0 (about half the time of mypyc's -O3; these tests compare results, and the
+    level is part of the copy's digest, so a user's fast copy is never this one). The CLI runs
+    below inherit it."""
+    old = os.environ.get("MYPYC_OPT_LEVEL")
+    os.environ["MYPYC_OPT_LEVEL"] = "0"
+    yield
+    if old is None:
+        del os.environ["MYPYC_OPT_LEVEL"]
+    else:
+        os.environ["MYPYC_OPT_LEVEL"] = old
+
+
 @pytest.fixture(scope="module")
-def tree() -> Path:
+def tree(quick_build) -> Path:
     return compiled.build(log=print)
 
 

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from pddnet.device import flags as device_flags
 
@@ -206,11 +206,26 @@ def _serve(args: argparse.Namespace) -> int:
         if args.stats_file is None and role != "router":
             from pddnet.roles import run_role
 
-            return _run_loop(run_role(role, config)) or 0
-        return _run_loop(serve_daemon(role, config, args.stats_file)) or 0
+            code = _run_loop(run_role(role, config)) or 0
+        else:
+            code = _run_loop(serve_daemon(role, config, args.stats_file)) or 0
     except TransferError as exc:  # a KV backend that cannot run here: say why, at start
         print(f"pdd serve {args.role}: cannot start its KV transport: {exc}", file=sys.stderr)
         return 1
+    _exit_after_close(code)
+
+
+def _exit_after_close(code: int) -> NoReturn:
+    """End a daemon whose close() has released everything it held (connections, the engine
+    thread, the KV pool and its shared-memory segment, the transport's registrations): skip
+    the interpreter's teardown of torch and the other modules, which was 1.2 s of every
+    daemon's 1.3 s from SIGTERM to exit (its close: 10 ms), paid by every `pdd up` stop."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _setup_logging(role: str) -> None:

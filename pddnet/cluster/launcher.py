@@ -169,13 +169,8 @@ class ClusterLauncher:
         self._write_config()
         await self.placement.start()
         self._write_config()  # the WAN control address is known now
-        for role in self.roles:
+        for role in self.roles:  # all at once: each dialler retries until its peer listens
             self._spawn(role)
-            if role == "main_decode":
-                # MD listens before anyone dials it: the proxy shell accepts a connection at
-                # once even when MD is not up yet and then closes it, which a dialer cannot
-                # tell from a refused handshake.
-                await self._wait_ready(timeout, roles={"main_decode"}, health=False)
         self.router_url = await self.placement.expose_router(cfg.router.port)
         self._write_run_file(state="starting")
         await self._wait_ready(timeout)
