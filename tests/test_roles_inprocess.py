@@ -747,3 +747,20 @@ async def test_logprobs_reach_the_router_with_their_tokens(tiny):
             assert all(abs(a - b) < 1e-9 for a, b in zip(top_lps, entry.top_logprobs,
                                                          strict=True))
         await all_free(daemons)
+
+
+async def test_a_parked_takeover_whose_allocation_never_comes_expires_on_its_own(tiny,
+                                                                                 monkeypatch):
+    """Issue 23: a TAKEOVER that overtook an allocation that never comes is released after the
+    TTL by its own timer (before, only a later TAKEOVER swept it, so a lone one stayed)."""
+    from pddnet.protocol import Takeover
+    from pddnet.roles import relay as relay_module
+
+    monkeypatch.setattr(relay_module, "EARLY_TAKEOVER_TTL_S", 0.3)
+    async with running(make_config(ClusterMode.PDD)) as (daemons, col):
+        rld = daemons["relay"]
+        rld._takeover(Takeover(request_id="never-allocated", ready_position=4, chunk_tokens=16))
+        assert rld.stats()["early_takeovers_waiting"] == 1
+        await col.wait_until(lambda: rld.stats()["early_takeovers_waiting"] == 0, timeout=10,
+                             what="the parked TAKEOVER to expire")
+        assert rld.stats()["counters"]["early_takeovers_expired"] == 1

@@ -22,6 +22,7 @@ its KV_DONE (a cancel): its reservation is then fenced -- kept -- until P confir
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import secrets
@@ -79,7 +80,9 @@ from .kv_receiver import KvReceiver
 from .peer import Peer
 
 HANDS_OFF_PIPELINES = ("p_rld_md",)
-EARLY_TAKEOVER_TTL_S = 30.0   # a parked TAKEOVER whose allocation has not come by then never will
+# A parked TAKEOVER whose allocation has not come by then never will (x the time dilation k:
+# the allocation waits for RLD's engine, whose steps last k times longer).
+EARLY_TAKEOVER_TTL_S = 10.0
 
 
 @dataclass
@@ -267,9 +270,12 @@ class RelayDaemon(KvReceiver):
             self._early_takeovers[rid] = msg
             self._early_takeovers.move_to_end(rid)
             self._early_since[rid] = now_s
+            # ... and not longer, even if no other TAKEOVER ever comes to sweep it below
+            asyncio.get_running_loop().call_later(EARLY_TAKEOVER_TTL_S * self.dilation,
+                                                  self._expire_early, rid, now_s)
             # An allocation comes within a round trip or never: drop the ones parked too long.
             for old in [r for r, t in self._early_since.items()
-                        if now_s - t > EARLY_TAKEOVER_TTL_S]:
+                        if now_s - t > EARLY_TAKEOVER_TTL_S * self.dilation]:
                 self._release_early_takeover(old, "relay never received the request")
             while len(self._early_takeovers) > CANCELLED_MEMORY:
                 self._release_early_takeover(next(iter(self._early_takeovers)),
@@ -288,6 +294,11 @@ class RelayDaemon(KvReceiver):
         tokens = sum(r.alloc.num_tokens + r.fsm.num_tokens for r in self.requests.values()
                      if r.decoding)
         return min(1.0, tokens / (engine.num_blocks * engine.block_size))
+
+    def _expire_early(self, rid: str, parked_at: float) -> None:
+        if not self.closing and self._early_since.get(rid) == parked_at:
+            self.counters["early_takeovers_expired"] += 1
+            self._release_early_takeover(rid, "relay never received the request")
 
     def _release_early_takeover(self, rid: str, reason: str) -> None:
         """A parked TAKEOVER's request will not be allocated here: MD must not wait for a cut."""
