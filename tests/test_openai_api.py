@@ -390,6 +390,9 @@ async def test_a_request_p_handed_to_rld_is_replayed_at_once_when_rld_is_lost(or
         body = await resp.json()
         assert resp.status == 200 and body["choices"][0]["text"] == "Hi!", body
         assert router.stats()["replays"] == 1 and "stalls" not in router.stats()
+        async with http.get(router.url + "/metrics") as r:
+            metrics = await r.text()
+        assert "pdd_router_stall_replays_total 0.0" in metrics
 
 
 async def test_router_health_is_503_without_its_daemons():

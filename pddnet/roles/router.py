@@ -727,6 +727,7 @@ class Router:
                     if not state.assembler.finished and state.replays == 0 \
                             and state.assembler.finish_reason is None:
                         self.counters["stalls"] = self.counters.get("stalls", 0) + 1
+                        self._metrics.stall_replays.inc()
                         why = f"no progress for {stall:g} s (last carried by {state.owner})"
                         # elsewhere than the silent carrier if possible, else wherever is live
                         if not await self._replay(state, state.owner, why):
@@ -981,6 +982,11 @@ class RouterMetrics:
                                    ["pipeline", "finish_reason"], registry=self.registry)
         self.replays = Counter("pdd_router_replays", "requests replayed by token ids after the "
                                "daemon producing them was lost", registry=self.registry)
+        self.stall_replays = Counter("pdd_router_stall_replays",
+                                     "replays by the last resort: no progress for "
+                                     "router.stall_timeout_s (expected 0: a lost daemon is "
+                                     "replayed within its heartbeat deadline)",
+                                     registry=self.registry)
 
     def observe_gaps(self, gaps: list[float]) -> None:
         for g in gaps:
