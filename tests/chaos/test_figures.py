@@ -13,15 +13,16 @@ import tests.chaos.harness as harness
 from tests.chaos.harness import HealthWatch, Outcome, added_latency, after, link_chaos
 
 
-def _done(index: int, start: float, end: float, status: str = "exact") -> Outcome:
+def _done(index: int, start: float, end: float, status: str = "exact",
+          md_tokens: int = 0) -> Outcome:
     return Outcome(index=index, status=status, tokens=[], expected_len=0, started_at=start,
-                   ended_at=end)
+                   ended_at=end, pdd={"main_tokens": md_tokens})
 
 
 def test_added_latency_counts_requests_in_flight_at_the_fault_or_before_recovery():
     outcomes = [_done(0, 0.0, 1.0),    # over before the fault: not affected
                 _done(1, 0.5, 4.0),    # in flight at the fault (t=2)
-                _done(2, 3.0, 5.0),    # started after the fault, before recovery (t=6)
+                _done(2, 3.0, 5.0, md_tokens=9),  # started after the fault, before recovery
                 _done(3, 7.0, 8.0),    # started after recovery: not affected
                 _done(4, 1.0, 3.0, "clear_error")]  # affected, but nothing to compare
     twins = [_done(i, 10.0, 10.0 + d, "completed") for i, d in enumerate([1.0, 1.5, 2.5, 1, 1])]
@@ -29,6 +30,7 @@ def test_added_latency_counts_requests_in_flight_at_the_fault_or_before_recovery
     assert (lat["affected"], lat["compared"]) == (3, 2)
     assert [r["added_s"] for r in lat["requests"]] == [None, 2.0, -0.5, None, None]
     assert lat["added_p50_s"] == 0.75 and lat["added_max_s"] == 2.0
+    assert lat["handoff_changed"] == 1  # request 2 went to MD, its twin did not
 
 
 def test_added_latency_without_an_injected_fault_or_twins():
