@@ -243,10 +243,6 @@ class LinkDirection:
         self._catch_up(now)
         return bool(self._fx["partition"] or self._fx["blackhole"])
 
-    def in_flight_bytes(self) -> int:
-        """Bytes queued at the bottleneck or propagating (as of the last call)."""
-        return self._queued_bytes + sum(f.size for f in self._in_flight)
-
     # --- reporting -------------------------------------------------------------------------
 
     def counters(self) -> dict[str, Any]:

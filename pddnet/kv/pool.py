@@ -302,15 +302,6 @@ class KVPool:
             self._flat(layer, 0).index_copy_(0, slots, src[i, 0])
             self._flat(layer, 1).index_copy_(0, slots, src[i, 1])
 
-    def copy_blocks(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
-        """Copy whole blocks within this pool (e.g. copy-on-write of a shared partial block)."""
-        if len(src_blocks) != len(dst_blocks):
-            raise ValueError("copy_blocks needs as many sources as destinations")
-        data = self._tensor()
-        src = torch.as_tensor(list(src_blocks), dtype=torch.long)
-        dst = torch.as_tensor(list(dst_blocks), dtype=torch.long)
-        data[:, :, dst] = data[:, :, src]
-
     # -- raw bytes (the one-sided write path) ----------------------------------------------------
 
     def raw_bytes(self) -> torch.Tensor:

@@ -402,10 +402,6 @@ class Daemon:
             log.error("%s: task %s failed", self.instance_id, task.get_name(),
                       exc_info=task.exception())
 
-    def read_loop(self, conn: Connection, name: str) -> asyncio.Task:
-        """Handle every message of a connection we dialled, in order, until it closes."""
-        return self.spawn(self._serve(conn), f"{self.instance_id} reads {name}")
-
     async def _on_connection(self, conn: Connection) -> None:
         if conn.lane == "events":
             box = self.outbox(conn, f"{conn.peer_role} events")

@@ -309,9 +309,6 @@ class KVWriter(ABC):
     async def _write(self, transfer: KVTransfer, exported: ExportedKV, deadline_s: float) -> int:
         """Move `exported` into transfer.target; return the bytes counted for KV_DONE."""
 
-    def _chunks_of(self, transfer: KVTransfer) -> int:
-        return 0  # one-sided backends send no KV_CHUNK frames
-
     @abstractmethod
     async def close(self) -> None:
         """Release the writer's resources (idempotent); later writes raise TransferAborted."""
