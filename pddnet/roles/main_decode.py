@@ -220,6 +220,11 @@ class MainDecodeDaemon(KvReceiver):
         if isinstance(msg, Submit) and conn.peer_role == "router":
             old = self.requests.get(msg.request_id)
             if old is not None:  # its producer elsewhere was lost: stop our part first
+                # ... and tell P, which may still be copying KV for it: the replay recomputes
+                # what it needs, and P's KV_DONE would now be ignored here (a stale message),
+                # leaving P holding the request and its blocks for good.
+                old.p_conn.post(KvAbort(request_id=old.rid,
+                                        reason="replayed on main decode by the router"))
                 old.fsm.cancel()
                 self._stop(old)
             self.replay(msg, old.serial if old is not None else None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -21,6 +22,8 @@ from pddnet.protocol import Message, Ping, Pong
 from pddnet.transport import Connection
 
 from .readiness import Link
+
+log = logging.getLogger("pddnet.roles")
 
 if TYPE_CHECKING:
     from .common import Daemon, Outbox
@@ -134,6 +137,10 @@ class Peer:
                 conn = await self.daemon.dial_once(self.address, "control")
             except DialError as exc:
                 self.last_loss = f"redial: {exc}"
+            except Exception as exc:  # whatever it was: a keeper that dies leaves the link down
+                log.exception("%s: redialling %s failed unexpectedly", self.daemon.instance_id,
+                              self.name)
+                self.last_loss = f"redial: {type(exc).__name__}: {exc}"
             else:
                 try:
                     await self._adopt(conn)
@@ -151,6 +158,11 @@ class Peer:
             await asyncio.sleep(self.heartbeat_s)
             silent = time.monotonic() - self._last_pong
             # Two PINGs unanswered as well: a stall of our own event loop is not the peer's.
+            if silent > self.deadline_s and self._unanswered >= 2:
+                # Nor are PONGs that arrived during such a stall and still wait to be read: give
+                # the readers one turn before judging (this timer may run first after a stall).
+                await asyncio.sleep(0.05)
+                silent = time.monotonic() - self._last_pong
             if silent > self.deadline_s and self._unanswered >= 2:
                 self.daemon.counters["heartbeat_deadlines"] += 1
                 await conn.close(f"heartbeat deadline: no PONG from {self.name} for "

@@ -221,7 +221,11 @@ class PeerLink:
         while not conn.closed:
             await asyncio.sleep(wan.heartbeat_s)
             silent = time.monotonic() - self.last_pong
-            # Two PINGs unanswered as well: a stall of our own event loop is not the peer's.
+            # Two PINGs unanswered as well: a stall of our own event loop is not the peer's, nor
+            # are PONGs that came during it and wait to be read (the readers get a turn first).
+            if silent > wan.heartbeat_deadline_s and self.unanswered >= 2:
+                await asyncio.sleep(0.05)
+                silent = time.monotonic() - self.last_pong
             if silent > wan.heartbeat_deadline_s and self.unanswered >= 2:
                 self.heartbeat_deadlines += 1
                 await conn.close(f"heartbeat deadline: {self.role} silent for {silent:.1f} s")

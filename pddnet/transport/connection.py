@@ -397,6 +397,14 @@ async def dial(host: str, port: int, *, role: str, instance_id: str, lane: str, 
         await _close_writer(writer)
         raise DialRefused(f"connection to {where} lost during the handshake: {exc}",
                           address) from None
+    except RuntimeError as exc:
+        # uvloop raises RuntimeError, not an OSError, on a write to a transport the peer has
+        # already reset (e.g. the WAN proxy refusing for an MD that is not up again yet)
+        if not writer.is_closing():
+            raise
+        await _close_writer(writer)
+        raise DialRefused(f"connection to {where} reset during the handshake: {exc}",
+                          address) from None
     assert hs.peer_hello is not None
     return Connection(reader, writer, peer_hello=hs.peer_hello, lane=lane, limits=lim,
                       local_role=role, local_instance=instance_id, stats=stats)
