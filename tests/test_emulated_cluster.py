@@ -33,7 +33,9 @@ def emulated(mode: str) -> dict:
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("mode", ["pdd", "same-dc", "cross-dc"])
+# same-dc is heavy (CI time): pdd paces P and RLD as same-dc does, and MD as cross-dc does
+@pytest.mark.parametrize("mode", ["pdd", pytest.param("same-dc", marks=pytest.mark.heavy),
+                                  "cross-dc"])
 async def test_paced_cluster_is_token_exact_and_reports_modelled_times(mode):
     bodies = [b for b in make_requests(14, seed=22) if b["max_tokens"] <= 300]
     for b in bodies:  # computed before the cluster takes the cores

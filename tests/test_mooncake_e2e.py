@@ -90,7 +90,8 @@ PATH = {"main_decode": "wan", "relay": "intra_dc"}
 @pytest.mark.root
 @pytest.mark.skipif(ROOT_REASON is not None, reason=ROOT_REASON or "")
 @pytest.mark.parametrize("victim,sig", [
-    ("main_decode", signal.SIGSTOP),
+    # heavy: CI covers a stopped receiver in tests/test_mooncake_backend.py (32 s here)
+    pytest.param("main_decode", signal.SIGSTOP, marks=pytest.mark.heavy),
     ("relay", signal.SIGKILL),
     pytest.param("main_decode", signal.SIGKILL, marks=pytest.mark.heavy),
     pytest.param("relay", signal.SIGSTOP, marks=pytest.mark.heavy),

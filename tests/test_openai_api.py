@@ -395,6 +395,34 @@ async def test_a_request_p_handed_to_rld_is_replayed_at_once_when_rld_is_lost(or
         assert "pdd_router_stall_replays_total 0.0" in metrics
 
 
+async def test_md_lost_right_after_rlds_cut_is_replayed_at_once():
+    """The same window at the handoff: RLD has cut (handoff_start) and MD dies before any of
+    its tokens or its handoff_end reach the router. MD is a carrier from handoff_start on, so
+    its loss replays the request on RLD at once, not at the stall timer."""
+    from pddnet.protocol import messages as m
+
+    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
+        p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
+        post = asyncio.ensure_future(http.post(router.url + "/v1/completions", json={
+            "model": "tiny", "prompt": [1, 2], "max_tokens": 3, "temperature": 0}))
+        rid = (await p.wait_for(m.Submit)).request_id
+        await rld.send(m.TokenEvent(request_id=rid, index=0, token_ids=(72,), producer="relay",
+                                    time=time.time()))
+        await rld.send(m.Timeline(request_id=rid, event="handoff_start", time=time.time(),
+                                  producer="relay", detail_int=1, detail_str="one-shot"))
+        await md.server.close()
+        replay = await rld.wait_for(m.Submit, timeout=5)  # the stall timer would be 30 s
+        assert replay.request_id == rid and replay.output_token_ids == (72,)
+        await rld.send(m.TokenEvent(request_id=rid, index=1, token_ids=(105, 33),
+                                    producer="relay", time=time.time()))
+        await rld.send(m.RequestDone(request_id=rid, reason="length", num_prompt_tokens=3,
+                                     num_output_tokens=3, producer="relay", time=time.time()))
+        resp = await post
+        body = await resp.json()
+        assert resp.status == 200 and body["choices"][0]["text"] == "Hi!", body
+        assert "stalls" not in router.stats()
+
+
 async def test_router_health_is_503_without_its_daemons():
     from pddnet.cluster.wan_setup import free_port
     from pddnet.config import load_config

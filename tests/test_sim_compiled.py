@@ -114,6 +114,7 @@ def test_compiled_and_pure_runs_give_byte_identical_json(tree, tmp_path):
         assert pure == fast, f"{name}: compiled and pure JSON differ"
 
 
+@pytest.mark.heavy  # CI: the stressful scenarios above cover every system compiled vs pure
 def test_reproduce_quick_compiled_is_byte_identical_to_pure(tree, tmp_path):
     for mode in ("pure", "compiled"):
         _pdd(["sim", "reproduce", "--quick", "--no-plots", "--jobs", "2",

@@ -122,6 +122,7 @@ class RequestState:
     last_release: float | None = None     # when the client last got tokens (inter-token gaps)
     replays: int = 0
     replay_target: str | None = None
+    handoff_started: bool = False          # RLD began handing it to MD (it may have cut)
     index: int = 0                         # the choice's index (n > 1: one state per choice)
     text: ChoiceText | None = None         # its text, ended at a stop string
     logprobs: dict[int, LogprobEntry] = field(default_factory=dict)   # by output index
@@ -129,6 +130,15 @@ class RequestState:
     router_stopped: bool = False           # a stop string ended it (the daemons don't know)
     cancel_sent: bool = False
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+
+    def carriers(self) -> set[str]:
+        """The daemons whose loss leaves the request with no producer: its owner (or replay
+        target), and MD from the start of a handoff on, as RLD may have cut already while the
+        news that MD produces (its tokens, handoff_end) has not reached us yet."""
+        out = {self.owner} if self.replay_target is None else {self.replay_target}
+        if self.handoff_started and self.replay_target is None:
+            out.add("main_decode")
+        return out
 
     def add_event(self, event: str, t: float, producer: str, detail: Any = None) -> None:
         self.timeline.append({"event": event, "time": t, "producer": producer, "detail": detail})
@@ -470,6 +480,14 @@ class Router:
                 state.owner = msg.producer or peer.role
             elif msg.event == "handoff_end":
                 state.owner = "main_decode"
+            elif msg.event == "handoff_start":
+                state.handoff_started = True
+                md = self.peers.get("main_decode")
+                if md is not None and md.conn is None and not state.assembler.finished:
+                    # MD's loss reached us before this news: RLD may have cut for a dead MD
+                    self._spawn(self._replay_or_fail(
+                        state, "main_decode", "main_decode was lost as RLD handed it the request"),
+                        f"replay {state.request_id}")
             elif state.owner == "prefill" and (msg.event == "rld_kv_sent" or (
                     msg.event == "wan_kv_acked" and d.get("pipeline") == "p_md")):
                 # P's part is over and P forgets the request: if that decode tier dies before
@@ -516,7 +534,7 @@ class Router:
         the requests it was producing are replayed elsewhere; the others go on (a daemon that
         depended on it reports those itself)."""
         for state in list(self.requests.values()):
-            if state.assembler.finished or peer.role not in (state.owner, state.replay_target):
+            if state.assembler.finished or peer.role not in state.carriers():
                 continue
             why = f"lost the connection to {peer.role}: {peer.last_error}"
             task = asyncio.get_running_loop().create_task(self._replay_or_fail(state, peer.role,

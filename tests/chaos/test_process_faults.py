@@ -65,8 +65,10 @@ async def test_sigkill_md_then_restart(chaos_clusters, moment):
                sigkill("main_decode", MOMENTS[moment]), seed=23)
 
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("moment", list(MOMENTS))
+# during-handoff runs in CI too: it found the KV leak on P and the lost redial to a restarted MD
+@pytest.mark.parametrize("moment", [pytest.param("before-handoff", marks=pytest.mark.heavy),
+                                    "during-handoff",
+                                    pytest.param("after-handoff", marks=pytest.mark.heavy)])
 async def test_sigkill_rld_then_restart(chaos_clusters, moment):
     await _run(chaos_clusters, f"SIGKILL RLD {moment}, restart",
                sigkill("relay", MOMENTS[moment]), seed=24)
