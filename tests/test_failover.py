@@ -82,6 +82,25 @@ async def test_relay_finishes_alone_when_md_is_lost_before_the_cut(tiny):
         await all_free({"prefill": p, "relay": rld})
 
 
+async def test_md_finishes_alone_when_rld_is_lost_after_the_cut(tiny):
+    """Past the final HANDOFF MD carries the request: losing RLD then must not drop it (it did,
+    silently, and only the router's 30 s stall timer revived it)."""
+    prompt = prompt_of(6, 60)
+    want = reference(tiny, prompt, 200)
+    cfg = make_config(ClusterMode.PDD, handoff="one-shot", pipeline="p_rld_md")
+    async with running(cfg) as (daemons, col):
+        p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
+        await col.send("prefill", Submit(request_id="r1", prompt_token_ids=prompt,
+                                         max_tokens=200, ignore_eos=True))
+        await col.wait_until(lambda: "main_decode" in col.producers("r1"),
+                             what="MD's first token after the cut")
+        await rld.close()
+        await col.wait_until(lambda: col.complete("r1"), what="r1 to complete on MD")
+        assert col.output("r1") == want and not col.duplicates and not col.errors
+        assert md.stats()["counters"].get("aborted", 0) == 0
+        await all_free({"prefill": p, "main_decode": md})
+
+
 # -- real processes: SIGKILL / SIGSTOP, the router's replay ------------------------------------
 
 async def _stream(url: str, body: dict, seen: list[int]) -> dict:

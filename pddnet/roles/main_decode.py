@@ -654,7 +654,11 @@ class MainDecodeDaemon(KvReceiver):
             # Without the relay there will be no cut: free the copy. Not an error for the
             # client: either RLD is alive and finishes the request alone (only the RLD -> MD
             # lane broke), or RLD died and the router replays the request (here or elsewhere).
-            for req in [r for r in self.requests.values() if r.fsm.with_relay]:
+            # A request past its final HANDOFF (decoding) no longer needs RLD: MD carries it
+            # and the router counts MD as its producer; dropping it here left it with none, and
+            # only the router's 30 s stall timer revived it (SIGKILL RLD after the handoff).
+            for req in [r for r in self.requests.values() if r.fsm.with_relay
+                        and r.fsm.phase in (MainPhase.RECEIVING_KV, MainPhase.WAITING_CUT)]:
                 self._abort(req, "relay connection closed before the final handoff",
                             tell_router=False)
 

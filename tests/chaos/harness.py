@@ -898,6 +898,10 @@ class CaseResult:
         out += [f"leak: {leak}" for leak in self.leaks]
         if not self.fresh_ok:
             out.append("no fresh request was served after healing")
+        if self.stall_replays:
+            # the router's last resort: a request nobody reported on for its stall timeout
+            # (30 s). A lost daemon's requests must be replayed within its heartbeat deadline.
+            out.append(f"{self.stall_replays} request(s) waited for the router's stall replay")
         return out
 
     def assert_invariants(self, logs: Any = None) -> None:
