@@ -29,6 +29,20 @@ if TYPE_CHECKING:
     from .common import Daemon, Outbox
 
 
+async def silent_past_deadline(last_pong: Callable[[], float], unanswered: Callable[[], int],
+                               deadline_s: float) -> float | None:
+    """How long a peer has been silent, when that makes it lost (else None): no PONG for
+    `deadline_s` and two PINGs unanswered (a stall of our own event loop is not the peer's),
+    judged again after the readers had a turn (PONGs that arrived during such a stall may still
+    wait to be read: this timer can run first). The one rule for P's, RLD's and the router's
+    heartbeats."""
+    if time.monotonic() - last_pong() <= deadline_s or unanswered() < 2:
+        return None
+    await asyncio.sleep(0.05)
+    silent = time.monotonic() - last_pong()
+    return silent if silent > deadline_s and unanswered() >= 2 else None
+
+
 class Peer:
     def __init__(self, daemon: Daemon, address: tuple[str, int], name: str, *,
                  heartbeat_s: float, deadline_s: float,
@@ -156,14 +170,9 @@ class Peer:
     async def _heartbeat(self, conn: Connection) -> None:
         while not conn.closed:
             await asyncio.sleep(self.heartbeat_s)
-            silent = time.monotonic() - self._last_pong
-            # Two PINGs unanswered as well: a stall of our own event loop is not the peer's.
-            if silent > self.deadline_s and self._unanswered >= 2:
-                # Nor are PONGs that arrived during such a stall and still wait to be read: give
-                # the readers one turn before judging (this timer may run first after a stall).
-                await asyncio.sleep(0.05)
-                silent = time.monotonic() - self._last_pong
-            if silent > self.deadline_s and self._unanswered >= 2:
+            silent = await silent_past_deadline(lambda: self._last_pong,
+                                                lambda: self._unanswered, self.deadline_s)
+            if silent is not None:
                 self.daemon.counters["heartbeat_deadlines"] += 1
                 await conn.close(f"heartbeat deadline: no PONG from {self.name} for "
                                  f"{silent:.1f} s (deadline {self.deadline_s:g} s)")

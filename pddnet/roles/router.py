@@ -53,6 +53,7 @@ from pddnet.roles.openai_api import (
     usage,
     usage_chunk,
 )
+from pddnet.roles.peer import silent_past_deadline
 from pddnet.roles.readiness import DaemonLinks
 
 log = logging.getLogger("pddnet.router")
@@ -230,13 +231,9 @@ class PeerLink:
         self.unanswered = 0
         while not conn.closed:
             await asyncio.sleep(wan.heartbeat_s)
-            silent = time.monotonic() - self.last_pong
-            # Two PINGs unanswered as well: a stall of our own event loop is not the peer's, nor
-            # are PONGs that came during it and wait to be read (the readers get a turn first).
-            if silent > wan.heartbeat_deadline_s and self.unanswered >= 2:
-                await asyncio.sleep(0.05)
-                silent = time.monotonic() - self.last_pong
-            if silent > wan.heartbeat_deadline_s and self.unanswered >= 2:
+            silent = await silent_past_deadline(lambda: self.last_pong, lambda: self.unanswered,
+                                                wan.heartbeat_deadline_s)
+            if silent is not None:
                 self.heartbeat_deadlines += 1
                 await conn.close(f"heartbeat deadline: {self.role} silent for {silent:.1f} s")
                 return
