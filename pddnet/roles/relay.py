@@ -270,13 +270,10 @@ class RelayDaemon(KvReceiver):
             self._early_takeovers[rid] = msg
             self._early_takeovers.move_to_end(rid)
             self._early_since[rid] = now_s
-            # ... and not longer, even if no other TAKEOVER ever comes to sweep it below
+            # An allocation comes within a round trip or never: each parked TAKEOVER has its
+            # own timer, so a lone one goes too (it was swept only by a later one before).
             asyncio.get_running_loop().call_later(EARLY_TAKEOVER_TTL_S * self.dilation,
                                                   self._expire_early, rid, now_s)
-            # An allocation comes within a round trip or never: drop the ones parked too long.
-            for old in [r for r, t in self._early_since.items()
-                        if now_s - t > EARLY_TAKEOVER_TTL_S * self.dilation]:
-                self._release_early_takeover(old, "relay never received the request")
             while len(self._early_takeovers) > CANCELLED_MEMORY:
                 self._release_early_takeover(next(iter(self._early_takeovers)),
                                              "relay never received the request")
