@@ -471,31 +471,22 @@ class Router:
         state.add_event(msg.event, msg.time, msg.producer or peer.role, detail)
         d = state.details
         if state.replay_target is None:
+            carried_by = state.carriers()
             # Who carries the request now: the decode tier that holds its KV; MD after a cut.
             if msg.event == "rld_kv_complete" or (msg.event == "md_kv_complete"
                                                    and d.get("pipeline") == "p_md"):
                 state.owner = msg.producer or peer.role
             elif msg.event == "handoff_end":
                 state.owner = "main_decode"
-            elif msg.event == "handoff_start":
+            elif msg.event == "handoff_start":  # RLD may cut from here on: MD carries it too
                 state.handoff_started = True
-                md = self.peers.get("main_decode")
-                if md is not None and md.conn is None and not state.assembler.finished:
-                    # MD's loss reached us before this news: RLD may have cut for a dead MD
-                    self._spawn(self._replay_or_fail(
-                        state, "main_decode", "main_decode was lost as RLD handed it the request"),
-                        f"replay {state.request_id}")
             elif state.owner == "prefill" and (msg.event == "rld_kv_sent" or (
                     msg.event == "wan_kv_acked" and d.get("pipeline") == "p_md")):
                 # P's part is over and P forgets the request: if that decode tier dies before
-                # its own milestone, its loss must still replay the request. It may be lost
-                # already (its loss reached us first): replay now, not at the stall timer.
+                # its own milestone, its loss must still replay the request.
                 state.owner = "relay" if msg.event == "rld_kv_sent" else "main_decode"
-                carrier = self.peers.get(state.owner)
-                if carrier is not None and carrier.conn is None:
-                    self._spawn(self._replay_or_fail(
-                        state, state.owner, f"{state.owner} was lost as P handed it the request"),
-                        f"replay {state.request_id}")
+            self._replay_if_a_new_carrier_is_gone(state, state.carriers() - carried_by,
+                                                  msg.event)
         # Figures of the `pdd` object riding on the milestone they belong to.
         if msg.event == "prefill_start" and label:
             d.setdefault("pipeline", label)
@@ -534,10 +525,18 @@ class Router:
             if state.assembler.finished or peer.role not in state.carriers():
                 continue
             why = f"lost the connection to {peer.role}: {peer.last_error}"
-            task = asyncio.get_running_loop().create_task(self._replay_or_fail(state, peer.role,
-                                                                               why))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._replay_or_fail(state, peer.role, why),
+                        f"replay {state.request_id}")
+
+    def _replay_if_a_new_carrier_is_gone(self, state: RequestState, new: set[str],
+                                         event: str) -> None:
+        """A request just gained carriers (`new`): one whose loss reached us before this news
+        was not replayed then; replay now, not at the stall timer."""
+        gone = [r for r in sorted(new) if r in self.peers and self.peers[r].conn is None]
+        if gone and not state.assembler.finished:
+            self._spawn(self._replay_or_fail(
+                state, gone[0], f"{gone[0]} was lost before its {event} reached the router"),
+                f"replay {state.request_id}")
 
     async def _replay_or_fail(self, state: RequestState, lost: str, why: str) -> None:
         if not await self._replay(state, lost, why):
