@@ -14,7 +14,6 @@ before the cluster is ready ends the start with an error naming it, and leaves n
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pddnet.cluster.launcher import ClusterStartError, shm_segments_of
+from pddnet.cluster.launcher import ClusterStartError, read_run_file, shm_segments_of
 from pddnet.cluster.local import LocalCluster
 from tests.chaos.harness import link_chaos, mixed_workload, run_case, when_phase
 from tests.polling import wait_for
@@ -55,8 +54,9 @@ async def test_partition_longer_than_every_timeout_then_heal(chaos_clusters):
 
 
 async def _run_file(cluster: LocalCluster) -> dict | None:
+    """The run file once written (None before: it is being written while the cluster starts)."""
     try:
-        return json.loads((Path(cluster.run_dir) / "run.json").read_text())
+        return read_run_file(cluster.run_dir)
     except (FileNotFoundError, ValueError):
         return None
 
