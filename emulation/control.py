@@ -60,9 +60,11 @@ def _direction(request: web.Request) -> str:
     return name
 
 
-def make_control_app(link: Link, clock: Callable[[], float] = time.monotonic,
-                     on_reset: Callable[[], Awaitable[int] | int] | None = None
-                     ) -> web.Application:
+def make_control_app(
+    link: Link,
+    clock: Callable[[], float] = time.monotonic,
+    on_reset: Callable[[], Awaitable[int] | int] | None = None,
+) -> web.Application:
     """The control API for `link`; `clock` gives the `now` passed to the model."""
 
     def view(direction: str = "both") -> dict[str, Any]:
@@ -78,8 +80,11 @@ def make_control_app(link: Link, clock: Callable[[], float] = time.monotonic,
         direction = _direction(request)
         body = await _body(request)
         if "direction" in body or "now" in body:
-            raise BadRequest("the direction goes in the URL (/link/a_to_b), not in the body"
-                             if "direction" in body else "'now' is not an effect")
+            raise BadRequest(
+                "the direction goes in the URL (/link/a_to_b), not in the body"
+                if "direction" in body
+                else "'now' is not an effect"
+            )
         duration = body.pop("duration", None)
         link.set(clock(), direction, duration, **body)
         return web.json_response({"ok": True, "link": view(direction)})
@@ -93,8 +98,10 @@ def make_control_app(link: Link, clock: Callable[[], float] = time.monotonic,
         body = await _body(request)
         unknown = set(body) - {"steps", "trace", "loop", "period"}
         if unknown:
-            raise BadRequest(f"unknown schedule field(s) {', '.join(sorted(unknown))} "
-                             "(known: steps, trace, loop, period)")
+            raise BadRequest(
+                f"unknown schedule field(s) {', '.join(sorted(unknown))} "
+                "(known: steps, trace, loop, period)"
+            )
         if ("steps" in body) == ("trace" in body):
             raise BadRequest("give exactly one of 'steps' (a list) or 'trace' (a file path)")
         source = body.get("steps", body.get("trace"))
@@ -102,8 +109,7 @@ def make_control_app(link: Link, clock: Callable[[], float] = time.monotonic,
             raise BadRequest(f"trace must be a file path string, got {source!r}")
         if "steps" in body and not isinstance(source, list):
             raise BadRequest(f"steps must be a list, got {type(source).__name__}")
-        link.load_schedule(clock(), source, loop=body.get("loop", False),
-                           period=body.get("period"))
+        link.load_schedule(clock(), source, loop=body.get("loop", False), period=body.get("period"))
         return web.json_response({"ok": True, "link": view()})
 
     async def chaos(request: web.Request) -> web.Response:
@@ -120,8 +126,7 @@ def make_control_app(link: Link, clock: Callable[[], float] = time.monotonic,
         if "now" in body or "kind" in body:
             raise BadRequest("'now' and 'kind' are not chaos parameters")
         link.chaos(clock(), kind, duration, **body)
-        return web.json_response({"ok": True, "kind": kind, "duration": duration,
-                                  "link": view()})
+        return web.json_response({"ok": True, "kind": kind, "duration": duration, "link": view()})
 
     async def reset(request: web.Request) -> web.Response:
         if on_reset is None:
@@ -151,8 +156,9 @@ def make_control_app(link: Link, clock: Callable[[], float] = time.monotonic,
     return app
 
 
-async def start_control_server(app: web.Application, host: str = "127.0.0.1",
-                               port: int = 0) -> tuple[web.AppRunner, int]:
+async def start_control_server(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, int]:
     """Serve `app`; returns the runner (call `await runner.cleanup()`) and the bound port."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -198,8 +204,9 @@ class ControlClient:
     async def show(self, direction: str = "both") -> dict:
         return await self._call("GET", "/link" if direction == "both" else f"/link/{direction}")
 
-    async def set(self, direction: str = "both", duration: float | None = None,
-                  **effects: Any) -> dict:
+    async def set(
+        self, direction: str = "both", duration: float | None = None, **effects: Any
+    ) -> dict:
         body = dict(effects)
         if duration is not None:
             body["duration"] = duration
@@ -214,8 +221,13 @@ class ControlClient:
     async def heal(self) -> dict:
         return await self._call("POST", "/chaos/heal", {})
 
-    async def load_schedule(self, steps: list[dict] | None = None, trace: str | None = None,
-                            loop: bool = False, period: float | None = None) -> dict:
+    async def load_schedule(
+        self,
+        steps: list[dict] | None = None,
+        trace: str | None = None,
+        loop: bool = False,
+        period: float | None = None,
+    ) -> dict:
         body: dict[str, Any] = {"loop": loop}
         if steps is not None:
             body["steps"] = steps

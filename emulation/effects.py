@@ -30,55 +30,177 @@ JITTER_DISTRIBUTIONS = ("uniform", "normal", "pareto-normal")
 @dataclass(frozen=True)
 class EffectSpec:
     name: str
-    kind: str            # "float", "int", "bool", "choice", "rate"
+    kind: str  # "float", "int", "bool", "choice", "rate"
     default: Any
     unit: str
     doc: str
-    low: float | None = None       # inclusive lower bound
-    high: float | None = None      # inclusive upper bound
+    low: float | None = None  # inclusive lower bound
+    high: float | None = None  # inclusive upper bound
     low_exclusive: bool = False
-    neutral: Any = None            # the value meaning "this effect is off"
+    neutral: Any = None  # the value meaning "this effect is off"
 
 
-EFFECTS: dict[str, EffectSpec] = {s.name: s for s in [
-    EffectSpec("delay_ms", "float", 0.0, "ms", "one-way propagation delay", low=0.0, high=600_000.0,
-               neutral=0.0),
-    EffectSpec("jitter_ms", "float", 0.0, "ms",
-               "delay variation: std for normal/pareto-normal, half-width for uniform",
-               low=0.0, high=600_000.0, neutral=0.0),
-    EffectSpec("jitter_dist", "choice", "normal", "", "uniform | normal | pareto-normal",
-               neutral="normal"),
-    EffectSpec("jitter_corr_pct", "float", 0.0, "%",
-               "correlation of successive jitter draws (AR(1) on a Gaussian copula)",
-               low=0.0, high=99.9, neutral=0.0),
-    EffectSpec("reorder_pct", "float", 0.0, "%",
-               "share of items exempt from the in-order rule (0: never reorder, 100: netem-like)",
-               low=0.0, high=100.0, neutral=0.0),
-    EffectSpec("rate_mbit", "rate", None, "Mbit/s", "bottleneck rate; null = unlimited",
-               low=0.0, low_exclusive=True, high=10_000_000.0, neutral=None),
-    EffectSpec("burst_bytes", "int", 15_000, "bytes", "token bucket depth (burst at line rate)",
-               low=1, high=1 << 40, neutral=15_000),
-    EffectSpec("queue_bytes", "int", 1 << 20, "bytes",
-               "bottleneck FIFO limit; arrivals that do not fit are tail-dropped",
-               low=1, high=1 << 40, neutral=1 << 20),
-    EffectSpec("loss_pct", "float", 0.0, "%", "independent random loss at ingress",
-               low=0.0, high=100.0, neutral=0.0),
-    EffectSpec("ge_p_pct", "float", 0.0, "%",
-               "Gilbert-Elliott: per-item chance good -> bad (0 disables the model)",
-               low=0.0, high=100.0, neutral=0.0),
-    EffectSpec("ge_r_pct", "float", 100.0, "%", "Gilbert-Elliott: per-item chance bad -> good",
-               low=0.0, high=100.0, low_exclusive=True, neutral=100.0),
-    EffectSpec("ge_bad_loss_pct", "float", 100.0, "%", "Gilbert-Elliott: loss in the bad state",
-               low=0.0, high=100.0, neutral=100.0),
-    EffectSpec("ge_good_loss_pct", "float", 0.0, "%", "Gilbert-Elliott: loss in the good state",
-               low=0.0, high=100.0, neutral=0.0),
-    EffectSpec("duplicate_pct", "float", 0.0, "%", "chance an item is delivered twice",
-               low=0.0, high=100.0, neutral=0.0),
-    EffectSpec("partition", "bool", False, "", "drop everything at ingress (set on both directions)",
-               neutral=False),
-    EffectSpec("blackhole", "bool", False, "", "drop everything at ingress (this direction only)",
-               neutral=False),
-]}
+EFFECTS: dict[str, EffectSpec] = {
+    s.name: s
+    for s in [
+        EffectSpec(
+            "delay_ms",
+            "float",
+            0.0,
+            "ms",
+            "one-way propagation delay",
+            low=0.0,
+            high=600_000.0,
+            neutral=0.0,
+        ),
+        EffectSpec(
+            "jitter_ms",
+            "float",
+            0.0,
+            "ms",
+            "delay variation: std for normal/pareto-normal, half-width for uniform",
+            low=0.0,
+            high=600_000.0,
+            neutral=0.0,
+        ),
+        EffectSpec(
+            "jitter_dist",
+            "choice",
+            "normal",
+            "",
+            "uniform | normal | pareto-normal",
+            neutral="normal",
+        ),
+        EffectSpec(
+            "jitter_corr_pct",
+            "float",
+            0.0,
+            "%",
+            "correlation of successive jitter draws (AR(1) on a Gaussian copula)",
+            low=0.0,
+            high=99.9,
+            neutral=0.0,
+        ),
+        EffectSpec(
+            "reorder_pct",
+            "float",
+            0.0,
+            "%",
+            "share of items exempt from the in-order rule (0: never reorder, 100: netem-like)",
+            low=0.0,
+            high=100.0,
+            neutral=0.0,
+        ),
+        EffectSpec(
+            "rate_mbit",
+            "rate",
+            None,
+            "Mbit/s",
+            "bottleneck rate; null = unlimited",
+            low=0.0,
+            low_exclusive=True,
+            high=10_000_000.0,
+            neutral=None,
+        ),
+        EffectSpec(
+            "burst_bytes",
+            "int",
+            15_000,
+            "bytes",
+            "token bucket depth (burst at line rate)",
+            low=1,
+            high=1 << 40,
+            neutral=15_000,
+        ),
+        EffectSpec(
+            "queue_bytes",
+            "int",
+            1 << 20,
+            "bytes",
+            "bottleneck FIFO limit; arrivals that do not fit are tail-dropped",
+            low=1,
+            high=1 << 40,
+            neutral=1 << 20,
+        ),
+        EffectSpec(
+            "loss_pct",
+            "float",
+            0.0,
+            "%",
+            "independent random loss at ingress",
+            low=0.0,
+            high=100.0,
+            neutral=0.0,
+        ),
+        EffectSpec(
+            "ge_p_pct",
+            "float",
+            0.0,
+            "%",
+            "Gilbert-Elliott: per-item chance good -> bad (0 disables the model)",
+            low=0.0,
+            high=100.0,
+            neutral=0.0,
+        ),
+        EffectSpec(
+            "ge_r_pct",
+            "float",
+            100.0,
+            "%",
+            "Gilbert-Elliott: per-item chance bad -> good",
+            low=0.0,
+            high=100.0,
+            low_exclusive=True,
+            neutral=100.0,
+        ),
+        EffectSpec(
+            "ge_bad_loss_pct",
+            "float",
+            100.0,
+            "%",
+            "Gilbert-Elliott: loss in the bad state",
+            low=0.0,
+            high=100.0,
+            neutral=100.0,
+        ),
+        EffectSpec(
+            "ge_good_loss_pct",
+            "float",
+            0.0,
+            "%",
+            "Gilbert-Elliott: loss in the good state",
+            low=0.0,
+            high=100.0,
+            neutral=0.0,
+        ),
+        EffectSpec(
+            "duplicate_pct",
+            "float",
+            0.0,
+            "%",
+            "chance an item is delivered twice",
+            low=0.0,
+            high=100.0,
+            neutral=0.0,
+        ),
+        EffectSpec(
+            "partition",
+            "bool",
+            False,
+            "",
+            "drop everything at ingress (set on both directions)",
+            neutral=False,
+        ),
+        EffectSpec(
+            "blackhole",
+            "bool",
+            False,
+            "",
+            "drop everything at ingress (this direction only)",
+            neutral=False,
+        ),
+    ]
+}
 
 DEFAULT_EFFECTS: dict[str, Any] = {name: spec.default for name, spec in EFFECTS.items()}
 
@@ -114,8 +236,10 @@ def validate_effect(name: str, value: Any) -> Any:
         return value
     if spec.kind == "choice":
         if value not in JITTER_DISTRIBUTIONS:
-            raise ValueError(f"unknown distribution {value!r} for {name} "
-                             f"(known: {', '.join(JITTER_DISTRIBUTIONS)})")
+            raise ValueError(
+                f"unknown distribution {value!r} for {name} "
+                f"(known: {', '.join(JITTER_DISTRIBUTIONS)})"
+            )
         return value
     if spec.kind == "rate" and value is None:
         return None
@@ -191,7 +315,7 @@ class JitterSource:
 
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
-        self._z = 0.0          # last latent normal of the AR(1) copula
+        self._z = 0.0  # last latent normal of the AR(1) copula
         self._started = False
 
     def draw(self, jitter_ms: float, dist: str, corr_pct: float) -> float:
@@ -217,7 +341,9 @@ class JitterSource:
             frac = pos - i
             hi = table[min(i + 1, _TABLE_SIZE - 1)]
             return jitter_ms * (table[i] * (1.0 - frac) + hi * frac)
-        raise ValueError(f"unknown distribution {dist!r} (known: {', '.join(JITTER_DISTRIBUTIONS)})")
+        raise ValueError(
+            f"unknown distribution {dist!r} (known: {', '.join(JITTER_DISTRIBUTIONS)})"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +399,10 @@ class DelayHistogram:
         self.max_ms = max(self.max_ms, delay_ms)
 
     def to_dict(self) -> dict[str, Any]:
-        buckets: list[dict[str, Any]] = [{"le_ms": edge, "count": c} for edge, c in zip(DELAY_BUCKETS_MS, self.counts[:-1], strict=True)]
+        buckets: list[dict[str, Any]] = [
+            {"le_ms": edge, "count": c}
+            for edge, c in zip(DELAY_BUCKETS_MS, self.counts[:-1], strict=True)
+        ]
         buckets.append({"le_ms": "+Inf", "count": self.counts[-1]})
         return {
             "count": self.count,

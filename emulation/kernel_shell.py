@@ -49,6 +49,7 @@ def _probe_netem() -> str | None:
     except OSError as exc:
         return f"cannot create a scratch network namespace to probe netem: {exc}"
     try:
+
         def probe() -> str | None:
             from pyroute2 import IPRoute
             from pyroute2.netlink.exceptions import NetlinkError
@@ -58,8 +59,10 @@ def _probe_netem() -> str | None:
                 try:
                     ipr.tc("add", "netem", lo, handle="1:", delay=1000)
                 except NetlinkError as exc:
-                    return (f"the kernel has no sch_netem (adding a netem qdisc failed: "
-                            f"{os.strerror(exc.code)}; kernel {os.uname().release})")
+                    return (
+                        f"the kernel has no sch_netem (adding a netem qdisc failed: "
+                        f"{os.strerror(exc.code)}; kernel {os.uname().release})"
+                    )
             return None
 
         return netns.run_in_netns(name, probe)
@@ -67,8 +70,9 @@ def _probe_netem() -> str | None:
         netns.delete(name)
 
 
-def create_veth(ns_a: str, ns_b: str, addr_a: str, addr_b: str, mtu: int = 9000,
-                ifname: str = "wan0") -> None:
+def create_veth(
+    ns_a: str, ns_b: str, addr_a: str, addr_b: str, mtu: int = 9000, ifname: str = "wan0"
+) -> None:
     """A veth pair `ifname` in ns_a <-> `ifname` in ns_b, point-to-point addressed and up. Made
     inside the namespaces (the peer is created directly in ns_b), so no link ever exists in the
     host namespace and deleting the namespaces removes the pair."""
@@ -83,8 +87,12 @@ def create_veth(ns_a: str, ns_b: str, addr_a: str, addr_b: str, mtu: int = 9000,
         from pyroute2 import IPRoute
 
         with IPRoute() as ipr:
-            ipr.link("add", ifname=ifname, kind="veth",
-                     peer={"ifname": ifname, "net_ns_fd": netns.netns_path(ns_b)})
+            ipr.link(
+                "add",
+                ifname=ifname,
+                kind="veth",
+                peer={"ifname": ifname, "net_ns_fd": netns.netns_path(ns_b)},
+            )
 
     def configure(local: str, peer: str) -> None:
         from pyroute2 import IPRoute
@@ -109,14 +117,18 @@ def qdisc_params(effects: dict[str, Any], mtu: int = 9000) -> tuple[dict[str, An
     Pure. Raises ValueError for effects netem (as pyroute2 drives it) cannot express."""
     for name in NETEM_UNSUPPORTED:
         if effects.get(name):
-            raise ValueError(f"{name}={effects[name]!r} is not supported by the kernel shell "
-                             "(netem through pyroute2); use the packet shell")
+            raise ValueError(
+                f"{name}={effects[name]!r} is not supported by the kernel shell "
+                "(netem through pyroute2); use the packet shell"
+            )
     if effects.get("jitter_ms") and effects.get("jitter_dist", "normal") != "uniform":
-        raise ValueError("the kernel shell has uniform jitter only (pyroute2 cannot load netem "
-                         f"distribution tables), got jitter_dist={effects.get('jitter_dist')!r}")
+        raise ValueError(
+            "the kernel shell has uniform jitter only (pyroute2 cannot load netem "
+            f"distribution tables), got jitter_dist={effects.get('jitter_dist')!r}"
+        )
     blocked = bool(effects.get("partition") or effects.get("blackhole"))
     netem = {
-        "delay": int(round(effects.get("delay_ms", 0.0) * 1000)),    # us
+        "delay": int(round(effects.get("delay_ms", 0.0) * 1000)),  # us
         "jitter": int(round(effects.get("jitter_ms", 0.0) * 1000)),  # us (uniform half-width)
         "loss": 100.0 if blocked else float(effects.get("loss_pct", 0.0)),
         "duplicate": float(effects.get("duplicate_pct", 0.0)),
@@ -127,7 +139,7 @@ def qdisc_params(effects: dict[str, Any], mtu: int = 9000) -> tuple[dict[str, An
     if rate is None:
         return netem, None
     tbf = {
-        "rate": int(rate * 1e6 / 8),                           # bytes/s
+        "rate": int(rate * 1e6 / 8),  # bytes/s
         "burst": max(int(effects.get("burst_bytes", 15_000)), mtu + 64),
         "limit": max(int(effects.get("queue_bytes", 1 << 20)), mtu + 64),
     }
@@ -167,17 +179,34 @@ def qdisc_stats(ns: str, ifname: str) -> list[dict[str, Any]]:
             idx = ipr.link_lookup(ifname=ifname)[0]
             for q in ipr.get_qdiscs(idx):
                 st = q.get_attr("TCA_STATS") or {}
-                out.append({"kind": q.get_attr("TCA_KIND"), "handle": q["handle"],
-                            "parent": q["parent"], **{k: st.get(k) for k in
-                            ("bytes", "packets", "drops", "overlimits", "qlen", "backlog")}})
+                out.append(
+                    {
+                        "kind": q.get_attr("TCA_KIND"),
+                        "handle": q["handle"],
+                        "parent": q["parent"],
+                        **{
+                            k: st.get(k)
+                            for k in ("bytes", "packets", "drops", "overlimits", "qlen", "backlog")
+                        },
+                    }
+                )
         return out
 
     return netns.run_in_netns(ns, read)
 
 
-async def serve(ns_a: str, ns_b: str, addr_a: str, addr_b: str, mtu: int, effects: dict[str, Any],
-                control_host: str = "127.0.0.1", control_port: int = 0,
-                ready_file: str | None = None, ifname: str = "wan0") -> None:
+async def serve(
+    ns_a: str,
+    ns_b: str,
+    addr_a: str,
+    addr_b: str,
+    mtu: int,
+    effects: dict[str, Any],
+    control_host: str = "127.0.0.1",
+    control_port: int = 0,
+    ready_file: str | None = None,
+    ifname: str = "wan0",
+) -> None:
     """The kernel shell's emulator process: veth + qdiscs + control API until SIGTERM/SIGINT."""
     from aiohttp import web
 
@@ -208,8 +237,9 @@ async def serve(ns_a: str, ns_b: str, addr_a: str, addr_b: str, mtu: int, effect
     app = make_control_app(link, clock=time.monotonic)
 
     async def kernel_stats(request: Any) -> Any:
-        return web.json_response({"a_to_b": qdisc_stats(ns_a, ifname),
-                                  "b_to_a": qdisc_stats(ns_b, ifname)})
+        return web.json_response(
+            {"a_to_b": qdisc_stats(ns_a, ifname), "b_to_a": qdisc_stats(ns_b, ifname)}
+        )
 
     app.router.add_get("/kernel", kernel_stats)
     runner, port = await start_control_server(app, control_host, control_port)
@@ -218,9 +248,18 @@ async def serve(ns_a: str, ns_b: str, addr_a: str, addr_b: str, mtu: int, effect
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if ready_file:
-        write_json_atomic(ready_file, {"pid": os.getpid(), "shell": "kernel", "ifname": ifname,
-                                       "control_url": f"http://{control_host}:{port}",
-                                       "mtu": mtu, "addr_a": addr_a, "addr_b": addr_b})
+        write_json_atomic(
+            ready_file,
+            {
+                "pid": os.getpid(),
+                "shell": "kernel",
+                "ifname": ifname,
+                "control_url": f"http://{control_host}:{port}",
+                "mtu": mtu,
+                "addr_a": addr_a,
+                "addr_b": addr_b,
+            },
+        )
     try:
         while not stop.is_set():
             try:
@@ -258,8 +297,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host, port = args.control
     try:
-        asyncio.run(serve(args.ns_a, args.ns_b, args.addr_a, args.addr_b, args.mtu, effects,
-                          host, port, args.ready_file))
+        asyncio.run(
+            serve(
+                args.ns_a,
+                args.ns_b,
+                args.addr_a,
+                args.addr_b,
+                args.mtu,
+                effects,
+                host,
+                port,
+                args.ready_file,
+            )
+        )
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"kernel shell: {exc}", file=sys.stderr)
         return 1

@@ -57,7 +57,7 @@ def _check_duration(duration: float | None) -> float | None:
 class _Queued:
     arrival: float
     size: int
-    item: Any    # (Any, not object: mypyc evaluates dataclass annotations by name)
+    item: Any  # (Any, not object: mypyc evaluates dataclass annotations by name)
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
     def __init__(self, arrival: float, size: int, item: Any) -> None:
@@ -76,8 +76,9 @@ class _InFlight:
     copies: int = field(compare=False)
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, departure: float, seq: int, arrival: float, size: int, item: Any,
-                 copies: int) -> None:
+    def __init__(
+        self, departure: float, seq: int, arrival: float, size: int, item: Any, copies: int
+    ) -> None:
         self.departure = departure
         self.seq = seq
         self.arrival = arrival
@@ -87,8 +88,9 @@ class _InFlight:
 
     def __lt__(self, other: _InFlight) -> bool:
         # the heap's order (departure, then sequence), compiled like __init__
-        return (self.departure < other.departure
-                or (self.departure == other.departure and self.seq < other.seq))
+        return self.departure < other.departure or (
+            self.departure == other.departure and self.seq < other.seq
+        )
 
 
 @dataclass(order=True)
@@ -120,16 +122,21 @@ class LinkDirection:
         self._queue: deque[_Queued] = deque()
         self._queued_bytes = 0
         self._tokens = float(self._fx["burst_bytes"])
-        self._tokens_at = float("-inf")        # time the token count refers to
+        self._tokens_at = float("-inf")  # time the token count refers to
         self._in_flight: list[_InFlight] = []  # heap by departure
-        self._last_departure = float("-inf")   # of in-order items: the in-order floor
+        self._last_departure = float("-inf")  # of in-order items: the in-order floor
         self._reverts: list[_Revert] = []
         self._schedule: Iterator[tuple[float, dict[str, Any], float | None]] | None = None
         self._next_step: tuple[float, dict[str, Any], float | None] | None = None
         self._schedule_info: dict[str, Any] | None = None
 
-        self._c = {"bytes_in": 0, "packets_in": 0, "bytes_out": 0, "packets_out": 0,
-                   "duplicated": 0}
+        self._c = {
+            "bytes_in": 0,
+            "packets_in": 0,
+            "bytes_out": 0,
+            "packets_out": 0,
+            "duplicated": 0,
+        }
         self._drops = dict.fromkeys(DROP_CAUSES, 0)
         self._drop_bytes = dict.fromkeys(DROP_CAUSES, 0)
         self._max_q_bytes = 0
@@ -153,8 +160,9 @@ class LinkDirection:
             cause = "blackhole"
         elif bernoulli(self._rng_loss, fx["loss_pct"]):
             cause = "loss"
-        elif self._ge.drops(fx["ge_p_pct"], fx["ge_r_pct"], fx["ge_bad_loss_pct"],
-                            fx["ge_good_loss_pct"]):
+        elif self._ge.drops(
+            fx["ge_p_pct"], fx["ge_r_pct"], fx["ge_bad_loss_pct"], fx["ge_good_loss_pct"]
+        ):
             cause = "burst_loss"
         elif fx["rate_mbit"] is not None and self._queued_bytes + size > fx["queue_bytes"]:
             cause = "queue_full"
@@ -250,8 +258,12 @@ class LinkDirection:
             **self._c,
             "drops": dict(self._drops),
             "drop_bytes": dict(self._drop_bytes),
-            "queue": {"bytes": self._queued_bytes, "packets": len(self._queue),
-                      "max_bytes": self._max_q_bytes, "max_packets": self._max_q_packets},
+            "queue": {
+                "bytes": self._queued_bytes,
+                "packets": len(self._queue),
+                "max_bytes": self._max_q_bytes,
+                "max_packets": self._max_q_packets,
+            },
             "in_flight_packets": len(self._in_flight),
             "delay": self._hist.to_dict(),
         }
@@ -281,8 +293,12 @@ class LinkDirection:
         self._set_schedule(None, None)
         self._apply_at(now, {k: v for k, v in self._baseline.items() if self._fx[k] != v}, None)
 
-    def set_schedule(self, now: float, steps: Iterator[tuple[float, dict[str, Any], float | None]],
-                     info: dict[str, Any]) -> None:
+    def set_schedule(
+        self,
+        now: float,
+        steps: Iterator[tuple[float, dict[str, Any], float | None]],
+        info: dict[str, Any],
+    ) -> None:
         self._catch_up(now)
         self._set_schedule(steps, info)
 
@@ -306,7 +322,10 @@ class LinkDirection:
         for key, value in changes.items():
             self._fx[key] = value
             self._version[key] += 1
-        if old.get("rate_mbit", self._fx["rate_mbit"]) is None and self._fx["rate_mbit"] is not None:
+        if (
+            old.get("rate_mbit", self._fx["rate_mbit"]) is None
+            and self._fx["rate_mbit"] is not None
+        ):
             self._tokens = float(self._fx["burst_bytes"])
             self._tokens_at = t
         self._tokens = min(self._tokens, float(self._fx["burst_bytes"]))
@@ -340,8 +359,11 @@ class LinkDirection:
             self._serve(event)
             if self._reverts and self._reverts[0].at == event:
                 revert = heapq.heappop(self._reverts)
-                restore = {k: value for k, (version, value) in revert.keys.items()
-                           if self._version[k] == version}  # later changes win over the revert
+                restore = {
+                    k: value
+                    for k, (version, value) in revert.keys.items()
+                    if self._version[k] == version
+                }  # later changes win over the revert
                 self._apply_at(event, restore, None)
             else:
                 step, schedule = self._next_step, self._schedule
@@ -368,8 +390,9 @@ class LinkDirection:
         if self._tokens_at == float("-inf"):
             self._tokens = float(self._fx["burst_bytes"])
         elif t > self._tokens_at:
-            self._tokens = min(float(self._fx["burst_bytes"]),
-                               self._tokens + rate * (t - self._tokens_at))
+            self._tokens = min(
+                float(self._fx["burst_bytes"]), self._tokens + rate * (t - self._tokens_at)
+            )
         self._tokens_at = max(t, self._tokens_at)
 
     def _head_exit(self) -> float | None:
@@ -399,8 +422,15 @@ class LinkDirection:
 
     def _propagate(self, t: float, arrival: float, size: int, item: object) -> None:
         fx = self._fx
-        own = t + max(0.0, fx["delay_ms"] + self._jitter.draw(
-            fx["jitter_ms"], fx["jitter_dist"], fx["jitter_corr_pct"])) / 1000.0
+        own = (
+            t
+            + max(
+                0.0,
+                fx["delay_ms"]
+                + self._jitter.draw(fx["jitter_ms"], fx["jitter_dist"], fx["jitter_corr_pct"]),
+            )
+            / 1000.0
+        )
         if bernoulli(self._rng_reorder, fx["reorder_pct"]):
             departure = own  # exempt: may overtake, and does not hold back later items
         else:
@@ -409,8 +439,9 @@ class LinkDirection:
         copies = 2 if bernoulli(self._rng_dup, fx["duplicate_pct"]) else 1
         if copies == 2:
             self._c["duplicated"] += 1
-        heapq.heappush(self._in_flight,
-                       _InFlight(departure, next(self._seq), arrival, size, item, copies))
+        heapq.heappush(
+            self._in_flight, _InFlight(departure, next(self._seq), arrival, size, item, copies)
+        )
 
 
 class Link:
@@ -466,11 +497,14 @@ class Link:
         checked = validate_effects(effects)
         for name, value in checked.items():
             if name in self._restricted and not is_neutral(name, value):
-                raise ValueError(f"{name}={value!r} is not supported here: {self._restricted[name]}")
+                raise ValueError(
+                    f"{name}={value!r} is not supported here: {self._restricted[name]}"
+                )
         return checked
 
-    def set(self, now: float, direction: str = "both", duration: float | None = None,
-            **effects: Any) -> None:
+    def set(
+        self, now: float, direction: str = "both", duration: float | None = None, **effects: Any
+    ) -> None:
         """Change effects while traffic flows; with `duration` (s) they revert at now + duration.
 
         A revert restores each effect's earlier value unless that effect was changed again in
@@ -500,43 +534,67 @@ class Link:
 
     def blackhole(self, now: float, direction: str, duration: float | None = None) -> None:
         if direction == "both":
-            raise ValueError("blackhole is one direction: a_to_b or b_to_a (use partition for both)")
+            raise ValueError(
+                "blackhole is one direction: a_to_b or b_to_a (use partition for both)"
+            )
         self.set(now, direction, duration, blackhole=True)
 
     # --- chaos verbs: one call each, always with a duration --------------------------------
 
-    def latency_spike(self, now: float, duration: float, add_ms: float,
-                      direction: str = "both") -> None:
+    def latency_spike(
+        self, now: float, duration: float, add_ms: float, direction: str = "both"
+    ) -> None:
         """Add `add_ms` to the one-way delay for `duration` seconds."""
         _check_duration_required(duration)
         if isinstance(add_ms, bool) or not isinstance(add_ms, (int, float)) or add_ms <= 0:
             raise ValueError(f"add_ms must be a number of ms > 0, got {add_ms!r}")
-        self._set_each(now, duration, [(d, {"delay_ms": d.effects()["delay_ms"] + add_ms})
-                                       for d in self._directions(direction)])
+        self._set_each(
+            now,
+            duration,
+            [
+                (d, {"delay_ms": d.effects()["delay_ms"] + add_ms})
+                for d in self._directions(direction)
+            ],
+        )
 
-    def bandwidth_collapse(self, now: float, duration: float, fraction: float,
-                           direction: str = "both") -> None:
+    def bandwidth_collapse(
+        self, now: float, duration: float, fraction: float, direction: str = "both"
+    ) -> None:
         """Cut the rate to `fraction` (0 < fraction <= 1) of its current value for `duration` s."""
         _check_duration_required(duration)
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-                or not 0 < fraction <= 1:
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0 < fraction <= 1
+        ):
             raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
         targets = self._directions(direction)
         for d in targets:
             if d.effects()["rate_mbit"] is None:
-                raise ValueError(f"bandwidth collapse needs a rate limit on {d.name} "
-                                 "(rate_mbit is unlimited)")
-        self._set_each(now, duration, [(d, {"rate_mbit": d.effects()["rate_mbit"] * fraction})
-                                       for d in targets])
+                raise ValueError(
+                    f"bandwidth collapse needs a rate limit on {d.name} (rate_mbit is unlimited)"
+                )
+        self._set_each(
+            now,
+            duration,
+            [(d, {"rate_mbit": d.effects()["rate_mbit"] * fraction}) for d in targets],
+        )
 
-    def loss_burst(self, now: float, duration: float, loss_pct: float = 100.0,
-                   direction: str = "both") -> None:
+    def loss_burst(
+        self, now: float, duration: float, loss_pct: float = 100.0, direction: str = "both"
+    ) -> None:
         """Random loss of `loss_pct` percent for `duration` seconds."""
         _check_duration_required(duration)
         self.set(now, direction, duration, loss_pct=loss_pct)
 
-    def jitter_storm(self, now: float, duration: float, jitter_ms: float,
-                     jitter_dist: str | None = None, direction: str = "both") -> None:
+    def jitter_storm(
+        self,
+        now: float,
+        duration: float,
+        jitter_ms: float,
+        jitter_dist: str | None = None,
+        direction: str = "both",
+    ) -> None:
         """Jitter of `jitter_ms` (optionally another distribution) for `duration` seconds."""
         _check_duration_required(duration)
         extra = {} if jitter_dist is None else {"jitter_dist": jitter_dist}
@@ -544,9 +602,13 @@ class Link:
 
     def chaos(self, now: float, kind: str, duration: float, **params: Any) -> None:
         """Dispatch a chaos verb by its API name (partition, latency-spike, ...)."""
-        verbs: dict[str, Callable[..., None]] = {"partition": self._chaos_partition, "latency-spike": self.latency_spike,
-                 "bandwidth-collapse": self.bandwidth_collapse, "loss-burst": self.loss_burst,
-                 "jitter-storm": self.jitter_storm}
+        verbs: dict[str, Callable[..., None]] = {
+            "partition": self._chaos_partition,
+            "latency-spike": self.latency_spike,
+            "bandwidth-collapse": self.bandwidth_collapse,
+            "loss-burst": self.loss_burst,
+            "jitter-storm": self.jitter_storm,
+        }
         verb = verbs.get(kind)
         if verb is None:
             raise ValueError(f"unknown chaos {kind!r} (known: {', '.join(verbs)})")
@@ -559,8 +621,9 @@ class Link:
         _check_duration_required(duration)
         self.partition(now, duration)
 
-    def _set_each(self, now: float, duration: float,
-                  changes: list[tuple[LinkDirection, dict[str, Any]]]) -> None:
+    def _set_each(
+        self, now: float, duration: float, changes: list[tuple[LinkDirection, dict[str, Any]]]
+    ) -> None:
         """Per-direction changes, all validated before any is applied."""
         checked = [(d, self.check(c)) for d, c in changes]
         for d, c in checked:
@@ -569,8 +632,13 @@ class Link:
 
     # --- schedules -------------------------------------------------------------------------
 
-    def load_schedule(self, now: float, steps: list[dict] | str | Path, loop: bool = False,
-                      period: float | None = None) -> None:
+    def load_schedule(
+        self,
+        now: float,
+        steps: list[dict] | str | Path,
+        loop: bool = False,
+        period: float | None = None,
+    ) -> None:
         """Replace the schedule: a list of steps or a trace file; times are relative to `now`.
 
         Steps: {"at": s, "direction": "both"|"a_to_b"|"b_to_a", "duration": s?, effect: value...}.

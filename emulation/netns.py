@@ -58,7 +58,8 @@ def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(
             f"bad network namespace name {name!r}: use 1-63 characters of A-Z a-z 0-9 _ . - "
-            "starting with a letter or digit")
+            "starting with a letter or digit"
+        )
     return name
 
 
@@ -99,10 +100,12 @@ def _share_run_dir() -> None:
     run_dir = NETNS_RUN_DIR.encode()
     if libc.mount(b"", run_dir, b"none", _MS_SHARED | _MS_REC, None) == 0:
         return
-    _check(libc.mount(run_dir, run_dir, b"none", _MS_BIND | _MS_REC, None),
-           "bind mount", NETNS_RUN_DIR)
-    _check(libc.mount(b"", run_dir, b"none", _MS_SHARED | _MS_REC, None),
-           "make shared", NETNS_RUN_DIR)
+    _check(
+        libc.mount(run_dir, run_dir, b"none", _MS_BIND | _MS_REC, None), "bind mount", NETNS_RUN_DIR
+    )
+    _check(
+        libc.mount(b"", run_dir, b"none", _MS_SHARED | _MS_REC, None), "make shared", NETNS_RUN_DIR
+    )
 
 
 def _in_thread(fn: Callable[[], T]) -> T:
@@ -130,15 +133,19 @@ def create(name: str) -> None:
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o444))
     except FileExistsError:
-        raise FileExistsError(errno.EEXIST, f"network namespace {name!r} already exists",
-                              path) from None
+        raise FileExistsError(
+            errno.EEXIST, f"network namespace {name!r} already exists", path
+        ) from None
 
     def make() -> None:
         # unshare() moves only this helper thread into the new namespace; the bind mount keeps
         # the namespace alive after the thread is gone.
         _check(_lib().unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)", name)
-        _check(_lib().mount(b"/proc/thread-self/ns/net", path.encode(), b"none", _MS_BIND, None),
-               "bind mount of the namespace", path)
+        _check(
+            _lib().mount(b"/proc/thread-self/ns/net", path.encode(), b"none", _MS_BIND, None),
+            "bind mount of the namespace",
+            path,
+        )
         _loopback_up()
 
     try:
@@ -195,8 +202,9 @@ def run_in_netns(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> 
     return _in_thread(inside)
 
 
-def socket_in(name: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM,
-              proto: int = 0) -> socket.socket:
+def socket_in(
+    name: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM, proto: int = 0
+) -> socket.socket:
     """A socket that lives in the named namespace (usable from any thread afterwards)."""
     return run_in_netns(name, socket.socket, family, type, proto)
 
@@ -267,8 +275,10 @@ def exec_argv(name: str, argv: Sequence[str]) -> list[str]:
         raise ValueError("exec needs a command to run")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # -c with an explicit path: works whether or not the package is installed.
-    code = (f"import sys; sys.path.insert(0, {root!r}); "
-            "from emulation.netns import main; sys.exit(main(sys.argv[1:]))")
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); "
+        "from emulation.netns import main; sys.exit(main(sys.argv[1:]))"
+    )
     return [sys.executable, "-c", code, "exec", name, "--", *argv]
 
 
@@ -284,8 +294,10 @@ def exec_in(name: str, argv: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: python -m emulation.netns exec NS -- CMD [ARGS...]\n"
-             "       python -m emulation.netns list")
+    usage = (
+        "usage: python -m emulation.netns exec NS -- CMD [ARGS...]\n"
+        "       python -m emulation.netns list"
+    )
     if args[:1] == ["list"]:
         print("\n".join(list_netns()))
         return 0

@@ -22,18 +22,32 @@ def parse_hostport(text: str) -> tuple[str, int]:
 def add_effect_args(p: argparse.ArgumentParser) -> None:
     """Initial link effects, per direction (the same on both)."""
     g = p.add_argument_group("initial effects (each direction; change them later with pdd wan set)")
-    g.add_argument("--rtt-ms", type=float, default=None,
-                   help="round-trip delay: sets each direction's delay to half of it (default: "
-                        "0, or --delay-ms)")
+    g.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=None,
+        help="round-trip delay: sets each direction's delay to half of it (default: "
+        "0, or --delay-ms)",
+    )
     g.add_argument("--delay-ms", type=float, default=None, help="one-way delay (ms) (default: 0)")
-    g.add_argument("--jitter-ms", type=float, default=None,
-                   help="one-way jitter (ms) (default: 0)")
-    g.add_argument("--jitter-dist", default=None,
-                   help="uniform | normal | pareto-normal (default: normal)")
-    g.add_argument("--bw-mbit", "--rate-mbit", dest="rate_mbit", type=float, default=None,
-                   help="bottleneck rate per direction (Mbit/s) (default: unlimited)")
-    g.add_argument("--queue-bytes", type=int, default=None,
-                   help="bottleneck queue limit (bytes) (default: 1 MiB)")
+    g.add_argument("--jitter-ms", type=float, default=None, help="one-way jitter (ms) (default: 0)")
+    g.add_argument(
+        "--jitter-dist", default=None, help="uniform | normal | pareto-normal (default: normal)"
+    )
+    g.add_argument(
+        "--bw-mbit",
+        "--rate-mbit",
+        dest="rate_mbit",
+        type=float,
+        default=None,
+        help="bottleneck rate per direction (Mbit/s) (default: unlimited)",
+    )
+    g.add_argument(
+        "--queue-bytes",
+        type=int,
+        default=None,
+        help="bottleneck queue limit (bytes) (default: 1 MiB)",
+    )
     g.add_argument("--loss-pct", type=float, default=None, help="random loss (%%) (default: 0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the link model's randomness")
 
@@ -58,23 +72,32 @@ def effects_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def add_packet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ns-a", required=True, help="namespace of datacenter A (must exist)")
     p.add_argument("--ns-b", required=True, help="namespace of datacenter B (must exist)")
-    p.add_argument("--control", type=parse_hostport, default=("127.0.0.1", 0),
-                   help="control API address HOST:PORT (default: 127.0.0.1:0, a free port)")
+    p.add_argument(
+        "--control",
+        type=parse_hostport,
+        default=("127.0.0.1", 0),
+        help="control API address HOST:PORT (default: 127.0.0.1:0, a free port)",
+    )
     p.add_argument("--addr-a", default="10.77.0.1", help="address of A's end")
     p.add_argument("--addr-b", default="10.77.0.2", help="address of B's end")
     p.add_argument("--mtu", type=int, default=9000, help="TUN MTU, 68..65535")
     p.add_argument("--ifname", default="wan0", help="TUN device name in each namespace")
-    p.add_argument("--ready-file", default=None,
-                   help="write {pid, control_url, ...} as JSON here once serving (default: "
-                        "none)")
+    p.add_argument(
+        "--ready-file",
+        default=None,
+        help="write {pid, control_url, ...} as JSON here once serving (default: none)",
+    )
     add_effect_args(p)
     p.set_defaults(handler=run_packet)
 
 
 def register_wan_packet(wan_subparsers: argparse._SubParsersAction) -> None:
     p = wan_subparsers.add_parser(
-        "packet", help="packet shell: forward IP packets between TUN devices in two namespaces",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "packet",
+        help="packet shell: forward IP packets between TUN devices in two namespaces",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_packet_args(p)
 
 
@@ -86,9 +109,17 @@ def run_packet(args: argparse.Namespace) -> int:
     try:
         effects = effects_from_args(args)
         host, port = args.control
-        cfg = PacketShellConfig(ns_a=args.ns_a, ns_b=args.ns_b, addr_a=args.addr_a,
-                                addr_b=args.addr_b, mtu=args.mtu, ifname=args.ifname,
-                                control_host=host, control_port=port, seed=args.seed)
+        cfg = PacketShellConfig(
+            ns_a=args.ns_a,
+            ns_b=args.ns_b,
+            addr_a=args.addr_a,
+            addr_b=args.addr_b,
+            mtu=args.mtu,
+            ifname=args.ifname,
+            control_host=host,
+            control_port=port,
+            seed=args.seed,
+        )
         from emulation import tun
 
         tun.TunConfig(cfg.ifname, cfg.addr_a, cfg.addr_b, cfg.mtu)  # validate before starting
@@ -110,8 +141,11 @@ def run_packet(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m emulation.packet_cli", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m emulation.packet_cli",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_packet_args(p)
     args = p.parse_args(argv)
     return args.handler(args)

@@ -42,7 +42,7 @@ DEFAULT_IFNAME = "wan0"
 DEFAULT_MTU = 9000
 READ_BATCH = 256
 MAX_LEAD_S = 0.0005  # never spin longer than this per wake-up
-SPIN_SHARE = 0.03    # at most this share of wall time spent spinning...
+SPIN_SHARE = 0.03  # at most this share of wall time spent spinning...
 SPIN_BURST_S = 0.01  # ...with this much saved up for bursts  # packets per wake-up and direction before yielding to the other direction
 
 
@@ -96,8 +96,14 @@ class TimerFd:
 class PacketForwarder:
     """Moves packets between TUN fds `fd_a` and `fd_b` through `link` on a running event loop."""
 
-    def __init__(self, link: Link, fd_a: int, fd_b: int,
-                 clock: Callable[[], float] = time.monotonic, read_batch: int = READ_BATCH) -> None:
+    def __init__(
+        self,
+        link: Link,
+        fd_a: int,
+        fd_b: int,
+        clock: Callable[[], float] = time.monotonic,
+        read_batch: int = READ_BATCH,
+    ) -> None:
         self.link = link
         self.clock = clock
         self._fd = {"a": fd_a, "b": fd_b}
@@ -105,10 +111,15 @@ class PacketForwarder:
         self._batch = read_batch
         self._timer: TimerFd | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats = {"read_packets": 0, "written_packets": 0, "write_errors": 0, "wakeups": 0,
-                      "spins": 0}
+        self.stats = {
+            "read_packets": 0,
+            "written_packets": 0,
+            "write_errors": 0,
+            "wakeups": 0,
+            "spins": 0,
+        }
         self._wake_latency = 0.0  # EWMA of timer wake-up lateness (s)
-        self._lead = 0.0          # wake this much before a departure and spin the rest
+        self._lead = 0.0  # wake this much before a departure and spin the rest
         self._spin_budget = SPIN_BURST_S
         self._spin_at = clock()
 
@@ -230,8 +241,12 @@ def _cpu_seconds() -> float:
     return t.user + t.system
 
 
-async def serve(cfg: PacketShellConfig, effects: dict[str, Any], ready_file: str | None = None,
-                stop: asyncio.Event | None = None) -> None:
+async def serve(
+    cfg: PacketShellConfig,
+    effects: dict[str, Any],
+    ready_file: str | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
     """Run the packet shell until `stop` is set (or SIGTERM/SIGINT)."""
     from emulation import netns, tun
     from emulation.control import make_control_app, start_control_server
@@ -247,8 +262,11 @@ async def serve(cfg: PacketShellConfig, effects: dict[str, Any], ready_file: str
     runner = None
     fwd = None
     try:
-        fds.append(tun.create_in_netns(cfg.ns_b, tun.TunConfig(cfg.ifname, cfg.addr_b, cfg.addr_a,
-                                                               cfg.mtu)))
+        fds.append(
+            tun.create_in_netns(
+                cfg.ns_b, tun.TunConfig(cfg.ifname, cfg.addr_b, cfg.addr_a, cfg.mtu)
+            )
+        )
         loop = asyncio.get_running_loop()
         fwd = PacketForwarder(link, fds[0], fds[1])
         fwd.start(loop)
@@ -259,11 +277,18 @@ async def serve(cfg: PacketShellConfig, effects: dict[str, Any], ready_file: str
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         if ready_file:
-            write_json_atomic(ready_file, {
-                "pid": os.getpid(), "shell": "packet",
-                "control_url": f"http://{cfg.control_host}:{port}",
-                "ifname": cfg.ifname, "mtu": cfg.mtu, "addr_a": cfg.addr_a, "addr_b": cfg.addr_b,
-            })
+            write_json_atomic(
+                ready_file,
+                {
+                    "pid": os.getpid(),
+                    "shell": "packet",
+                    "control_url": f"http://{cfg.control_host}:{port}",
+                    "ifname": cfg.ifname,
+                    "mtu": cfg.mtu,
+                    "addr_a": cfg.addr_a,
+                    "addr_b": cfg.addr_b,
+                },
+            )
         await stop.wait()
     finally:
         if fwd is not None:
@@ -277,9 +302,17 @@ async def serve(cfg: PacketShellConfig, effects: dict[str, Any], ready_file: str
 async def _emulator_info(request: Any, fwd: PacketForwarder, cfg: PacketShellConfig) -> Any:
     from aiohttp import web
 
-    return web.json_response({"shell": "packet", "pid": os.getpid(), "ns_a": cfg.ns_a,
-                              "ns_b": cfg.ns_b, "mtu": cfg.mtu, "forwarder": dict(fwd.stats),
-                              "cpu_s": _cpu_seconds()})
+    return web.json_response(
+        {
+            "shell": "packet",
+            "pid": os.getpid(),
+            "ns_a": cfg.ns_a,
+            "ns_b": cfg.ns_b,
+            "mtu": cfg.mtu,
+            "forwarder": dict(fwd.stats),
+            "cpu_s": _cpu_seconds(),
+        }
+    )
 
 
 def write_json_atomic(path: str, data: dict[str, Any]) -> None:
@@ -288,4 +321,3 @@ def write_json_atomic(path: str, data: dict[str, Any]) -> None:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
-

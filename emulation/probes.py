@@ -41,8 +41,14 @@ class UdpEcho:
         self.thread.join(timeout=2)
 
 
-def udp_rtts(sock: socket.socket, dst: tuple[str, int], count: int, interval_s: float = 0.01,
-             timeout_s: float = 1.0, size: int = 64) -> list[float | None]:
+def udp_rtts(
+    sock: socket.socket,
+    dst: tuple[str, int],
+    count: int,
+    interval_s: float = 0.01,
+    timeout_s: float = 1.0,
+    size: int = 64,
+) -> list[float | None]:
     """Send `count` probes one at a time (the next after the reply or a timeout, then at least
     `interval_s` apart); returns each RTT in ms, None for a lost probe."""
     sock.settimeout(timeout_s)
@@ -70,8 +76,15 @@ def udp_rtts(sock: socket.socket, dst: tuple[str, int], count: int, interval_s: 
     return out
 
 
-def udp_stream(tx: socket.socket, rx: socket.socket, dst: tuple[str, int], count: int,
-               interval_s: float = 0.0002, size: int = 200, drain_s: float = 0.5) -> list[int]:
+def udp_stream(
+    tx: socket.socket,
+    rx: socket.socket,
+    dst: tuple[str, int],
+    count: int,
+    interval_s: float = 0.0002,
+    size: int = 200,
+    drain_s: float = 0.5,
+) -> list[int]:
     """Send `count` numbered datagrams one way; returns the sequence numbers received at `rx`,
     in arrival order (compare with range(count) for loss and reordering)."""
     got: list[int] = []
@@ -174,8 +187,9 @@ class TcpSink:
             t.join(timeout=2)
 
 
-def tcp_send_for(sock: socket.socket, dst: tuple[str, int], seconds: float,
-                 chunk: int = 1 << 18) -> int:
+def tcp_send_for(
+    sock: socket.socket, dst: tuple[str, int], seconds: float, chunk: int = 1 << 18
+) -> int:
     """Connect and send as fast as TCP allows for `seconds`; returns the bytes sent."""
     sock.settimeout(10)
     sock.connect(dst)
@@ -229,8 +243,9 @@ class TcpEcho:
         self.thread.join(timeout=2)
 
 
-def tcp_rtts(sock: socket.socket, dst: tuple[str, int], count: int, interval_s: float = 0.002,
-             size: int = 64) -> list[float]:
+def tcp_rtts(
+    sock: socket.socket, dst: tuple[str, int], count: int, interval_s: float = 0.002, size: int = 64
+) -> list[float]:
     """Connect, then `count` request/response round trips of `size` bytes; RTTs in ms."""
     sock.settimeout(5)
     sock.connect(dst)

@@ -36,18 +36,24 @@ from typing import Any
 from emulation.effects import LOSSY_EFFECTS
 from emulation.link import Link, LinkDirection, earliest
 
-PROXY_RESTRICTION = ("the proxy shell carries TCP byte streams, which cannot lose, duplicate or "
-                     "reorder bytes; use the packet shell (pdd wan packet) for that")
+PROXY_RESTRICTION = (
+    "the proxy shell carries TCP byte streams, which cannot lose, duplicate or "
+    "reorder bytes; use the packet shell (pdd wan packet) for that"
+)
 log = logging.getLogger("pddnet.wan.proxy")
-_EOF = object()           # an end-of-stream marker travelling through the model like data
-_SPIN_S = 0.0015          # wake this much early for precise departures, then spin
-_PRECISE_MAX_ITEMS = 8    # spin only on a lightly loaded link: under load it would burn a core
+_EOF = object()  # an end-of-stream marker travelling through the model like data
+_SPIN_S = 0.0015  # wake this much early for precise departures, then spin
+_PRECISE_MAX_ITEMS = 8  # spin only on a lightly loaded link: under load it would burn a core
 _DEST_HIGH_WATER = 1 << 20
 
 
 class _Conn:
-    def __init__(self, conn_id: int, client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                 upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+    def __init__(
+        self,
+        conn_id: int,
+        client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> None:
         self.id = conn_id
         self.client_reader, self.client_writer = client
         self.up_reader, self.up_writer = upstream
@@ -87,7 +93,7 @@ class _Lane:
         self.proxy = proxy
         self.model = model
         self.name = model.name
-        self.in_model = 0                    # bytes offered and not yet delivered
+        self.in_model = 0  # bytes offered and not yet delivered
         self._waiters: list[asyncio.Future] = []
         self._wake: asyncio.Future | None = None
         self._planned: float | None = None
@@ -158,9 +164,13 @@ class _Lane:
             self.notify_room()
             change = model.next_change()
             wake = change if blocked else earliest(model.next_wakeup(), change)
-            precise = (not blocked and wake is not None and wake == model.next_departure()
-                       and model.queued_bytes() == 0
-                       and model.in_flight_items() <= _PRECISE_MAX_ITEMS)
+            precise = (
+                not blocked
+                and wake is not None
+                and wake == model.next_departure()
+                and model.queued_bytes() == 0
+                and model.in_flight_items() <= _PRECISE_MAX_ITEMS
+            )
             self._wake = fut = loop.create_future()
             self._planned = wake
             handle = None
@@ -205,8 +215,11 @@ class _Lane:
 
 def _lane_ended(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.error("WAN proxy lane %s stopped: every connection in that direction is frozen",
-                  task.get_name(), exc_info=task.exception())
+        log.error(
+            "WAN proxy lane %s stopped: every connection in that direction is frozen",
+            task.get_name(),
+            exc_info=task.exception(),
+        )
 
 
 def _resolve(fut: asyncio.Future) -> None:
@@ -217,9 +230,15 @@ def _resolve(fut: asyncio.Future) -> None:
 class WanProxy:
     """TCP proxy applying `link.a_to_b` to client->upstream bytes and `link.b_to_a` back."""
 
-    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int], link: Link,
-                 chunk_bytes: int = 32 * 1024, max_inflight_bytes: int = 64 << 20,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        listen: tuple[str, int],
+        upstream: tuple[str, int],
+        link: Link,
+        chunk_bytes: int = 32 * 1024,
+        max_inflight_bytes: int = 64 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 1 <= chunk_bytes <= 1 << 24:
             raise ValueError(f"chunk_bytes must be in 1..16 MiB, got {chunk_bytes}")
         if max_inflight_bytes < chunk_bytes:
@@ -248,8 +267,9 @@ class WanProxy:
         for lane in self._lanes.values():
             lane.task = asyncio.create_task(lane.drive(), name=f"wan-proxy-{lane.name}")
             lane.task.add_done_callback(_lane_ended)
-        self._server = await asyncio.start_server(self._accept, self.listen[0], self.listen[1],
-                                                  limit=self.chunk_bytes * 2)
+        self._server = await asyncio.start_server(
+            self._accept, self.listen[0], self.listen[1], limit=self.chunk_bytes * 2
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -297,8 +317,9 @@ class WanProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up = await asyncio.open_connection(self.upstream[0], self.upstream[1],
-                                               limit=self.chunk_bytes * 2)
+            up = await asyncio.open_connection(
+                self.upstream[0], self.upstream[1], limit=self.chunk_bytes * 2
+            )
         except OSError:
             # Reset, not a clean close: a dialler then sees a refusal and retries, as it would
             # without the proxy, instead of an EOF it cannot tell from a peer that refused it
@@ -323,8 +344,9 @@ class WanProxy:
             asyncio.create_task(self._pump(conn, self._lanes["b_to_a"], up[0], writer)),
         ]
 
-    async def _pump(self, conn: _Conn, lane: _Lane, reader: asyncio.StreamReader,
-                    dest: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, conn: _Conn, lane: _Lane, reader: asyncio.StreamReader, dest: asyncio.StreamWriter
+    ) -> None:
         """Read one side of a connection and offer it to the model, with backpressure."""
         try:
             while not conn.closed:
@@ -345,7 +367,7 @@ class WanProxy:
                     if conn.closed:
                         return
                     piece = bytes(view[:room])
-                    view = view[len(piece):]
+                    view = view[len(piece) :]
                     lane.offer(conn, piece, len(piece))
                     # Let the other woken readers try first: without this, the reader served
                     # last re-queues ahead of them and one flow starves the others.

@@ -34,8 +34,8 @@ _RESERVED = ("at", "time", "direction", "duration")
 
 @dataclass(frozen=True)
 class Step:
-    at: float                     # seconds after the schedule is loaded
-    direction: str                # both | a_to_b | b_to_a
+    at: float  # seconds after the schedule is loaded
+    direction: str  # both | a_to_b | b_to_a
     changes: dict[str, Any]
     duration: float | None
 
@@ -124,8 +124,10 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
     reader = csv.reader(line for line in text.splitlines() if line.strip())
     header = next(reader, None)
     if not header or header[0].strip() not in ("time", "at"):
-        raise ValueError(f"{path}: a CSV trace needs a header starting with 'time' "
-                         "(e.g. time,rate_mbit,delay_ms)")
+        raise ValueError(
+            f"{path}: a CSV trace needs a header starting with 'time' "
+            "(e.g. time,rate_mbit,delay_ms)"
+        )
     names = [h.strip() for h in header]
     for lineno, cells in enumerate(reader, 2):
         if len(cells) != len(names):
@@ -146,8 +148,7 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
 class Schedule:
     """Validated steps plus the loop rule; produces each direction's absolute-time events."""
 
-    def __init__(self, steps: list[Step], loop: bool, period: float | None,
-                 source: str) -> None:
+    def __init__(self, steps: list[Step], loop: bool, period: float | None, source: str) -> None:
         self.steps = sorted(steps, key=lambda s: s.at)  # stable: same-time steps keep order
         self.loop = loop
         self.source = source
@@ -158,13 +159,17 @@ class Schedule:
                     raise ValueError("a looped schedule with one step needs an explicit period")
                 last, before = self.steps[-1].at, self.steps[-2].at
                 if last == before:
-                    raise ValueError("cannot infer the loop period (the last two steps share a "
-                                     "time); give period explicitly")
+                    raise ValueError(
+                        "cannot infer the loop period (the last two steps share a "
+                        "time); give period explicitly"
+                    )
                 period = last + (last - before)
             period = _number(period, "period", positive=True)
             if self.steps[-1].at >= period:
-                raise ValueError(f"period ({period:g} s) must be later than the last step "
-                                 f"({self.steps[-1].at:g} s)")
+                raise ValueError(
+                    f"period ({period:g} s) must be later than the last step "
+                    f"({self.steps[-1].at:g} s)"
+                )
             self.period = period
 
     def iterate(self, start: float, direction: str) -> Iterator[tuple[float, dict, float | None]]:
@@ -174,17 +179,29 @@ class Schedule:
         if self.period is None:
             return ((start + s.at, s.changes, s.duration) for s in mine)
         period = self.period
-        return ((start + k * period + s.at, s.changes, s.duration)
-                for k in itertools.count() for s in mine)
+        return (
+            (start + k * period + s.at, s.changes, s.duration)
+            for k in itertools.count()
+            for s in mine
+        )
 
     def info(self, start: float, direction: str) -> dict[str, Any]:
-        return {"source": self.source, "loaded_at": start, "loop": self.loop,
-                "period_s": self.period, "finished": False,
-                "steps": sum(1 for s in self.steps if s.direction in ("both", direction))}
+        return {
+            "source": self.source,
+            "loaded_at": start,
+            "loop": self.loop,
+            "period_s": self.period,
+            "finished": False,
+            "steps": sum(1 for s in self.steps if s.direction in ("both", direction)),
+        }
 
 
-def build_schedule(steps: list | str | Path, loop: bool = False, period: float | None = None,
-                   check: Callable[[dict], dict] | None = None) -> Schedule:
+def build_schedule(
+    steps: list | str | Path,
+    loop: bool = False,
+    period: float | None = None,
+    check: Callable[[dict], dict] | None = None,
+) -> Schedule:
     """Parse and validate a schedule (steps list or trace path); ValueError names the step."""
     from emulation.effects import validate_effects
 
@@ -196,8 +213,9 @@ def build_schedule(steps: list | str | Path, loop: bool = False, period: float |
         source = "steps"
         raw = steps
     else:
-        raise ValueError(f"a schedule is a list of steps or a trace file path, "
-                         f"got {type(steps).__name__}")
+        raise ValueError(
+            f"a schedule is a list of steps or a trace file path, got {type(steps).__name__}"
+        )
     if not raw:
         raise ValueError("schedule has no steps")
     if not isinstance(loop, bool):

@@ -52,8 +52,10 @@ def current_state_dir() -> str:
 
 def check_testbed_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"bad testbed name {name!r}: 1-40 characters of A-Z a-z 0-9 _ . - "
-                         "starting with a letter or digit")
+        raise ValueError(
+            f"bad testbed name {name!r}: 1-40 characters of A-Z a-z 0-9 _ . - "
+            "starting with a letter or digit"
+        )
     return name
 
 
@@ -63,7 +65,9 @@ def namespaces_of(name: str) -> tuple[str, str]:
 
 
 def state_path(name: str, directory: str | None = None) -> str:
-    return os.path.join(directory or current_state_dir(), f"testbed-{check_testbed_name(name)}.json")
+    return os.path.join(
+        directory or current_state_dir(), f"testbed-{check_testbed_name(name)}.json"
+    )
 
 
 def load_state(name: str, directory: str | None = None) -> dict[str, Any] | None:
@@ -81,8 +85,11 @@ def list_testbeds(directory: str | None = None) -> list[str]:
         entries = os.listdir(directory or current_state_dir())
     except FileNotFoundError:
         return []
-    return sorted(e[len("testbed-"):-len(".json")] for e in entries
-                  if e.startswith("testbed-") and e.endswith(".json"))
+    return sorted(
+        e[len("testbed-") : -len(".json")]
+        for e in entries
+        if e.startswith("testbed-") and e.endswith(".json")
+    )
 
 
 def _save_state(state: dict[str, Any], directory: str) -> None:
@@ -171,8 +178,13 @@ def teardown(name: str, directory: str | None = None) -> dict[str, Any]:
     directory = directory or current_state_dir()
     ns_a, ns_b = namespaces_of(name)
     state = load_state(name, directory) or {}
-    report: dict[str, Any] = {"name": name, "processes": [], "emulators": [], "namespaces": [],
-                              "state_file": False}
+    report: dict[str, Any] = {
+        "name": name,
+        "processes": [],
+        "emulators": [],
+        "namespaces": [],
+        "state_file": False,
+    }
     recorded = [p for p in state.get("processes", []) if _same_process(p)]
     _end_processes([p["pid"] for p in recorded])
     report["processes"] += [p["pid"] for p in recorded]
@@ -189,8 +201,11 @@ def teardown(name: str, directory: str | None = None) -> dict[str, Any]:
     for ns in (*adopted, ns_a, ns_b):
         if netns.delete(ns):
             report["namespaces"].append(ns)
-    for path in (state_path(name, directory), _ready_path(name, directory),
-                 _log_path(name, directory)):
+    for path in (
+        state_path(name, directory),
+        _ready_path(name, directory),
+        _log_path(name, directory),
+    ):
         try:
             os.unlink(path)
             if path.endswith(".json") and path == state_path(name, directory):
@@ -222,15 +237,24 @@ def _log_path(name: str, directory: str) -> str:
     return os.path.join(directory, f"testbed-{name}.log")
 
 
-def initial_effects(rtt_ms: float = 0.0, jitter_ms: float = 0.0, jitter_dist: str | None = None,
-                    bw_mbit: float | None = None, loss_pct: float = 0.0,
-                    queue_bytes: int | None = None) -> dict[str, Any]:
+def initial_effects(
+    rtt_ms: float = 0.0,
+    jitter_ms: float = 0.0,
+    jitter_dist: str | None = None,
+    bw_mbit: float | None = None,
+    loss_pct: float = 0.0,
+    queue_bytes: int | None = None,
+) -> dict[str, Any]:
     """Per-direction link effects for a testbed: the RTT is split evenly between directions;
     jitter, rate and loss apply to each direction."""
     from emulation.effects import validate_effects
 
-    fx: dict[str, Any] = {"delay_ms": rtt_ms / 2.0, "jitter_ms": jitter_ms, "loss_pct": loss_pct,
-                          "rate_mbit": bw_mbit}
+    fx: dict[str, Any] = {
+        "delay_ms": rtt_ms / 2.0,
+        "jitter_ms": jitter_ms,
+        "loss_pct": loss_pct,
+        "rate_mbit": bw_mbit,
+    }
     if jitter_dist is not None:
         fx["jitter_dist"] = jitter_dist
     if queue_bytes is not None:
@@ -239,8 +263,14 @@ def initial_effects(rtt_ms: float = 0.0, jitter_ms: float = 0.0, jitter_dist: st
 
 
 def _effect_args(fx: dict[str, Any]) -> list[str]:
-    args = ["--delay-ms", repr(fx["delay_ms"]), "--jitter-ms", repr(fx["jitter_ms"]),
-            "--loss-pct", repr(fx["loss_pct"])]
+    args = [
+        "--delay-ms",
+        repr(fx["delay_ms"]),
+        "--jitter-ms",
+        repr(fx["jitter_ms"]),
+        "--loss-pct",
+        repr(fx["loss_pct"]),
+    ]
     if fx.get("rate_mbit") is not None:
         args += ["--rate-mbit", repr(fx["rate_mbit"])]
     if "jitter_dist" in fx:
@@ -272,8 +302,9 @@ class LinkHandle:
     async def show(self, direction: str = "both") -> dict:
         return await self.client.show(direction)
 
-    async def set(self, direction: str = "both", duration: float | None = None,
-                  **effects: Any) -> dict:
+    async def set(
+        self, direction: str = "both", duration: float | None = None, **effects: Any
+    ) -> dict:
         return await self.client.set(direction, duration, **effects)
 
     async def clear(self, direction: str = "both") -> dict:
@@ -291,8 +322,13 @@ class LinkHandle:
     async def chaos(self, kind: str, duration: float, **params: Any) -> dict:
         return await self.client.chaos(kind, duration, **params)
 
-    async def schedule(self, steps: list[dict] | None = None, trace: str | None = None,
-                       loop: bool = False, period: float | None = None) -> dict:
+    async def schedule(
+        self,
+        steps: list[dict] | None = None,
+        trace: str | None = None,
+        loop: bool = False,
+        period: float | None = None,
+    ) -> dict:
         return await self.client.load_schedule(steps, trace, loop, period)
 
     async def reset_connections(self) -> dict:
@@ -307,11 +343,23 @@ class Testbed:
     WAN at runtime; tb.faults kills or hangs processes it started. Any exception inside the
     block (or during start) still removes everything (see teardown())."""
 
-    def __init__(self, name: str = "pdd", rtt_ms: float = 0.0, jitter_ms: float = 0.0,
-                 bw_mbit: float | None = None, loss_pct: float = 0.0, mtu: int = 9000,
-                 shell: str = "auto", addr_a: str = "10.77.0.1", addr_b: str = "10.77.0.2",
-                 jitter_dist: str | None = None, queue_bytes: int | None = None, seed: int = 0,
-                 state_dir: str | None = None, die_with_parent: bool = False) -> None:
+    def __init__(
+        self,
+        name: str = "pdd",
+        rtt_ms: float = 0.0,
+        jitter_ms: float = 0.0,
+        bw_mbit: float | None = None,
+        loss_pct: float = 0.0,
+        mtu: int = 9000,
+        shell: str = "auto",
+        addr_a: str = "10.77.0.1",
+        addr_b: str = "10.77.0.2",
+        jitter_dist: str | None = None,
+        queue_bytes: int | None = None,
+        seed: int = 0,
+        state_dir: str | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
         from emulation.tun import TunConfig
 
         self.name = check_testbed_name(name)
@@ -321,8 +369,9 @@ class Testbed:
             raise ValueError(f"unknown shell {shell!r} (known: {', '.join(SHELLS)})")
         if bw_mbit is not None and bw_mbit <= 0:
             raise ValueError(f"bw_mbit must be > 0 Mbit/s (or None for unlimited), got {bw_mbit}")
-        self.effects = initial_effects(rtt_ms, jitter_ms, jitter_dist, bw_mbit, loss_pct,
-                                       queue_bytes)
+        self.effects = initial_effects(
+            rtt_ms, jitter_ms, jitter_dist, bw_mbit, loss_pct, queue_bytes
+        )
         self.requested_shell = shell
         self.shell: str | None = None
         self.addr_a, self.addr_b, self.mtu, self.seed = addr_a, addr_b, mtu, seed
@@ -367,21 +416,34 @@ class Testbed:
         leftovers = [ns for ns in (self.ns_a, self.ns_b) if netns.exists(ns)]
         if state is not None or leftovers:
             what = "its state file" if state is not None else f"namespaces {', '.join(leftovers)}"
-            raise FileExistsError(f"testbed {self.name!r} is already up or left over ({what} "
-                                  f"exists); run `pdd testbed down --name {self.name}` first")
+            raise FileExistsError(
+                f"testbed {self.name!r} is already up or left over ({what} "
+                f"exists); run `pdd testbed down --name {self.name}` first"
+            )
 
     def _start_sync(self) -> None:
         self.shell = resolve_shell(self.requested_shell)
         self._state = {
-            "name": self.name, "phase": "creating", "shell": self.shell,
+            "name": self.name,
+            "phase": "creating",
+            "shell": self.shell,
             "namespaces": {"a": self.ns_a, "b": self.ns_b},
-            "addr_a": self.addr_a, "addr_b": self.addr_b, "mtu": self.mtu,
-            "effects": self.effects, "created_at": time.time(), "creator_pid": os.getpid(),
-            "control_url": None, "emulator": None, "processes": [], "adopted_namespaces": [],
+            "addr_a": self.addr_a,
+            "addr_b": self.addr_b,
+            "mtu": self.mtu,
+            "effects": self.effects,
+            "created_at": time.time(),
+            "creator_pid": os.getpid(),
+            "control_url": None,
+            "emulator": None,
+            "processes": [],
+            "adopted_namespaces": [],
         }
         if self.die_with_parent:  # see reap_orphans
-            self._state["owned_by"] = {"pid": os.getpid(),
-                                       "start_ticks": proc_start_ticks(os.getpid())}
+            self._state["owned_by"] = {
+                "pid": os.getpid(),
+                "start_ticks": proc_start_ticks(os.getpid()),
+            }
         # Written before anything is made, so a crash at any point leaves a record for `down`.
         _save_state(self._state, self.state_dir)
         netns.create(self.ns_a)
@@ -398,30 +460,56 @@ class Testbed:
         argv = [sys.executable, "-m", module]
         if self.shell == "kernel":
             argv.append("serve")
-        argv += ["--ns-a", self.ns_a, "--ns-b", self.ns_b, "--addr-a", self.addr_a,
-                 "--addr-b", self.addr_b, "--mtu", str(self.mtu), "--ready-file", ready,
-                 "--seed", str(self.seed), *_effect_args(self.effects)]
+        argv += [
+            "--ns-a",
+            self.ns_a,
+            "--ns-b",
+            self.ns_b,
+            "--addr-a",
+            self.addr_a,
+            "--addr-b",
+            self.addr_b,
+            "--mtu",
+            str(self.mtu),
+            "--ready-file",
+            ready,
+            "--seed",
+            str(self.seed),
+            *_effect_args(self.effects),
+        ]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
         with open(_log_path(self.name, self.state_dir), "ab") as log:
             # Its own session: `pdd testbed up` returns while the emulator keeps running, and a
             # Ctrl-C in the terminal that started it does not reach it.
             self._emulator = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
                 start_new_session=True,
-                preexec_fn=lifetime.die_with_parent() if self.die_with_parent else None)
+                preexec_fn=lifetime.die_with_parent() if self.die_with_parent else None,
+            )
         self.emulator_pid = self._emulator.pid
-        self._state["emulator"] = {"pid": self._emulator.pid, "argv": argv,
-                                   "start_ticks": proc_start_ticks(self._emulator.pid)}
+        self._state["emulator"] = {
+            "pid": self._emulator.pid,
+            "argv": argv,
+            "start_ticks": proc_start_ticks(self._emulator.pid),
+        }
         _save_state(self._state, self.state_dir)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not os.path.exists(ready):
             if self._emulator.poll() is not None:
-                raise RuntimeError(f"the {self.shell} emulator exited with code "
-                                   f"{self._emulator.returncode}: {self._log_tail()}")
+                raise RuntimeError(
+                    f"the {self.shell} emulator exited with code "
+                    f"{self._emulator.returncode}: {self._log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the {self.shell} emulator did not become ready within "
-                                   f"{READY_TIMEOUT_S:.0f} s: {self._log_tail()}")
+                raise TimeoutError(
+                    f"the {self.shell} emulator did not become ready within "
+                    f"{READY_TIMEOUT_S:.0f} s: {self._log_tail()}"
+                )
             time.sleep(0.02)
         with open(ready) as f:
             info = json.load(f)
@@ -474,8 +562,14 @@ class Testbed:
             raise RuntimeError(f"testbed {self.name!r} is not up")
         proc = subprocess.Popen(netns.exec_argv(ns, [str(a) for a in argv]), **popen_kwargs)
         self._children[proc.pid] = proc
-        self._state["processes"].append({"pid": proc.pid, "side": side, "argv": list(argv),
-                                         "start_ticks": proc_start_ticks(proc.pid)})
+        self._state["processes"].append(
+            {
+                "pid": proc.pid,
+                "side": side,
+                "argv": list(argv),
+                "start_ticks": proc_start_ticks(proc.pid),
+            }
+        )
         _save_state(self._state, self.state_dir)
         return proc
 
@@ -483,8 +577,9 @@ class Testbed:
         """Call fn inside namespace `side` (in a helper thread) and return its result."""
         return netns.run_in_netns(self.ns(side), fn, *args, **kwargs)
 
-    def socket(self, side: str, family: int = socket.AF_INET,
-               type: int = socket.SOCK_STREAM) -> socket.socket:
+    def socket(
+        self, side: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM
+    ) -> socket.socket:
         """A socket in namespace `side` (for tests and benchmarks that run in this process)."""
         return netns.socket_in(self.ns(side), family, type)
 
@@ -518,10 +613,14 @@ def status_processes(name: str) -> list[dict[str, Any]]:
     out = []
     for side, ns in zip(SIDES, namespaces_of(name), strict=True):
         if netns.exists(ns):
-            out += [{"pid": pid, "where": side, "cmdline": " ".join(_cmdline(pid))}
-                    for pid in netns.pids_in(ns)]
-    out += [{"pid": pid, "where": "emulator", "cmdline": " ".join(_cmdline(pid))}
-            for pid in find_emulators(name)]
+            out += [
+                {"pid": pid, "where": side, "cmdline": " ".join(_cmdline(pid))}
+                for pid in netns.pids_in(ns)
+            ]
+    out += [
+        {"pid": pid, "where": "emulator", "cmdline": " ".join(_cmdline(pid))}
+        for pid in find_emulators(name)
+    ]
     return out
 
 
@@ -532,8 +631,14 @@ async def status(name: str, directory: str | None = None) -> dict[str, Any]:
 
     state = load_state(name, directory)
     ns_present = [ns for ns in namespaces_of(name) if netns.exists(ns)]
-    out: dict[str, Any] = {"name": name, "up": False, "state": state, "namespaces": ns_present,
-                           "processes": status_processes(name), "link": None}
+    out: dict[str, Any] = {
+        "name": name,
+        "up": False,
+        "state": state,
+        "namespaces": ns_present,
+        "processes": status_processes(name),
+        "link": None,
+    }
     emulator = (state or {}).get("emulator")
     out["emulator_alive"] = bool(emulator and _same_process(emulator))
     url = (state or {}).get("control_url")

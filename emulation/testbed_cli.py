@@ -12,8 +12,11 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("testbed", help="two network namespaces (datacenters A, B) joined by an "
-                       "emulated WAN", description=__doc__)
+    p = sub.add_parser(
+        "testbed",
+        help="two network namespaces (datacenters A, B) joined by an emulated WAN",
+        description=__doc__,
+    )
     tsub = p.add_subparsers(dest="testbed_command", metavar="up|down|status|exec")
     tsub.required = True
 
@@ -21,17 +24,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     _name(up)
     up.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip delay (ms)")
     up.add_argument("--jitter-ms", type=float, default=0.0, help="jitter per direction (ms)")
-    up.add_argument("--jitter-dist", default=None,
-                    help="uniform | normal | pareto-normal (default: the link model's, normal)")
-    up.add_argument("--bw-mbit", type=float, default=None,
-                    help="rate per direction (Mbit/s) (default: unlimited)")
+    up.add_argument(
+        "--jitter-dist",
+        default=None,
+        help="uniform | normal | pareto-normal (default: the link model's, normal)",
+    )
+    up.add_argument(
+        "--bw-mbit",
+        type=float,
+        default=None,
+        help="rate per direction (Mbit/s) (default: unlimited)",
+    )
     up.add_argument("--loss-pct", type=float, default=0.0, help="random loss per direction (%%)")
-    up.add_argument("--queue-bytes", type=int, default=None,
-                    help="bottleneck queue limit (default: the link model's, 1 MiB)")
+    up.add_argument(
+        "--queue-bytes",
+        type=int,
+        default=None,
+        help="bottleneck queue limit (default: the link model's, 1 MiB)",
+    )
     up.add_argument("--mtu", type=int, default=9000, help="WAN MTU")
-    up.add_argument("--shell", choices=["packet", "kernel", "auto"], default="auto",
-                    help="packet (TUN + userspace forwarder), kernel (veth + netem), auto: "
-                    "kernel where the kernel has netem, else packet")
+    up.add_argument(
+        "--shell",
+        choices=["packet", "kernel", "auto"],
+        default="auto",
+        help="packet (TUN + userspace forwarder), kernel (veth + netem), auto: "
+        "kernel where the kernel has netem, else packet",
+    )
     up.add_argument("--addr-a", default="10.77.0.1", help="address in A")
     up.add_argument("--addr-b", default="10.77.0.2", help="address in B")
     up.add_argument("--seed", type=int, default=0, help="seed of the link model's randomness")
@@ -46,8 +64,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(handler=cmd_status)
 
-    ex = tsub.add_parser("exec", help="run a command inside namespace a or b",
-                         usage="pdd testbed exec [--name N] a|b -- CMD [ARGS...]")
+    ex = tsub.add_parser(
+        "exec",
+        help="run a command inside namespace a or b",
+        usage="pdd testbed exec [--name N] a|b -- CMD [ARGS...]",
+    )
     _name(ex)
     ex.add_argument("side", choices=["a", "b"], help="namespace of datacenter A or B")
     ex.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
@@ -55,8 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _name(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--name", default="pdd", help="testbed name: namespaces are <name>-a and "
-                   "<name>-b")
+    p.add_argument(
+        "--name", default="pdd", help="testbed name: namespaces are <name>-a and <name>-b"
+    )
 
 
 def _fail(msg: str, code: int = 1) -> int:
@@ -70,10 +92,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     from emulation.testbed import Testbed
 
     try:
-        tb = Testbed(name=args.name, rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms,
-                     jitter_dist=args.jitter_dist, bw_mbit=args.bw_mbit, loss_pct=args.loss_pct,
-                     queue_bytes=args.queue_bytes, mtu=args.mtu, shell=args.shell,
-                     addr_a=args.addr_a, addr_b=args.addr_b, seed=args.seed)
+        tb = Testbed(
+            name=args.name,
+            rtt_ms=args.rtt_ms,
+            jitter_ms=args.jitter_ms,
+            jitter_dist=args.jitter_dist,
+            bw_mbit=args.bw_mbit,
+            loss_pct=args.loss_pct,
+            queue_bytes=args.queue_bytes,
+            mtu=args.mtu,
+            shell=args.shell,
+            addr_a=args.addr_a,
+            addr_b=args.addr_b,
+            seed=args.seed,
+        )
     except ValueError as exc:
         return _fail(str(exc), 2)
     try:
@@ -81,8 +113,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (FileExistsError, PermissionError, RuntimeError, TimeoutError, OSError) as exc:
         return _fail(str(exc))
     tb.detach()
-    print(f"testbed {tb.name} up ({tb.shell} shell): A = {tb.ns_a} {tb.addr_a}, "
-          f"B = {tb.ns_b} {tb.addr_b}, MTU {tb.mtu}")
+    print(
+        f"testbed {tb.name} up ({tb.shell} shell): A = {tb.ns_a} {tb.addr_a}, "
+        f"B = {tb.ns_b} {tb.addr_b}, MTU {tb.mtu}"
+    )
     print(f"control API: {tb.control_url}   emulator pid {tb.emulator_pid}")
     print(f"run inside:  pdd testbed exec --name {tb.name} a -- CMD")
     return 0
@@ -100,9 +134,17 @@ def cmd_down(args: argparse.Namespace) -> int:
         return _fail(reason)
     report = teardown(args.name)
     removed = report["namespaces"] or report["emulators"] or report["state_file"]
-    print(f"testbed {args.name}: " + ("removed namespaces " + (", ".join(report["namespaces"])
-          or "none") + f", ended {len(report['processes'])} process(es) and "
-          f"{len(report['emulators'])} emulator(s)" if removed else "nothing to remove"))
+    print(
+        f"testbed {args.name}: "
+        + (
+            "removed namespaces "
+            + (", ".join(report["namespaces"]) or "none")
+            + f", ended {len(report['processes'])} process(es) and "
+            f"{len(report['emulators'])} emulator(s)"
+            if removed
+            else "nothing to remove"
+        )
+    )
     return 0
 
 
@@ -127,12 +169,16 @@ def format_status(info: dict[str, Any]) -> str:
     state = info.get("state") or {}
     lines = [f"testbed {info['name']}: " + ("up" if info["up"] else "DOWN or broken")]
     if state:
-        lines.append(f"  shell {state.get('shell')}  A {state.get('namespaces', {}).get('a')} "
-                     f"{state.get('addr_a')}  B {state.get('namespaces', {}).get('b')} "
-                     f"{state.get('addr_b')}  MTU {state.get('mtu')}")
-        lines.append(f"  control {state.get('control_url')}  emulator pid "
-                     f"{(state.get('emulator') or {}).get('pid')} "
-                     f"({'alive' if info.get('emulator_alive') else 'not running'})")
+        lines.append(
+            f"  shell {state.get('shell')}  A {state.get('namespaces', {}).get('a')} "
+            f"{state.get('addr_a')}  B {state.get('namespaces', {}).get('b')} "
+            f"{state.get('addr_b')}  MTU {state.get('mtu')}"
+        )
+        lines.append(
+            f"  control {state.get('control_url')}  emulator pid "
+            f"{(state.get('emulator') or {}).get('pid')} "
+            f"({'alive' if info.get('emulator_alive') else 'not running'})"
+        )
     else:
         lines.append("  no state file")
     link = info.get("link")
@@ -141,13 +187,17 @@ def format_status(info: dict[str, Any]) -> str:
             d = link.get(direction, {})
             fx, c = d.get("effects", {}), d.get("counters", {})
             drops = {k: v for k, v in c.get("drops", {}).items() if v}
-            lines.append(f"  {direction}: delay {fx.get('delay_ms')} ms jitter "
-                         f"{fx.get('jitter_ms')} ms ({fx.get('jitter_dist')}) rate "
-                         f"{fx.get('rate_mbit') or 'unlimited'} Mbit/s loss {fx.get('loss_pct')}%"
-                         + ("  PARTITIONED" if fx.get("partition") else ""))
-            lines.append(f"    in {c.get('packets_in')} pkts / {c.get('bytes_in')} B, out "
-                         f"{c.get('packets_out')} pkts / {c.get('bytes_out')} B, queue "
-                         f"{c.get('queue', {}).get('bytes')} B, drops {drops or 0}")
+            lines.append(
+                f"  {direction}: delay {fx.get('delay_ms')} ms jitter "
+                f"{fx.get('jitter_ms')} ms ({fx.get('jitter_dist')}) rate "
+                f"{fx.get('rate_mbit') or 'unlimited'} Mbit/s loss {fx.get('loss_pct')}%"
+                + ("  PARTITIONED" if fx.get("partition") else "")
+            )
+            lines.append(
+                f"    in {c.get('packets_in')} pkts / {c.get('bytes_in')} B, out "
+                f"{c.get('packets_out')} pkts / {c.get('bytes_out')} B, queue "
+                f"{c.get('queue', {}).get('bytes')} B, drops {drops or 0}"
+            )
     elif info.get("link_error"):
         lines.append(f"  link: {info['link_error']}")
     procs = info.get("processes") or []
@@ -171,8 +221,10 @@ def cmd_exec(args: argparse.Namespace) -> int:
         return _fail(str(exc), 2)
     ns = namespaces_of(args.name)[0 if args.side == "a" else 1]
     if not netns.exists(ns):
-        return _fail(f"testbed {args.name!r} is not up (no namespace {ns}); "
-                     f"start it with `pdd testbed up --name {args.name}`")
+        return _fail(
+            f"testbed {args.name!r} is not up (no namespace {ns}); "
+            f"start it with `pdd testbed up --name {args.name}`"
+        )
     try:
         netns.exec_in(ns, command)  # setns + execvp: does not return
     except OSError as exc:

@@ -37,69 +37,133 @@ def _key_values(pairs: list[str]) -> dict[str, Any]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    wan = sub.add_parser("wan", help="the emulated WAN on its own, with a runtime control API",
-                         description="Run a WAN emulator or talk to a running one's control API.")
+    wan = sub.add_parser(
+        "wan",
+        help="the emulated WAN on its own, with a runtime control API",
+        description="Run a WAN emulator or talk to a running one's control API.",
+    )
     wan_sub = wan.add_subparsers(dest="wan_command", required=True, metavar="WAN_COMMAND")
 
-    proxy = wan_sub.add_parser("proxy", help="TCP proxy through the link model (no root)",
-                               description="Proxy TCP from --listen to --upstream through the "
-                               "link model; runs until SIGINT/SIGTERM.")
-    proxy.add_argument("--listen", type=_host_port, required=True, metavar="HOST:PORT",
-                       help="address to accept connections on")
-    proxy.add_argument("--upstream", type=_host_port, required=True, metavar="HOST:PORT",
-                       help="address to forward them to")
-    proxy.add_argument("--control", type=_host_port, default=("127.0.0.1", 0), metavar="HOST:PORT",
-                       help="control API address (default: 127.0.0.1:0, any free port)")
-    proxy.add_argument("--rtt-ms", type=float, default=0.0,
-                       help="round-trip delay in ms (half each way)")
+    proxy = wan_sub.add_parser(
+        "proxy",
+        help="TCP proxy through the link model (no root)",
+        description="Proxy TCP from --listen to --upstream through the "
+        "link model; runs until SIGINT/SIGTERM.",
+    )
+    proxy.add_argument(
+        "--listen",
+        type=_host_port,
+        required=True,
+        metavar="HOST:PORT",
+        help="address to accept connections on",
+    )
+    proxy.add_argument(
+        "--upstream",
+        type=_host_port,
+        required=True,
+        metavar="HOST:PORT",
+        help="address to forward them to",
+    )
+    proxy.add_argument(
+        "--control",
+        type=_host_port,
+        default=("127.0.0.1", 0),
+        metavar="HOST:PORT",
+        help="control API address (default: 127.0.0.1:0, any free port)",
+    )
+    proxy.add_argument(
+        "--rtt-ms", type=float, default=0.0, help="round-trip delay in ms (half each way)"
+    )
     proxy.add_argument("--jitter-ms", type=float, default=0.0, help="jitter per direction, ms")
-    proxy.add_argument("--jitter-dist", default="normal",
-                       help="uniform | normal | pareto-normal")
-    proxy.add_argument("--bw-mbit", type=float, default=None,
-                       help="bottleneck rate per direction, Mbit/s (default: unlimited)")
-    proxy.add_argument("--queue-bytes", type=int, default=None,
-                       help="bottleneck queue limit (default: the link model's, 1 MiB)")
-    proxy.add_argument("--burst-bytes", type=int, default=None,
-                       help="token bucket depth (default: the link model's, 15000)")
-    proxy.add_argument("--chunk-bytes", type=int, default=32 * 1024,
-                       help="largest byte chunk handed to the model")
+    proxy.add_argument("--jitter-dist", default="normal", help="uniform | normal | pareto-normal")
+    proxy.add_argument(
+        "--bw-mbit",
+        type=float,
+        default=None,
+        help="bottleneck rate per direction, Mbit/s (default: unlimited)",
+    )
+    proxy.add_argument(
+        "--queue-bytes",
+        type=int,
+        default=None,
+        help="bottleneck queue limit (default: the link model's, 1 MiB)",
+    )
+    proxy.add_argument(
+        "--burst-bytes",
+        type=int,
+        default=None,
+        help="token bucket depth (default: the link model's, 15000)",
+    )
+    proxy.add_argument(
+        "--chunk-bytes", type=int, default=32 * 1024, help="largest byte chunk handed to the model"
+    )
     proxy.add_argument("--seed", type=int, default=0, help="seed of the link model's randomness")
-    proxy.add_argument("--schedule", default=None, metavar="FILE",
-                       help="trace (.csv/.jsonl) or steps (.json) to replay from the start "
-                            "(default: none)")
+    proxy.add_argument(
+        "--schedule",
+        default=None,
+        metavar="FILE",
+        help="trace (.csv/.jsonl) or steps (.json) to replay from the start (default: none)",
+    )
     proxy.add_argument("--loop", action="store_true", help="repeat --schedule")
     proxy.set_defaults(handler=run_proxy)
 
     def client(name: str, help_text: str) -> argparse.ArgumentParser:
         p = wan_sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--control", required=True, metavar="URL",
-                       help="control API, e.g. http://127.0.0.1:7070")
+        p.add_argument(
+            "--control",
+            required=True,
+            metavar="URL",
+            help="control API, e.g. http://127.0.0.1:7070",
+        )
         return p
 
     show = client("show", "print a running emulator's effects and counters")
-    show.add_argument("--direction", default="both", choices=["both", "a_to_b", "b_to_a"],
-                      help="which direction to print")
+    show.add_argument(
+        "--direction",
+        default="both",
+        choices=["both", "a_to_b", "b_to_a"],
+        help="which direction to print",
+    )
     show.add_argument("--json", action="store_true", help="the raw JSON")
     show.set_defaults(handler=run_show)
 
     set_ = client("set", "change effects: pdd wan set --control URL delay_ms=40 rate_mbit=100")
-    set_.add_argument("--direction", default="both", choices=["both", "a_to_b", "b_to_a"],
-                      help="which direction to change")
-    set_.add_argument("--duration", type=float, default=None,
-                      help="seconds after which the change reverts by itself (default: it "
-                           "stays)")
-    set_.add_argument("--clear", action="store_true",
-                      help="first return to the initial effects (then apply any key=value)")
+    set_.add_argument(
+        "--direction",
+        default="both",
+        choices=["both", "a_to_b", "b_to_a"],
+        help="which direction to change",
+    )
+    set_.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds after which the change reverts by itself (default: it stays)",
+    )
+    set_.add_argument(
+        "--clear",
+        action="store_true",
+        help="first return to the initial effects (then apply any key=value)",
+    )
     set_.add_argument("effects", nargs="*", metavar="key=value")
     set_.set_defaults(handler=run_set)
 
-    chaos = client("chaos", "one chaos verb with a duration: partition | latency-spike "
-                   "(add_ms=) | bandwidth-collapse (fraction=) | loss-burst (loss_pct=) | "
-                   "jitter-storm (jitter_ms=) | heal")
-    chaos.add_argument("kind", help="partition | latency-spike | bandwidth-collapse | "
-                       "loss-burst | jitter-storm | heal")
-    chaos.add_argument("--duration", type=float, default=None,
-                       help="seconds the fault lasts (no default: required)")
+    chaos = client(
+        "chaos",
+        "one chaos verb with a duration: partition | latency-spike "
+        "(add_ms=) | bandwidth-collapse (fraction=) | loss-burst (loss_pct=) | "
+        "jitter-storm (jitter_ms=) | heal",
+    )
+    chaos.add_argument(
+        "kind",
+        help="partition | latency-spike | bandwidth-collapse | loss-burst | jitter-storm | heal",
+    )
+    chaos.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds the fault lasts (no default: required)",
+    )
     chaos.add_argument("params", nargs="*", metavar="key=value")
     chaos.set_defaults(handler=run_chaos)
 
@@ -126,8 +190,12 @@ def run_proxy(args: argparse.Namespace) -> int:
 
     from emulation.link import Link
 
-    effects: dict[str, Any] = {"delay_ms": args.rtt_ms / 2.0, "jitter_ms": args.jitter_ms,
-                               "jitter_dist": args.jitter_dist, "rate_mbit": args.bw_mbit}
+    effects: dict[str, Any] = {
+        "delay_ms": args.rtt_ms / 2.0,
+        "jitter_ms": args.jitter_ms,
+        "jitter_dist": args.jitter_dist,
+        "rate_mbit": args.bw_mbit,
+    }
     if args.queue_bytes is not None:
         effects["queue_bytes"] = args.queue_bytes
     if args.burst_bytes is not None:
@@ -172,8 +240,11 @@ async def _serve_proxy(args: argparse.Namespace, link: Any) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"wan proxy: {args.listen[0]}:{proxy.port} -> {args.upstream[0]}:{args.upstream[1]}; "
-          f"control http://{args.control[0]}:{cport}", flush=True)
+    print(
+        f"wan proxy: {args.listen[0]}:{proxy.port} -> {args.upstream[0]}:{args.upstream[1]}; "
+        f"control http://{args.control[0]}:{cport}",
+        flush=True,
+    )
     try:
         await stop.wait()
     finally:
@@ -219,10 +290,12 @@ def _summary(snapshot: dict[str, Any]) -> str:
         delay = c["delay"]
         mean = f"{delay['mean_ms']:.2f} ms" if delay["mean_ms"] is not None else "-"
         lines.append(f"{name}: effects {json.dumps(fx) if fx else '(none)'}")
-        lines.append(f"  in {c['packets_in']} items / {c['bytes_in']} B, out {c['packets_out']} "
-                     f"/ {c['bytes_out']} B, queue {c['queue']['bytes']} B "
-                     f"(max {c['queue']['max_bytes']}), delay mean {mean}, "
-                     f"drops {json.dumps(drops) if drops else 0}")
+        lines.append(
+            f"  in {c['packets_in']} items / {c['bytes_in']} B, out {c['packets_out']} "
+            f"/ {c['bytes_out']} B, queue {c['queue']['bytes']} B "
+            f"(max {c['queue']['max_bytes']}), delay mean {mean}, "
+            f"drops {json.dumps(drops) if drops else 0}"
+        )
         pending = d.get("pending", {})
         if pending.get("reverts") or pending.get("next_step_at") is not None:
             lines.append(f"  pending {json.dumps(pending)}")
@@ -244,8 +317,7 @@ def run_set(args: argparse.Namespace) -> int:
 
     effects = _key_values(args.effects)
     if not effects and not args.clear:
-        print("pdd wan set: give key=value effects (e.g. delay_ms=40) or --clear",
-              file=sys.stderr)
+        print("pdd wan set: give key=value effects (e.g. delay_ms=40) or --clear", file=sys.stderr)
         return 2
 
     async def go() -> str:

@@ -77,8 +77,9 @@ def with_defaults(cls: type) -> type:
     return _FORMATTERS[cls]
 
 
-def walk_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("pdd",)
-                 ) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+def walk_parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ("pdd",)
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
     """Every parser of the tree with its command path, the root first."""
     yield path, parser
     for action in parser._actions:
@@ -99,8 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pddnet.model.cli import register_model
     from pddnet.sim.cli import register as register_sim
 
-    parser = argparse.ArgumentParser(prog="pdd", description=(pddnet.__doc__ or "").strip(),
-                                     epilog="pdd COMMAND --help shows a command's options.")
+    parser = argparse.ArgumentParser(
+        prog="pdd",
+        description=(pddnet.__doc__ or "").strip(),
+        epilog="pdd COMMAND --help shows a command's options.",
+    )
     parser.add_argument("--version", action="version", version=f"pddnet {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register_generate(sub)
@@ -108,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_wan(sub)
     register_testbed(sub)
     register_cluster(sub)
-    register_bench(sub)     # bench, demo, trace
+    register_bench(sub)  # bench, demo, trace
     register_sim(sub)
     # every --help page shows the defaults, whichever module registered the command
     for _, p in walk_parsers(parser):

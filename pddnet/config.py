@@ -26,14 +26,14 @@ except ModuleNotFoundError:  # Python 3.10
 
 
 class ClusterMode(str, enum.Enum):
-    PDD = "pdd"            # P + RLD in A, MD in B: the system under study
+    PDD = "pdd"  # P + RLD in A, MD in B: the system under study
     CROSS_DC = "cross-dc"  # P in A, decode in B, KV over the WAN only: the naive design
-    SAME_DC = "same-dc"    # P and one decode instance in A over shared memory: the ideal
+    SAME_DC = "same-dc"  # P and one decode instance in A over shared memory: the ideal
 
 
 PIPELINE_CHOICES = ("auto", "p_rld_md", "p_md", "p_rld")
-INTRA_DC_TRANSPORTS = ("shm", "mooncake")   # P -> RLD
-WAN_TRANSPORTS = ("tcp", "mooncake")        # P -> MD
+INTRA_DC_TRANSPORTS = ("shm", "mooncake")  # P -> RLD
+WAN_TRANSPORTS = ("tcp", "mooncake")  # P -> MD
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 PREFIX_CACHE_KINDS = ("hash", "radix", "off")
 
@@ -44,17 +44,17 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    name: str = "tiny"          # preset name or a folder in the Hugging Face Llama layout
+    name: str = "tiny"  # preset name or a folder in the Hugging Face Llama layout
     seed: int = 0
-    dtype: str | None = None    # None: the preset's own dtype
-    threads: int = 1            # torch threads per daemon (the machine is shared)
+    dtype: str | None = None  # None: the preset's own dtype
+    threads: int = 1  # torch threads per daemon (the machine is shared)
 
 
 @dataclass
 class DaemonSection:
     host: str = "127.0.0.1"
     port: int = 0
-    dial: str | None = None     # "HOST:PORT" peers use; default host:port
+    dial: str | None = None  # "HOST:PORT" peers use; default host:port
     num_blocks: int = 1024
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -80,54 +80,54 @@ class RouterSection:
     max_tokens_limit: int = 4096
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 300.0
-    stall_timeout_s: float = 30.0   # no event for a request this long: replay it (once)
+    stall_timeout_s: float = 30.0  # no event for a request this long: replay it (once)
 
 
 @dataclass
 class WanSection:
-    shell: str = "auto"          # auto | kernel | packet | proxy
+    shell: str = "auto"  # auto | kernel | packet | proxy
     rtt_ms: float = 30.0
     jitter_ms: float = 0.0
     bw_mbit: float | None = 1000.0
     loss_pct: float = 0.0
-    stripes: int = 4             # parallel TCP streams for KV chunks
-    chunk_tokens: int = 64       # KV tokens per KV_CHUNK frame
+    stripes: int = 4  # parallel TCP streams for KV chunks
+    chunk_tokens: int = 64  # KV tokens per KV_CHUNK frame
     control: str = "127.0.0.1:0"  # the emulator's control API
-    heartbeat_s: float = 1.0     # PING period on every dialled control lane (P's RTT samples)
+    heartbeat_s: float = 1.0  # PING period on every dialled control lane (P's RTT samples)
     heartbeat_deadline_s: float = 3.0  # no PONG for this long: the peer is lost (hung, cut off)
 
 
 @dataclass
 class PolicySection:
-    handoff: str = "dynamic"     # one-shot | streaming | dynamic
+    handoff: str = "dynamic"  # one-shot | streaming | dynamic
     handoff_threshold_tokens: int = 64
     handoff_chunk: int = 16
     rld_load_limit: float = 0.8
     # Pipeline choice in pdd mode: auto (per request, pddnet.policy.pipeline) or one forced.
-    pipeline: str = "auto"       # auto | p_rld_md | p_md | p_rld
+    pipeline: str = "auto"  # auto | p_rld_md | p_md | p_rld
     direct_budget_s: float = 0.2  # P->MD when the incremental KV crosses faster than this
     singular_filter: bool = True
     singular_margin: float = 1.0
-    rld_step_s: float = 0.02     # RLD's seconds per output token until RLD reports its own
+    rld_step_s: float = 0.02  # RLD's seconds per output token until RLD reports its own
     wan_bw_mbit: float | None = None  # initial bandwidth estimate (None: wan.bw_mbit or 1000)
     # RLD admission (pddnet.policy.admission): RLD is a small pool and must never be flooded.
     rld_max_requests: int = 16
-    rld_max_running_tokens: int = 0   # 0: the relay pool's capacity (num_blocks * block_size)
+    rld_max_running_tokens: int = 0  # 0: the relay pool's capacity (num_blocks * block_size)
 
 
 @dataclass
 class TransportSection:
     """Which KV backend each path uses (pddnet.transport.backends) and how they are bounded."""
 
-    intra_dc: str = "shm"        # P -> RLD: shm (one machine) | mooncake
-    wan: str = "tcp"             # P -> MD: tcp (striped KV_CHUNK streams) | mooncake
-    deadline_s: float = 10.0     # pddnet's bound on one KV write (a hung receiver)
+    intra_dc: str = "shm"  # P -> RLD: shm (one machine) | mooncake
+    wan: str = "tcp"  # P -> MD: tcp (striped KV_CHUNK streams) | mooncake
+    deadline_s: float = 10.0  # pddnet's bound on one KV write (a hung receiver)
     abort_grace_s: float | None = None  # wait for in-flight writes on abort (None: per backend)
-    mooncake_protocol: str = "tcp"      # tcp | rdma (needs RDMA NICs)
-    mooncake_device: str = ""           # rdma: NIC names, e.g. "mlx5_0,mlx5_1"; "": engine's choice
-    progress_timeout_s: int = 2         # the engine's no-progress bound (whole seconds)
-    mooncake_staging_mib: int = 64      # sender's registered staging buffer per destination
-    mooncake_port_min: int = 0          # with _max: the ports the engine binds (0: any)
+    mooncake_protocol: str = "tcp"  # tcp | rdma (needs RDMA NICs)
+    mooncake_device: str = ""  # rdma: NIC names, e.g. "mlx5_0,mlx5_1"; "": engine's choice
+    progress_timeout_s: int = 2  # the engine's no-progress bound (whole seconds)
+    mooncake_staging_mib: int = 64  # sender's registered staging buffer per destination
+    mooncake_port_min: int = 0  # with _max: the ports the engine binds (0: any)
     mooncake_port_max: int = 0
 
     def backend_of(self, path: str) -> str:
@@ -138,41 +138,53 @@ class TransportSection:
 
     def validate(self) -> None:
         if self.intra_dc not in INTRA_DC_TRANSPORTS:
-            raise ConfigError(f"transport.intra_dc must be {'|'.join(INTRA_DC_TRANSPORTS)}, got "
-                              f"{self.intra_dc!r}" + (" (tcp is the WAN's backend)"
-                                                      if self.intra_dc == "tcp" else ""))
+            raise ConfigError(
+                f"transport.intra_dc must be {'|'.join(INTRA_DC_TRANSPORTS)}, got "
+                f"{self.intra_dc!r}"
+                + (" (tcp is the WAN's backend)" if self.intra_dc == "tcp" else "")
+            )
         if self.wan not in WAN_TRANSPORTS:
-            raise ConfigError(f"transport.wan must be {'|'.join(WAN_TRANSPORTS)}, got "
-                              f"{self.wan!r}" + (" (shm cannot cross datacenters)"
-                                                 if self.wan == "shm" else ""))
+            raise ConfigError(
+                f"transport.wan must be {'|'.join(WAN_TRANSPORTS)}, got "
+                f"{self.wan!r}" + (" (shm cannot cross datacenters)" if self.wan == "shm" else "")
+            )
         if self.deadline_s <= 0:
             raise ConfigError(f"transport.deadline_s must be > 0, got {self.deadline_s}")
         if self.abort_grace_s is not None and self.abort_grace_s < 0:
             raise ConfigError(f"transport.abort_grace_s must be >= 0, got {self.abort_grace_s}")
         if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
-            raise ConfigError(f"transport.mooncake_protocol must be tcp|rdma, got "
-                              f"{self.mooncake_protocol!r}")
+            raise ConfigError(
+                f"transport.mooncake_protocol must be tcp|rdma, got {self.mooncake_protocol!r}"
+            )
         if any(c.isspace() for c in self.mooncake_device):
-            raise ConfigError(f"transport.mooncake_device must be NIC names separated by commas "
-                              f"(no spaces), got {self.mooncake_device!r}")
+            raise ConfigError(
+                f"transport.mooncake_device must be NIC names separated by commas "
+                f"(no spaces), got {self.mooncake_device!r}"
+            )
         if self.progress_timeout_s < 1:
-            raise ConfigError(f"transport.progress_timeout_s must be >= 1 (whole seconds), got "
-                              f"{self.progress_timeout_s}")
+            raise ConfigError(
+                f"transport.progress_timeout_s must be >= 1 (whole seconds), got "
+                f"{self.progress_timeout_s}"
+            )
         if not 1 <= self.mooncake_staging_mib <= 16384:
-            raise ConfigError(f"transport.mooncake_staging_mib must be in 1..16384, got "
-                              f"{self.mooncake_staging_mib}")
+            raise ConfigError(
+                f"transport.mooncake_staging_mib must be in 1..16384, got "
+                f"{self.mooncake_staging_mib}"
+            )
         lo, hi = self.mooncake_port_min, self.mooncake_port_max
         if (lo or hi) and not 0 < lo <= hi <= 65535:
-            raise ConfigError(f"transport.mooncake_port_min..mooncake_port_max must be a port "
-                              f"range (1 <= min <= max <= 65535, or both 0 for any), got "
-                              f"{lo}..{hi}")
+            raise ConfigError(
+                f"transport.mooncake_port_min..mooncake_port_max must be a port "
+                f"range (1 <= min <= max <= 65535, or both 0 for any), got "
+                f"{lo}..{hi}"
+            )
 
 
 @dataclass
 class ClusterConfig:
     name: str = "pdd"
     mode: ClusterMode = ClusterMode.PDD
-    secret: str = ""            # shared secret for peer authentication ("" = generated by pdd up)
+    secret: str = ""  # shared secret for peer authentication ("" = generated by pdd up)
     run_dir: str = "runs/pdd"
     # Emulated accelerators (docs/emulated-devices.md): the model whose speed and KV volume the
     # daemons emulate (a profile of pddnet/device/profiles/models, "" = off) and the time
@@ -183,8 +195,9 @@ class ClusterConfig:
     router: RouterSection = field(default_factory=RouterSection)
     prefill: DaemonSection = field(default_factory=lambda: DaemonSection(port=7100))
     relay: DaemonSection = field(default_factory=lambda: DaemonSection(port=7200, num_blocks=512))
-    main_decode: DaemonSection = field(default_factory=lambda: DaemonSection(port=7300,
-                                                                             prefix_cache="radix"))
+    main_decode: DaemonSection = field(
+        default_factory=lambda: DaemonSection(port=7300, prefix_cache="radix")
+    )
     wan: WanSection = field(default_factory=WanSection)
     policy: PolicySection = field(default_factory=PolicySection)
     transport: TransportSection = field(default_factory=TransportSection)
@@ -194,19 +207,25 @@ class ClusterConfig:
         HandoffMode.parse(self.policy.handoff)
         pol = self.policy
         if pol.pipeline not in PIPELINE_CHOICES:
-            raise ConfigError(f"policy.pipeline must be one of {'|'.join(PIPELINE_CHOICES)}, "
-                              f"got {pol.pipeline!r}")
+            raise ConfigError(
+                f"policy.pipeline must be one of {'|'.join(PIPELINE_CHOICES)}, got {pol.pipeline!r}"
+            )
         if pol.direct_budget_s < 0 or pol.singular_margin <= 0 or pol.rld_step_s <= 0:
-            raise ConfigError("policy.direct_budget_s must be >= 0, policy.singular_margin and "
-                              "policy.rld_step_s > 0")
+            raise ConfigError(
+                "policy.direct_budget_s must be >= 0, policy.singular_margin and "
+                "policy.rld_step_s > 0"
+            )
         if pol.wan_bw_mbit is not None and pol.wan_bw_mbit <= 0:
             raise ConfigError(f"policy.wan_bw_mbit must be > 0, got {pol.wan_bw_mbit}")
         if pol.rld_max_requests < 1 or pol.rld_max_running_tokens < 0:
-            raise ConfigError("policy.rld_max_requests must be >= 1 and "
-                              "policy.rld_max_running_tokens >= 0")
+            raise ConfigError(
+                "policy.rld_max_requests must be >= 1 and policy.rld_max_running_tokens >= 0"
+            )
         if not 0 < self.wan.heartbeat_s < self.wan.heartbeat_deadline_s:
-            raise ConfigError(f"need 0 < wan.heartbeat_s < wan.heartbeat_deadline_s, got "
-                              f"{self.wan.heartbeat_s}, {self.wan.heartbeat_deadline_s}")
+            raise ConfigError(
+                f"need 0 < wan.heartbeat_s < wan.heartbeat_deadline_s, got "
+                f"{self.wan.heartbeat_s}, {self.wan.heartbeat_deadline_s}"
+            )
         if self.wan.shell not in ("auto", "kernel", "packet", "proxy"):
             raise ConfigError(f"wan.shell must be auto|kernel|packet|proxy, got {self.wan.shell!r}")
         for name in ("prefill", "relay", "main_decode"):
@@ -222,12 +241,15 @@ class ClusterConfig:
             if sec.gpus < 1:
                 raise ConfigError(f"{name}.gpus must be >= 1, got {sec.gpus}")
             if sec.prefix_cache not in PREFIX_CACHE_KINDS:
-                raise ConfigError(f"{name}.prefix_cache must be one of "
-                                  f"{'|'.join(PREFIX_CACHE_KINDS)}, got {sec.prefix_cache!r}")
+                raise ConfigError(
+                    f"{name}.prefix_cache must be one of "
+                    f"{'|'.join(PREFIX_CACHE_KINDS)}, got {sec.prefix_cache!r}"
+                )
         _check_port("router.port", self.router.port)
         if self.router.stall_timeout_s <= 0:
-            raise ConfigError(f"router.stall_timeout_s must be > 0, got "
-                              f"{self.router.stall_timeout_s}")
+            raise ConfigError(
+                f"router.stall_timeout_s must be > 0, got {self.router.stall_timeout_s}"
+            )
         self.transport.validate()
         self.emulation()
         if self.model.threads < 1:
@@ -239,7 +261,9 @@ class ClusterConfig:
         if self.wan.rtt_ms < 0 or self.wan.jitter_ms < 0:
             raise ConfigError("wan.rtt_ms and wan.jitter_ms must be >= 0")
         if self.wan.bw_mbit is not None and self.wan.bw_mbit <= 0:
-            raise ConfigError(f"wan.bw_mbit must be > 0 (or absent for unlimited), got {self.wan.bw_mbit}")
+            raise ConfigError(
+                f"wan.bw_mbit must be > 0 (or absent for unlimited), got {self.wan.bw_mbit}"
+            )
         return self
 
     def emulation(self) -> Emulation | None:
@@ -258,7 +282,9 @@ class ClusterConfig:
         return dump_toml(self.to_dict())
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> ClusterConfig:
     """Read a TOML file (or start from defaults), apply dotted overrides, validate."""
     data: dict[str, Any] = {}
     if path is not None:
@@ -307,7 +333,9 @@ def _build(defaults: Any, data: dict[str, Any], prefix: str) -> Any:
     fields = {f.name for f in dataclasses.fields(defaults)}
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise ConfigError(f"unknown key(s) in {prefix.rstrip('.') or 'config'}: {', '.join(unknown)}")
+        raise ConfigError(
+            f"unknown key(s) in {prefix.rstrip('.') or 'config'}: {', '.join(unknown)}"
+        )
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         default = getattr(defaults, name)

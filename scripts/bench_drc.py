@@ -1,6 +1,6 @@
 """WAN KV bytes and TTFT with and without the decode-side RadixCache (see pddnet/bench/drc.py).
 
-    python scripts/bench_drc.py [--quick]      (same as: pdd bench drc [--quick])
+python scripts/bench_drc.py [--quick]      (same as: pdd bench drc [--quick])
 """
 
 import sys

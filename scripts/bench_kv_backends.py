@@ -115,9 +115,22 @@ class ReceiverProcess:
         self.shm = unique_segment_name("bench-kv") if backend == "shm" else ""
         env = dict(os.environ, PYTHONPATH=ROOT)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", RECEIVER, backend, json.dumps(spec.to_dict()), str(blocks),
-             self.shm, json.dumps([list(t) for t in tables])], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(os.environ.get("BENCH_RX_LOG", os.devnull), "a"), env=env, text=True)
+            [
+                sys.executable,
+                "-c",
+                RECEIVER,
+                backend,
+                json.dumps(spec.to_dict()),
+                str(blocks),
+                self.shm,
+                json.dumps([list(t) for t in tables]),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(os.environ.get("BENCH_RX_LOG", os.devnull), "a"),
+            env=env,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         if not line:
             self.end()
@@ -161,13 +174,17 @@ class LoopLateness:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         s = sorted(self.samples) or [0.0]
-        return {"p50_ms": 1e3 * s[len(s) // 2], "p99_ms": 1e3 * s[min(len(s) - 1,
-                                                                        int(len(s) * 0.99))],
-                "max_ms": 1e3 * s[-1], "samples": len(s)}
+        return {
+            "p50_ms": 1e3 * s[len(s) // 2],
+            "p99_ms": 1e3 * s[min(len(s) - 1, int(len(s) * 0.99))],
+            "max_ms": 1e3 * s[-1],
+            "samples": len(s),
+        }
 
 
-def requests(spec: KVSpec, lengths: list[int], seed: int,
-             scatter: bool = False) -> tuple[KVPool, list[tuple]]:
+def requests(
+    spec: KVSpec, lengths: list[int], seed: int, scatter: bool = False
+) -> tuple[KVPool, list[tuple]]:
     """P's pool with every request's prompt KV, and (table_in_P, table_at_receiver, n)."""
     blocks = [math.ceil(n / BLOCK) for n in lengths]
     src = KVPool(spec, sum(blocks))
@@ -195,17 +212,32 @@ def memcpy_run(src: KVPool, reqs: list[tuple], repeat: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - t0, "bytes": moved}
 
 
-async def backend_run(name: str, src: KVPool, reqs: list[tuple], repeat: int,
-                      stripes_n: int, chunk_tokens: int) -> dict[str, Any]:
+async def backend_run(
+    name: str, src: KVPool, reqs: list[tuple], repeat: int, stripes_n: int, chunk_tokens: int
+) -> dict[str, Any]:
     rx = ReceiverProcess(name, src.spec, src.num_blocks, [dst for _, dst, _ in reqs])
     stripes = None
     try:
         if name == "tcp":
-            lanes = [await dial("127.0.0.1", rx.info["port"], role="prefill", instance_id="bench-p",
-                                lane="bulk", secret=SECRET) for _ in range(stripes_n)]
+            lanes = [
+                await dial(
+                    "127.0.0.1",
+                    rx.info["port"],
+                    role="prefill",
+                    instance_id="bench-p",
+                    lane="bulk",
+                    secret=SECRET,
+                )
+                for _ in range(stripes_n)
+            ]
             stripes = StripedSender(lanes)
-        backend = await create_backend(name, stripes=stripes, chunk_tokens=chunk_tokens,
-                                       deadline_s=30.0, mooncake=MooncakeSettings(deadline_s=30.0))
+        backend = await create_backend(
+            name,
+            stripes=stripes,
+            chunk_tokens=chunk_tokens,
+            deadline_s=30.0,
+            mooncake=MooncakeSettings(deadline_s=30.0),
+        )
         writer = await backend.open(rx.info["descriptor"])
         # Export (P's engine-thread work) is the same for all backends: done before timing.
         exports = [(export_kv(src, table, 0, n), dst) for table, dst, n in reqs]
@@ -220,7 +252,8 @@ async def backend_run(name: str, src: KVPool, reqs: list[tuple], repeat: int,
                 this_round += await xfer.write(ex)
             if name == "tcp":  # queued on the lanes is not yet landed: wait for the import
                 reply = await asyncio.get_running_loop().run_in_executor(
-                    None, rx.ask, f"wait {this_round}")
+                    None, rx.ask, f"wait {this_round}"
+                )
                 if reply != "ok":
                     raise RuntimeError(f"the tcp receiver got less than {this_round} bytes")
             moved += this_round
@@ -242,8 +275,11 @@ async def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stripes", type=int, default=4)
     ap.add_argument("--chunk-tokens", type=int, default=64)
-    ap.add_argument("--scatter", action="store_true",
-                    help="receiver blocks in reverse order (no contiguous runs)")
+    ap.add_argument(
+        "--scatter",
+        action="store_true",
+        help="receiver blocks in reverse order (no contiguous runs)",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "kv_backends"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -251,27 +287,36 @@ async def main() -> None:
     spec = KVSpec.from_model_config(cfg, block_size=BLOCK, dtype="float32")
     lengths = [int(x) for x in args.lengths.split(",")]
     src, reqs = requests(spec, lengths, seed=0, scatter=args.scatter)
-    print(f"KV of {args.model}: {spec.bytes_per_token} B/position; requests {lengths} x "
-          f"{args.repeat}: {args.repeat * sum(lengths) * spec.bytes_per_token / 2**20:.1f} MiB")
+    print(
+        f"KV of {args.model}: {spec.bytes_per_token} B/position; requests {lengths} x "
+        f"{args.repeat}: {args.repeat * sum(lengths) * spec.bytes_per_token / 2**20:.1f} MiB"
+    )
     results: dict[str, Any] = {"memcpy": memcpy_run(src, reqs, args.repeat)}
     skipped: dict[str, str] = {}
     for name in ("shm", "tcp", "mooncake"):
         if name == "mooncake" and mooncake_import_error():
             skipped[name] = mooncake_import_error() or ""
             continue
-        results[name] = await backend_run(name, src, reqs, args.repeat, args.stripes,
-                                          args.chunk_tokens)
+        results[name] = await backend_run(
+            name, src, reqs, args.repeat, args.stripes, args.chunk_tokens
+        )
     for r in results.values():
         r["goodput_gbps"] = r["bytes"] * 8 / r["seconds"] / 1e9
     base = results["memcpy"]["goodput_gbps"]
     print(f"\n{'path':<10}{'GB/s':>8}{'x memcpy':>10}{'loop p50 ms':>13}{'loop p99 ms':>13}")
     for name, r in results.items():
         loop = r.get("loop", {})
-        print(f"{name:<10}{r['goodput_gbps'] / 8:>8.2f}{r['goodput_gbps'] / base:>10.3f}"
-              f"{loop.get('p50_ms', float('nan')):>13.2f}{loop.get('p99_ms', float('nan')):>13.2f}")
+        print(
+            f"{name:<10}{r['goodput_gbps'] / 8:>8.2f}{r['goodput_gbps'] / base:>10.3f}"
+            f"{loop.get('p50_ms', float('nan')):>13.2f}{loop.get('p99_ms', float('nan')):>13.2f}"
+        )
     names = [n for n in results if n != "memcpy"]
-    ratios = {f"{a}/{b}": results[a]["goodput_gbps"] / results[b]["goodput_gbps"]
-              for a in names for b in names if a != b}
+    ratios = {
+        f"{a}/{b}": results[a]["goodput_gbps"] / results[b]["goodput_gbps"]
+        for a in names
+        for b in names
+        if a != b
+    }
     for k, v in ratios.items():
         print(f"  {k}: {v:.2f}x")
     hashes = {n: results[n]["pool_hash"] for n in names}
@@ -282,10 +327,22 @@ async def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, time.strftime("%Y%m%d-%H%M%S") + ".json")
     with open(path, "w") as f:
-        json.dump({"model": args.model, "scatter": args.scatter, "bytes_per_position": spec.bytes_per_token,
-                   "lengths": lengths, "repeat": args.repeat, "results": results,
-                   "ratios": ratios, "same_bytes": same, "skipped": skipped,
-                   "host_cpus": os.cpu_count()}, f, indent=2)
+        json.dump(
+            {
+                "model": args.model,
+                "scatter": args.scatter,
+                "bytes_per_position": spec.bytes_per_token,
+                "lengths": lengths,
+                "repeat": args.repeat,
+                "results": results,
+                "ratios": ratios,
+                "same_bytes": same,
+                "skipped": skipped,
+                "host_cpus": os.cpu_count(),
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {path}")
     if not same:
         sys.exit("backends disagree on the bytes they moved")

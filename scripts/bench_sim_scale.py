@@ -38,39 +38,54 @@ from pddnet.sim.runner import simulate
 MODES = ("pure", "compiled")
 
 
-def deployment(gpus: int, requests: int, tokens_per_unit: int,
-               rate_per_gpu: float = 0.01) -> dict:
+def deployment(gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: float = 0.01) -> dict:
     # P's share sized (session 5) so that P stays below ~85% busy at 100K requests on 1000 GPUs
     # with the cost model's one-direction all-reduce: at 45% it was 93% busy and missed the SLA
     p = max(1, round(gpus * 0.55 / 16))
     r = max(1, round(gpus * 0.03 / 16))
-    md = max(1, round((gpus - 16 * (p + r)) / 8))      # MD: the rest (so 1000 means 1000)
+    md = max(1, round((gpus - 16 * (p + r)) / 8))  # MD: the rest (so 1000 means 1000)
     return {
-        "seed": 0, "model": "deepseek-v3", "tokens_per_unit": tokens_per_unit,
-        "systems": ["pdd"], "chips": {"a": "gpu-a", "b": "gpu-b"},
-        "pdd": {"prefill": {"chip": "a", "instances": p, "gpus": 16},
-                "relay": {"chip": "a", "instances": r, "gpus": 16},
-                "main_decode": {"chip": "b", "instances": md, "gpus": 8}},
-        "baseline": {"prefill": {"chip": "a", "instances": p, "gpus": 16},
-                     "decode": {"chip": "a", "instances": md, "gpus": 16}},
+        "seed": 0,
+        "model": "deepseek-v3",
+        "tokens_per_unit": tokens_per_unit,
+        "systems": ["pdd"],
+        "chips": {"a": "gpu-a", "b": "gpu-b"},
+        "pdd": {
+            "prefill": {"chip": "a", "instances": p, "gpus": 16},
+            "relay": {"chip": "a", "instances": r, "gpus": 16},
+            "main_decode": {"chip": "b", "instances": md, "gpus": 8},
+        },
+        "baseline": {
+            "prefill": {"chip": "a", "instances": p, "gpus": 16},
+            "decode": {"chip": "a", "instances": md, "gpus": 16},
+        },
         "line": {"bw_gbit": max(10, gpus * 0.4), "rtt_ms": 30},
         "policy": {"rld_max_requests": 256},
-        "workload": {"requests": requests, "num_conversations": 10_000_000,
-                     "conversation_rate_per_s": rate_per_gpu * gpus, "think_time_s": 2.0,
-                     "system_prompt_len": [4000, 16000], "task_len": [1000, 4000],
-                     "small_tool_len": [64, 1024], "large_tool_len": [8000, 32000],
-                     "output_len": [64, 1024], "max_context": 65536},
+        "workload": {
+            "requests": requests,
+            "num_conversations": 10_000_000,
+            "conversation_rate_per_s": rate_per_gpu * gpus,
+            "think_time_s": 2.0,
+            "system_prompt_len": [4000, 16000],
+            "task_len": [1000, 4000],
+            "small_tool_len": [64, 1024],
+            "large_tool_len": [8000, 32000],
+            "output_len": [64, 1024],
+            "max_context": 65536,
+        },
     }
 
 
-def run_point(gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: float,
-              progress: bool = False) -> dict:
+def run_point(
+    gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: float, progress: bool = False
+) -> dict:
     """One simulation in this process; the row of the table."""
     cfg = parse_config(deployment(gpus, requests, tokens_per_unit, rate_per_gpu))
     bar = None
     if progress and sys.stderr.isatty():
         try:
             from tqdm import tqdm
+
             bar = tqdm(total=requests, desc=f"{gpus} GPUs", unit="req", leave=False)
         except ImportError:  # pragma: no cover
             bar = None
@@ -81,15 +96,24 @@ def run_point(gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: floa
     if bar is not None:
         bar.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"gpus": sum(r["gpus"].values()), "requests": requests, "cpu_s": round(cpu, 2),
-            "wall_s": round(wall, 2), "us_per_request": round(cpu / requests * 1e6, 1),
-            "events": r["events"], "events_per_request": round(r["events"] / requests, 2),
-            "sim_time_s": r["sim_time_s"], "max_rss_mb": round(rss, 1),
-            "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2),
-            "ttft_p50_s": r["ttft_s"]["p50"], "rld_share": r["token_share"]["rld"],
-            "attainment": r["sla"]["attainment"],
-            "mode": "compiled" if compiled.compiled_modules() else "pure",
-            "result_digest": _digest(r)}
+    return {
+        "gpus": sum(r["gpus"].values()),
+        "requests": requests,
+        "cpu_s": round(cpu, 2),
+        "wall_s": round(wall, 2),
+        "us_per_request": round(cpu / requests * 1e6, 1),
+        "events": r["events"],
+        "events_per_request": round(r["events"] / requests, 2),
+        "sim_time_s": r["sim_time_s"],
+        "max_rss_mb": round(rss, 1),
+        "load_before": round(load0, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+        "ttft_p50_s": r["ttft_s"]["p50"],
+        "rld_share": r["token_share"]["rld"],
+        "attainment": r["sla"]["attainment"],
+        "mode": "compiled" if compiled.compiled_modules() else "pure",
+        "result_digest": _digest(r),
+    }
 
 
 def _digest(result: dict) -> str:
@@ -97,6 +121,7 @@ def _digest(result: dict) -> str:
     import hashlib
 
     from pddnet.sim.cli import dumps
+
     return hashlib.sha256(dumps(result).encode()).hexdigest()[:12]
 
 
@@ -105,15 +130,27 @@ def main() -> int:
     ap.add_argument("--requests", type=int, nargs="+", default=[5000, 20000])
     ap.add_argument("--gpus", type=int, nargs="+", default=[250, 1000])
     ap.add_argument("--tokens-per-unit", type=int, default=512)
-    ap.add_argument("--rate-per-gpu", type=float, default=0.01,
-                    help="new conversations per second per GPU (keeps the load per GPU fixed)")
-    ap.add_argument("--mode", choices=["both", *MODES], default="both",
-                    help="pure Python, compiled with mypyc, or both side by side (default)")
+    ap.add_argument(
+        "--rate-per-gpu",
+        type=float,
+        default=0.01,
+        help="new conversations per second per GPU (keeps the load per GPU fixed)",
+    )
+    ap.add_argument(
+        "--mode",
+        choices=["both", *MODES],
+        default="both",
+        help="pure Python, compiled with mypyc, or both side by side (default)",
+    )
     ap.add_argument("--out", default=None, help="write the table as JSON here")
-    ap.add_argument("--in-process", action="store_true",
-                    help="run every point in this process (peak RSS is then cumulative)")
-    ap.add_argument("--point", nargs=2, type=int, metavar=("GPUS", "REQUESTS"),
-                    help=argparse.SUPPRESS)     # internal: one point, its row as JSON
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every point in this process (peak RSS is then cumulative)",
+    )
+    ap.add_argument(
+        "--point", nargs=2, type=int, metavar=("GPUS", "REQUESTS"), help=argparse.SUPPRESS
+    )  # internal: one point, its row as JSON
     args = ap.parse_args()
     if args.point:
         row = run_point(*args.point, args.tokens_per_unit, args.rate_per_gpu, progress=True)
@@ -121,8 +158,10 @@ def main() -> int:
         return 0
     modes = MODES if args.mode == "both" else (args.mode,)
     if args.in_process and modes != (("compiled",) if compiled.compiled_modules() else ("pure",)):
-        ap.error("--in-process runs this process's mode only: pass --mode pure (or run this "
-                 "script from the compiled copy with --mode compiled)")
+        ap.error(
+            "--in-process runs this process's mode only: pass --mode pure (or run this "
+            "script from the compiled copy with --mode compiled)"
+        )
     tree = None
     if "compiled" in modes and not args.in_process:
         try:
@@ -131,11 +170,16 @@ def main() -> int:
             print(exc, file=sys.stderr)
             return 1
     rows = []
-    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; "
-          f"each point is one single-threaded simulation in a fresh process")
-    print(f"{'mode':>8} {'gpus':>6} {'requests':>9} {'CPU s':>8} {'us/req':>8} {'events':>10} "
-          f"{'ev/req':>6} {'sim s':>8} {'peakRSS MB':>10} {'load':>9} {'TTFT p50':>9} "
-          f"{'RLD share':>9} {'SLA met':>8}", flush=True)
+    print(
+        f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; "
+        f"each point is one single-threaded simulation in a fresh process"
+    )
+    print(
+        f"{'mode':>8} {'gpus':>6} {'requests':>9} {'CPU s':>8} {'us/req':>8} {'events':>10} "
+        f"{'ev/req':>6} {'sim s':>8} {'peakRSS MB':>10} {'load':>9} {'TTFT p50':>9} "
+        f"{'RLD share':>9} {'SLA met':>8}",
+        flush=True,
+    )
     for gpus in args.gpus:
         for n in args.requests:
             point = {}
@@ -143,26 +187,39 @@ def main() -> int:
                 if args.in_process:
                     row = run_point(gpus, n, args.tokens_per_unit, args.rate_per_gpu, True)
                 else:
-                    row = _child(gpus, n, args.tokens_per_unit, args.rate_per_gpu,
-                                 tree if mode == "compiled" else None)
+                    row = _child(
+                        gpus,
+                        n,
+                        args.tokens_per_unit,
+                        args.rate_per_gpu,
+                        tree if mode == "compiled" else None,
+                    )
                 if row["mode"] != mode:
                     raise RuntimeError(f"asked for a {mode} run, the child ran {row['mode']}")
                 rows.append(row)
                 point[mode] = row
-                print(f"{mode:>8} {row['gpus']:>6} {n:>9} {row['cpu_s']:8.1f} "
-                      f"{row['us_per_request']:8.1f} {row['events']:>10} "
-                      f"{row['events_per_request']:6.1f} {row['sim_time_s']:8.0f} "
-                      f"{row['max_rss_mb']:10.1f} "
-                      f"{row['load_before']:4.1f}-{row['load_after']:<4.1f} "
-                      f"{row['ttft_p50_s']:9.3f} {row['rld_share']:9.1%} "
-                      f"{row['attainment']:8.1%}", flush=True)
+                print(
+                    f"{mode:>8} {row['gpus']:>6} {n:>9} {row['cpu_s']:8.1f} "
+                    f"{row['us_per_request']:8.1f} {row['events']:>10} "
+                    f"{row['events_per_request']:6.1f} {row['sim_time_s']:8.0f} "
+                    f"{row['max_rss_mb']:10.1f} "
+                    f"{row['load_before']:4.1f}-{row['load_after']:<4.1f} "
+                    f"{row['ttft_p50_s']:9.3f} {row['rld_share']:9.1%} "
+                    f"{row['attainment']:8.1%}",
+                    flush=True,
+                )
             if len(point) == 2:
                 same = point["pure"]["result_digest"] == point["compiled"]["result_digest"]
-                print(f"{'':>8} compiled is {point['pure']['cpu_s'] / point['compiled']['cpu_s']:.2f}x "
-                      f"faster; results {'identical' if same else 'DIFFER'}", flush=True)
+                print(
+                    f"{'':>8} compiled is {point['pure']['cpu_s'] / point['compiled']['cpu_s']:.2f}x "
+                    f"faster; results {'identical' if same else 'DIFFER'}",
+                    flush=True,
+                )
                 if not same:
-                    raise RuntimeError("the compiled simulator's result differs from the pure "
-                                       "one's: a bug (tests/test_sim_compiled.py)")
+                    raise RuntimeError(
+                        "the compiled simulator's result differs from the pure "
+                        "one's: a bug (tests/test_sim_compiled.py)"
+                    )
     for mode in modes:
         print(f"{mode}:")
         print(_growth([r for r in rows if r["mode"] == mode]))
@@ -172,20 +229,29 @@ def main() -> int:
     return 0
 
 
-def _child(gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: float,
-           tree: Path | None = None) -> dict:
+def _child(
+    gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: float, tree: Path | None = None
+) -> dict:
     """One point in a fresh interpreter: its own peak RSS, no heap left by the previous.
     ``tree``: the compiled copy to run it on (None: the pure package of this checkout)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--point", str(gpus), str(requests),
-           "--tokens-per-unit", str(tokens_per_unit), "--rate-per-gpu", str(rate_per_gpu)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--point",
+        str(gpus),
+        str(requests),
+        "--tokens-per-unit",
+        str(tokens_per_unit),
+        "--rate-per-gpu",
+        str(rate_per_gpu),
+    ]
     if tree is not None:
         env = compiled.compiled_env(tree)
     else:
         env = dict(os.environ)
         env.pop(compiled.TREE_ENV, None)
         root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
-                                    else "")
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -197,7 +263,7 @@ def _exponent(pairs: list[tuple[float, float]]) -> float | None:
         return None
     mx = sum(x for x, _ in pts) / len(pts)
     my = sum(y for _, y in pts) / len(pts)
-    return (sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
 def _growth(rows: list[dict]) -> str:
@@ -206,16 +272,21 @@ def _growth(rows: list[dict]) -> str:
     by_n = [(r["requests"], r["cpu_s"]) for r in rows if r["gpus"] == top_g]
     by_g = [(r["gpus"], r["cpu_s"]) for r in rows if r["requests"] == top_n]
     a, b = _exponent(by_n), _exponent(by_g)
-    lines = [f"CPU time grows as requests^{a:.2f} (at {top_g} GPUs)" if a is not None else
-             "one request size only: no growth exponent in requests",
-             f"CPU time grows as GPUs^{b:.2f} (at {top_n} requests)" if b is not None else
-             "one GPU count only: no growth exponent in GPUs"]
+    lines = [
+        f"CPU time grows as requests^{a:.2f} (at {top_g} GPUs)"
+        if a is not None
+        else "one request size only: no growth exponent in requests",
+        f"CPU time grows as GPUs^{b:.2f} (at {top_n} requests)"
+        if b is not None
+        else "one GPU count only: no growth exponent in GPUs",
+    ]
     big = max((r for r in rows if r["gpus"] == top_g), key=lambda r: r["requests"])
     exp = a if a is not None else 1.0
     minutes = big["cpu_s"] * (1e6 / big["requests"]) ** exp / 60
     what = "measured" if big["requests"] >= 1e6 else "extrapolated"
-    lines.append(f"{what}: 1M requests at {top_g} GPUs take {minutes:.1f} min of one core "
-                 f"(target: < 5 min)")
+    lines.append(
+        f"{what}: 1M requests at {top_g} GPUs take {minutes:.1f} min of one core (target: < 5 min)"
+    )
     return "\n".join(lines)
 
 

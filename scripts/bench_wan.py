@@ -41,9 +41,16 @@ def listener(make: Any, addr: str) -> socket.socket:
     return ls
 
 
-def measure(make_server: Any, make_client: Any, server_addr: str, connect_addr: str | None,
-            connect_port: Any, seconds: float, probes: int,
-            emulator_pid: int | None) -> dict[str, Any]:
+def measure(
+    make_server: Any,
+    make_client: Any,
+    server_addr: str,
+    connect_addr: str | None,
+    connect_port: Any,
+    seconds: float,
+    probes: int,
+    emulator_pid: int | None,
+) -> dict[str, Any]:
     """Goodput (Mbit/s), RTT median/p99 (ms) and emulator CPU seconds during the bulk run.
     `connect_port(server_port)` maps the server's port to where the client connects (a proxy)."""
     out: dict[str, Any] = {}
@@ -71,7 +78,9 @@ def measure(make_server: Any, make_client: Any, server_addr: str, connect_addr: 
         sink.stop()
         sink_ls.close()
     received = sink.total()
-    out["goodput_mbit"] = sink.bytes_between(start + 0.3, start + seconds) * 8 / (seconds - 0.3) / 1e6
+    out["goodput_mbit"] = (
+        sink.bytes_between(start + 0.3, start + seconds) * 8 / (seconds - 0.3) / 1e6
+    )
     out["bytes"] = received
     if cpu0 is not None and cpu1 is not None:
         out["emulator_cpu_s"] = cpu1 - cpu0
@@ -101,11 +110,22 @@ def bench_testbed(shell: str, seconds: float, probes: int, mtu: int) -> dict[str
     async def run() -> dict[str, Any]:
         async with Testbed(name=f"pddbench{os.getpid()}", shell=shell, mtu=mtu) as tb:
             server, client = in_ns(tb.ns_a, tb.ns_b)
-            res = await asyncio.to_thread(measure, server, client, tb.addr_b, None,
-                                          lambda p: p, seconds, probes, tb.emulator_pid)
-            res["link_counters"] = {d: {k: v for k, v in x["counters"].items() if k != "delay"}
-                                    for d, x in (await tb.link.show()).items()
-                                    if d in ("a_to_b", "b_to_a")}
+            res = await asyncio.to_thread(
+                measure,
+                server,
+                client,
+                tb.addr_b,
+                None,
+                lambda p: p,
+                seconds,
+                probes,
+                tb.emulator_pid,
+            )
+            res["link_counters"] = {
+                d: {k: v for k, v in x["counters"].items() if k != "delay"}
+                for d, x in (await tb.link.show()).items()
+                if d in ("a_to_b", "b_to_a")
+            }
             return res
 
     return asyncio.run(run())
@@ -134,8 +154,12 @@ def bench_proxy(seconds: float, probes: int) -> dict[str, Any]:
     cpu_pid: list[int] = []
 
     def port_via_proxy(server_port: int) -> int:
-        p = subprocess.Popen([sys.executable, "-c", PROXY_SERVER, ROOT, str(server_port)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", PROXY_SERVER, ROOT, str(server_port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         procs.append(p)
         cpu_pid[:] = [p.pid]
         line = p.stdout.readline() if p.stdout else ""
@@ -161,8 +185,9 @@ def bench_proxy(seconds: float, probes: int) -> dict[str, Any]:
     return res
 
 
-def measure_proxy(make: Any, port_via_proxy: Any, cpu_pid: list[int], seconds: float,
-                  probes: int) -> dict[str, Any]:
+def measure_proxy(
+    make: Any, port_via_proxy: Any, cpu_pid: list[int], seconds: float, probes: int
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     echo_ls = listener(make, "127.0.0.1")
     echo = TcpEcho(echo_ls)
@@ -188,7 +213,9 @@ def measure_proxy(make: Any, port_via_proxy: Any, cpu_pid: list[int], seconds: f
         sink.stop()
         sink_ls.close()
     received = sink.total()
-    out["goodput_mbit"] = sink.bytes_between(start + 0.3, start + seconds) * 8 / (seconds - 0.3) / 1e6
+    out["goodput_mbit"] = (
+        sink.bytes_between(start + 0.3, start + seconds) * 8 / (seconds - 0.3) / 1e6
+    )
     out["bytes"] = received
     if cpu0 is not None and cpu1 is not None and received:
         out["emulator_cpu_s"] = cpu1 - cpu0
@@ -204,9 +231,11 @@ def bench_loopback(seconds: float, probes: int) -> dict[str, Any]:
 
 
 def compare(shell: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
-    return {"goodput_ratio": shell["goodput_mbit"] / base["goodput_mbit"],
-            "added_rtt_ms": shell["rtt_median_ms"] - base["rtt_median_ms"],
-            "rtt_ratio": shell["rtt_median_ms"] / base["rtt_median_ms"]}
+    return {
+        "goodput_ratio": shell["goodput_mbit"] / base["goodput_mbit"],
+        "added_rtt_ms": shell["rtt_median_ms"] - base["rtt_median_ms"],
+        "rtt_ratio": shell["rtt_median_ms"] / base["rtt_median_ms"],
+    }
 
 
 def plot(result: dict[str, Any], path: str) -> bool:
@@ -219,13 +248,20 @@ def plot(result: dict[str, Any], path: str) -> bool:
         return False
     shells = list(result["shells"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "goodput_mbit", "TCP goodput (Mbit/s)"),
-                           (axes[1], "rtt_median_ms", "TCP RTT median (ms)")):
+    for ax, key, label in (
+        (axes[0], "goodput_mbit", "TCP goodput (Mbit/s)"),
+        (axes[1], "rtt_median_ms", "TCP RTT median (ms)"),
+    ):
         xs = range(len(shells))
-        ax.bar([x - 0.2 for x in xs], [result["shells"][s][key] for s in shells], 0.4,
-               label="emulator")
-        ax.bar([x + 0.2 for x in xs], [result["baselines"][result["baseline_of"][s]][key]
-                                       for s in shells], 0.4, label="direct")
+        ax.bar(
+            [x - 0.2 for x in xs], [result["shells"][s][key] for s in shells], 0.4, label="emulator"
+        )
+        ax.bar(
+            [x + 0.2 for x in xs],
+            [result["baselines"][result["baseline_of"][s]][key] for s in shells],
+            0.4,
+            label="direct",
+        )
         ax.set_xticks(list(xs), shells)
         ax.set_title(label)
         ax.legend()
@@ -237,8 +273,9 @@ def plot(result: dict[str, Any], path: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seconds", type=float, default=3.0, help="bulk transfer length per case")
     p.add_argument("--probes", type=int, default=300, help="RTT probes per case")
     p.add_argument("--mtu", type=int, default=9000, help="MTU of TUN/veth (packet/kernel shell)")
@@ -247,11 +284,19 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.5 < args.seconds <= 30 or not 10 <= args.probes <= 5000:
         p.error("--seconds must be in (0.5, 30] and --probes in [10, 5000]")
 
-    result: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "mtu": args.mtu,
-                              "seconds": args.seconds, "probes": args.probes,
-                              "kernel": os.uname().release, "cpus": os.cpu_count(),
-                              "shells": {}, "baselines": {}, "baseline_of": {}, "ratios": {},
-                              "skipped": {}}
+    result: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "mtu": args.mtu,
+        "seconds": args.seconds,
+        "probes": args.probes,
+        "kernel": os.uname().release,
+        "cpus": os.cpu_count(),
+        "shells": {},
+        "baselines": {},
+        "baseline_of": {},
+        "ratios": {},
+        "skipped": {},
+    }
     print("loopback (direct) ...", flush=True)
     result["baselines"]["loopback"] = bench_loopback(args.seconds, args.probes)
     print("proxy shell ...", flush=True)
@@ -267,31 +312,38 @@ def main(argv: list[str] | None = None) -> int:
         netem = kernel_shell.netem_unavailable_reason()
         if netem is None:
             print("kernel shell ...", flush=True)
-            result["shells"]["kernel"] = bench_testbed("kernel", args.seconds, args.probes,
-                                                       args.mtu)
+            result["shells"]["kernel"] = bench_testbed(
+                "kernel", args.seconds, args.probes, args.mtu
+            )
             result["baseline_of"]["kernel"] = "veth"
         else:
             result["skipped"]["kernel"] = netem
     else:
         result["skipped"]["packet"] = result["skipped"]["kernel"] = reason
 
-    print(f"\n{'shell':<8} {'goodput Mbit/s':>15} {'direct':>9} {'ratio':>6}   "
-          f"{'RTT ms':>7} {'direct':>7} {'added':>7}   {'emulator CPU s/GB':>17}")
+    print(
+        f"\n{'shell':<8} {'goodput Mbit/s':>15} {'direct':>9} {'ratio':>6}   "
+        f"{'RTT ms':>7} {'direct':>7} {'added':>7}   {'emulator CPU s/GB':>17}"
+    )
     for shell, res in result["shells"].items():
         base = result["baselines"][result["baseline_of"][shell]]
         ratio = result["ratios"][shell] = compare(res, base)
         cpu = res.get("emulator_cpu_s_per_gb")
-        print(f"{shell:<8} {res['goodput_mbit']:>15.0f} {base['goodput_mbit']:>9.0f} "
-              f"{ratio['goodput_ratio']:>6.2f}   {res['rtt_median_ms']:>7.3f} "
-              f"{base['rtt_median_ms']:>7.3f} {ratio['added_rtt_ms']:>+7.3f}   "
-              f"{cpu if cpu is None else f'{cpu:.2f}':>17}")
+        print(
+            f"{shell:<8} {res['goodput_mbit']:>15.0f} {base['goodput_mbit']:>9.0f} "
+            f"{ratio['goodput_ratio']:>6.2f}   {res['rtt_median_ms']:>7.3f} "
+            f"{base['rtt_median_ms']:>7.3f} {ratio['added_rtt_ms']:>+7.3f}   "
+            f"{cpu if cpu is None else f'{cpu:.2f}':>17}"
+        )
     for shell, why in result["skipped"].items():
         print(f"{shell:<8} skipped: {why}")
     packet = result["shells"].get("packet")
     if packet:
         verdict = "meets" if packet["goodput_mbit"] >= 500 else "MISSES"
-        print(f"\npacket shell goodput {packet['goodput_mbit']:.0f} Mbit/s {verdict} the "
-              "500 Mbit/s target")
+        print(
+            f"\npacket shell goodput {packet['goodput_mbit']:.0f} Mbit/s {verdict} the "
+            "500 Mbit/s target"
+        )
 
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")

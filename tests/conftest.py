@@ -13,8 +13,12 @@ import pytest
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--heavy", action="store_true", default=False,
-                     help="also run the heavy (long) cases: chaos suite, full soaks")
+    parser.addoption(
+        "--heavy",
+        action="store_true",
+        default=False,
+        help="also run the heavy (long) cases: chaos suite, full soaks",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,8 +34,13 @@ def pytest_configure(config: pytest.Config) -> None:
 # machine one window can be disturbed by another process; such a test gets two more windows.
 # Only an AssertionError is re-run, so a crash is never hidden, and a wrong emulator fails
 # every window.
-LINK_MEASUREMENT_MODULES = {"test_proxy_shell.py", "test_packet_shell.py", "test_control_api.py",
-                            "test_testbed.py", "test_kernel_shell.py"}
+LINK_MEASUREMENT_MODULES = {
+    "test_proxy_shell.py",
+    "test_packet_shell.py",
+    "test_control_api.py",
+    "test_testbed.py",
+    "test_kernel_shell.py",
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

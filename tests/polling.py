@@ -9,8 +9,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 
-async def wait_for(cond: Callable[[], Awaitable[Any]], timeout: float, what: str,
-                   step: float = 0.05) -> Any:
+async def wait_for(
+    cond: Callable[[], Awaitable[Any]], timeout: float, what: str, step: float = 0.05
+) -> Any:
     """The first truthy value of `await cond()`; AssertionError naming `what` after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:

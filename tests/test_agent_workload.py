@@ -42,12 +42,15 @@ def test_turns_append_to_the_previous_prompt_and_output(workload):
         assert [r.turn for r in turns] == list(range(len(turns)))
         for prev, cur in zip(turns, turns[1:], strict=False):
             assert cur.arrival_s > prev.arrival_s
-            assert cur.prompt_token_ids == (prev.prompt_token_ids + prev.output_token_ids
-                                            + cur.appended_token_ids)
-            assert follow_up_prompt(cur, prev.prompt_token_ids, prev.output_token_ids) == \
-                cur.prompt_token_ids
+            assert cur.prompt_token_ids == (
+                prev.prompt_token_ids + prev.output_token_ids + cur.appended_token_ids
+            )
+            assert (
+                follow_up_prompt(cur, prev.prompt_token_ids, prev.output_token_ids)
+                == cur.prompt_token_ids
+            )
     # first turns share one of a few system prompts
-    heads = {r.prompt_token_ids[:PARAMS.system_prompt_len[0]] for r in reqs if r.turn == 0}
+    heads = {r.prompt_token_ids[: PARAMS.system_prompt_len[0]] for r in reqs if r.turn == 0}
     assert len(heads) <= PARAMS.num_system_prompts
 
 
@@ -63,18 +66,19 @@ def test_hit_distribution_reproduces_the_source_skew(workload):
     assert list(dist) == list(HIT_INTERVAL_LABELS)
     assert sum(dist.values()) == pytest.approx(1.0)
     mean = statistics.mean(ratios)
-    assert 0.86 <= mean <= 0.94, mean                 # "about 90% average prefix hit"
-    assert 0.70 <= dist["95-100%"] <= 0.80, dist      # "70-80% of requests hit > 95%"
+    assert 0.86 <= mean <= 0.94, mean  # "about 90% average prefix hit"
+    assert 0.70 <= dist["95-100%"] <= 0.80, dist  # "70-80% of requests hit > 95%"
     assert token_weighted_hit(reqs, ratios) >= 0.885  # >= ~9x fewer WAN KV bytes, ideally
-    assert sum(dist[k] for k in HIT_INTERVAL_LABELS[:4]) >= 0.1   # a real low-hit tail
+    assert sum(dist[k] for k in HIT_INTERVAL_LABELS[:4]) >= 0.1  # a real low-hit tail
     first = [x for r, x in zip(reqs, ratios, strict=True) if r.turn == 0]
     later = [x for r, x in zip(reqs, ratios, strict=True) if r.turn > 0]
     assert statistics.mean(first) < 0.8 < statistics.mean(later)
 
 
 def test_ideal_cache_hits_exactly_the_previous_turn_when_nothing_is_shared():
-    p = AgentWorkloadParams(num_conversations=1, num_system_prompts=1, max_turns=(3, 3),
-                            large_tool_prob=0.0)
+    p = AgentWorkloadParams(
+        num_conversations=1, num_system_prompts=1, max_turns=(3, 3), large_tool_prob=0.0
+    )
     reqs = generate_agent_workload(p, seed=1)
     ratios = ideal_hit_ratios(reqs, block_size=16)
     assert ratios[0] == 0.0
@@ -100,4 +104,4 @@ def test_uniform_ids_are_the_draws_of_random_choices() -> None:
         a, b = random.Random(vocab), random.Random(vocab)
         for k in (0, 1, 5, 300):
             assert uniform_ids(a, vocab, k) == tuple(b.choices(range(vocab), k=k))
-        assert a.random() == b.random()            # the generators stayed in step
+        assert a.random() == b.random()  # the generators stayed in step

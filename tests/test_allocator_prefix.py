@@ -80,17 +80,17 @@ def test_match_finds_leading_full_blocks_and_counts_hits():
 def test_eviction_is_lru_over_unreferenced_blocks_only():
     a = BlockAllocator(6)
     cache = PrefixCache(a, BS)
-    s1 = _sequence(cache, list(range(8)))           # 2 full blocks
-    s2 = _sequence(cache, list(range(100, 108)))    # 2 full blocks
+    s1 = _sequence(cache, list(range(8)))  # 2 full blocks
+    s2 = _sequence(cache, list(range(100, 108)))  # 2 full blocks
     assert a.num_free == 2 and cache.num_evictable == 0
-    cache.release(s1)                               # s1's blocks: cached, unreferenced
+    cache.release(s1)  # s1's blocks: cached, unreferenced
     assert cache.num_evictable == 2 and cache.num_available == 4
     # s2 still referenced: allocating past the free list evicts s1's blocks, never s2's.
     got = cache.allocate(4)
     assert set(s1) <= set(got) and not set(s2) & set(got)
     assert cache.num_evicted == 2 and cache.match(list(range(8))).num_blocks == 0
     with pytest.raises(OutOfBlocks):
-        cache.allocate(1)                           # s2 blocks are referenced: not evictable
+        cache.allocate(1)  # s2 blocks are referenced: not evictable
     assert cache.match(list(range(100, 108))).num_blocks == 2
 
 
@@ -152,8 +152,12 @@ def test_duplicate_block_stays_uncached_and_is_freed_normally():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["run", "release", "pin", "unpin", "alloc"]),
-                          st.integers(0, 5)), max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["run", "release", "pin", "unpin", "alloc"]), st.integers(0, 5)),
+        max_size=40,
+    )
+)
 def test_random_operations_never_free_a_referenced_or_pinned_block(ops):
     a = BlockAllocator(12)
     cache = PrefixCache(a, BS)

@@ -15,8 +15,10 @@ EOS = 257
 def _events(tokens: list[int], cuts: list[int], producers: list[str]) -> list[tuple]:
     """Split `tokens` into consecutive events at `cuts`."""
     bounds = sorted({0, len(tokens), *[c for c in cuts if 0 < c < len(tokens)]})
-    return [(a, tokens[a:b], producers[i % len(producers)])
-            for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
+    return [
+        (a, tokens[a:b], producers[i % len(producers)])
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+    ]
 
 
 def _run(asm: StreamAssembler, events: list[tuple]) -> list[int]:
@@ -60,7 +62,7 @@ def test_duplicates_are_dropped_when_lenient_and_errors_when_strict(tokens, cuts
     # A duplicate is an error unless it came after the stream had already ended.
     assert strict.finish_reason == "error"
     assert "produced twice" in strict.error
-    assert out == tokens[:len(out)]  # what was released before the error is still right
+    assert out == tokens[: len(out)]  # what was released before the error is still right
 
 
 @settings(max_examples=200, deadline=None)
@@ -83,11 +85,11 @@ def test_conflicting_token_is_an_error(tokens, data):
 @given(tokens=token_lists, eos_at=st.integers(0, 39), data=st.data())
 def test_eos_ends_the_stream_and_later_tokens_are_never_released(tokens, eos_at, data):
     eos_at = min(eos_at, len(tokens) - 1)
-    tokens = tokens[:eos_at] + [EOS] + tokens[eos_at + 1:]
+    tokens = tokens[:eos_at] + [EOS] + tokens[eos_at + 1 :]
     events = [(j, [t], "relay") for j, t in enumerate(tokens)]
     asm = StreamAssembler(max_tokens=len(tokens) + 3, eos_token_id=EOS)
     out = _run(asm, data.draw(st.permutations(events)))
-    assert out == tokens[:eos_at + 1]
+    assert out == tokens[: eos_at + 1]
     assert asm.finish_reason == "eos"
 
 
@@ -155,7 +157,7 @@ def test_event_is_refused_whole():
 def test_stop_at_ends_the_stream_where_the_caller_saw_a_stop_string():
     asm = StreamAssembler(max_tokens=50, eos_token_id=EOS)
     asm.feed_tokens(0, [1, 2, 3, 4], "relay")
-    asm.feed_tokens(6, [7], "main_decode")           # pending, never released now
+    asm.feed_tokens(6, [7], "main_decode")  # pending, never released now
     with pytest.raises(ValueError, match="outside the 4 released tokens"):
         asm.stop_at(5)
     asm.stop_at(3)
@@ -165,5 +167,5 @@ def test_stop_at_ends_the_stream_where_the_caller_saw_a_stop_string():
     # the daemons were told to stop: their own counts are no inconsistency
     asm.feed_done("length", 50, "main_decode")
     assert asm.warnings == [] and asm.tokens == [1, 2, 3]
-    asm.stop_at(1)                                   # no-op once finished
+    asm.stop_at(1)  # no-op once finished
     assert asm.tokens == [1, 2, 3]

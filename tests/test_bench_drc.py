@@ -29,7 +29,7 @@ async def test_drc_quick_run_is_consistent(tmp_path):
         assert row["bytes_no_drc"] == row["prompt_tokens"] * kvb
         assert row["bytes_drc"] == (row["prompt_tokens"] - row["hit_tokens"]) * kvb
     assert data["wan_kv_bytes_no_drc"] == sum(r["bytes_no_drc"] for r in rows)
-    assert data["byte_reduction"] > 2   # multi-turn traffic reuses most of each prompt
+    assert data["byte_reduction"] > 2  # multi-turn traffic reuses most of each prompt
     assert sum(v["requests"] for v in data["per_interval"].values()) == data["requests"]
     assert data["md_drc_stats"]["lookups"] >= data["requests"]
     # vLLM's serving metrics of each run, over the same requests
@@ -40,10 +40,13 @@ async def test_drc_quick_run_is_consistent(tmp_path):
         assert s["output_throughput"] == s["total_output_tokens"] / s["duration"]
         assert 0 < s["median_ttft_ms"] <= s["p99_ttft_ms"] and s["median_tpot_ms"] > 0
         assert s["goodput_slos_ms"] == {"ttft": 1000.0, "tpot": 50.0}
-    assert data["serving"]["drc"]["total_output_tokens"] \
-        == data["serving"]["no_drc"]["total_output_tokens"]     # greedy: the same outputs
+    assert (
+        data["serving"]["drc"]["total_output_tokens"]
+        == data["serving"]["no_drc"]["total_output_tokens"]
+    )  # greedy: the same outputs
     assert data["serving"]["drc"]["median_ttft_ms"] == pytest.approx(
-        sorted_median([r["ttft_ms_drc"] for r in rows]))
+        sorted_median([r["ttft_ms_drc"] for r in rows])
+    )
 
 
 def sorted_median(xs):

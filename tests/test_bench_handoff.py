@@ -42,8 +42,13 @@ def wire(msg):
 
 
 def cut(prep, n: int, rid: str) -> Handoff:
-    return Handoff(request_id=rid, start_index=1, token_ids=tuple(prep.relay[1:n + 1]),
-                   final=True, mode="one-shot")
+    return Handoff(
+        request_id=rid,
+        start_index=1,
+        token_ids=tuple(prep.relay[1 : n + 1]),
+        final=True,
+        mode="one-shot",
+    )
 
 
 def kv_chunks(prep, n: int, rid: str, per: int) -> list[KvChunk]:
@@ -53,9 +58,19 @@ def kv_chunks(prep, n: int, rid: str, per: int) -> list[KvChunk]:
     for i, s in enumerate(range(start, start + n, per)):
         e = min(start + n, s + per)
         payload, dtype, shape = payload_from_tensor(export_kv(engine.pool, table, s, e).kv)
-        out.append(KvChunk(request_id=rid, chunk_index=i, token_start=s, token_end=e,
-                           layer_start=0, layer_end=shape[0], dtype=dtype, shape=shape,
-                           payload=payload))
+        out.append(
+            KvChunk(
+                request_id=rid,
+                chunk_index=i,
+                token_start=s,
+                token_end=e,
+                layer_start=0,
+                layer_end=shape[0],
+                dtype=dtype,
+                shape=shape,
+                payload=payload,
+            )
+        )
     return out
 
 
@@ -70,23 +85,23 @@ async def test_both_transports_leave_md_token_exact(tiny, prep):
         await tid.on_handoff(wire(cut(prep, n, "t-tok")), 0.0)
         got = await tid.done
         await tid.close()
-        assert got["tokens"] == prep.reference[n + 1:n + 3]
-        assert got["forward_tokens"] == n + 1     # P's first token + n relay tokens, one extend
+        assert got["tokens"] == prep.reference[n + 1 : n + 3]
+        assert got["forward_tokens"] == n + 1  # P's first token + n relay tokens, one extend
 
         kvd = handoff.MainTrial(handoff.KV_DIRECT, "t-kv", n, prep, model, tok, md)
         await kvd.setup()
         chunks = [wire(c) for c in kv_chunks(prep, n, "t-kv", 4)]
         early = asyncio.create_task(kvd.on_chunk(chunks[-1], 1.0))  # it overtook the ids
         await asyncio.sleep(0.05)
-        assert not early.done() and not kvd.done.done()   # it waits for MD's reservation
+        assert not early.done() and not kvd.done.done()  # it waits for MD's reservation
         await kvd.on_handoff(wire(cut(prep, n, "t-kv")), 2.0)
         await early
         for c in chunks[:-1]:
             await kvd.on_chunk(c, 3.0)
         got = await kvd.done
         await kvd.close()
-        assert got["tokens"] == prep.reference[n + 1:n + 3]
-        assert got["forward_tokens"] == 1         # MD only decodes the last relay token
+        assert got["tokens"] == prep.reference[n + 1 : n + 3]
+        assert got["forward_tokens"] == 1  # MD only decodes the last relay token
         assert kvd.kv_bytes == n * KVB and got["t_arrived"] == 3.0
 
 
@@ -104,7 +119,7 @@ async def test_md_rejects_a_handoff_that_is_not_the_cut(tiny, prep):
         await trial.close()
         kvd = handoff.MainTrial(handoff.KV_DIRECT, "t-bad2", 5, prep, model, tok, md)
         await kvd.setup()
-        outside = kv_chunks(prep, 9, "t-bad2", 8)[1]   # positions past the cut at 5
+        outside = kv_chunks(prep, 9, "t-bad2", 8)[1]  # positions past the cut at 5
         with pytest.raises(ValueError, match="outside"):
             await kvd.on_chunk(outside, 0.0)
         await kvd.close()
@@ -112,10 +127,20 @@ async def test_md_rejects_a_handoff_that_is_not_the_cut(tiny, prep):
 
 def test_summaries_and_ratios_from_trials():
     def t(cond, path, n, lat, payload):
-        return {"condition": cond, "path": path, "relay_tokens": n, "latency_s": lat,
-                "wire_s": lat / 2, "md_s": lat / 2, "forward_s": lat / 3, "import_s": 0.0,
-                "payload_bytes": payload, "kv_bytes_received": 0, "forward_tokens": 1,
-                "token_exact": True}
+        return {
+            "condition": cond,
+            "path": path,
+            "relay_tokens": n,
+            "latency_s": lat,
+            "wire_s": lat / 2,
+            "md_s": lat / 2,
+            "forward_s": lat / 3,
+            "import_s": 0.0,
+            "payload_bytes": payload,
+            "kv_bytes_received": 0,
+            "forward_tokens": 1,
+            "token_exact": True,
+        }
 
     trials = [t("quiet", handoff.TOKEN_ID, 10, x, 100) for x in (1.0, 1.0, 1.0, 1.0)]
     trials += [t("quiet", handoff.KV_DIRECT, 10, x, 5000) for x in (1.0, 1.0, 1.0, 5.0)]
@@ -131,28 +156,30 @@ def test_summaries_and_ratios_from_trials():
     kv10 = r10[handoff.KV_DIRECT]
     assert kv10["mean_handoff_latency_ms"] == pytest.approx(2000.0)
     assert kv10["median_handoff_latency_ms"] == pytest.approx(1000.0)
-    assert kv10["std_handoff_latency_ms"] == pytest.approx(3 ** 0.5 * 1000.0)   # population
+    assert kv10["std_handoff_latency_ms"] == pytest.approx(3**0.5 * 1000.0)  # population
     assert kv10["p99_handoff_latency_ms"] == pytest.approx(1000.0 + 0.97 * 4000.0)
     assert kv10["max_handoff_latency_ms"] == 5000.0 and kv10["mean_wire_ms"] == 1000.0
     q = r10["kv_direct_over_token_id"]
     assert q["payload"] == 50 and q["mean_handoff_latency_ms"] == pytest.approx(2.0)
     assert q["max_handoff_latency_ms"] == 5.0 and q["max_wire_ms"] == 5.0
     head = handoff.headline(rows)
-    assert head["relay_tokens"] == 120          # nearest to the source's 100 tokens
-    assert head["conditions"]["quiet"]["kv_direct_over_token_id"][
-        "mean_handoff_latency_ms"] == 1.0
-    grew = head["conditions"]["jitter"]["over_quiet"]     # what the disturbance added
+    assert head["relay_tokens"] == 120  # nearest to the source's 100 tokens
+    assert head["conditions"]["quiet"]["kv_direct_over_token_id"]["mean_handoff_latency_ms"] == 1.0
+    grew = head["conditions"]["jitter"]["over_quiet"]  # what the disturbance added
     assert grew[handoff.TOKEN_ID]["mean_handoff_latency_ms"] == 1.0
     assert grew[handoff.KV_DIRECT]["max_handoff_latency_ms"] == 3.0
     assert "over_quiet" not in head["conditions"]["quiet"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt-len", "40"], "multiple of 16"),
-    (["--relay-tokens", "0"], "counts >= 1"),
-    (["--bulk-load", "1"], "bulk-load"),
-    (["--conditions", "quiet", "quiet"], "twice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt-len", "40"], "multiple of 16"),
+        (["--relay-tokens", "0"], "counts >= 1"),
+        (["--bulk-load", "1"], "bulk-load"),
+        (["--conditions", "quiet", "quiet"], "twice"),
+    ],
+)
 def test_bad_options_are_refused(argv, message):
     p = argparse.ArgumentParser()
     handoff.add_arguments(p)
@@ -170,9 +197,16 @@ async def test_quick_run_is_consistent(tmp_path):
     assert data["machine"]["cores"] >= 1 and data["machine"]["torch"]
     assert data["config"]["quick"] is True and data["threads_per_daemon"] == 1
     assert data["kv_bytes_per_token"] == KVB
-    assert all(data["consistency"][k] for k in (
-        "all_token_exact", "token_id_payload_below_kv_direct", "kv_bytes_received_match",
-        "token_id_extends_in_one_forward", "kv_direct_forward_is_one_token"))
+    assert all(
+        data["consistency"][k]
+        for k in (
+            "all_token_exact",
+            "token_id_payload_below_kv_direct",
+            "kv_bytes_received_match",
+            "token_id_extends_in_one_forward",
+            "kv_direct_forward_is_one_token",
+        )
+    )
     assert data["consistency"]["unexpected_frames"] == []
     counts, reps = data["config"]["relay_tokens"], data["config"]["repeats"]
     assert set(data["conditions"]) == {"quiet", "jitter+bulk"}
@@ -181,19 +215,24 @@ async def test_quick_run_is_consistent(tmp_path):
         for row in c["rows"]:
             n, tok, kv = row["relay_tokens"], row["token-id"], row["kv-direct"]
             assert tok["payload_bytes"] < kv["payload_bytes"]
-            assert kv["payload_bytes"] > n * KVB            # the KV itself, plus framing and ids
+            assert kv["payload_bytes"] > n * KVB  # the KV itself, plus framing and ids
             assert kv["kv_bytes_received"] == n * KVB and tok["kv_bytes_received"] == 0
             assert tok["forward_tokens"] == [n + 1] and kv["forward_tokens"] == [1]
             assert row["kv_direct_over_token_id"]["payload"] == pytest.approx(
-                kv["payload_bytes"] / tok["payload_bytes"])
+                kv["payload_bytes"] / tok["payload_bytes"]
+            )
             for s in (tok, kv):
                 assert s["token_exact"] and s["n"] == reps
-                assert 0 < s["median_handoff_latency_ms"] <= s["p99_handoff_latency_ms"] \
+                assert (
+                    0
+                    < s["median_handoff_latency_ms"]
+                    <= s["p99_handoff_latency_ms"]
                     <= s["max_handoff_latency_ms"]
+                )
                 assert s["mean_handoff_latency_ms"] <= s["max_handoff_latency_ms"]
                 assert s["max_over_mean"] >= 1.0
         pay = [row["token-id"]["payload_bytes"] for row in c["rows"]]
-        assert pay == sorted(pay)                           # more ids, more bytes
+        assert pay == sorted(pay)  # more ids, more bytes
     jb, quiet = data["conditions"]["jitter+bulk"], data["conditions"]["quiet"]
     assert quiet["bulk"] is None and quiet["effects"]["jitter_ms"] == 0
     assert jb["effects"]["jitter_ms"] == data["config"]["jitter_ms"] > 0

@@ -38,13 +38,13 @@ class MD:
 def test_view_predicts_the_next_turn_from_md_notices():
     md, view = MD(), DecodeCacheView()
     turn1 = list(range(30))
-    assert view.predict(turn1).hit_tokens == 0       # block size unknown yet: no claim
+    assert view.predict(turn1).hit_tokens == 0  # block size unknown yet: no claim
     md.serve_and_finish(turn1, [200, 201, 202])
     assert view.apply(md.notice())
     turn2 = turn1 + [200, 201, 202] + [7] * 9
     p = view.predict(turn2)
     actual = md.serve_and_finish(turn2, [9, 9])
-    assert p.hit_tokens == actual == 32               # 33 tokens with KV -> 8 full blocks
+    assert p.hit_tokens == actual == 32  # 33 tokens with KV -> 8 full blocks
     obs = view.observe(p, actual)
     assert not obs.wrong and view.predictions == 1 and view.wrong == 0
 
@@ -53,7 +53,7 @@ def test_prediction_never_claims_the_block_of_the_last_token():
     view = DecodeCacheView(BS)
     prompt = list(range(16))
     view.resync(BS, block_hashes(prompt, BS), next_seq=0)
-    assert view.predict(prompt).hit_tokens == 12     # like reserve_kv: (n - 1) // bs blocks
+    assert view.predict(prompt).hit_tokens == 12  # like reserve_kv: (n - 1) // bs blocks
     assert view.predict(prompt + [1]).hit_tokens == 16
 
 
@@ -70,13 +70,17 @@ def test_eviction_misprediction_is_counted_and_the_view_repaired():
     assert p.hit_tokens == 40 and actual == 16
     obs = view.observe(p, actual)
     assert obs.wrong and obs.error_tokens == 24
-    assert (view.wrong, view.over_predicted, view.error_tokens, view.max_error_tokens) == \
-        (1, 1, 24, 24)
+    assert (view.wrong, view.over_predicted, view.error_tokens, view.max_error_tokens) == (
+        1,
+        1,
+        24,
+        24,
+    )
     hashes = block_hashes(follow, BS)
-    assert all(h not in view for h in hashes[4:11])   # MD lacks block 4, so all deeper
+    assert all(h not in view for h in hashes[4:11])  # MD lacks block 4, so all deeper
     assert all(h in view for h in hashes[:4])
-    assert view.predict(follow).hit_tokens == 16      # repaired before the notice arrives
-    view.apply(md.notice())                           # ...which then agrees
+    assert view.predict(follow).hit_tokens == 16  # repaired before the notice arrives
+    view.apply(md.notice())  # ...which then agrees
     assert view.predict(follow + [0]).hit_tokens == len(follow) // BS * BS
 
 
@@ -101,8 +105,8 @@ def test_seq_gaps_mark_the_view_stale_and_old_notices_are_ignored():
     md.serve_and_finish(list(range(80, 92)), [1])
     n2 = md.notice()
     assert view.apply(n0) and not view.stale
-    assert view.apply(n2) and view.stale and view.gaps == 1      # n1 lost
-    assert not view.apply(n1) and view.duplicates == 1           # late: ignored
+    assert view.apply(n2) and view.stale and view.gaps == 1  # n1 lost
+    assert not view.apply(n1) and view.duplicates == 1  # late: ignored
     assert view.predict(list(range(50, 62))).stale
     view.resync(BS, md.cache.snapshot_hashes(), next_seq=3)
     assert not view.stale and view.predict(list(range(50, 62)) + [0]).hit_tokens == 12
@@ -111,14 +115,14 @@ def test_seq_gaps_mark_the_view_stale_and_old_notices_are_ignored():
 def test_memory_is_bounded_by_an_lru_cap():
     view = DecodeCacheView(BS, max_hashes=10)
     hot = list(range(16))
-    view.apply(CacheEvents(seq=0, block_size=BS, inserted=tuple(block_hashes(hot, BS)),
-                           evicted=()))
+    view.apply(CacheEvents(seq=0, block_size=BS, inserted=tuple(block_hashes(hot, BS)), evicted=()))
     for i in range(1, 6):
         # MD's answers that it matched the hot chain keep it recent
         view.observe(view.predict(hot + [0]), 16)
         cold = [100 + i] * 8
-        view.apply(CacheEvents(seq=i, block_size=BS, inserted=tuple(block_hashes(cold, BS)),
-                               evicted=()))
+        view.apply(
+            CacheEvents(seq=i, block_size=BS, inserted=tuple(block_hashes(cold, BS)), evicted=())
+        )
     assert len(view) == 10 and view.dropped_by_cap == 4
     assert view.predict(hot + [0]).hit_tokens == 16
     # predictions alone (requests that never reached MD) do not: MD did not touch the chain.
@@ -128,16 +132,18 @@ def test_memory_is_bounded_by_an_lru_cap():
     for i in range(6, 10):
         view.predict(hot + [0])
         cold = [100 + i] * 8
-        view.apply(CacheEvents(seq=i, block_size=BS, inserted=tuple(block_hashes(cold, BS)),
-                               evicted=()))
+        view.apply(
+            CacheEvents(seq=i, block_size=BS, inserted=tuple(block_hashes(cold, BS)), evicted=())
+        )
         hits.append(view.predict(hot + [0]).hit_tokens)
     assert hits == [16, 16, 8, 0]
 
 
 def test_block_size_change_resets_the_view():
     view = DecodeCacheView(BS)
-    view.apply(CacheEvents(seq=0, block_size=BS, inserted=tuple(block_hashes([1] * 8, BS)),
-                           evicted=()))
+    view.apply(
+        CacheEvents(seq=0, block_size=BS, inserted=tuple(block_hashes([1] * 8, BS)), evicted=())
+    )
     view.apply(CacheEvents(seq=1, block_size=8, inserted=(), evicted=()))
     assert len(view) == 0 and view.stale and view.block_size == 8
     with pytest.raises(ValueError):

@@ -28,6 +28,7 @@ BOS = 256  # the byte vocabulary's BOS (ids 0..255 are the bytes, then BOS, EOS,
 
 # -- pdd --version ---------------------------------------------------------------------------
 
+
 def test_version_is_the_package_version(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
@@ -42,6 +43,7 @@ def test_version_has_one_source() -> None:
 
 # -- defaults on every --help page -----------------------------------------------------------
 
+
 def parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     return [(" ".join(path), p) for path, p in walk_parsers(build_parser())]
 
@@ -50,8 +52,7 @@ PARSERS = parsers()
 
 
 def in_required_group(parser: argparse.ArgumentParser, action: argparse.Action) -> bool:
-    return any(action in g._group_actions and g.required
-               for g in parser._mutually_exclusive_groups)
+    return any(action in g._group_actions and g.required for g in parser._mutually_exclusive_groups)
 
 
 def takes_value(action: argparse.Action) -> bool:
@@ -82,15 +83,31 @@ def check_defaults(name: str, parser: argparse.ArgumentParser) -> None:
             # None means "something else": the help text says what
             assert "default" in shown.lower(), f"{name} {option}: say what no value means: {shown}"
         else:  # "(default: X)" from the formatter, or "(default X...)" written by hand
-            assert re.search(r"\(default:? \S", shown), f"{name} {option} hides its default: {shown}"
+            assert re.search(r"\(default:? \S", shown), (
+                f"{name} {option} hides its default: {shown}"
+            )
 
 
 def test_the_walk_finds_every_command() -> None:
     names = {name for name, _ in PARSERS}
-    for expected in ("pdd generate", "pdd model export", "pdd wan proxy", "pdd wan set",
-                     "pdd wan packet", "pdd testbed up", "pdd testbed exec", "pdd up",
-                     "pdd serve", "pdd status", "pdd bench", "pdd demo", "pdd trace",
-                     "pdd sim run", "pdd sim plan", "pdd sim reproduce"):
+    for expected in (
+        "pdd generate",
+        "pdd model export",
+        "pdd wan proxy",
+        "pdd wan set",
+        "pdd wan packet",
+        "pdd testbed up",
+        "pdd testbed exec",
+        "pdd up",
+        "pdd serve",
+        "pdd status",
+        "pdd bench",
+        "pdd demo",
+        "pdd trace",
+        "pdd sim run",
+        "pdd sim plan",
+        "pdd sim reproduce",
+    ):
         assert expected in names
 
 
@@ -111,8 +128,10 @@ def test_bench_help_pages_render(bench: str) -> None:
     parser = BENCHES[bench].parser()
     assert parser.format_help().startswith(f"usage: pdd bench {bench}")
     if not issubclass(parser.formatter_class, DefaultsHelpFormatter):
-        pytest.skip("pddnet/bench/cli.py builds `pdd bench NAME` parsers with argparse's plain "
-                    "formatter (give them formatter_class=pddnet.cli.DefaultsHelpFormatter)")
+        pytest.skip(
+            "pddnet/bench/cli.py builds `pdd bench NAME` parsers with argparse's plain "
+            "formatter (give them formatter_class=pddnet.cli.DefaultsHelpFormatter)"
+        )
     check_defaults(f"pdd bench {bench}", parser)
 
 
@@ -126,6 +145,7 @@ def test_generate_help_page(capsys) -> None:
 
 
 # -- pdd generate --prompt | --prompt-file | --prompt-ids ----------------------------------
+
 
 def generate(capsys, *args: str) -> dict:
     rc = main(["generate", "--model", "tiny", "--max-tokens", "3", "--json", *args])
@@ -177,20 +197,38 @@ def test_prompt_from_stdin(capsys, monkeypatch) -> None:
 
 def test_prompt_from_a_real_pipe() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pddnet.cli", "generate", "--model", "tiny", "--max-tokens", "1",
-         "--json", "--prompt-file", "-"], input=b"\x00\x01 pipe", capture_output=True,
-        timeout=120, check=False)
+        [
+            sys.executable,
+            "-m",
+            "pddnet.cli",
+            "generate",
+            "--model",
+            "tiny",
+            "--max-tokens",
+            "1",
+            "--json",
+            "--prompt-file",
+            "-",
+        ],
+        input=b"\x00\x01 pipe",
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     assert json.loads(proc.stdout)["prompt_token_ids"] == [BOS, 0, 1, *b" pipe"]
 
 
-@pytest.mark.parametrize("ids,message", [
-    ("1,259", "--prompt-ids: 259 outside the vocabulary of tiny (ids 0..258)"),
-    ("1,x,3", "--prompt-ids: item 2 ('x') is not an integer token id"),
-    ("1,-4", "--prompt-ids: item 2 (-4) is negative"),
-    ("", "--prompt-ids: no token ids given"),
-    ("1,,2", "--prompt-ids: item 2 ('') is not an integer token id"),
-])
+@pytest.mark.parametrize(
+    "ids,message",
+    [
+        ("1,259", "--prompt-ids: 259 outside the vocabulary of tiny (ids 0..258)"),
+        ("1,x,3", "--prompt-ids: item 2 ('x') is not an integer token id"),
+        ("1,-4", "--prompt-ids: item 2 (-4) is negative"),
+        ("", "--prompt-ids: no token ids given"),
+        ("1,,2", "--prompt-ids: item 2 ('') is not an integer token id"),
+    ],
+)
 def test_bad_prompt_ids(capsys, ids: str, message: str) -> None:
     assert message in generate_error(capsys, "--prompt-ids", ids)
 
@@ -200,13 +238,20 @@ def test_missing_prompt_file(capsys, tmp_path: Path) -> None:
     assert f"--prompt-file: cannot read {tmp_path / 'nope'}: No such file" in err
 
 
-@pytest.mark.parametrize("args,message", [
-    ((), "one of the arguments --prompt --prompt-file --prompt-ids is required"),
-    (("--prompt", "a", "--prompt-ids", "1"), "argument --prompt-ids: not allowed with argument "
-                                             "--prompt"),
-    (("--prompt-file", "-", "--prompt", "a"), "argument --prompt: not allowed with argument "
-                                              "--prompt-file"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((), "one of the arguments --prompt --prompt-file --prompt-ids is required"),
+        (
+            ("--prompt", "a", "--prompt-ids", "1"),
+            "argument --prompt-ids: not allowed with argument --prompt",
+        ),
+        (
+            ("--prompt-file", "-", "--prompt", "a"),
+            "argument --prompt: not allowed with argument --prompt-file",
+        ),
+    ],
+)
 def test_exactly_one_prompt(capsys, args: tuple[str, ...], message: str) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--model", "tiny", *args])
@@ -226,8 +271,18 @@ def test_checkpoint_tokenizer_takes_the_file_as_utf8(capsys, tmp_path: Path) -> 
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.save(str(folder / "tokenizer.json"))
     (tmp_path / "ok").write_text("hello pdd\n")
-    rc = main(["generate", "--model", str(folder), "--max-tokens", "1", "--json",
-               "--prompt-file", str(tmp_path / "ok")])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(folder),
+            "--max-tokens",
+            "1",
+            "--json",
+            "--prompt-file",
+            str(tmp_path / "ok"),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert json.loads(captured.out)["prompt_token_ids"] == [BOS, 0, 1]

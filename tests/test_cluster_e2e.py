@@ -31,7 +31,7 @@ from tests.conftest import root_netns_missing_reason
 
 WAN = {"rtt_ms": 30.0, "jitter_ms": 2.0, "bw_mbit": 4.0}
 CONCURRENCY = 8
-E2E_REQUESTS = 30   # 4 long streamed prompts, 20 outputs of >= 16 tokens (CI time: was 50)
+E2E_REQUESTS = 30  # 4 long streamed prompts, 20 outputs of >= 16 tokens (CI time: was 50)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,12 +42,20 @@ def make_requests(n: int, seed: int, long_every: int = 10) -> list[dict]:
     for i in range(n):
         plen = rng.choice([3, 8, 20, 40, 70, 100, 140]) if i % long_every else 220
         prompt = [256] + [rng.randrange(256) for _ in range(plen)]
-        body = {"prompt": prompt, "max_tokens": rng.choice([1, 4, 16, 60, 150, 300, 500]),
-                "ignore_eos": rng.random() < 0.8, "return_token_ids": True,
-                "stream": i % 3 == 1}
+        body = {
+            "prompt": prompt,
+            "max_tokens": rng.choice([1, 4, 16, 60, 150, 300, 500]),
+            "ignore_eos": rng.random() < 0.8,
+            "return_token_ids": True,
+            "stream": i % 3 == 1,
+        }
         if i % 2:
-            body.update(temperature=0.9, top_p=rng.choice([1.0, 0.9]),
-                        top_k=rng.choice([0, 40]), seed=rng.randrange(2**63))
+            body.update(
+                temperature=0.9,
+                top_p=rng.choice([1.0, 0.9]),
+                top_k=rng.choice([0, 40]),
+                seed=rng.randrange(2**63),
+            )
         else:
             body["temperature"] = 0.0
         out.append(body)
@@ -63,10 +71,15 @@ def reference(body: dict) -> list[int]:
     if key not in _REFERENCE:
         model, tok = _tiny()
         engine = Engine(model, tok, num_blocks=256, block_size=16)
-        sp = SamplingParams(temperature=body["temperature"], top_p=body.get("top_p", 1.0),
-                            top_k=body.get("top_k", 0), seed=body.get("seed"))
-        _REFERENCE[key] = engine.generate(body["prompt"], body["max_tokens"], sp,
-                                          ignore_eos=body["ignore_eos"])
+        sp = SamplingParams(
+            temperature=body["temperature"],
+            top_p=body.get("top_p", 1.0),
+            top_k=body.get("top_k", 0),
+            seed=body.get("seed"),
+        )
+        _REFERENCE[key] = engine.generate(
+            body["prompt"], body["max_tokens"], sp, ignore_eos=body["ignore_eos"]
+        )
         engine.close()
     return _REFERENCE[key]
 
@@ -122,9 +135,11 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
 async def run_all(url: str, bodies: list[dict]) -> list[dict]:
     sem = asyncio.Semaphore(CONCURRENCY)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
         async def one(body: dict) -> dict:
             async with sem:
                 return await post(session, url, body)
+
         return await asyncio.gather(*(one(b) for b in bodies))
 
 
@@ -134,9 +149,11 @@ def assert_token_exact(bodies: list[dict], results: list[dict]) -> None:
         got = res["choices"][0]["token_ids"]
         want = reference(body)
         if got != want:
-            mismatches.append(f"request {i} (prompt {len(body['prompt'])} tokens, max_tokens "
-                              f"{body['max_tokens']}, temperature {body['temperature']}, "
-                              f"pdd {_brief(res['pdd'])}): expected {want}, got {got}")
+            mismatches.append(
+                f"request {i} (prompt {len(body['prompt'])} tokens, max_tokens "
+                f"{body['max_tokens']}, temperature {body['temperature']}, "
+                f"pdd {_brief(res['pdd'])}): expected {want}, got {got}"
+            )
     assert not mismatches, "\n".join(mismatches)
 
 
@@ -164,26 +181,40 @@ async def wait_kv_free(cluster: LocalCluster, roles: list[str], timeout: float =
 
 # -- PDD, each handoff mode -------------------------------------------------------------------
 
+
 @pytest.mark.timeout(150)
 # One mode by default (CI time); tests/test_roles_inprocess.py runs every mode token-exactly
 # on the same daemons, and --heavy runs the other two here over the emulated WAN too.
-@pytest.mark.parametrize("handoff", ["one-shot", pytest.param("streaming", marks=pytest.mark.heavy),
-                                     pytest.param("dynamic", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "handoff",
+    [
+        "one-shot",
+        pytest.param("streaming", marks=pytest.mark.heavy),
+        pytest.param("dynamic", marks=pytest.mark.heavy),
+    ],
+)
 async def test_pdd_token_exact_eager_and_small_handoffs(handoff):
     bodies = make_requests(E2E_REQUESTS, seed=5)
     for b in bodies:  # computed before the cluster takes the cores
         reference(b)
-    async with LocalCluster(mode="pdd", wan="proxy", **WAN,
-                            overrides={"policy.handoff": handoff, "policy.pipeline": "p_rld_md"}) as cluster:
+    async with LocalCluster(
+        mode="pdd",
+        wan="proxy",
+        **WAN,
+        overrides={"policy.handoff": handoff, "policy.pipeline": "p_rld_md"},
+    ) as cluster:
         assert cluster.wan["shell"] == "proxy"
         results = await run_all(cluster.url, bodies)
         assert_token_exact(bodies, results)
         pdds = [r["pdd"] for r in results]
         for p in pdds:
-            assert p["relay_tokens"] + p["main_tokens"] + p["prefill_tokens"] == \
-                len(results[pdds.index(p)]["choices"][0]["token_ids"])
+            assert p["relay_tokens"] + p["main_tokens"] + p["prefill_tokens"] == len(
+                results[pdds.index(p)]["choices"][0]["token_ids"]
+            )
         handed = [p for p in pdds if p["main_tokens"] > 0]
-        assert len(handed) >= 4, f"only {len(handed)} requests reached MD: {[_brief(p) for p in pdds]}"
+        assert len(handed) >= 4, (
+            f"only {len(handed)} requests reached MD: {[_brief(p) for p in pdds]}"
+        )
         if handoff != "dynamic":
             assert {p["handoff_mode"] for p in handed} == {handoff}
         # Eager: for prompts long enough that their KV takes a while to cross, RLD's first token
@@ -192,9 +223,11 @@ async def test_pdd_token_exact_eager_and_small_handoffs(handoff):
             md_done = event_time(p, "md_kv_complete")
             if len(body["prompt"]) > 100 and md_done is not None and p["relay_tokens"] > 0:
                 assert event_time(p, "first_token") < md_done, p["timeline"]
-        streamed = [(r["client_first_token_time"], event_time(r["pdd"], "md_kv_complete"))
-                    for b, r in zip(bodies, results, strict=True)
-                    if b["stream"] and len(b["prompt"]) > 100 and r["pdd"]["relay_tokens"]]
+        streamed = [
+            (r["client_first_token_time"], event_time(r["pdd"], "md_kv_complete"))
+            for b, r in zip(bodies, results, strict=True)
+            if b["stream"] and len(b["prompt"]) > 100 and r["pdd"]["relay_tokens"]
+        ]
         streamed = [(c, md) for c, md in streamed if md is not None]
         assert streamed, "some long streamed requests had MD take a copy"
         for client_first, md_done in streamed:
@@ -213,12 +246,20 @@ async def test_hundred_token_handoff_is_under_2_kib():
 
     The cluster's policy is streaming; the request's own `handoff_mode` overrides it."""
     rng = random.Random(9)
-    body = {"prompt": [256] + [rng.randrange(256) for _ in range(700)], "max_tokens": 1500,
-            "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}
+    body = {
+        "prompt": [256] + [rng.randrange(256) for _ in range(700)],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
     want = reference(body)
-    async with LocalCluster(mode="pdd", wan="proxy", **WAN,
-                            overrides={"policy.handoff": "streaming",
-                                       "policy.pipeline": "p_rld_md"}) as cluster:
+    async with LocalCluster(
+        mode="pdd",
+        wan="proxy",
+        **WAN,
+        overrides={"policy.handoff": "streaming", "policy.pipeline": "p_rld_md"},
+    ) as cluster:
         (res,) = await run_all(cluster.url, [{**body, "handoff_mode": "one-shot"}])
         p = res["pdd"]
         assert res["choices"][0]["token_ids"] == want
@@ -229,6 +270,7 @@ async def test_hundred_token_handoff_is_under_2_kib():
 
 
 # -- baselines --------------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["same-dc", "cross-dc"])
@@ -254,12 +296,20 @@ async def test_baselines_token_exact(mode):
 
 # -- cancel ------------------------------------------------------------------------------------
 
+
 async def test_client_disconnect_frees_kv_on_every_daemon():
     rng = random.Random(3)
-    body = {"model": "tiny", "prompt": [256] + [rng.randrange(256) for _ in range(300)],
-            "max_tokens": 2000, "ignore_eos": True, "temperature": 0.0, "stream": True}
-    async with LocalCluster(mode="pdd", wan="proxy", **WAN,
-                            overrides={"policy.pipeline": "p_rld_md"}) as cluster:
+    body = {
+        "model": "tiny",
+        "prompt": [256] + [rng.randrange(256) for _ in range(300)],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    async with LocalCluster(
+        mode="pdd", wan="proxy", **WAN, overrides={"policy.pipeline": "p_rld_md"}
+    ) as cluster:
         session = aiohttp.ClientSession()
         resp = await session.post(cluster.url + "/v1/completions", json=body)
         assert resp.status == 200
@@ -271,7 +321,7 @@ async def test_client_disconnect_frees_kv_on_every_daemon():
                 break
         busy = {r: (await cluster.stats(r))["kv_blocks"]["used"] for r in ("relay", "main_decode")}
         assert all(busy.values()), f"the request should hold KV on RLD and MD: {busy}"
-        resp.close()          # the client goes away mid-stream
+        resp.close()  # the client goes away mid-stream
         await session.close()
         stats = await wait_kv_free(cluster, ["prefill", "relay", "main_decode"])
         router = await cluster.stats("router")
@@ -281,10 +331,12 @@ async def test_client_disconnect_frees_kv_on_every_daemon():
 
 # -- the packet shell (root + TUN) -------------------------------------------------------------
 
+
 @pytest.mark.root
 @pytest.mark.timeout(150)
-@pytest.mark.skipif(root_netns_missing_reason() is not None,
-                    reason=str(root_netns_missing_reason()))
+@pytest.mark.skipif(
+    root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
+)
 async def test_packet_shell_token_exact():
     bodies = make_requests(50, seed=5)[:24]
     for b in bodies:
@@ -304,13 +356,33 @@ async def test_packet_shell_token_exact():
 
 # -- pdd up + SIGTERM --------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(120)
 def test_pdd_up_then_sigterm_leaves_nothing(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    up = subprocess.Popen([sys.executable, "-m", "pddnet", "up", "--model", "tiny", "--wan",
-                           "proxy", "--port", "0", "--rtt-ms", "30", "--run-dir", str(run_dir)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pddnet",
+            "up",
+            "--model",
+            "tiny",
+            "--wan",
+            "proxy",
+            "--port",
+            "0",
+            "--rtt-ms",
+            "30",
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=tmp_path,
+    )
     try:
         deadline = time.monotonic() + 90
         info = None
@@ -331,20 +403,25 @@ def test_pdd_up_then_sigterm_leaves_nothing(tmp_path):
             health = json.loads(r.read())
         assert health["status"] == "ok" and health["waiting_for"] == [], health
         assert health["links"]["prefill"]["links"]["main-decode bulk"]["up"] is True
-        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4,
-                           "temperature": 0}).encode()
-        post = urllib.request.Request(url + "/v1/completions", data=body,
-                                      headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+        ).encode()
+        post = urllib.request.Request(
+            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(post, timeout=60) as r:
             decision = json.loads(r.read())["pdd"]["pipeline_decision"]
         assert "unreachable" not in decision["reason"], decision
         assert "configured" not in decision["reason"], decision
         pids = [d["pid"] for d in info["daemons"]]
-        assert {d["role"] for d in info["daemons"]} == {"router", "prefill", "relay",
-                                                        "main_decode"}
+        assert {d["role"] for d in info["daemons"]} == {"router", "prefill", "relay", "main_decode"}
         assert info["wan"]["shell"] == "proxy" and info["wan"]["control_url"]
-        status = subprocess.run([sys.executable, "-m", "pddnet", "status", "--run-dir",
-                                 str(run_dir)], capture_output=True, text=True, env=env)
+        status = subprocess.run(
+            [sys.executable, "-m", "pddnet", "status", "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         assert status.returncode == 0, status.stdout + status.stderr
         assert status.stdout.count("alive") == 4
         assert shm_segments_of(pids), "RLD's KV pool should be a pdd-* shared-memory segment"
@@ -363,12 +440,17 @@ def test_pdd_up_then_sigterm_leaves_nothing(tmp_path):
     assert shm_segments_of(pids) == []
     final = json.loads((run_dir / "run.json").read_text())
     assert final["state"] == "stopped" and final["stop"]["leftover_shm"] == []
-    status = subprocess.run([sys.executable, "-m", "pddnet", "status", "--run-dir", str(run_dir)],
-                            capture_output=True, text=True, env=env)
+    status = subprocess.run(
+        [sys.executable, "-m", "pddnet", "status", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert status.returncode == 1 and status.stdout.count("DEAD") == 4
 
 
 # -- choosing the WAN --------------------------------------------------------------------------
+
 
 def test_choose_wan_says_which_and_why():
     from emulation.kernel_shell import netem_unavailable_reason
@@ -407,5 +489,5 @@ def test_daemon_ports_come_from_below_the_ephemeral_range_and_never_twice():
     assert len(set(ports)) == 50
     if wan_setup._below_ephemeral() is not None:
         assert all(1024 <= p < ephemeral_low for p in ports), ports
-    with socket.socket() as s:   # and each one is bindable
+    with socket.socket() as s:  # and each one is bindable
         s.bind(("127.0.0.1", ports[-1]))

@@ -13,23 +13,28 @@ def test_defaults_round_trip_through_toml(tmp_path):
 
 
 def test_overrides_and_dial_address(tmp_path):
-    cfg = load_config(overrides={"mode": "cross-dc", "wan.rtt_ms": 50, "main_decode.dial": "10.77.0.2:7300"})
+    cfg = load_config(
+        overrides={"mode": "cross-dc", "wan.rtt_ms": 50, "main_decode.dial": "10.77.0.2:7300"}
+    )
     assert cfg.mode is ClusterMode.CROSS_DC
     assert cfg.wan.rtt_ms == 50.0
     assert cfg.main_decode.dial_address() == ("10.77.0.2", 7300)
     assert cfg.prefill.dial_address() == ("127.0.0.1", 7100)
 
 
-@pytest.mark.parametrize("data, needle", [
-    ({"mode": "far-dc"}, "mode must be"),
-    ({"prefill": {"port": 70000}}, "prefill.port"),
-    ({"relay": {"num_blocks": 0}}, "relay.num_blocks"),
-    ({"relay": {"num_blocks": "many"}}, "relay.num_blocks must be an integer"),
-    ({"wan": {"shell": "satellite"}}, "wan.shell"),
-    ({"wan": {"bogus": 1}}, "unknown key"),
-    ({"policy": {"handoff": "sideways"}}, "unknown handoff mode"),
-    ({"main_decode": {"dial": "nohost"}}, "HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"mode": "far-dc"}, "mode must be"),
+        ({"prefill": {"port": 70000}}, "prefill.port"),
+        ({"relay": {"num_blocks": 0}}, "relay.num_blocks"),
+        ({"relay": {"num_blocks": "many"}}, "relay.num_blocks must be an integer"),
+        ({"wan": {"shell": "satellite"}}, "wan.shell"),
+        ({"wan": {"bogus": 1}}, "unknown key"),
+        ({"policy": {"handoff": "sideways"}}, "unknown handoff mode"),
+        ({"main_decode": {"dial": "nohost"}}, "HOST:PORT"),
+    ],
+)
 def test_bad_values_are_named(data, needle):
     with pytest.raises((ConfigError, ValueError), match=needle):
         config_from_dict(data)

@@ -117,7 +117,9 @@ async def test_post_and_delete(rig) -> None:
     r, client, _ = rig
     base = client.base_url
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{base}/link/both", json={"jitter_ms": 1, "jitter_dist": "uniform"}) as resp:
+        async with s.post(
+            f"{base}/link/both", json={"jitter_ms": 1, "jitter_dist": "uniform"}
+        ) as resp:
             assert resp.status == 200
             body = await resp.json()
             assert body["link"]["b_to_a"]["effects"]["jitter_dist"] == "uniform"
@@ -156,7 +158,10 @@ async def test_chaos_verbs_with_durations(rig) -> None:
     assert (await client.show())["b_to_a"]["effects"]["delay_ms"] == 55
     await client.chaos("bandwidth-collapse", 0.3, fraction=0.05, direction="a_to_b")
     snap = await client.show()
-    assert snap["a_to_b"]["effects"]["rate_mbit"] == 5 and snap["b_to_a"]["effects"]["rate_mbit"] == 100
+    assert (
+        snap["a_to_b"]["effects"]["rate_mbit"] == 5
+        and snap["b_to_a"]["effects"]["rate_mbit"] == 100
+    )
     await client.chaos("jitter-storm", 0.3, jitter_ms=2)
     await asyncio.sleep(0.4)
     fx = (await client.show())["a_to_b"]["effects"]
@@ -193,30 +198,43 @@ async def test_reset_is_501_without_connections_to_reset() -> None:
         await runner.cleanup()
 
 
-@pytest.mark.parametrize(("method", "path", "body", "message"), [
-    ("PATCH", "/link/sideways", {"delay_ms": 1}, "unknown direction 'sideways'"),
-    ("POST", "/link/both", b"{delay_ms: 1", "bad JSON body"),
-    ("POST", "/link/both", b"[1, 2]", "the JSON body must be an object, got list"),
-    ("PATCH", "/link/a_to_b", {"warp": 9}, "unknown effect 'warp'"),
-    ("PATCH", "/link/a_to_b", {"delay_ms": -4}, "delay_ms must be >= 0 ms, got -4"),
-    ("PATCH", "/link/a_to_b", {"jitter_dist": "cauchy"}, "unknown distribution 'cauchy'"),
-    ("PATCH", "/link/a_to_b", {"loss_pct": 5}, "loss_pct=5.0 is not supported here"),
-    ("PATCH", "/link/a_to_b", {"delay_ms": 1, "duration": -1}, "duration must be a number"),
-    ("PATCH", "/link/a_to_b", {"direction": "b_to_a", "delay_ms": 1}, "direction goes in the URL"),
-    ("PATCH", "/link/a_to_b", {}, "no effects given"),
-    ("POST", "/chaos/meteor", {"duration": 1}, "unknown chaos 'meteor'"),
-    ("POST", "/chaos/partition", {}, "needs a duration"),
-    ("POST", "/chaos/latency-spike", {"duration": 1, "add": 5}, "bad parameters for chaos"),
-    ("POST", "/chaos/loss-burst", {"duration": 1}, "not supported here"),
-    ("POST", "/chaos/heal", {"duration": 1}, "heal takes no parameters"),
-    ("POST", "/link/schedule", {"steps": [], "trace": "x.csv"}, "give exactly one of"),
-    ("POST", "/link/schedule", {"steps": [{"at": 1, "warp": 1}]},
-     "schedule step 0: unknown effect 'warp'"),
-    ("POST", "/link/schedule", {"steps": [], "speed": 2}, "unknown schedule field(s) speed"),
-    ("POST", "/link/schedule", {"trace": "/nonexistent/t.csv"}, "does not exist"),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "message"),
+    [
+        ("PATCH", "/link/sideways", {"delay_ms": 1}, "unknown direction 'sideways'"),
+        ("POST", "/link/both", b"{delay_ms: 1", "bad JSON body"),
+        ("POST", "/link/both", b"[1, 2]", "the JSON body must be an object, got list"),
+        ("PATCH", "/link/a_to_b", {"warp": 9}, "unknown effect 'warp'"),
+        ("PATCH", "/link/a_to_b", {"delay_ms": -4}, "delay_ms must be >= 0 ms, got -4"),
+        ("PATCH", "/link/a_to_b", {"jitter_dist": "cauchy"}, "unknown distribution 'cauchy'"),
+        ("PATCH", "/link/a_to_b", {"loss_pct": 5}, "loss_pct=5.0 is not supported here"),
+        ("PATCH", "/link/a_to_b", {"delay_ms": 1, "duration": -1}, "duration must be a number"),
+        (
+            "PATCH",
+            "/link/a_to_b",
+            {"direction": "b_to_a", "delay_ms": 1},
+            "direction goes in the URL",
+        ),
+        ("PATCH", "/link/a_to_b", {}, "no effects given"),
+        ("POST", "/chaos/meteor", {"duration": 1}, "unknown chaos 'meteor'"),
+        ("POST", "/chaos/partition", {}, "needs a duration"),
+        ("POST", "/chaos/latency-spike", {"duration": 1, "add": 5}, "bad parameters for chaos"),
+        ("POST", "/chaos/loss-burst", {"duration": 1}, "not supported here"),
+        ("POST", "/chaos/heal", {"duration": 1}, "heal takes no parameters"),
+        ("POST", "/link/schedule", {"steps": [], "trace": "x.csv"}, "give exactly one of"),
+        (
+            "POST",
+            "/link/schedule",
+            {"steps": [{"at": 1, "warp": 1}]},
+            "schedule step 0: unknown effect 'warp'",
+        ),
+        ("POST", "/link/schedule", {"steps": [], "speed": 2}, "unknown schedule field(s) speed"),
+        ("POST", "/link/schedule", {"trace": "/nonexistent/t.csv"}, "does not exist"),
+    ],
+)
 async def test_bad_requests_get_400_naming_the_problem_while_traffic_flows(
-        rig, method: str, path: str, body, message: str) -> None:
+    rig, method: str, path: str, body, message: str
+) -> None:
     r, client, _ = rig
     await asyncio.sleep(0.05)
     before = len(r.rtts)
@@ -253,8 +271,20 @@ def _cli(argv: list[str]) -> int:
 async def test_wan_set_and_show_cli(rig, capsys) -> None:
     _, client, _ = rig
     url = client.base_url
-    rc = await asyncio.to_thread(_cli, ["wan", "set", "--control", url, "--direction", "a_to_b",
-                                        "delay_ms=25", "jitter_dist=uniform", "rate_mbit=null"])
+    rc = await asyncio.to_thread(
+        _cli,
+        [
+            "wan",
+            "set",
+            "--control",
+            url,
+            "--direction",
+            "a_to_b",
+            "delay_ms=25",
+            "jitter_dist=uniform",
+            "rate_mbit=null",
+        ],
+    )
     assert rc == 0
     fx = (await client.show())["a_to_b"]["effects"]
     assert (fx["delay_ms"], fx["jitter_dist"], fx["rate_mbit"]) == (25, "uniform", None)
@@ -265,8 +295,9 @@ async def test_wan_set_and_show_cli(rig, capsys) -> None:
     assert json.loads(capsys.readouterr().out)["a_to_b"]["effects"]["delay_ms"] == 25
     rc = await asyncio.to_thread(_cli, ["wan", "set", "--control", url, "delay_ms=-1"])
     assert rc == 1 and "delay_ms must be >= 0 ms" in capsys.readouterr().err
-    rc = await asyncio.to_thread(_cli, ["wan", "chaos", "--control", url, "latency-spike",
-                                        "add_ms=10", "--duration", "0.2"])
+    rc = await asyncio.to_thread(
+        _cli, ["wan", "chaos", "--control", url, "latency-spike", "add_ms=10", "--duration", "0.2"]
+    )
     assert rc == 0 and (await client.show())["b_to_a"]["effects"]["delay_ms"] == 15
     assert await asyncio.to_thread(_cli, ["wan", "reset", "--control", url]) == 0
     assert "reset 1 connection(s)" in capsys.readouterr().out
@@ -285,14 +316,32 @@ async def test_wan_proxy_command_runs_until_sigterm() -> None:
 
     server = await asyncio.start_server(echo, LOOP, 0)
     up = server.sockets[0].getsockname()[1]
-    code = ("import argparse, sys; from emulation.wan_cli import register; "
-            "p = argparse.ArgumentParser(prog='pdd'); register(p.add_subparsers(dest='c')); "
-            "a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))")
+    code = (
+        "import argparse, sys; from emulation.wan_cli import register; "
+        "p = argparse.ArgumentParser(prog='pdd'); register(p.add_subparsers(dest='c')); "
+        "a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))"
+    )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, "wan", "proxy", "--listen", f"{LOOP}:0",
-        "--upstream", f"{LOOP}:{up}", "--control", f"{LOOP}:0", "--rtt-ms", "20",
-        "--bw-mbit", "100", cwd=REPO, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+        sys.executable,
+        "-c",
+        code,
+        "wan",
+        "proxy",
+        "--listen",
+        f"{LOOP}:0",
+        "--upstream",
+        f"{LOOP}:{up}",
+        "--control",
+        f"{LOOP}:0",
+        "--rtt-ms",
+        "20",
+        "--bw-mbit",
+        "100",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
         assert line.startswith("wan proxy: "), line

@@ -18,7 +18,7 @@ from pddnet.model.loader import load_model
 from pddnet.protocol import Submit
 
 pytestmark = pytest.mark.timeout(150)
-MD_BS = 8   # make_config's MD block size
+MD_BS = 8  # make_config's MD block size
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,9 @@ def tiny():
 
 def reference(tiny, prompt, max_tokens, sp, ignore_eos) -> list[int]:
     model, tok = tiny
-    return Engine(model, tok, num_blocks=512, block_size=16).generate(prompt, max_tokens, sp,
-                                                                      ignore_eos)
+    return Engine(model, tok, num_blocks=512, block_size=16).generate(
+        prompt, max_tokens, sp, ignore_eos
+    )
 
 
 def kv_bytes_per_token(daemons) -> int:
@@ -37,8 +38,15 @@ def kv_bytes_per_token(daemons) -> int:
 
 
 def req(rid: str, prompt: list[int], max_tokens: int) -> dict:
-    return dict(request_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
-                temperature=0.0, top_p=1.0, seed=None, ignore_eos=True)
+    return dict(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        seed=None,
+        ignore_eos=True,
+    )
 
 
 async def run(col, tiny, r: dict) -> list[int]:
@@ -100,7 +108,7 @@ async def test_eviction_behind_ps_back_moves_the_right_bytes_and_repairs_the_vie
         evicted = await md.compute(lambda: cache.evict(cache.num_evictable))
         assert evicted
         await run(col, tiny, req("e2", p2, 8))
-        assert detail(col, "e2", "prefix_hit_tokens") == 0          # MD's answer wins
+        assert detail(col, "e2", "prefix_hit_tokens") == 0  # MD's answer wins
         assert detail(col, "e2", "md_kv_complete") == len(p2) * kvb  # P sent all it lacked
         assert detail(col, "e2", "md_view_wrong") == believed
         view = p.planner.view
@@ -108,8 +116,9 @@ async def test_eviction_behind_ps_back_moves_the_right_bytes_and_repairs_the_vie
         assert p.stats()["counters"]["md_view_wrong"] == 1
         # Repaired: the next turn's prediction is MD's real hit again.
         p3 = p2 + rand_prompt(5, 30)
-        await col.wait_until(lambda: view.predict(p3).hit_tokens >= len(p2) - MD_BS,
-                             what="notice of e2's blocks")
+        await col.wait_until(
+            lambda: view.predict(p3).hit_tokens >= len(p2) - MD_BS, what="notice of e2's blocks"
+        )
         predicted = view.predict(p3).hit_tokens
         await run(col, tiny, req("e3", p3, 8))
         assert detail(col, "e3", "prefix_hit_tokens") == predicted > 0
@@ -126,8 +135,9 @@ async def test_a_flood_never_takes_rld_past_its_admission_limit(tiny):
         for r in reqs:
             await col.wait_until(lambda r=r: col.complete(r["request_id"]), what=r["request_id"])
             sp = SamplingParams()
-            assert col.output(r["request_id"]) == reference(tiny, r["prompt_token_ids"], 20, sp,
-                                                            True)
+            assert col.output(r["request_id"]) == reference(
+                tiny, r["prompt_token_ids"], 20, sp, True
+            )
         adm = daemons["relay"].stats()["admission"]
         assert adm["peak_requests"] <= 2 and adm["refused"] > 0, adm
         assert adm["admitted"] + adm["refused"] == 12
@@ -170,9 +180,15 @@ async def test_pipeline_decision_and_inputs_reach_the_timeline(tiny):
 
 # -- over the emulated WAN: the estimators see a real rate -------------------------------------
 
+
 async def _complete(cluster, prompt: list[int], max_tokens: int) -> tuple[list[int], dict]:
-    body = await cluster.complete(prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                  ignore_eos=True, return_token_ids=True)
+    body = await cluster.complete(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        return_token_ids=True,
+    )
     return body["choices"][0]["token_ids"], body["pdd"]
 
 
@@ -182,8 +198,9 @@ async def test_pipelines_over_the_emulated_wan(tiny):
     from pddnet.cluster.local import LocalCluster
 
     overrides = {"policy.singular_margin": 20.0, "policy.direct_budget_s": 0.2}
-    async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=20.0, jitter_ms=0.0, bw_mbit=20.0,
-                            overrides=overrides) as cluster:
+    async with LocalCluster(
+        mode="pdd", wan="proxy", rtt_ms=20.0, jitter_ms=0.0, bw_mbit=20.0, overrides=overrides
+    ) as cluster:
         kvb = 1024  # tiny: float64, 2 layers x 2 x 2 kv heads x 16 (asserted below)
         sp = SamplingParams()
 
@@ -200,6 +217,7 @@ async def test_pipelines_over_the_emulated_wan(tiny):
         assert pa["pipeline"] == "p_rld_md", pa["pipeline_decision"]
         assert pa["relay_tokens"] > 0 and pa["main_tokens"] > 0
         assert pa["wan_kv_bytes"] == 2000 * kvb
+
         # Its next turn hits MD's tree: only the tail crosses, directly P->MD.
         async def notice_in(hashes: int) -> None:
             for _ in range(100):
@@ -207,6 +225,7 @@ async def test_pipelines_over_the_emulated_wan(tiny):
                     return
                 await asyncio.sleep(0.05)
             raise AssertionError("MD's cache notice never reached P")
+
         await notice_in((2000 + n_a) // 16 - 1)
         b = a + out_a + rand_prompt(21, 30)
         out_b, pb = await _complete(cluster, b, 16)
@@ -233,7 +252,10 @@ async def test_pipelines_over_the_emulated_wan(tiny):
         for role in ("prefill", "relay", "main_decode"):
             for _ in range(100):
                 s = await cluster.stats(role)
-                if s["requests"]["active"] == 0 and s["kv_blocks"]["free"] == s["kv_blocks"]["total"]:
+                if (
+                    s["requests"]["active"] == 0
+                    and s["kv_blocks"]["free"] == s["kv_blocks"]["total"]
+                ):
                     break
                 await asyncio.sleep(0.05)
             else:
@@ -248,8 +270,9 @@ async def test_bytes_md_has_not_acknowledged_count_in_the_next_decision(tiny):
     model, tok = tiny
     bpt = Engine(model, tok, num_blocks=8, block_size=16).pool.spec.bytes_per_token
     # 1000 tokens of KV per second: 150 tokens take 0.15 s, 100 take 0.1 s (plus RTT <= 30 ms)
-    cfg = make_config(ClusterMode.PDD, pipeline="auto", wan_bw_mbit=bpt * 1000 * 8 / 1e6,
-                      direct_budget_s=0.2)
+    cfg = make_config(
+        ClusterMode.PDD, pipeline="auto", wan_bw_mbit=bpt * 1000 * 8 / 1e6, direct_budget_s=0.2
+    )
     async with running(cfg, md_delay=0.5) as (daemons, col):
         planner = daemons["prefill"].planner
         first, second = req("b1", rand_prompt(21, 150), 4), req("b2", rand_prompt(22, 100), 40)
@@ -265,12 +288,14 @@ async def test_bytes_md_has_not_acknowledged_count_in_the_next_decision(tiny):
         assert rec2["wan_backlog_bytes"] == x["wan_backlog_bytes"] == 150 * bpt
         alone = x["rtt_s"] + 100 * bpt / x["bandwidth_bps"]
         assert alone <= 0.2 < rec2["estimated_wan_transfer_s"]
-        assert rec2["estimated_wan_transfer_s"] == pytest.approx(alone + 150 * bpt / x["bandwidth_bps"],
-                                                                 abs=1e-5)
+        assert rec2["estimated_wan_transfer_s"] == pytest.approx(
+            alone + 150 * bpt / x["bandwidth_bps"], abs=1e-5
+        )
         assert rec2["pipeline"] != "p_md" and "behind" in rec2["reason"]
         for r in (first, second):
             await col.wait_until(lambda r=r: col.complete(r["request_id"]), what=r["request_id"])
             assert col.output(r["request_id"]) == reference(
-                tiny, r["prompt_token_ids"], r["max_tokens"], SamplingParams(), True)
-        await all_free(daemons)          # every committed byte released (all_free checks)
+                tiny, r["prompt_token_ids"], r["max_tokens"], SamplingParams(), True
+            )
+        await all_free(daemons)  # every committed byte released (all_free checks)
         assert planner.backlog.bytes == 0 and planner.counters()["wan_backlog_requests"] == 0

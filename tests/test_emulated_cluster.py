@@ -20,8 +20,11 @@ from tests.test_cluster_e2e import assert_token_exact, make_requests, reference,
 K = 3.0
 DEVICES = {"prefill": "h100-sxm", "relay": "h100-sxm", "main_decode": "gpu-b"}
 MD_CHIP = {"pdd": "gpu-b", "cross-dc": "h200-sxm"}
-ROLES = {"pdd": ("prefill", "relay", "main_decode"), "same-dc": ("prefill", "relay"),
-         "cross-dc": ("prefill", "main_decode")}
+ROLES = {
+    "pdd": ("prefill", "relay", "main_decode"),
+    "same-dc": ("prefill", "relay"),
+    "cross-dc": ("prefill", "main_decode"),
+}
 
 
 def emulated(mode: str) -> dict:
@@ -34,8 +37,9 @@ def emulated(mode: str) -> dict:
 
 @pytest.mark.timeout(170)
 # same-dc is heavy (CI time): pdd paces P and RLD as same-dc does, and MD as cross-dc does
-@pytest.mark.parametrize("mode", ["pdd", pytest.param("same-dc", marks=pytest.mark.heavy),
-                                  "cross-dc"])
+@pytest.mark.parametrize(
+    "mode", ["pdd", pytest.param("same-dc", marks=pytest.mark.heavy), "cross-dc"]
+)
 async def test_paced_cluster_is_token_exact_and_reports_modelled_times(mode):
     bodies = [b for b in make_requests(14, seed=22) if b["max_tokens"] <= 300]
     for b in bodies:  # computed before the cluster takes the cores
@@ -43,8 +47,9 @@ async def test_paced_cluster_is_token_exact_and_reports_modelled_times(mode):
     overrides = emulated(mode)
     if mode == "pdd":
         overrides["policy.pipeline"] = "p_rld_md"
-    async with LocalCluster(mode=mode, wan="proxy", rtt_ms=30.0, jitter_ms=2.0,
-                            overrides=overrides) as cluster:
+    async with LocalCluster(
+        mode=mode, wan="proxy", rtt_ms=30.0, jitter_ms=2.0, overrides=overrides
+    ) as cluster:
         results = await run_all(cluster.url, bodies)
         assert_token_exact(bodies, results)
         stats = {r: await cluster.stats(r) for r in ROLES[mode]}
@@ -81,7 +86,13 @@ async def test_bad_device_settings_fail_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="have no device"):
         LocalCluster(mode="pdd", run_dir=tmp_path, overrides={"target_model": "llama-3-70b"})
     with pytest.raises(ValueError, match="hold .* tokens"):
-        LocalCluster(mode="same-dc", run_dir=tmp_path, overrides={
-            "target_model": "llama-3-70b", "prefill.device": "h100-sxm",
-            "relay.device": "h100-sxm"})
+        LocalCluster(
+            mode="same-dc",
+            run_dir=tmp_path,
+            overrides={
+                "target_model": "llama-3-70b",
+                "prefill.device": "h100-sxm",
+                "relay.device": "h100-sxm",
+            },
+        )
     assert not any(tmp_path.iterdir())

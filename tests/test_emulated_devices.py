@@ -35,10 +35,16 @@ from pddnet.engine.worker import EngineWorker
 
 LLAMA = "llama-3-70b"
 # The scenario: P and RLD on 8 x h100-sxm, MD on 8 x h200-sxm, k = 4.
-SCENARIO = {"target_model": LLAMA, "dilation": 4.0,
-            "prefill.device": "h100-sxm", "prefill.gpus": 8,
-            "relay.device": "h100-sxm", "relay.gpus": 8,
-            "main_decode.device": "h200-sxm", "main_decode.gpus": 8}
+SCENARIO = {
+    "target_model": LLAMA,
+    "dilation": 4.0,
+    "prefill.device": "h100-sxm",
+    "prefill.gpus": 8,
+    "relay.device": "h100-sxm",
+    "relay.gpus": 8,
+    "main_decode.device": "h200-sxm",
+    "main_decode.gpus": 8,
+}
 
 
 def llama_on(chip: str, gpus: int = 8) -> InstanceCost:
@@ -53,7 +59,7 @@ def config_error(overrides: dict) -> str:
 
 # -- 1. the pacer on a fake clock -------------------------------------------------------------
 
-DECODE = [(100, 101)]   # one decode token at position 100: a shape with a fixed modelled time
+DECODE = [(100, 101)]  # one decode token at position 100: a shape with a fixed modelled time
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +71,12 @@ def test_pacer_waits_the_difference_to_k_times_modelled(h100_cost):
     pacer = StepPacer(h100_cost, dilation=4.0)
     m = pacer.modelled(DECODE)
     assert m > 0
-    real = 1.5 * m                          # below k x modelled = 4 m
+    real = 1.5 * m  # below k x modelled = 4 m
     wait = pacer.pace(DECODE, started=100.0, ended=100.0 + real)
     assert wait == pytest.approx(4 * m - real, rel=1e-9)
     assert (pacer.steps, pacer.overruns, pacer.lost_s) == (1, 0, 0.0)
     assert pacer.waited_s == pytest.approx(2.5 * m, rel=1e-9)
-    assert pacer.modelled_s == pytest.approx(m, rel=1e-12)   # undilated: the device's busy time
+    assert pacer.modelled_s == pytest.approx(m, rel=1e-12)  # undilated: the device's busy time
     assert pacer.real_s == pytest.approx(real, rel=1e-9)
     assert pacer.valid and pacer.overrun_share == 0.0
 
@@ -78,12 +84,12 @@ def test_pacer_waits_the_difference_to_k_times_modelled(h100_cost):
 def test_pacer_overrun_waits_nothing_and_counts_the_lost_time(h100_cost):
     pacer = StepPacer(h100_cost, dilation=4.0)
     m = pacer.modelled(DECODE)
-    pacer.pace(DECODE, 0.0, 2.0 * m)                 # on time
+    pacer.pace(DECODE, 0.0, 2.0 * m)  # on time
     wait = pacer.pace(DECODE, 10.0, 10.0 + 6.0 * m)  # 6 m > 4 m: overran by 2 m
     assert wait == 0.0
     assert pacer.steps == 2 and pacer.overruns == 1
     assert pacer.lost_s == pytest.approx(2.0 * m, rel=1e-9)
-    assert pacer.waited_s == pytest.approx(2.0 * m, rel=1e-9)   # only the on-time step waited
+    assert pacer.waited_s == pytest.approx(2.0 * m, rel=1e-9)  # only the on-time step waited
     assert pacer.overrun_share == 0.5
     assert pacer.worst_ratio == pytest.approx(6.0, rel=1e-9)
     stats = pacer.to_stats()
@@ -102,11 +108,11 @@ def test_pacer_valid_at_the_threshold_and_not_above(h100_cost):
     assert VALID_OVERRUN_SHARE == 0.01
     pacer = StepPacer(h100_cost, dilation=2.0)
     m = pacer.modelled(DECODE)
-    for i in range(100):                     # 1 overrun in 100 steps: exactly the threshold
+    for i in range(100):  # 1 overrun in 100 steps: exactly the threshold
         pacer.pace(DECODE, 0.0, (3.0 if i == 50 else 1.0) * m)
     assert pacer.overrun_share == pytest.approx(0.01)
     assert pacer.valid
-    pacer.pace(DECODE, 0.0, 3.0 * m)         # 2 in 101: above it
+    pacer.pace(DECODE, 0.0, 3.0 * m)  # 2 in 101: above it
     assert pacer.overrun_share == pytest.approx(2 / 101)
     assert not pacer.valid
 
@@ -141,17 +147,20 @@ def test_pacer_dilation_needed_without_steps_or_slow_steps_is_one(h100_cost):
     assert pacer.dilation_needed() == 1.0
 
 
-@pytest.mark.parametrize("ratios, expected", [
-    ([], 1.0),                                  # no steps: nothing asks for more than real time
-    ([0.1, 0.5, 0.99], 1.0),                    # all faster than the device: never below 1
-    ([2.0] * 149 + [1000.0], 2.0),              # one outlier in 150 (1% = 1 step) is ignored
-    ([2.0] * 101 + [1000.0], 2.0),              # ... in 102 as well
-    ([2.0] * 98 + [1000.0], 1000.0),            # in 99 it is not: 1% of 99 is no step
-    ([2.0] * 149 + [math.inf], 2.0),            # an infinite ratio is an outlier like any other
-    ([1.0, math.inf], math.inf),                # an infinite one that counts: no k is enough
-    ([1.23], 1.3),                              # rounded up to a tenth
-    ([2.0], 2.0),                               # a tenth exactly stays
-])
+@pytest.mark.parametrize(
+    "ratios, expected",
+    [
+        ([], 1.0),  # no steps: nothing asks for more than real time
+        ([0.1, 0.5, 0.99], 1.0),  # all faster than the device: never below 1
+        ([2.0] * 149 + [1000.0], 2.0),  # one outlier in 150 (1% = 1 step) is ignored
+        ([2.0] * 101 + [1000.0], 2.0),  # ... in 102 as well
+        ([2.0] * 98 + [1000.0], 1000.0),  # in 99 it is not: 1% of 99 is no step
+        ([2.0] * 149 + [math.inf], 2.0),  # an infinite ratio is an outlier like any other
+        ([1.0, math.inf], math.inf),  # an infinite one that counts: no k is enough
+        ([1.23], 1.3),  # rounded up to a tenth
+        ([2.0], 2.0),  # a tenth exactly stays
+    ],
+)
 def test_dilation_for(ratios, expected):
     assert dilation_for(ratios) == pytest.approx(expected)
 
@@ -159,7 +168,7 @@ def test_dilation_for(ratios, expected):
 def test_dilation_for_share():
     xs = [1.0, 2.0, 3.0, 4.0]
     assert dilation_for(xs, share=0.0) == 4.0
-    assert dilation_for(xs, share=0.5) == 2.0   # 2 of 4 may overrun: k = 2nd smallest
+    assert dilation_for(xs, share=0.5) == 2.0  # 2 of 4 may overrun: k = 2nd smallest
 
 
 @pytest.mark.parametrize("k", [0.5, 0, -1, True, math.nan, math.inf, "4"])
@@ -172,7 +181,7 @@ def test_pacer_refuses_a_step_that_ends_before_it_starts(h100_cost):
     pacer = StepPacer(h100_cost, dilation=2.0)
     with pytest.raises(ValueError, match="cannot end"):
         pacer.pace(DECODE, started=5.0, ended=4.9)
-    assert pacer.steps == 0                   # nothing was accounted
+    assert pacer.steps == 0  # nothing was accounted
 
 
 # -- 2. the roofline, by hand -------------------------------------------------------------------
@@ -200,7 +209,7 @@ GPU_B = HandChip("gpu-b", fp8_tflops=600, memory_bw_gbs=4800, scale_up_gbs=900)
 # (1 byte each), BF16 KV (2 bytes).
 L_LAYERS, L_HIDDEN, L_HEADS, L_KV_HEADS, L_HEAD_DIM = 80, 8192, 64, 8, 128
 L_PARAMS = 70.6e9
-L_KV_BYTES_PER_TOKEN = 80 * 2 * 8 * 128 * 2        # K and V per layer: 327680 = 320 KiB
+L_KV_BYTES_PER_TOKEN = 80 * 2 * 8 * 128 * 2  # K and V per layer: 327680 = 320 KiB
 
 
 def hand_forward_time(chip: HandChip, chunks: list[tuple[int, int]], gpus: int) -> float:
@@ -222,24 +231,27 @@ def hand_forward_time(chip: HandChip, chunks: list[tuple[int, int]], gpus: int) 
     return chip.step_overhead_ms * 1e-3 + max(flops / compute, nbytes / bandwidth) + comm
 
 
-PREFILL_2K = [(0, 2048)]                                        # (a)
-PREFILL_ON_PREFIX = [(60000, 62048)]                            # (b) on a cached 60000 tokens
-DECODE_4 = [(1000, 1001), (2000, 2001), (3000, 3001), (4000, 4001)]   # (c)
-EXTEND_ON_64K = [(65536, 65636), (1000, 1001), (2000, 2001), (3000, 3001)]   # (d)
+PREFILL_2K = [(0, 2048)]  # (a)
+PREFILL_ON_PREFIX = [(60000, 62048)]  # (b) on a cached 60000 tokens
+DECODE_4 = [(1000, 1001), (2000, 2001), (3000, 3001), (4000, 4001)]  # (c)
+EXTEND_ON_64K = [(65536, 65636), (1000, 1001), (2000, 2001), (3000, 3001)]  # (d)
 
 
-@pytest.mark.parametrize("chip, gpus, chunks", [
-    pytest.param(H100, 8, PREFILL_2K, id="P-h100-prefill-0-2048"),
-    pytest.param(H100, 8, PREFILL_ON_PREFIX, id="P-h100-prefill-60000-62048"),
-    pytest.param(H100, 8, DECODE_4, id="RLD-h100-decode-4"),
-    pytest.param(H100, 8, EXTEND_ON_64K, id="RLD-h100-extend-100-on-64K"),
-    pytest.param(H200, 8, DECODE_4, id="MD-h200-decode-4"),
-    pytest.param(H200, 8, EXTEND_ON_64K, id="MD-h200-extend-100-on-64K"),
-    pytest.param(GPU_B, 8, DECODE_4, id="MD-gpu-b-decode-4"),
-    pytest.param(GPU_B, 8, EXTEND_ON_64K, id="MD-gpu-b-extend-100-on-64K"),
-    pytest.param(GPU_B, 8, PREFILL_2K, id="gpu-b-prefill-0-2048"),
-    pytest.param(H200, 1, DECODE_4, id="1xh200-decode-4-no-all-reduce"),
-])
+@pytest.mark.parametrize(
+    "chip, gpus, chunks",
+    [
+        pytest.param(H100, 8, PREFILL_2K, id="P-h100-prefill-0-2048"),
+        pytest.param(H100, 8, PREFILL_ON_PREFIX, id="P-h100-prefill-60000-62048"),
+        pytest.param(H100, 8, DECODE_4, id="RLD-h100-decode-4"),
+        pytest.param(H100, 8, EXTEND_ON_64K, id="RLD-h100-extend-100-on-64K"),
+        pytest.param(H200, 8, DECODE_4, id="MD-h200-decode-4"),
+        pytest.param(H200, 8, EXTEND_ON_64K, id="MD-h200-extend-100-on-64K"),
+        pytest.param(GPU_B, 8, DECODE_4, id="MD-gpu-b-decode-4"),
+        pytest.param(GPU_B, 8, EXTEND_ON_64K, id="MD-gpu-b-extend-100-on-64K"),
+        pytest.param(GPU_B, 8, PREFILL_2K, id="gpu-b-prefill-0-2048"),
+        pytest.param(H200, 1, DECODE_4, id="1xh200-decode-4-no-all-reduce"),
+    ],
+)
 def test_pacer_modelled_time_is_the_hand_roofline(chip, gpus, chunks):
     pacer = StepPacer(llama_on(chip.name, gpus), dilation=4.0)
     expected = hand_forward_time(chip, chunks, gpus)
@@ -268,12 +280,20 @@ def test_hand_literals_are_the_shipped_profiles():
         chip = load_chip(hand.name)
         assert chip.tflops["fp8"] == hand.fp8_tflops
         assert (chip.memory_bw_gbs, chip.scale_up_gbs) == (hand.memory_bw_gbs, hand.scale_up_gbs)
-        assert (chip.compute_efficiency, chip.bandwidth_efficiency, chip.step_overhead_ms) == \
-            (hand.compute_efficiency, hand.bandwidth_efficiency, hand.step_overhead_ms)
+        assert (chip.compute_efficiency, chip.bandwidth_efficiency, chip.step_overhead_ms) == (
+            hand.compute_efficiency,
+            hand.bandwidth_efficiency,
+            hand.step_overhead_ms,
+        )
         assert (chip.step_per_seq_us, chip.step_per_ctx_token_ns, chip.step_jitter_cv) == (0, 0, 0)
     m = load_model(LLAMA)
-    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == \
-        (L_LAYERS, L_HIDDEN, L_HEADS, L_KV_HEADS, L_HEAD_DIM)
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == (
+        L_LAYERS,
+        L_HIDDEN,
+        L_HEADS,
+        L_KV_HEADS,
+        L_HEAD_DIM,
+    )
     assert (m.total_params, m.active_params, m.expert_params) == (L_PARAMS, L_PARAMS, 0)
     assert (m.compute_dtype, m.weight_bytes_per_param, m.kv_bytes_per_elem) == ("fp8", 1, 2)
     assert m.kv_bytes_per_token == L_KV_BYTES_PER_TOKEN == 320 * 1024
@@ -290,7 +310,8 @@ def test_paced_decode_step_is_the_simulators_decode_step(chip):
     # 1000..4000 positions costs what the simulator's decode_step_time says
     cost = llama_on(chip)
     assert StepPacer(cost, 4.0).modelled(DECODE_4) == pytest.approx(
-        cost.decode_step_time(4, 1000 + 2000 + 3000 + 4000, jitter=False), rel=1e-9)
+        cost.decode_step_time(4, 1000 + 2000 + 3000 + 4000, jitter=False), rel=1e-9
+    )
 
 
 def test_paced_extend_step_is_the_simulators_extend_step():
@@ -298,8 +319,14 @@ def test_paced_extend_step_is_the_simulators_extend_step():
     # and priced this forward at 6.197 ms against 7.230 ms)
     cost = llama_on("h100-sxm")
     extend_pairs = sum(i + 1 for i in range(65536, 65636))
-    sim = cost.decode_step_time(3, 1000 + 2000 + 3000, extend_tokens=100,
-                                extend_pairs=extend_pairs, jitter=False, extend_context=65536)
+    sim = cost.decode_step_time(
+        3,
+        1000 + 2000 + 3000,
+        extend_tokens=100,
+        extend_pairs=extend_pairs,
+        jitter=False,
+        extend_context=65536,
+    )
     assert StepPacer(cost, 4.0).modelled(EXTEND_ON_64K) == pytest.approx(sim, rel=1e-6)
 
 
@@ -307,8 +334,8 @@ def test_paced_extend_step_is_the_simulators_extend_step():
 
 
 def test_line_back_to_back_writes_queue_fifo():
-    line = ModelledLine(1000.0)                                # 1000 B/s
-    assert line.complete(0.0, 500, now=0.1) == pytest.approx(0.4)     # done at 0.5
+    line = ModelledLine(1000.0)  # 1000 B/s
+    assert line.complete(0.0, 500, now=0.1) == pytest.approx(0.4)  # done at 0.5
     # starts at 0.2 while the first is still on the line: done at 0.5 + 1000 / 1000
     assert line.complete(0.2, 1000, now=0.3) == pytest.approx(1.2)
     assert line.free_at == pytest.approx(1.5)
@@ -318,17 +345,17 @@ def test_line_back_to_back_writes_queue_fifo():
 def test_line_write_after_idle_starts_at_its_start():
     line = ModelledLine(1000.0)
     line.complete(0.0, 500, now=0.5)
-    assert line.complete(10.0, 100, now=10.01) == pytest.approx(0.09)   # done at 10.1
+    assert line.complete(10.0, 100, now=10.01) == pytest.approx(0.09)  # done at 10.1
     assert line.free_at == pytest.approx(10.1)
 
 
 def test_line_overrun_is_counted():
     line = ModelledLine(1000.0)
-    assert line.complete(20.0, 100, now=20.5) == 0.0           # modelled done at 20.1
+    assert line.complete(20.0, 100, now=20.5) == 0.0  # modelled done at 20.1
     assert line.overruns == 1
     assert line.lost_s == pytest.approx(0.4)
     assert line.to_stats()["overruns"] == 1
-    assert line.complete(30.0, 0, now=30.0) == 0.0             # an empty write on time
+    assert line.complete(30.0, 0, now=30.0) == 0.0  # an empty write on time
     assert line.overruns == 1
 
 
@@ -351,9 +378,15 @@ def test_scenario_emulation_resolves_every_role():
     emulation = load_config(None, SCENARIO).emulation()
     assert emulation is not None
     assert emulation.describe() == {
-        "target_model": LLAMA, "dilation": 4.0, "target_kv_bytes_per_token": 327680,
-        "devices": {"prefill": "8 x h100-sxm", "relay": "8 x h100-sxm",
-                    "main_decode": "8 x h200-sxm"}}
+        "target_model": LLAMA,
+        "dilation": 4.0,
+        "target_kv_bytes_per_token": 327680,
+        "devices": {
+            "prefill": "8 x h100-sxm",
+            "relay": "8 x h100-sxm",
+            "main_decode": "8 x h200-sxm",
+        },
+    }
     assert emulation.cost_of("main_decode") == llama_on("h200-sxm")
     assert emulation.wire_scale(1024) == 1024 / 327680
     with pytest.raises(EmulationError):
@@ -388,29 +421,41 @@ def test_device_without_target_model():
     assert "device set for prefill but no target_model" in msg
 
 
-@pytest.mark.parametrize("mode, devices, missing", [
-    ("pdd", ("prefill", "relay"), "main_decode"),
-    ("pdd", ("relay", "main_decode"), "prefill"),
-    ("same-dc", ("prefill",), "relay"),
-    ("cross-dc", ("prefill", "relay"), "main_decode"),
-])
+@pytest.mark.parametrize(
+    "mode, devices, missing",
+    [
+        ("pdd", ("prefill", "relay"), "main_decode"),
+        ("pdd", ("relay", "main_decode"), "prefill"),
+        ("same-dc", ("prefill",), "relay"),
+        ("cross-dc", ("prefill", "relay"), "main_decode"),
+    ],
+)
 def test_role_of_the_mode_without_device(mode, devices, missing):
-    overrides = {"mode": mode, "target_model": LLAMA,
-                 **{f"{r}.device": "h100-sxm" for r in devices},
-                 **{f"{r}.gpus": 8 for r in devices}}
+    overrides = {
+        "mode": mode,
+        "target_model": LLAMA,
+        **{f"{r}.device": "h100-sxm" for r in devices},
+        **{f"{r}.gpus": 8 for r in devices},
+    }
     msg = config_error(overrides)
     assert f"{missing} has no device" in msg and f"mode {mode}" in msg
 
 
-@pytest.mark.parametrize("mode, devices", [
-    ("same-dc", ("prefill", "relay")),
-    ("cross-dc", ("prefill", "main_decode")),
-    ("pdd", ("prefill", "relay", "main_decode")),
-])
+@pytest.mark.parametrize(
+    "mode, devices",
+    [
+        ("same-dc", ("prefill", "relay")),
+        ("cross-dc", ("prefill", "main_decode")),
+        ("pdd", ("prefill", "relay", "main_decode")),
+    ],
+)
 def test_mode_needs_only_its_roles_devices(mode, devices):
-    overrides = {"mode": mode, "target_model": LLAMA,
-                 **{f"{r}.device": "h200-sxm" for r in devices},
-                 **{f"{r}.gpus": 8 for r in devices}}
+    overrides = {
+        "mode": mode,
+        "target_model": LLAMA,
+        **{f"{r}.device": "h200-sxm" for r in devices},
+        **{f"{r}.gpus": 8 for r in devices},
+    }
     config = load_config(None, overrides)
     assert active_roles(config) == devices
     emulation = config.emulation()
@@ -428,7 +473,7 @@ def test_pool_that_does_not_fit_the_modelled_chips_names_the_max_num_blocks():
 
 
 def test_weights_that_do_not_fit_the_modelled_chips():
-    msg = config_error({**SCENARIO, "target_model": "deepseek-v3"})   # 671 GB on 8 x 80 GB
+    msg = config_error({**SCENARIO, "target_model": "deepseek-v3"})  # 671 GB on 8 x 80 GB
     assert msg.startswith("prefill:") and "does not fit on 8 x h100-sxm" in msg
 
 
@@ -439,26 +484,34 @@ def test_gpus_zero():
 
 
 def test_parse_device_flags():
-    assert parse_device_flags(["md=h200-sxm:8"]) == {"main_decode.device": "h200-sxm",
-                                                     "main_decode.gpus": 8}
+    assert parse_device_flags(["md=h200-sxm:8"]) == {
+        "main_decode.device": "h200-sxm",
+        "main_decode.gpus": 8,
+    }
     assert parse_device_flags(["prefill=h100-sxm:8", "RLD=h100-sxm", "main-decode=gpu-b"]) == {
-        "prefill.device": "h100-sxm", "prefill.gpus": 8, "relay.device": "h100-sxm",
-        "main_decode.device": "gpu-b"}
+        "prefill.device": "h100-sxm",
+        "prefill.gpus": 8,
+        "relay.device": "h100-sxm",
+        "main_decode.device": "gpu-b",
+    }
     assert parse_device_flags([]) == {}
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("router=h100", "runs no model"),
-    ("wan=h100-sxm", "runs no model"),
-    ("prefill", "ROLE=CHIP[:GPUS]"),
-    ("prefill=", "ROLE=CHIP[:GPUS]"),
-    ("p=:8", "ROLE=CHIP[:GPUS]"),
-    ("p=h100-sxm:0", "GPUS must be an integer >= 1"),
-    ("p=h100-sxm:-1", "GPUS must be an integer >= 1"),
-    ("p=h100-sxm:x", "GPUS must be an integer >= 1"),
-    ("p=h100-sxm:", "GPUS must be an integer >= 1"),
-    ("p=h100-sxm:1.5", "GPUS must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("router=h100", "runs no model"),
+        ("wan=h100-sxm", "runs no model"),
+        ("prefill", "ROLE=CHIP[:GPUS]"),
+        ("prefill=", "ROLE=CHIP[:GPUS]"),
+        ("p=:8", "ROLE=CHIP[:GPUS]"),
+        ("p=h100-sxm:0", "GPUS must be an integer >= 1"),
+        ("p=h100-sxm:-1", "GPUS must be an integer >= 1"),
+        ("p=h100-sxm:x", "GPUS must be an integer >= 1"),
+        ("p=h100-sxm:", "GPUS must be an integer >= 1"),
+        ("p=h100-sxm:1.5", "GPUS must be an integer >= 1"),
+    ],
+)
 def test_parse_device_flags_refuses(flag, message):
     with pytest.raises(EmulationError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_device_flags([flag])
@@ -471,14 +524,21 @@ def test_parse_device_flags_refuses_a_unicode_digit_with_its_message():
 
 # -- 5. dilation arithmetic ---------------------------------------------------------------------
 
-TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 8   # layers x (K, V) x kv heads x head_dim x float64
+TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 8  # layers x (K, V) x kv heads x head_dim x float64
 WIRE_SCALE = TINY_KV_BYTES_PER_TOKEN / 327680  # = 1 / 320
 
 
 @pytest.fixture
 def user_config():
-    return load_config(None, {**SCENARIO, "wan.jitter_ms": 2.0, "policy.wan_bw_mbit": 500.0,
-                              "transport.abort_grace_s": 1.5})
+    return load_config(
+        None,
+        {
+            **SCENARIO,
+            "wan.jitter_ms": 2.0,
+            "policy.wan_bw_mbit": 500.0,
+            "transport.abort_grace_s": 1.5,
+        },
+    )
 
 
 def test_real_kv_bytes_of_the_tiny_preset(user_config):
@@ -491,21 +551,32 @@ def test_wallclock_dilates_times_and_scales_rates(user_config):
     w = wallclock(c)
     assert w is not c
     k = 4.0
-    for section, field in [("wan", "rtt_ms"), ("wan", "jitter_ms"), ("wan", "heartbeat_s"),
-                           ("wan", "heartbeat_deadline_s"), ("transport", "deadline_s"),
-                           ("transport", "abort_grace_s"), ("router", "request_timeout_s"),
-                           ("router", "stall_timeout_s"), ("policy", "direct_budget_s"),
-                           ("policy", "rld_step_s")]:
+    for section, field in [
+        ("wan", "rtt_ms"),
+        ("wan", "jitter_ms"),
+        ("wan", "heartbeat_s"),
+        ("wan", "heartbeat_deadline_s"),
+        ("transport", "deadline_s"),
+        ("transport", "abort_grace_s"),
+        ("router", "request_timeout_s"),
+        ("router", "stall_timeout_s"),
+        ("policy", "direct_budget_s"),
+        ("policy", "rld_step_s"),
+    ]:
         before = getattr(getattr(c, section), field)
         assert before > 0, (section, field)
         assert getattr(getattr(w, section), field) == pytest.approx(before * k), (section, field)
     assert w.transport.progress_timeout_s == math.ceil(c.transport.progress_timeout_s * k)
-    assert w.wan.bw_mbit == pytest.approx(1000.0 * WIRE_SCALE / k)     # 0.78125
+    assert w.wan.bw_mbit == pytest.approx(1000.0 * WIRE_SCALE / k)  # 0.78125
     assert w.policy.wan_bw_mbit == pytest.approx(500.0 * WIRE_SCALE / k)
     # the user's config is not touched; what is not a time stays
     assert (c.wan.rtt_ms, c.wan.bw_mbit, c.router.stall_timeout_s) == (30.0, 1000.0, 30.0)
-    assert (w.wan.stripes, w.wan.loss_pct, w.dilation, w.target_model) == \
-        (c.wan.stripes, c.wan.loss_pct, 4.0, LLAMA)
+    assert (w.wan.stripes, w.wan.loss_pct, w.dilation, w.target_model) == (
+        c.wan.stripes,
+        c.wan.loss_pct,
+        4.0,
+        LLAMA,
+    )
 
 
 def test_wallclock_is_idempotent(user_config):
@@ -607,12 +678,20 @@ async def run_paced(model, tok, pacer: StepPacer, max_tokens: int):
         changed.set()
 
     errors: list[BaseException] = []
-    worker = EngineWorker(engine, on_outputs, name="test-paced", pacer=pacer,
-                          on_step_stats=steps.append, on_error=errors.append)
+    worker = EngineWorker(
+        engine,
+        on_outputs,
+        name="test-paced",
+        pacer=pacer,
+        on_step_stats=steps.append,
+        on_error=errors.append,
+    )
     try:
         t0 = time.perf_counter()
-        ids = [await worker.call(engine.add_request, p, max_tokens, None, f"r{i}",
-                                 ignore_eos=True) for i, p in enumerate(tiny_prompts(tok))]
+        ids = [
+            await worker.call(engine.add_request, p, max_tokens, None, f"r{i}", ignore_eos=True)
+            for i, p in enumerate(tiny_prompts(tok))
+        ]
         async with asyncio.timeout(60):
             while finished != set(ids):
                 changed.clear()
@@ -645,7 +724,7 @@ async def test_paced_worker_is_token_exact_and_lasts_the_modelled_time(tiny, tmp
         assert step.duration_s >= real
         # a paced step lasts at least k x its modelled time
         assert step.duration_s >= k * pacer.modelled(chunks) * (1 - 1e-9)
-    assert engine.last_step == steps[-1]          # the engine's last step is the paced one
+    assert engine.last_step == steps[-1]  # the engine's last step is the paced one
     assert engine.last_step.duration_s >= pacer.calls[-1][1]
     # steps run one after another in one thread: the run lasts at least their paced times
     assert elapsed >= pacer.steps * k * STEP_MS * 1e-3 - 1e-3
@@ -656,13 +735,13 @@ async def test_paced_worker_on_an_impossibly_fast_device_overruns_every_step(tin
     model, tok = tiny
     cost = InstanceCost(load_chip(chip_file(tmp_path, "instant", 0)), load_model("tiny"))
     pacer = RecordingPacer(cost, 1.0)
-    assert pacer.modelled([(0, 8)]) < 1e-9        # no real forward can be this fast
+    assert pacer.modelled([(0, 8)]) < 1e-9  # no real forward can be this fast
 
     reference = Engine(model, tok, num_blocks=64, block_size=4)
     expected = [reference.generate(p, 4, ignore_eos=True) for p in tiny_prompts(tok)]
     tokens, engine, steps, _ = await run_paced(model, tok, pacer, 4)
 
-    assert [tokens["r0"], tokens["r1"]] == expected   # overruns never change tokens
+    assert [tokens["r0"], tokens["r1"]] == expected  # overruns never change tokens
     assert pacer.steps == engine.num_steps > 0
     assert pacer.overruns == pacer.steps
     assert pacer.waited_s == 0.0 and all(wait == 0.0 for _, _, wait in pacer.calls)
@@ -682,4 +761,4 @@ def test_emulation_accepts_a_chip_toml_path(tmp_path):
     emulation = Emulation.from_config(config)
     assert emulation is not None
     assert emulation.describe()["devices"]["relay"] == "1 x paced"
-    assert emulation.wire_scale(1024) == 1.0      # the tiny target's own KV: no byte scaling
+    assert emulation.wire_scale(1024) == 1.0  # the tiny target's own KV: no byte scaling

@@ -39,7 +39,7 @@ def naive(model, prompt: list[int], n: int, sampling: SamplingParams | None = No
         ids = torch.tensor(tokens)
         logits = model(ids, torch.arange(len(tokens)), attention, torch.tensor([len(tokens) - 1]))
         tokens.append(sample_token(logits[0], sampling, len(tokens)))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def _free_all(engine: Engine) -> None:
@@ -60,12 +60,19 @@ def test_same_prompt_twice_gives_identical_non_degenerate_tokens(tiny):
     assert len(set(a)) > 6  # not one token repeated
 
 
-@pytest.mark.parametrize("block_size, budget, prefix", [(4, 2048, True), (16, 5, False),
-                                                        (3, 7, True)])
+@pytest.mark.parametrize(
+    "block_size, budget, prefix", [(4, 2048, True), (16, 5, False), (3, 7, True)]
+)
 def test_engine_equals_naive_full_recompute(tiny, block_size, budget, prefix):
     model, tok = tiny
-    engine = Engine(model, tok, num_blocks=80, block_size=block_size,
-                    max_num_batched_tokens=budget, enable_prefix_cache=prefix)
+    engine = Engine(
+        model,
+        tok,
+        num_blocks=80,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        enable_prefix_cache=prefix,
+    )
     for text in ("hi", "Attention is all you need, they said."):
         prompt = _prompt(tok, text)
         assert engine.generate(prompt, 12, ignore_eos=True) == naive(model, prompt, 12)
@@ -79,18 +86,19 @@ def test_seeded_sampling_equals_naive_and_depends_only_on_seed_and_position(tiny
     engine = Engine(model, tok, num_blocks=64, block_size=4, max_num_batched_tokens=6)
     out = engine.generate(prompt, 16, sp, ignore_eos=True)
     assert out == naive(model, prompt, 16, sp)
-    assert out != engine.generate(prompt, 16, SamplingParams(temperature=0.9, seed=99),
-                                  ignore_eos=True)
+    assert out != engine.generate(
+        prompt, 16, SamplingParams(temperature=0.9, seed=99), ignore_eos=True
+    )
 
 
 def test_sampling_state_moved_to_a_fresh_engine_halfway_gives_the_same_tokens(tiny):
     model, tok = tiny
     prompt = _prompt(tok, "Sampling must survive a move")
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
-    whole = Engine(model, tok, num_blocks=64, block_size=4).generate(prompt, 20, sp,
-                                                                     ignore_eos=True)
-    first = Engine(model, tok, num_blocks=64, block_size=4).generate(prompt, 9, sp,
-                                                                     ignore_eos=True)
+    whole = Engine(model, tok, num_blocks=64, block_size=4).generate(
+        prompt, 20, sp, ignore_eos=True
+    )
+    first = Engine(model, tok, num_blocks=64, block_size=4).generate(prompt, 9, sp, ignore_eos=True)
     fresh = Engine(model, tok, num_blocks=64, block_size=16, max_num_batched_tokens=8)
     rest = fresh.generate(prompt + first, 11, sp, ignore_eos=True)
     assert first + rest == whole
@@ -107,22 +115,33 @@ def test_unseeded_sampling_gets_a_concrete_seed_at_admission(tiny):
     while engine.has_request(rid):
         for o in engine.step():
             out += o.new_token_ids
-    assert out == engine.generate(prompt, 10, SamplingParams(temperature=0.8, seed=seed),
-                                  ignore_eos=True)
+    assert out == engine.generate(
+        prompt, 10, SamplingParams(temperature=0.8, seed=seed), ignore_eos=True
+    )
 
 
 def test_continuous_batching_equals_each_request_alone(tiny):
     model, tok = tiny
     texts = ["a", "Hello there, general", "x" * 37, "The rain in Spain", "0123456789" * 5]
     lengths = [5, 13, 3, 20, 9]
-    samplings = [SamplingParams(), SamplingParams(temperature=0.7, seed=5), SamplingParams(),
-                 SamplingParams(temperature=1.2, top_k=10, seed=11), SamplingParams()]
+    samplings = [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, seed=5),
+        SamplingParams(),
+        SamplingParams(temperature=1.2, top_k=10, seed=11),
+        SamplingParams(),
+    ]
     requests = list(zip(texts, lengths, samplings, strict=True))
-    alone = [Engine(model, tok, num_blocks=64, block_size=4).generate(
-        _prompt(tok, t), n, sp, ignore_eos=True) for t, n, sp in requests]
+    alone = [
+        Engine(model, tok, num_blocks=64, block_size=4).generate(
+            _prompt(tok, t), n, sp, ignore_eos=True
+        )
+        for t, n, sp in requests
+    ]
 
-    engine = Engine(model, tok, num_blocks=96, block_size=4, max_num_batched_tokens=16,
-                    max_num_seqs=3)
+    engine = Engine(
+        model, tok, num_blocks=96, block_size=4, max_num_batched_tokens=16, max_num_seqs=3
+    )
     got: dict[str, list[int]] = {}
     ids = []
     for t, n, sp in requests[:3]:
@@ -194,7 +213,7 @@ def test_eviction_under_pressure_keeps_referenced_blocks_and_results_exact(tiny)
         assert not seq.is_finished
         assert engine.blocks.claimed <= engine.num_available_blocks
         assert all(engine.allocator.refcount(b) >= 1 for b in held)
-        assert seq.block_table[:len(held)] == held
+        assert seq.block_table[: len(held)] == held
     assert engine.prefix_cache.num_evicted > 0
     while engine.has_request(holder):
         engine.step()
@@ -213,7 +232,9 @@ def test_pool_is_never_over_allocated_and_requests_wait_for_room(tiny):
         for o in engine.step():
             results.setdefault(o.request_id, []).extend(o.new_token_ids)
         max_running = max(max_running, len(engine.scheduler.running))
-        assert engine.allocator.num_free >= 0 and engine.blocks.claimed <= engine.num_available_blocks
+        assert (
+            engine.allocator.num_free >= 0 and engine.blocks.claimed <= engine.num_available_blocks
+        )
     assert max_running == 2  # 12 blocks fit two whole-life claims, never three
     assert [results[i] for i in ids] == [naive(model, p, 8) for p in prompts]
     with pytest.raises(ValueError, match="needs up to 13 KV blocks"):
@@ -245,7 +266,7 @@ def test_eos_stops_unless_ignored(tiny):
     outs = []
     while engine.has_request(rid):
         outs += engine.step()
-    assert [t for o in outs for t in o.new_token_ids] == ref[:first + 1]
+    assert [t for o in outs for t in o.new_token_ids] == ref[: first + 1]
     assert outs[-1].finished and outs[-1].finish_reason is FinishReason.STOP
     assert engine.generate(prompt, 12, ignore_eos=True) == ref
     _free_all(engine)
@@ -292,8 +313,7 @@ def test_prefill_only_keeps_blocks_for_export_and_a_decoder_continues_exactly(ti
     model, tok = tiny
     prompt = _prompt(tok, "Disaggregated prefill and decode, across datacenters.")
     sp = SamplingParams(temperature=0.8, seed=42)
-    ref = Engine(model, tok, num_blocks=64, block_size=4).generate(prompt, 12, sp,
-                                                                   ignore_eos=True)
+    ref = Engine(model, tok, num_blocks=64, block_size=4).generate(prompt, 12, sp, ignore_eos=True)
     p = Engine(model, tok, num_blocks=64, block_size=4, max_num_batched_tokens=16)
     rid = p.add_request(prompt, 1, sp, keep_blocks=True, ignore_eos=True)
     first = []
@@ -350,8 +370,7 @@ def test_reserve_kv_reuses_the_cached_prefix_so_only_the_rest_is_imported(tiny):
     shared = _prompt(tok, "System: you are terse. User: ")
     prompt = shared + tok.encode("what is PDD?", add_bos=False)
     sp = SamplingParams(temperature=0.6, seed=3)
-    ref = Engine(model, tok, num_blocks=64, block_size=4).generate(prompt, 10, sp,
-                                                                   ignore_eos=True)
+    ref = Engine(model, tok, num_blocks=64, block_size=4).generate(prompt, 10, sp, ignore_eos=True)
     p = Engine(model, tok, num_blocks=64, block_size=4)
     pid = p.add_request(prompt, 1, sp, keep_blocks=True, ignore_eos=True)
     while p.has_work():
@@ -366,8 +385,9 @@ def test_reserve_kv_reuses_the_cached_prefix_so_only_the_rest_is_imported(tiny):
     start, end = res.missing_range
     assert start == len(shared) // 8 * 8 > 0 and end == len(prompt)
     import_kv(md.pool, export_kv(p.pool, pseq.block_table, start, end), res.block_ids)
-    rid = md.add_request(prompt, 10, sp, kv=res, output_token_ids=pseq.output_token_ids,
-                         ignore_eos=True)
+    rid = md.add_request(
+        prompt, 10, sp, kv=res, output_token_ids=pseq.output_token_ids, ignore_eos=True
+    )
     out = list(pseq.output_token_ids)
     while md.has_request(rid):
         out += [t for o in md.step() for t in o.new_token_ids]

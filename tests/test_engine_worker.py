@@ -19,8 +19,15 @@ def tiny():
 
 
 def prompts(tok) -> list[list[int]]:
-    return [tok.encode(text, add_bos=True) for text in
-            ("the quick brown fox", "a", "pddnet hands off by token ids", "relay decode " * 5)]
+    return [
+        tok.encode(text, add_bos=True)
+        for text in (
+            "the quick brown fox",
+            "a",
+            "pddnet hands off by token ids",
+            "relay decode " * 5,
+        )
+    ]
 
 
 class Collector:
@@ -66,12 +73,16 @@ async def test_runs_requests_token_exact_vs_generate(tiny):
 
     col = Collector()
     engine = Engine(model, tok, num_blocks=128, block_size=4)
-    worker = EngineWorker(engine, col.on_outputs, threads=1, name="test-exact",
-                          on_error=col.on_error)
-    ids = [await worker.call(engine.add_request, p, 12, None, f"g{i}", ignore_eos=True)
-           for i, p in enumerate(prompts(tok))]
-    ids.append(await worker.call(engine.add_request, prompts(tok)[0], 12, seeded, "s0",
-                                 ignore_eos=True))
+    worker = EngineWorker(
+        engine, col.on_outputs, threads=1, name="test-exact", on_error=col.on_error
+    )
+    ids = [
+        await worker.call(engine.add_request, p, 12, None, f"g{i}", ignore_eos=True)
+        for i, p in enumerate(prompts(tok))
+    ]
+    ids.append(
+        await worker.call(engine.add_request, prompts(tok)[0], 12, seeded, "s0", ignore_eos=True)
+    )
     await col.wait_for(lambda: col.finished == set(ids))
     assert [col.tokens[f"g{i}"] for i in range(len(greedy))] == greedy
     assert col.tokens["s0"] == sampled
@@ -153,8 +164,9 @@ async def test_no_spin_when_no_progress_is_possible(tiny):
     engine = Engine(model, tok, num_blocks=64, block_size=4)
     worker = EngineWorker(engine, col.on_outputs, name="test-held")
     # A held request with its prompt computed has nothing to do until released.
-    rid = await worker.call(engine.add_request, prompts(tok)[0], 4, None, "held", hold=True,
-                            ignore_eos=True)
+    rid = await worker.call(
+        engine.add_request, prompts(tok)[0], 4, None, "held", hold=True, ignore_eos=True
+    )
     await asyncio.sleep(0.2)
     steps = worker.num_steps
     await asyncio.sleep(0.2)
@@ -171,8 +183,9 @@ async def test_close_fails_queued_calls_and_leaves_no_thread(tiny):
     engine = Engine(model, tok, num_blocks=512, block_size=16, max_num_batched_tokens=4096)
     col = Collector()
     worker = EngineWorker(engine, col.on_outputs, name="test-close")
-    await worker.call(engine.add_request, [i % 250 for i in range(1, 1200)], 50, None, "busy",
-                      ignore_eos=True)
+    await worker.call(
+        engine.add_request, [i % 250 for i in range(1, 1200)], 50, None, "busy", ignore_eos=True
+    )
     pending = asyncio.ensure_future(worker.call(lambda: engine.num_unfinished))
     await worker.close()
     result = await asyncio.gather(pending, return_exceptions=True)

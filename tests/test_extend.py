@@ -58,8 +58,9 @@ def test_extend_equals_decode(tiny, prompt, n, prefix_hit):
         engine.generate(prompt, 2, sp, ignore_eos=True)
     # MD's situation: prompt KV present (computed here), first token known, then the relay's
     # n-1 further tokens arrive as ids; the last known token is out[n-1], out[n] is next.
-    rid = engine.add_request(prompt, n + 1, sp, output_token_ids=out[:1], hold=True,
-                             keep_blocks=True, ignore_eos=True)
+    rid = engine.add_request(
+        prompt, n + 1, sp, output_token_ids=out[:1], hold=True, keep_blocks=True, ignore_eos=True
+    )
     while engine.step():
         pass
     seq = engine.get_sequence(rid)
@@ -94,16 +95,22 @@ def test_runner_mixes_prefill_extend_and_decode_in_one_forward(tiny):
         return runner
 
     together = KVPool(spec, 16)
-    mixed = prepare(together).run([
-        Chunk(seqs[0], 0, tables[0], "last"),                 # whole prefill
-        Chunk(seqs[1][15:], 15, tables[1], "all"),            # extend of 7 tokens
-        Chunk(seqs[2][8:], 8, tables[2], "last"),             # decode of 1 token
-    ])
+    mixed = prepare(
+        together
+    ).run(
+        [
+            Chunk(seqs[0], 0, tables[0], "last"),  # whole prefill
+            Chunk(seqs[1][15:], 15, tables[1], "all"),  # extend of 7 tokens
+            Chunk(seqs[2][8:], 8, tables[2], "last"),  # decode of 1 token
+        ]
+    )
     apart = KVPool(spec, 16)
     runner = prepare(apart)
     one = runner.run([Chunk(seqs[0], 0, tables[0], "last")])[0]
-    steps = [runner.run([Chunk([tok], 15 + i, tables[1], "last")])[0]
-             for i, tok in enumerate(seqs[1][15:])]
+    steps = [
+        runner.run([Chunk([tok], 15 + i, tables[1], "last")])[0]
+        for i, tok in enumerate(seqs[1][15:])
+    ]
     dec = runner.run([Chunk(seqs[2][8:], 8, tables[2], "last")])[0]
     assert mixed[0].shape == (model.config.vocab_size,)
     assert mixed[1].shape == (7, model.config.vocab_size)
@@ -116,13 +123,19 @@ def test_runner_mixes_prefill_extend_and_decode_in_one_forward(tiny):
 def test_streaming_handoff_never_extends_more_than_chunk_per_step(tiny, prompt):
     model, tok = tiny
     sp = SamplingParams()
-    ref = Engine(model, tok, num_blocks=64, block_size=BS).generate(prompt, 40, sp,
-                                                                    ignore_eos=True)
+    ref = Engine(model, tok, num_blocks=64, block_size=BS).generate(prompt, 40, sp, ignore_eos=True)
     relay_tokens = ref[:30]  # what RLD produced while MD caught up
     chunk = 4
     md = Engine(model, tok, num_blocks=64, block_size=8, max_num_batched_tokens=128)
-    rid = md.add_request(prompt, 40, sp, output_token_ids=relay_tokens[:1], hold=True,
-                         max_chunk_tokens=None, ignore_eos=True)
+    rid = md.add_request(
+        prompt,
+        40,
+        sp,
+        output_token_ids=relay_tokens[:1],
+        hold=True,
+        max_chunk_tokens=None,
+        ignore_eos=True,
+    )
     while md.step():  # prompt prefill (not capped yet)
         pass
     md.set_max_chunk_tokens(rid, chunk)
@@ -131,8 +144,8 @@ def test_streaming_handoff_never_extends_more_than_chunk_per_step(tiny, prompt):
     extend_sizes = []
     while md.has_request(rid):
         if sent < len(relay_tokens):  # the relay outpaces MD: 6 ids per MD step, then the cut
-            md.append_tokens(rid, relay_tokens[sent:sent + 6])
-            out += relay_tokens[sent:sent + 6]
+            md.append_tokens(rid, relay_tokens[sent : sent + 6])
+            out += relay_tokens[sent : sent + 6]
             sent += 6
             if sent >= len(relay_tokens):
                 md.set_hold(rid, False)
@@ -149,8 +162,7 @@ def test_relay_then_main_decode_one_shot_handoff_is_token_exact(tiny, prompt):
     token ids, extends, continues): the same tokens as the colocated engine."""
     model, tok = tiny
     sp = SamplingParams(temperature=0.9, top_p=0.9, seed=77)
-    ref = Engine(model, tok, num_blocks=64, block_size=BS).generate(prompt, 30, sp,
-                                                                    ignore_eos=True)
+    ref = Engine(model, tok, num_blocks=64, block_size=BS).generate(prompt, 30, sp, ignore_eos=True)
     p = Engine(model, tok, num_blocks=64, block_size=BS)
     pid = p.add_request(prompt, 1, sp, keep_blocks=True, ignore_eos=True)
     first = []

@@ -31,8 +31,9 @@ def tiny():
 
 def reference(tiny, prompt: list[int], n: int) -> list[int]:
     model, tok = tiny
-    return Engine(model, tok, num_blocks=512, block_size=16).generate(prompt, n, SamplingParams(),
-                                                                      True)
+    return Engine(model, tok, num_blocks=512, block_size=16).generate(
+        prompt, n, SamplingParams(), True
+    )
 
 
 def prompt_of(seed: int, n: int) -> list[int]:
@@ -42,22 +43,28 @@ def prompt_of(seed: int, n: int) -> list[int]:
 
 async def test_relay_finishes_alone_when_md_is_lost_before_the_cut(tiny):
     prompt = prompt_of(1, 150)
-    want = reference(tiny, prompt, 300)   # before the daemons share this event loop
+    want = reference(tiny, prompt, 300)  # before the daemons share this event loop
     cfg = make_config(ClusterMode.PDD, pipeline="p_rld_md")
     cfg.wan.heartbeat_s, cfg.wan.heartbeat_deadline_s = 0.2, 1.0
-    async with running(cfg, md_delay=30.0) as (daemons, col):   # MD's copy never completes
+    async with running(cfg, md_delay=30.0) as (daemons, col):  # MD's copy never completes
         p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
         # Readiness: each daemon reports every link it needs, all up, when the router connects.
         await col.wait_until(lambda: len(col.links) == 3, what="every daemon's LINK_STATE")
-        assert set(col.links["prefill"]) == {"started", "relay control", "main-decode control",
-                                             "main-decode bulk"}
+        assert set(col.links["prefill"]) == {
+            "started",
+            "relay control",
+            "main-decode control",
+            "main-decode bulk",
+        }
         assert set(col.links["relay"]) == {"started", "main-decode control"}
         assert set(col.links["main_decode"]) == {"started"}
         assert all(s.up and s.ready for links in col.links.values() for s in links.values())
-        await col.send("prefill", Submit(request_id="m1", prompt_token_ids=prompt, max_tokens=300,
-                                         ignore_eos=True))
+        await col.send(
+            "prefill",
+            Submit(request_id="m1", prompt_token_ids=prompt, max_tokens=300, ignore_eos=True),
+        )
         await col.wait_until(lambda: len(col.tokens["m1"]) >= 5, what="RLD's first tokens")
-        await md.close()                  # MD goes away before any handoff
+        await md.close()  # MD goes away before any handoff
         await col.wait_until(lambda: col.complete("m1"), what="m1 to complete on RLD")
         assert col.output("m1") == want and set(col.producers("m1")) == {"relay"}
         assert not col.duplicates and not col.errors
@@ -65,15 +72,18 @@ async def test_relay_finishes_alone_when_md_is_lost_before_the_cut(tiny):
         assert rld.stats()["counters"]["handoffs_abandoned"] == 1
         # While MD is down, new requests stay on RLD (the fallback), and succeed.
         prompt2 = prompt_of(2, 40)
-        await col.send("prefill", Submit(request_id="m2", prompt_token_ids=prompt2, max_tokens=12,
-                                         ignore_eos=True))
+        await col.send(
+            "prefill",
+            Submit(request_id="m2", prompt_token_ids=prompt2, max_tokens=12, ignore_eos=True),
+        )
         await col.wait_until(lambda: col.complete("m2"), what="m2 on RLD while MD is down")
         assert col.output("m2") == reference(tiny, prompt2, 12)
         # ... and say why: MD's link is down, since when, with the cause (not "configured")
         decision = json.loads(col.events("m2")["pipeline"].detail_str)
         assert decision["pipeline"] == "p_rld", decision
-        assert decision["reason"].startswith("main_decode unreachable: main-decode control "
-                                             "down since "), decision
+        assert decision["reason"].startswith(
+            "main_decode unreachable: main-decode control down since "
+        ), decision
         md_link = col.links["prefill"]["main-decode control"]
         assert not md_link.up and not md_link.ready and md_link.detail
         assert not col.links["prefill"]["main-decode bulk"].up
@@ -90,10 +100,13 @@ async def test_md_finishes_alone_when_rld_is_lost_after_the_cut(tiny):
     cfg = make_config(ClusterMode.PDD, handoff="one-shot", pipeline="p_rld_md")
     async with running(cfg) as (daemons, col):
         p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
-        await col.send("prefill", Submit(request_id="r1", prompt_token_ids=prompt,
-                                         max_tokens=200, ignore_eos=True))
-        await col.wait_until(lambda: "main_decode" in col.producers("r1"),
-                             what="MD's first token after the cut")
+        await col.send(
+            "prefill",
+            Submit(request_id="r1", prompt_token_ids=prompt, max_tokens=200, ignore_eos=True),
+        )
+        await col.wait_until(
+            lambda: "main_decode" in col.producers("r1"), what="MD's first token after the cut"
+        )
         await rld.close()
         await col.wait_until(lambda: col.complete("r1"), what="r1 to complete on MD")
         assert col.output("r1") == want and not col.duplicates and not col.errors
@@ -103,11 +116,13 @@ async def test_md_finishes_alone_when_rld_is_lost_after_the_cut(tiny):
 
 # -- real processes: SIGKILL / SIGSTOP, the router's replay ------------------------------------
 
+
 async def _stream(url: str, body: dict, seen: list[int]) -> dict:
     """Stream a completion, appending token ids to `seen` as they arrive; return the pdd object
     (or the error)."""
     body = {**body, "stream": True, "return_token_ids": True}
     import json
+
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
         async for raw in r.content:
@@ -126,9 +141,10 @@ async def _stream(url: str, body: dict, seen: list[int]) -> dict:
 
 async def after_the_cut(cluster, seen: list[int]) -> None:
     """Until MD has taken the request over and is the only producer (tokens past the cut)."""
+
     async def cut() -> bool:
-        return (await cluster.stats("main_decode"))["requests"]["handoffs"] >= 1 \
-            and len(seen) > 20
+        return (await cluster.stats("main_decode"))["requests"]["handoffs"] >= 1 and len(seen) > 20
+
     await wait_for(cut, 20, "the handoff to MD")
 
 
@@ -138,20 +154,30 @@ async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
 
     prompt = prompt_of(3, 120)
     want = reference(tiny, prompt, 400)
-    overrides = {"policy.pipeline": "p_rld_md", "policy.handoff": "one-shot",
-                 "wan.heartbeat_s": 0.25, "wan.heartbeat_deadline_s": 1.5}
-    async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=10.0, jitter_ms=0.0, bw_mbit=200.0,
-                            overrides=overrides) as cluster:
+    overrides = {
+        "policy.pipeline": "p_rld_md",
+        "policy.handoff": "one-shot",
+        "wan.heartbeat_s": 0.25,
+        "wan.heartbeat_deadline_s": 1.5,
+    }
+    async with LocalCluster(
+        mode="pdd", wan="proxy", rtt_ms=10.0, jitter_ms=0.0, bw_mbit=200.0, overrides=overrides
+    ) as cluster:
         seen: list[int] = []
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         task = asyncio.create_task(_stream(cluster.url, body, seen))
         await after_the_cut(cluster, seen)
         md_pid = cluster.daemons["main_decode"].pid
         os.kill(md_pid, signal.SIGKILL)
         pdd = await asyncio.wait_for(task, 120)
         assert "error" not in pdd, pdd
-        assert seen == want                     # token-exact, no index twice, none skipped
+        assert seen == want  # token-exact, no index twice, none skipped
         assert pdd["replays"] == 1
         replay = [e for e in pdd["timeline"] if e["event"] == "replay"]
         assert replay and "main_decode lost" in replay[0]["detail"]
@@ -159,9 +185,15 @@ async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
         assert "no progress" not in replay[0]["detail"], replay
         # MD comes back (same port) and the others redial it: pdd requests work again.
         await cluster.restart("main_decode")
+
         async def redialled() -> bool:
-            return all([(await cluster.stats(r))["peers"]["main-decode control"]["up"]
-                        for r in ("prefill", "relay")])
+            return all(
+                [
+                    (await cluster.stats(r))["peers"]["main-decode control"]["up"]
+                    for r in ("prefill", "relay")
+                ]
+            )
+
         await wait_for(redialled, 10, "P and RLD to redial the restarted MD", step=0.1)
         seen2: list[int] = []
         prompt2 = prompt_of(4, 60)
@@ -176,17 +208,27 @@ async def test_a_hung_md_is_detected_and_its_request_replayed(tiny):
 
     prompt = prompt_of(5, 100)
     want = reference(tiny, prompt, 400)
-    overrides = {"policy.pipeline": "p_rld_md", "policy.handoff": "one-shot",
-                 "wan.heartbeat_s": 0.25, "wan.heartbeat_deadline_s": 1.5}
-    async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=10.0, jitter_ms=0.0, bw_mbit=200.0,
-                            overrides=overrides) as cluster:
+    overrides = {
+        "policy.pipeline": "p_rld_md",
+        "policy.handoff": "one-shot",
+        "wan.heartbeat_s": 0.25,
+        "wan.heartbeat_deadline_s": 1.5,
+    }
+    async with LocalCluster(
+        mode="pdd", wan="proxy", rtt_ms=10.0, jitter_ms=0.0, bw_mbit=200.0, overrides=overrides
+    ) as cluster:
         seen: list[int] = []
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         task = asyncio.create_task(_stream(cluster.url, body, seen))
         await after_the_cut(cluster, seen)
         md_pid = cluster.daemons["main_decode"].pid
-        os.kill(md_pid, signal.SIGSTOP)           # hung, its sockets still open
+        os.kill(md_pid, signal.SIGSTOP)  # hung, its sockets still open
         try:
             pdd = await asyncio.wait_for(task, 120)
         finally:
@@ -204,10 +246,12 @@ async def test_pdd_up_serves_metrics_on_every_daemon(tiny):
 
     from pddnet.cluster.local import LocalCluster
 
-    async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=5.0, jitter_ms=0.0,
-                            bw_mbit=100.0) as cluster:
-        body = await cluster.complete(prompt=prompt_of(6, 50), max_tokens=8, temperature=0.0,
-                                      ignore_eos=True)
+    async with LocalCluster(
+        mode="pdd", wan="proxy", rtt_ms=5.0, jitter_ms=0.0, bw_mbit=100.0
+    ) as cluster:
+        body = await cluster.complete(
+            prompt=prompt_of(6, 50), max_tokens=8, temperature=0.0, ignore_eos=True
+        )
         assert body["pdd"]["pipeline"] in ("p_md", "p_rld_md", "p_rld")
         info = json.loads(cluster.run_file.read_text())
         ports = {d["role"]: d["metrics_port"] for d in info["daemons"]}
@@ -221,7 +265,7 @@ async def test_pdd_up_serves_metrics_on_every_daemon(tiny):
             async with s.get(cluster.url + "/metrics") as r:
                 pages["router"] = await r.text()
         for role in ("prefill", "relay", "main_decode"):
-            assert 'pdd_kv_blocks{' in pages[role] and f'role="{role}"' in pages[role]
+            assert "pdd_kv_blocks{" in pages[role] and f'role="{role}"' in pages[role]
         assert "pdd_requests_by_pipeline_total" in pages["prefill"]
         assert "pdd_drc_lookups" in pages["main_decode"]
         assert "pdd_queue_depth" in pages["relay"]

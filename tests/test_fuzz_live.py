@@ -77,17 +77,35 @@ from tests.chaos.harness import (
 from tests.test_protocol_fuzz import messages
 
 pytestmark = pytest.mark.timeout(170)
-FUZZ = settings(max_examples=40, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                       HealthCheck.function_scoped_fixture])
-ANSWER_TIMEOUT_S = 8.0    # > the daemons' 5 s handshake deadline: a silent daemon must close
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+ANSWER_TIMEOUT_S = 8.0  # > the daemons' 5 s handshake deadline: a silent daemon must close
 TARGETS = ("prefill", "relay", "main_decode")
 # Authenticated peers as which we connect (role, lane): RLD and MD take P's lanes, P the router's.
-PEER_AS = {"prefill": ("router", "events"), "relay": ("prefill", "control"),
-           "main_decode": ("prefill", "control")}
+PEER_AS = {
+    "prefill": ("router", "events"),
+    "relay": ("prefill", "control"),
+    "main_decode": ("prefill", "control"),
+}
 # Messages about requests: for an id the daemon never saw they must change nothing.
-UNKNOWN_REQUEST_MESSAGES = (Cancel, KvAbort, RequestDone, KvDone, Handoff, TokenEvent, Timeline,
-                            Pong)
+UNKNOWN_REQUEST_MESSAGES = (
+    Cancel,
+    KvAbort,
+    RequestDone,
+    KvDone,
+    Handoff,
+    TokenEvent,
+    Timeline,
+    Pong,
+)
 
 
 class LiveCluster:
@@ -95,11 +113,13 @@ class LiveCluster:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-cluster",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="fuzz-cluster", daemon=True
+        )
         self.thread.start()
-        self.cluster = LocalCluster(mode="pdd", wan="proxy", rtt_ms=2.0,
-                                    overrides={"policy.pipeline": "p_rld_md"})
+        self.cluster = LocalCluster(
+            mode="pdd", wan="proxy", rtt_ms=2.0, overrides={"policy.pipeline": "p_rld_md"}
+        )
         self.inputs = 0
         self.started = time.monotonic()
 
@@ -142,8 +162,9 @@ def _expect_served_and_clean(live: LiveCluster, case: str) -> None:
     """After a fuzz property: the router never lost a daemon, requests are served token-exact,
     nothing is held beyond the baseline. Recorded in the suite report."""
     cluster = live.cluster
-    result = CaseResult(suite="fuzz", case=case, fault_kind="fuzz", seed=None,
-                        fuzz_inputs=live.inputs)
+    result = CaseResult(
+        suite="fuzz", case=case, fault_kind="fuzz", seed=None, fuzz_inputs=live.inputs
+    )
     result.duration_s = round(time.monotonic() - live.started, 2)
     live.inputs, live.started = 0, time.monotonic()
     router = live.run(cluster.stats("router"))
@@ -162,8 +183,10 @@ def _expect_served_and_clean(live: LiveCluster, case: str) -> None:
 
 # -- raw bytes on a socket -------------------------------------------------------------------------
 
-async def _exchange(host: str, port: int, data: bytes, authenticate: tuple[str, str] | None,
-                    secret: bytes) -> tuple[bytes, bool, str]:
+
+async def _exchange(
+    host: str, port: int, data: bytes, authenticate: tuple[str, str] | None, secret: bytes
+) -> tuple[bytes, bool, str]:
     """Connect (optionally authenticate as (role, lane)), send `data`, half-close, and read
     until the daemon closes: (bytes it sent after the handshake, closed?, lane)."""
     reader, writer = await asyncio.open_connection(host, port)
@@ -171,8 +194,9 @@ async def _exchange(host: str, port: int, data: bytes, authenticate: tuple[str, 
     try:
         if authenticate is not None:
             role, lane = authenticate
-            hs = Handshake(Side.CONNECTOR, role=role, instance_id="fuzzer", secret=secret,
-                           lane=lane)
+            hs = Handshake(
+                Side.CONNECTOR, role=role, instance_id="fuzzer", secret=secret, lane=lane
+            )
             await asyncio.wait_for(_run_handshake(reader, writer, hs, _new_stats()), 5.0)
         writer.write(data)
         await writer.drain()
@@ -210,8 +234,14 @@ def _valid_prefix(data: bytes) -> bool:
     return True
 
 
-def _header(msg_type: int, metadata_len: int, payload_len: int = 0, flags: int = 0,
-            version: int = VERSION, magic: bytes = MAGIC) -> bytes:
+def _header(
+    msg_type: int,
+    metadata_len: int,
+    payload_len: int = 0,
+    flags: int = 0,
+    version: int = VERSION,
+    magic: bytes = MAGIC,
+) -> bytes:
     head = HEADER.pack(magic, version, msg_type, flags, metadata_len, payload_len, 0, 0)
     return head[:-4] + struct.pack("!I", zlib.crc32(head[:-4]))
 
@@ -256,9 +286,21 @@ HELLO = Hello(role="prefill", instance_id="fuzzer", nonce=b"n" * 32, lane="contr
 @st.composite
 def malformed_frames(draw) -> bytes:
     """Garbage, corrupt headers, oversized declared lengths, truncated frames, bad msgpack."""
-    kind = draw(st.sampled_from(["garbage", "bad-crc", "oversized-metadata", "oversized-payload",
-                                 "truncated", "bad-msgpack", "unknown-type", "bad-flags",
-                                 "bad-version"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "garbage",
+                "bad-crc",
+                "oversized-metadata",
+                "oversized-payload",
+                "truncated",
+                "bad-msgpack",
+                "unknown-type",
+                "bad-flags",
+                "bad-version",
+            ]
+        )
+    )
     if kind == "garbage":
         return draw(st.binary(min_size=1, max_size=300))
     good = _valid_frame(Ping(nonce=draw(st.integers(0, 2**32)), time=1.0))
@@ -272,7 +314,7 @@ def malformed_frames(draw) -> bytes:
         return _header(int(MessageType.KV_CHUNK), 16, draw(st.integers(2 << 30, 2**63))) + b"\x80"
     if kind == "truncated":
         frame = _valid_frame(draw(messages(UNKNOWN_REQUEST_MESSAGES)))
-        return frame[:draw(st.integers(1, len(frame) - 1))]
+        return frame[: draw(st.integers(1, len(frame) - 1))]
     if kind == "bad-msgpack":
         body = draw(st.binary(min_size=1, max_size=64))
         return _header(int(MessageType.CANCEL), len(body)) + body
@@ -289,8 +331,18 @@ def malformed_frames(draw) -> bytes:
 @st.composite
 def bad_handshakes(draw) -> bytes:
     """What an unauthenticated peer might open with."""
-    kind = draw(st.sampled_from(["frame", "wrong-type-hello", "not-a-handshake-message",
-                                 "hello-then-bad-auth", "truncated-hello", "huge-hello"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "frame",
+                "wrong-type-hello",
+                "not-a-handshake-message",
+                "hello-then-bad-auth",
+                "truncated-hello",
+                "huge-hello",
+            ]
+        )
+    )
     if kind == "frame":
         return draw(malformed_frames())
     if kind == "wrong-type-hello":
@@ -298,17 +350,21 @@ def bad_handshakes(draw) -> bytes:
     if kind == "not-a-handshake-message":
         return _valid_frame(draw(messages((Cancel, Submit, Ping, KvAbort, RequestDone))))
     if kind == "hello-then-bad-auth":
-        return _valid_frame(HELLO) + _valid_frame(Auth(mac=draw(st.binary(min_size=32,
-                                                                            max_size=32))))
+        return _valid_frame(HELLO) + _valid_frame(
+            Auth(mac=draw(st.binary(min_size=32, max_size=32)))
+        )
     if kind == "truncated-hello":
         frame = _valid_frame(HELLO)
-        return frame[:draw(st.integers(1, len(frame) - 1))]
-    body = msgpack.packb({"role": "prefill", "instance_id": "x" * 10000, "nonce": b"n" * 32,
-                          "lane": "control"}, use_bin_type=True)
+        return frame[: draw(st.integers(1, len(frame) - 1))]
+    body = msgpack.packb(
+        {"role": "prefill", "instance_id": "x" * 10000, "nonce": b"n" * 32, "lane": "control"},
+        use_bin_type=True,
+    )
     return _header(int(MessageType.HELLO), len(body)) + body
 
 
 # -- the properties --------------------------------------------------------------------------------
+
 
 @FUZZ
 @given(role=st.sampled_from(TARGETS), data=bad_handshakes())
@@ -318,8 +374,9 @@ def test_unauthenticated_input_is_refused(live, role, data):
     assert closed, f"{role} kept an unauthenticated connection open after {data[:80]!r}"
     answers = _decode_all(got, HANDSHAKE_LIMITS)
     for msg in answers:
-        assert isinstance(msg, (Hello, AuthFail, ErrorMessage)), \
+        assert isinstance(msg, (Hello, AuthFail, ErrorMessage)), (
             f"{role} sent {msg.TYPE.name} to an unauthenticated peer"
+        )
         if isinstance(msg, ErrorMessage):
             assert msg.fatal and len(msg.message) > 8, msg
         if isinstance(msg, AuthFail):
@@ -327,8 +384,10 @@ def test_unauthenticated_input_is_refused(live, role, data):
 
 
 @FUZZ
-@given(role=st.sampled_from(TARGETS), data=malformed_frames() | wrong_type_frames(
-    UNKNOWN_REQUEST_MESSAGES + (Ping,)))
+@given(
+    role=st.sampled_from(TARGETS),
+    data=malformed_frames() | wrong_type_frames(UNKNOWN_REQUEST_MESSAGES + (Ping,)),
+)
 def test_authenticated_malformed_frame_closes_that_connection(live, role, data):
     live.inputs += 1
     got, closed, lane = live.run(_exchange(*live.address(role), data, PEER_AS[role], live.secret))
@@ -340,16 +399,19 @@ def test_authenticated_malformed_frame_closes_that_connection(live, role, data):
     errors = [m for m in answers if isinstance(m, ErrorMessage)]
     # Only a frame cut short may end in silence (the daemon just sees EOF inside it); a frame
     # the codec rejects must be answered with a fatal ERROR that names the fault.
-    assert errors or _valid_prefix(data), (f"{role} closed without saying why after "
-                                           f"{data[:80]!r}: {answers}")
+    assert errors or _valid_prefix(data), (
+        f"{role} closed without saying why after {data[:80]!r}: {answers}"
+    )
     for e in errors:
         assert e.fatal and len(e.message) > 8, e
 
 
 @FUZZ
-@given(role=st.sampled_from(("relay", "main_decode")),
-       msgs=st.lists(messages(UNKNOWN_REQUEST_MESSAGES), min_size=1, max_size=6),
-       nonce=st.integers(0, 2**32))
+@given(
+    role=st.sampled_from(("relay", "main_decode")),
+    msgs=st.lists(messages(UNKNOWN_REQUEST_MESSAGES), min_size=1, max_size=6),
+    nonce=st.integers(0, 2**32),
+)
 def test_messages_for_unknown_requests_change_nothing(live, role, msgs, nonce):
     """Valid messages about request ids the daemon never saw: ignored, the connection stays
     served (the PING behind them is answered with its PONG)."""
@@ -389,19 +451,21 @@ INVALID_FIELDS = {
     "top_k": [-2, "k", 2.5],
     "seed": [-1, 2**64, "s"],
     "stream": ["yes", 1, [True]],
-    "n": [0, 17, "2"],                  # 1..16 choices are served (n > 1 since issue 24)
-    "logprobs": [-1, 21, "3"],           # 0..20 top logprobs are served
+    "n": [0, 17, "2"],  # 1..16 choices are served (n > 1 since issue 24)
+    "logprobs": [-1, 21, "3"],  # 0..20 top logprobs are served
     "echo": [True],
     "stop_token_ids": ["x", [-1]],
     "handoff_mode": ["sideways", 3],
     "bogus_field": [1],
 }
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
-                           | st.text(max_size=20),
-                           lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                           max_leaves=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 @st.composite
@@ -412,8 +476,11 @@ def bad_bodies(draw) -> bytes:
     if kind == "not-an-object":
         return json.dumps(draw(json_values.filter(lambda v: not isinstance(v, dict)))).encode()
     if kind == "no-prompt":
-        body = draw(st.dictionaries(st.text(max_size=10).filter(lambda k: k != "prompt"),
-                                    json_values, max_size=5))
+        body = draw(
+            st.dictionaries(
+                st.text(max_size=10).filter(lambda k: k != "prompt"), json_values, max_size=5
+            )
+        )
         return json.dumps(body).encode()
     field = draw(st.sampled_from(sorted(INVALID_FIELDS)))
     body = {**BASE_BODY, field: draw(st.sampled_from(INVALID_FIELDS[field]))}
@@ -428,11 +495,13 @@ def _is_json(b: bytes) -> bool:
     return True
 
 
-async def _post_raw(url: str, data: bytes, content_type: str = "application/json"
-                    ) -> tuple[int, Any]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s, \
-            s.post(url + "/v1/completions", data=data,
-                   headers={"Content-Type": content_type}) as r:
+async def _post_raw(
+    url: str, data: bytes, content_type: str = "application/json"
+) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s,
+        s.post(url + "/v1/completions", data=data, headers={"Content-Type": content_type}) as r,
+    ):
         text = await r.text()
         try:
             return r.status, json.loads(text)
@@ -446,8 +515,9 @@ def test_router_answers_bad_bodies_with_openai_4xx(live, body):
     live.inputs += 1
     status, answer = live.run(_post_raw(live.cluster.url, body))
     assert 400 <= status < 500, f"HTTP {status} for {body[:200]!r}: {answer}"
-    assert is_clear_error(answer, need_code=False), \
+    assert is_clear_error(answer, need_code=False), (
         f"HTTP {status} for {body[:200]!r} is not an OpenAI error: {answer}"
+    )
 
 
 def test_router_refuses_oversized_body_with_413(live):

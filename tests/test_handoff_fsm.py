@@ -83,7 +83,7 @@ class MdEngine:
 
 @dataclass
 class Run:
-    emitted: dict[int, tuple[int, str]] = field(default_factory=dict)   # index -> (token, who)
+    emitted: dict[int, tuple[int, str]] = field(default_factory=dict)  # index -> (token, who)
     handoffs: list[SendHandoff] = field(default_factory=list)
     started: list[HandoffStarted] = field(default_factory=list)
     done_by: str | None = None
@@ -93,9 +93,18 @@ class Run:
     md_cancelled: bool = False
 
 
-def simulate(*, n_out: int, prompt_len: int, kv_tick: int, delay: int, chunk: int,
-             policy: HandoffPolicy, stop_lag: int = 1, load: float = 0.0,
-             max_ticks: int = 5000) -> Run:
+def simulate(
+    *,
+    n_out: int,
+    prompt_len: int,
+    kv_tick: int,
+    delay: int,
+    chunk: int,
+    policy: HandoffPolicy,
+    stop_lag: int = 1,
+    load: float = 0.0,
+    max_ticks: int = 5000,
+) -> Run:
     ref = [1000 + 7 * i for i in range(n_out)]
     run = Run()
     rld = RelayHandoff(prompt_len, policy)
@@ -119,7 +128,7 @@ def simulate(*, n_out: int, prompt_len: int, kv_tick: int, delay: int, chunk: in
                 run.handoffs.append(a)
                 to_md.append((t + delay, a))
             elif isinstance(a, StopSequence):
-                rld_stop_at = t + stop_lag   # a step may already be in flight
+                rld_stop_at = t + stop_lag  # a step may already be in flight
             elif isinstance(a, FinishRequest):
                 assert run.done_by is None
                 run.done_by = "relay"
@@ -163,8 +172,11 @@ def simulate(*, n_out: int, prompt_len: int, kv_tick: int, delay: int, chunk: in
             if rld_stop_at is not None and t >= rld_stop_at:
                 rld_running = False
             else:
-                i = rld.num_tokens if rld.phase not in (RelayPhase.CUT, RelayPhase.FINISHED) \
+                i = (
+                    rld.num_tokens
+                    if rld.phase not in (RelayPhase.CUT, RelayPhase.FINISHED)
                     else None
+                )
                 if i is None:  # past the cut: the in-flight step's token must be dropped
                     assert rld.rld_token(len(rld.tokens), 0) == []
                 else:
@@ -213,8 +225,9 @@ def check_exactly_once(run: Run, n_out: int) -> None:
 
 
 def test_one_shot_single_final_handoff_and_one_extend():
-    run = simulate(n_out=60, prompt_len=10, kv_tick=20, delay=3, chunk=4,
-                   policy=HandoffPolicy(mode="one-shot"))
+    run = simulate(
+        n_out=60, prompt_len=10, kv_tick=20, delay=3, chunk=4, policy=HandoffPolicy(mode="one-shot")
+    )
     check_exactly_once(run, 60)
     (h,) = run.handoffs
     assert h.final and h.mode == "one-shot" and h.start_index == 0
@@ -227,8 +240,14 @@ def test_one_shot_single_final_handoff_and_one_extend():
 
 def test_streaming_never_extends_more_than_chunk_and_rld_keeps_decoding():
     chunk = 4
-    run = simulate(n_out=120, prompt_len=10, kv_tick=40, delay=3, chunk=chunk,
-                   policy=HandoffPolicy(mode="streaming", chunk=chunk))
+    run = simulate(
+        n_out=120,
+        prompt_len=10,
+        kv_tick=40,
+        delay=3,
+        chunk=chunk,
+        policy=HandoffPolicy(mode="streaming", chunk=chunk),
+    )
     check_exactly_once(run, 120)
     assert run.done_by == "main"
     assert len(run.handoffs) > 3
@@ -242,8 +261,9 @@ def test_dynamic_picks_one_shot_for_small_backlog_and_streaming_for_large():
     policy = HandoffPolicy(mode="dynamic", threshold_tokens=16, chunk=4)
     small = simulate(n_out=80, prompt_len=5, kv_tick=5, delay=1, chunk=4, policy=policy)
     large = simulate(n_out=150, prompt_len=5, kv_tick=50, delay=1, chunk=4, policy=policy)
-    loaded = simulate(n_out=150, prompt_len=5, kv_tick=50, delay=1, chunk=4, policy=policy,
-                      load=0.95)
+    loaded = simulate(
+        n_out=150, prompt_len=5, kv_tick=50, delay=1, chunk=4, policy=policy, load=0.95
+    )
     for run, n in ((small, 80), (large, 150), (loaded, 150)):
         check_exactly_once(run, n)
     assert small.started[0].mode == "one-shot" and len(small.handoffs) == 1
@@ -253,8 +273,14 @@ def test_dynamic_picks_one_shot_for_small_backlog_and_streaming_for_large():
 
 
 def test_rld_finishing_first_cancels_md():
-    run = simulate(n_out=15, prompt_len=8, kv_tick=100, delay=3, chunk=4,
-                   policy=HandoffPolicy(mode="streaming", chunk=4))
+    run = simulate(
+        n_out=15,
+        prompt_len=8,
+        kv_tick=100,
+        delay=3,
+        chunk=4,
+        policy=HandoffPolicy(mode="streaming", chunk=4),
+    )
     check_exactly_once(run, 15)
     assert run.done_by == "relay" and not run.handoffs
     # MD's copy completed after RLD finished: MD got the cancel and never emitted
@@ -262,23 +288,45 @@ def test_rld_finishing_first_cancels_md():
 
 def test_rld_finishing_during_streaming_handoff():
     # RLD is far ahead and MD extends 1 token per step: RLD reaches max_tokens first
-    run = simulate(n_out=70, prompt_len=4, kv_tick=40, delay=2, chunk=1,
-                   policy=HandoffPolicy(mode="streaming", chunk=1))
+    run = simulate(
+        n_out=70,
+        prompt_len=4,
+        kv_tick=40,
+        delay=2,
+        chunk=1,
+        policy=HandoffPolicy(mode="streaming", chunk=1),
+    )
     check_exactly_once(run, 70)
     assert run.done_by == "relay" and run.handoffs and not any(h.final for h in run.handoffs)
     assert run.md_cancelled
 
 
 @settings(max_examples=150, deadline=None)
-@given(n_out=st.integers(1, 120), prompt_len=st.integers(1, 40), kv_tick=st.integers(0, 150),
-       delay=st.integers(0, 6), chunk=st.integers(1, 20), stop_lag=st.integers(0, 2),
-       mode=st.sampled_from(["one-shot", "streaming", "dynamic"]),
-       threshold=st.integers(0, 80), load=st.floats(0.0, 1.0))
-def test_exactly_once_under_any_timing(n_out, prompt_len, kv_tick, delay, chunk, stop_lag, mode,
-                                       threshold, load):
+@given(
+    n_out=st.integers(1, 120),
+    prompt_len=st.integers(1, 40),
+    kv_tick=st.integers(0, 150),
+    delay=st.integers(0, 6),
+    chunk=st.integers(1, 20),
+    stop_lag=st.integers(0, 2),
+    mode=st.sampled_from(["one-shot", "streaming", "dynamic"]),
+    threshold=st.integers(0, 80),
+    load=st.floats(0.0, 1.0),
+)
+def test_exactly_once_under_any_timing(
+    n_out, prompt_len, kv_tick, delay, chunk, stop_lag, mode, threshold, load
+):
     policy = HandoffPolicy(mode=mode, threshold_tokens=threshold, chunk=chunk)
-    run = simulate(n_out=n_out, prompt_len=prompt_len, kv_tick=kv_tick, delay=delay, chunk=chunk,
-                   policy=policy, stop_lag=stop_lag, load=load)
+    run = simulate(
+        n_out=n_out,
+        prompt_len=prompt_len,
+        kv_tick=kv_tick,
+        delay=delay,
+        chunk=chunk,
+        policy=policy,
+        stop_lag=stop_lag,
+        load=load,
+    )
     check_exactly_once(run, n_out)
     if run.handoffs and run.handoffs[0].mode == "streaming":
         assert max(run.md_extends, default=0) <= chunk
@@ -333,14 +381,20 @@ def test_main_reports_progress_only_when_idle_during_streaming():
     md = MainHandoff(10, 4)
     md.kv_complete(1)
     assert md.handoff(0, (1, 2, 3, 4, 5, 6), False, "streaming") == [
-        SetChunk(4), AppendTokens((2, 3, 4, 5, 6))]
+        SetChunk(4),
+        AppendTokens((2, 3, 4, 5, 6)),
+    ]
     assert md.md_step(14, 1, []) == []  # still digesting what it holds: no report
     assert md.md_step(15, 1, []) == [SendTakeover(15, 4)]  # all 6 held (the last uncomputed)
     assert md.md_step(15, 1, []) == []  # no progress, no report
     one = MainHandoff(10, 4)
     one.kv_complete(1)
     assert one.handoff(0, (1, 2), True, "one-shot") == [
-        SetChunk(None), AppendTokens((2,)), ReleaseHold(), HandoffEnded("one-shot", 2)]
+        SetChunk(None),
+        AppendTokens((2,)),
+        ReleaseHold(),
+        HandoffEnded("one-shot", 2),
+    ]
 
 
 # -- P's request flow -------------------------------------------------------------------------
@@ -348,13 +402,13 @@ def test_main_reports_progress_only_when_idle_during_streaming():
 
 def test_prefill_flow_ships_each_range_once_from_the_hit_and_releases_last():
     flow = PrefillFlow(40, ("relay", "main_decode"))
-    assert flow.computed_upto(16) == []                       # nobody allocated yet
+    assert flow.computed_upto(16) == []  # nobody allocated yet
     assert flow.allocated("relay", 0) == [Transfer("relay", 0, 16)]
     assert flow.computed_upto(32) == [Transfer("relay", 16, 32)]
     assert flow.allocated("main_decode", 24) == [Transfer("main_decode", 24, 32)]  # from its hit
     assert flow.computed_upto(40) == [Transfer("relay", 32, 40), Transfer("main_decode", 32, 40)]
     assert flow.first_token_sampled(7) == [SendKvDone("relay", 7), SendKvDone("main_decode", 7)]
-    assert flow.target_finished("relay") == []                # MD's copy still going out
+    assert flow.target_finished("relay") == []  # MD's copy still going out
     assert flow.target_finished("main_decode") == [ReleaseBlocks()]
     assert flow.cancel("late") == []
 
@@ -363,8 +417,10 @@ def test_prefill_flow_late_allocation_gets_everything_and_done_at_once():
     flow = PrefillFlow(10, ("main_decode",))
     flow.computed_upto(10)
     assert flow.first_token_sampled(3) == []
-    assert flow.allocated("main_decode", 0) == [Transfer("main_decode", 0, 10),
-                                                 SendKvDone("main_decode", 3)]
+    assert flow.allocated("main_decode", 0) == [
+        Transfer("main_decode", 0, 10),
+        SendKvDone("main_decode", 3),
+    ]
 
 
 def test_prefill_flow_refusals_and_cancel():
@@ -385,11 +441,14 @@ def test_prefill_flow_refusals_and_cancel():
     cancelled = PrefillFlow(10, both)
     cancelled.allocated("relay", 0)
     assert cancelled.cancel("client went away") == [
-        AbortTarget("relay", "client went away"), AbortTarget("main_decode", "client went away"),
-        ReleaseBlocks()]
+        AbortTarget("relay", "client went away"),
+        AbortTarget("main_decode", "client went away"),
+        ReleaseBlocks(),
+    ]
     # an allocation answered after the cancel is given back at once
-    assert cancelled.allocated("main_decode", 0) == [AbortTarget("main_decode",
-                                                                 "request no longer active")]
+    assert cancelled.allocated("main_decode", 0) == [
+        AbortTarget("main_decode", "request no longer active")
+    ]
     with pytest.raises(ValueError, match="not a target"):
         cancelled.allocated("router", 0)
     with pytest.raises(ValueError, match="hit_tokens 10 outside"):
@@ -410,5 +469,5 @@ def test_relay_finishes_alone_when_main_decode_is_lost_mid_stream():
     acts = fsm.rld_token(4, 104)
     assert [type(a) for a in acts] == [EmitTokens]
     acts = fsm.rld_token(5, 105, "length")
-    assert [type(a) for a in acts] == [EmitTokens, FinishRequest]   # no CancelPeer: MD is gone
+    assert [type(a) for a in acts] == [EmitTokens, FinishRequest]  # no CancelPeer: MD is gone
     assert fsm.peer_lost() == []

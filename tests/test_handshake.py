@@ -27,12 +27,24 @@ from pddnet.transport.handshake import (
 SECRET = b"s3cret"
 
 
-def pair(connector_secret: bytes = SECRET, acceptor_secret: bytes = SECRET, cache=None,
-         lane: str = "bulk", **acceptor_kw):
-    c = Handshake(Side.CONNECTOR, role="prefill", instance_id="p-0", secret=connector_secret,
-                  lane=lane)
-    a = Handshake(Side.ACCEPTOR, role="main_decode", instance_id="md-0", secret=acceptor_secret,
-                  nonce_cache=cache, **acceptor_kw)
+def pair(
+    connector_secret: bytes = SECRET,
+    acceptor_secret: bytes = SECRET,
+    cache=None,
+    lane: str = "bulk",
+    **acceptor_kw,
+):
+    c = Handshake(
+        Side.CONNECTOR, role="prefill", instance_id="p-0", secret=connector_secret, lane=lane
+    )
+    a = Handshake(
+        Side.ACCEPTOR,
+        role="main_decode",
+        instance_id="md-0",
+        secret=acceptor_secret,
+        nonce_cache=cache,
+        **acceptor_kw,
+    )
     return c, a
 
 
@@ -99,8 +111,10 @@ def test_impostor_acceptor_is_detected_by_the_connector():
 def test_replayed_auth_fails_against_a_fresh_acceptor_nonce():
     c, a = pair()
     run(c, a)
-    recorded_hello, recorded_auth = c.hello, Auth(mac=compute_mac(SECRET, Side.CONNECTOR,
-                                                                  c.hello, a.hello))
+    recorded_hello, recorded_auth = (
+        c.hello,
+        Auth(mac=compute_mac(SECRET, Side.CONNECTOR, c.hello, a.hello)),
+    )
     # Without a replay cache the fresh acceptor nonce alone defeats the replay.
     _, a2 = pair()
     a2.start()
@@ -167,10 +181,12 @@ def test_macs_differ_by_direction_and_by_every_hello_field():
     a = Hello(role="relay", instance_id="r", nonce=b"2" * 16, lane="control")
     base = compute_mac(SECRET, Side.CONNECTOR, c, a)
     assert base != compute_mac(SECRET, Side.ACCEPTOR, c, a)
-    for changed in (Hello(role="router", instance_id="p", nonce=b"1" * 16, lane="control"),
-                    Hello(role="prefill", instance_id="q", nonce=b"1" * 16, lane="control"),
-                    Hello(role="prefill", instance_id="p", nonce=b"3" * 16, lane="control"),
-                    Hello(role="prefill", instance_id="p", nonce=b"1" * 16, lane="bulk")):
+    for changed in (
+        Hello(role="router", instance_id="p", nonce=b"1" * 16, lane="control"),
+        Hello(role="prefill", instance_id="q", nonce=b"1" * 16, lane="control"),
+        Hello(role="prefill", instance_id="p", nonce=b"3" * 16, lane="control"),
+        Hello(role="prefill", instance_id="p", nonce=b"1" * 16, lane="bulk"),
+    ):
         assert compute_mac(SECRET, Side.CONNECTOR, changed, a) != base
     assert transcript(c, a) != transcript(a, c)
 

@@ -60,16 +60,35 @@ def test_round_trip_gives_identical_logits(tmp_path: Path, tied: bool) -> None:
 def test_files_use_hf_names_and_fields(saved: Path) -> None:
     hf = json.loads((saved / "config.json").read_text())
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
-    expected = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-                "tie_word_embeddings": False, "vocab_size": 259, "bos_token_id": 256,
-                "eos_token_id": 257, "torch_dtype": "float64"}
+    expected = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "vocab_size": 259,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "torch_dtype": "float64",
+    }
     assert {k: hf[k] for k in expected} == expected
     tensors = load_file(str(saved / "model.safetensors"))
-    layer = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-             "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-             "mlp.down_proj"]
+    layer = [
+        "input_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "post_attention_layernorm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     names |= {f"model.layers.{n}.{p}.weight" for n in range(2) for p in layer}
     assert set(tensors) == names
@@ -97,8 +116,10 @@ def test_sharded_checkpoint_loads(saved: Path, tmp_path: Path) -> None:
     names = sorted(tensors)
     half = len(names) // 2
     weight_map = {}
-    for shard, part in (("model-00001-of-00002.safetensors", names[:half]),
-                        ("model-00002-of-00002.safetensors", names[half:])):
+    for shard, part in (
+        ("model-00001-of-00002.safetensors", names[:half]),
+        ("model-00002-of-00002.safetensors", names[half:]),
+    ):
         save_file({n: tensors[n] for n in part}, str(shard_dir / shard))
         weight_map.update(dict.fromkeys(part, shard))
     (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -147,9 +168,11 @@ def test_error_bad_json(saved: Path) -> None:
 
 def test_error_unknown_architecture(saved: Path) -> None:
     rewrite_config(saved, architectures=["GPT2LMHeadModel"], model_type="gpt2")
-    with pytest.raises(CheckpointError,
-                       match=r"architecture \['GPT2LMHeadModel'\] \(model_type 'gpt2'\) is not "
-                             r"supported; pddnet loads LlamaForCausalLM"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"architecture \['GPT2LMHeadModel'\] \(model_type 'gpt2'\) is not "
+        r"supported; pddnet loads LlamaForCausalLM",
+    ):
         load_hf(saved)
 
 
@@ -196,23 +219,32 @@ def test_error_missing_tensor(saved: Path) -> None:
 
 
 def test_error_extra_tensor(saved: Path) -> None:
-    rewrite_tensors(saved, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias":
-                                               torch.zeros(64, dtype=torch.float64)}))
-    with pytest.raises(CheckpointError,
-                       match=r"unexpected tensors model.layers.0.self_attn.q_proj.bias"):
+    rewrite_tensors(
+        saved,
+        lambda t: t.update(
+            {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64, dtype=torch.float64)}
+        ),
+    )
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensors model.layers.0.self_attn.q_proj.bias"
+    ):
         load_hf(saved)
 
 
 def test_error_shape_mismatch(saved: Path) -> None:
     rewrite_config(saved, intermediate_size=96)
-    with pytest.raises(CheckpointError,
-                       match=r"tensor model.layers.0.mlp.gate_proj.weight has shape \(128, 64\), "
-                             r"config.json implies \(96, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor model.layers.0.mlp.gate_proj.weight has shape \(128, 64\), "
+        r"config.json implies \(96, 64\)",
+    ):
         load_hf(saved)
 
 
 def test_error_integer_weights(saved: Path) -> None:
-    rewrite_tensors(saved, lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)}))
+    rewrite_tensors(
+        saved, lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int8)})
+    )
     with pytest.raises(CheckpointError, match="model.norm.weight has dtype torch.int8"):
         load_hf(saved)
 
@@ -231,8 +263,20 @@ def test_load_model_presets_and_folders(saved: Path) -> None:
 def test_export_command_writes_loadable_folder(tmp_path: Path, capsys) -> None:
     parser = argparse.ArgumentParser(prog="pdd")
     register_model(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["model", "export", "--model", "tiny", "--out", str(tmp_path / "t"),
-                              "--seed", "4", "--dtype", "float32"])
+    args = parser.parse_args(
+        [
+            "model",
+            "export",
+            "--model",
+            "tiny",
+            "--out",
+            str(tmp_path / "t"),
+            "--seed",
+            "4",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert args.handler(args) == 0
     printed = capsys.readouterr().out
     assert "config.json" in printed and "model.safetensors" in printed and "float32" in printed
@@ -241,8 +285,18 @@ def test_export_command_writes_loadable_folder(tmp_path: Path, capsys) -> None:
     assert torch.equal(logits_of(loaded), logits_of(expected))
     # a folder re-exported in another dtype; its tokenizer files travel along
     (tmp_path / "t" / "tokenizer_config.json").write_text("{}")
-    args = parser.parse_args(["model", "export", "--model", str(tmp_path / "t"),
-                              "--out", str(tmp_path / "t64"), "--dtype", "float64"])
+    args = parser.parse_args(
+        [
+            "model",
+            "export",
+            "--model",
+            str(tmp_path / "t"),
+            "--out",
+            str(tmp_path / "t64"),
+            "--dtype",
+            "float64",
+        ]
+    )
     assert args.handler(args) == 0
     assert load_hf(tmp_path / "t64").config.dtype == "float64"
     assert (tmp_path / "t64" / "tokenizer_config.json").is_file()
@@ -252,8 +306,14 @@ def test_export_command_writes_loadable_folder(tmp_path: Path, capsys) -> None:
 
 
 def test_cli_registration_does_not_import_torch() -> None:
-    code = ("import sys, argparse; from pddnet.model.cli import register_model; "
-            "register_model(argparse.ArgumentParser().add_subparsers()); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
-                   cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys, argparse; from pddnet.model.cli import register_model; "
+        "register_model(argparse.ArgumentParser().add_subparsers()); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )

@@ -15,8 +15,9 @@ from emulation import kernel_shell, netns
 from emulation.effects import DEFAULT_EFFECTS
 from emulation.probes import UdpEcho, udp_rtts
 
-root = pytest.mark.skipif(root_netns_missing_reason() is not None,
-                          reason=str(root_netns_missing_reason()))
+root = pytest.mark.skipif(
+    root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
+)
 
 
 def effects(**changes):
@@ -26,8 +27,9 @@ def effects(**changes):
 
 
 def test_effects_map_to_netem_and_tbf():
-    netem, tbf = kernel_shell.qdisc_params(effects(delay_ms=15, jitter_ms=2, jitter_dist="uniform",
-                                                   loss_pct=1.5, duplicate_pct=0.5))
+    netem, tbf = kernel_shell.qdisc_params(
+        effects(delay_ms=15, jitter_ms=2, jitter_dist="uniform", loss_pct=1.5, duplicate_pct=0.5)
+    )
     assert netem["delay"] == 15_000 and netem["jitter"] == 2_000  # microseconds
     assert netem["loss"] == 1.5 and netem["duplicate"] == 0.5
     assert tbf is None  # no rate limit: no tbf

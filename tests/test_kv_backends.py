@@ -51,9 +51,15 @@ def apply_plan(pool: KVPool, exported, target: WriteTarget) -> None:
     src = exported.kv.to(spec.torch_dtype).contiguous().view(-1).view(torch.uint8)
     raw = pool.raw_bytes()
     meta = exported.meta
-    for seg in plan_write(RegionLayout.of_pool(pool), target, meta.token_start, meta.num_tokens,
-                          meta.layer_start, meta.shape[0]):
-        raw[seg.dst:seg.dst + seg.length].copy_(src[seg.src:seg.src + seg.length])
+    for seg in plan_write(
+        RegionLayout.of_pool(pool),
+        target,
+        meta.token_start,
+        meta.num_tokens,
+        meta.layer_start,
+        meta.shape[0],
+    ):
+        raw[seg.dst : seg.dst + seg.length].copy_(src[seg.src : seg.src + seg.length])
 
 
 # -- the plan (sans-IO) --------------------------------------------------------------------------
@@ -67,13 +73,16 @@ def test_plan_write_moves_exactly_what_import_kv_moves(data):
     src_bs, dst_bs = data.draw(st.sampled_from([1, 2, 4])), data.draw(st.sampled_from([1, 3, 4]))
     dtype = data.draw(st.sampled_from(["float32", "float64", "bfloat16"]))
     n_pos = data.draw(st.integers(1, 24))
-    src = filled_pool(KVSpec(layers, heads, dim, src_bs, "float64"), math.ceil(n_pos / src_bs) + 2,
-                      seed=data.draw(st.integers(0, 99)))
+    src = filled_pool(
+        KVSpec(layers, heads, dim, src_bs, "float64"),
+        math.ceil(n_pos / src_bs) + 2,
+        seed=data.draw(st.integers(0, 99)),
+    )
     dst_spec = KVSpec(layers, heads, dim, dst_bs, dtype)
     dst_blocks = math.ceil(n_pos / dst_bs) + 3
     dst, ref = KVPool(dst_spec, dst_blocks), KVPool(dst_spec, dst_blocks)
-    src_table = list(range(src.num_blocks))[:math.ceil(n_pos / src_bs)]
-    dst_table = tuple(data.draw(st.permutations(range(dst_blocks))))[:math.ceil(n_pos / dst_bs)]
+    src_table = list(range(src.num_blocks))[: math.ceil(n_pos / src_bs)]
+    dst_table = tuple(data.draw(st.permutations(range(dst_blocks))))[: math.ceil(n_pos / dst_bs)]
     hit = data.draw(st.integers(0, n_pos - 1))
     start = data.draw(st.integers(hit, n_pos - 1))
     end = data.draw(st.integers(start + 1, n_pos))
@@ -98,7 +107,11 @@ def test_plan_write_merges_consecutive_blocks_into_one_run():
 def test_plan_write_refuses_with_precise_reasons_and_one_error_family():
     layout = RegionLayout(KVSpec(2, 1, 4, 4, "float32"), 8)
     target = WriteTarget((1, 2, 9), 4, writable_from=4)
-    cases = [((0, 8), "cached prefix"), ((4, 20), "hold positions"), ((8, 4), "block\\(s\\) \\[9\\]")]
+    cases = [
+        ((0, 8), "cached prefix"),
+        ((4, 20), "hold positions"),
+        ((8, 4), "block\\(s\\) \\[9\\]"),
+    ]
     for (start, n), why in cases:
         with pytest.raises(WriteRefused, match=why):
             plan_write(layout, target, start, n)
@@ -202,8 +215,14 @@ class ChunkReceiver:
         self.sink, self.target = sink, target
         self.chunks: list[int] = []
         self.errors: list[str] = []
-        self.server = Server("127.0.0.1", 0, role="main_decode", instance_id="md", secret=SECRET,
-                             on_connection=self.handle)
+        self.server = Server(
+            "127.0.0.1",
+            0,
+            role="main_decode",
+            instance_id="md",
+            secret=SECRET,
+            on_connection=self.handle,
+        )
 
     async def handle(self, conn) -> None:
         async for msg in conn:
@@ -224,8 +243,10 @@ async def test_tcp_backend_stripes_chunks_that_the_sink_imports():
     assert sink.descriptor == "" and not sink.one_sided
     rx = ChunkReceiver(sink, target)
     port = await rx.server.start()
-    lanes = [await dial("127.0.0.1", port, role="prefill", instance_id="p", lane="bulk",
-                        secret=SECRET) for _ in range(3)]
+    lanes = [
+        await dial("127.0.0.1", port, role="prefill", instance_id="p", lane="bulk", secret=SECRET)
+        for _ in range(3)
+    ]
     stripes = StripedSender(lanes)
     tx_backend = await create_backend("tcp", stripes=stripes, chunk_tokens=5)
     try:

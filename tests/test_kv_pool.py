@@ -68,7 +68,7 @@ def test_a_block_is_one_contiguous_byte_run_per_layer_and_kv():
         (_, _), (v_off, v_len) = ranges
         assert v_len == SPEC.block_bytes_per_layer_kv == 4 * 2 * 4 * 8
         raw = pool.raw_bytes()
-        run = raw[v_off:v_off + v_len].view(torch.float64)
+        run = raw[v_off : v_off + v_len].view(torch.float64)
         assert torch.all(run == 7.0)
         # Every non-zero byte of the pool lies inside that run.
         nz = torch.nonzero(raw).flatten()
@@ -118,8 +118,13 @@ def test_second_process_attaches_by_name_and_writes_blocks(shm_name):
         mine = torch.randn(SPEC.block_size, 2, 4, dtype=torch.float64)
         pool.data[0, 0, 1] = mine
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        res = subprocess.run([sys.executable, "-c", _CHILD, shm_name], env=env,
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-c", _CHILD, shm_name],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 0, res.stderr
         assert res.stdout.split() == ["ok", "4", "8"]
         g = torch.Generator().manual_seed(1234)

@@ -52,10 +52,10 @@ def test_export_shape_metadata_and_payload_round_trip():
 @pytest.mark.parametrize("dst_dtype, tol", [("float32", 1e-5), ("float64", 0.0)])
 def test_heterogeneous_import_block16_to_block32_gives_the_same_attention(dst_dtype, tol):
     n = 53
-    src_table = [7, 2, 11, 4]                       # 4 blocks of 16
+    src_table = [7, 2, 11, 4]  # 4 blocks of 16
     src = _filled_pool(16, "float64", src_table, n)
     dst = KVPool(KVSpec(L, H, D, 32, dst_dtype), 16)
-    dst_table = [5, 1]                              # 2 blocks of 32
+    dst_table = [5, 1]  # 2 blocks of 32
     import_kv(dst, export_kv(src, src_table, 0, n), dst_table)
     g = torch.Generator().manual_seed(9)
     q = torch.randn(6, 2 * H, D, generator=g, dtype=torch.float64)  # GQA: 4 query heads
@@ -82,8 +82,10 @@ def test_import_at_an_unaligned_offset_in_layer_ranges():
     import_kv(dst, export_kv(src, src_table, 11, 40, 0, 2), dst_table)
     import_kv(dst, export_kv(src, src_table, 11, 40, 2, 3), dst_table)
     for layer in range(L):
-        assert torch.equal(torch.stack(src.gather(layer, src_table, 40)),
-                           torch.stack(dst.gather(layer, dst_table, 40)))
+        assert torch.equal(
+            torch.stack(src.gather(layer, src_table, 40)),
+            torch.stack(dst.gather(layer, dst_table, 40)),
+        )
 
 
 def test_import_rejects_mismatched_shapes():

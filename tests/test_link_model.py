@@ -50,15 +50,14 @@ def test_fixed_delay_is_exact_and_recorded_in_the_histogram() -> None:
     assert c["delay"]["min_ms"] == pytest.approx(15) and c["delay"]["max_ms"] == pytest.approx(15)
     assert sum(b["count"] for b in c["delay"]["buckets"]) == 1
     (bucket,) = c["delay"]["buckets"]
-    assert 15 <= bucket["le_ms"] < 15 * 10 ** 0.25 + 1e-9
+    assert 15 <= bucket["le_ms"] < 15 * 10**0.25 + 1e-9
     # The other direction is untouched.
     assert link.b_to_a.counters()["packets_in"] == 0
 
 
 @pytest.mark.parametrize("dist", ["normal", "uniform", "pareto-normal"])
 def test_jitter_std_matches_the_distribution(dist: str) -> None:
-    delays = one_way_delays(Link(seed=3, delay_ms=100), 4000, 0.2,
-                            jitter_ms=5.0, jitter_dist=dist)
+    delays = one_way_delays(Link(seed=3, delay_ms=100), 4000, 0.2, jitter_ms=5.0, jitter_dist=dist)
     std = statistics.pstdev(delays)
     assert std == pytest.approx(implied_jitter_std_ms(5.0, dist), rel=0.05)
     assert statistics.fmean(delays) == pytest.approx(100, abs=0.5)
@@ -78,8 +77,9 @@ def test_pareto_normal_table_is_standardised() -> None:
 
 
 def test_jitter_correlation_keeps_the_std_unlike_netem() -> None:
-    delays = one_way_delays(Link(seed=5, delay_ms=100), 6000, 0.2,
-                            jitter_ms=4.0, jitter_corr_pct=80.0)
+    delays = one_way_delays(
+        Link(seed=5, delay_ms=100), 6000, 0.2, jitter_ms=4.0, jitter_corr_pct=80.0
+    )
     x = [v - 100 for v in delays]
     lag1 = sum(a * b for a, b in zip(x, x[1:], strict=False)) / sum(a * a for a in x)
     assert lag1 == pytest.approx(0.8, abs=0.05)
@@ -192,8 +192,9 @@ def test_rate_change_applies_to_what_is_already_queued() -> None:
     times = [t for t, _ in drain(d)]
     # At 2.5 ms the bucket holds 500 bytes; 500 more at 0.5 byte/us = 1 ms -> 3.5 ms, then 2 ms.
     assert times[0] == pytest.approx(0.0035, abs=1e-12)
-    assert all(b - a == pytest.approx(0.002, abs=1e-12)
-               for a, b in zip(times, times[1:], strict=False))
+    assert all(
+        b - a == pytest.approx(0.002, abs=1e-12) for a, b in zip(times, times[1:], strict=False)
+    )
 
 
 def test_removing_the_rate_limit_releases_the_queue_at_once() -> None:
@@ -356,8 +357,15 @@ def test_change_listeners_hear_control_changes() -> None:
 
 
 def _run(seed: int, poll_every: float | None) -> dict:
-    link = Link(seed=seed, delay_ms=20, jitter_ms=4, rate_mbit=40, loss_pct=2, duplicate_pct=1,
-                queue_bytes=30_000)
+    link = Link(
+        seed=seed,
+        delay_ms=20,
+        jitter_ms=4,
+        rate_mbit=40,
+        loss_pct=2,
+        duplicate_pct=1,
+        queue_bytes=30_000,
+    )
     link.set(0.0, duration=0.3, jitter_dist="uniform")
     d = link.a_to_b
     for i in range(3000):
@@ -372,7 +380,7 @@ def _run(seed: int, poll_every: float | None) -> dict:
 def test_deterministic_for_a_seed_and_independent_of_poll_timing() -> None:
     a = _run(1, 0.001)
     assert a == _run(1, 0.001)
-    assert a == _run(1, None)        # polling only at the very end changes nothing
+    assert a == _run(1, None)  # polling only at the very end changes nothing
     assert a == _run(1, 0.0134)
     assert a != _run(2, 0.001)
     assert a["drops"]["loss"] > 0 and a["drops"]["queue_full"] > 0 and a["duplicated"] > 0
@@ -389,20 +397,23 @@ def test_time_does_not_move_backwards() -> None:
 # --- validation ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("effects", "message"), [
-    ({"delay_ms": -1}, "delay_ms must be >= 0 ms, got -1"),
-    ({"loss_pct": 101}, "loss_pct must be <= 100 %, got 101"),
-    ({"jitter_dist": "cauchy"}, "unknown distribution 'cauchy' for jitter_dist"),
-    ({"bogus": 1}, "unknown effect 'bogus'"),
-    ({"rate_mbit": 0}, "rate_mbit must be > 0 Mbit/s"),
-    ({"rate_mbit": "fast"}, "rate_mbit must be a number"),
-    ({"queue_bytes": 10.5}, "queue_bytes must be a whole number of bytes"),
-    ({"partition": 1}, "partition must be true or false"),
-    ({"delay_ms": float("nan")}, "delay_ms must be finite"),
-    ({"jitter_corr_pct": 100}, "jitter_corr_pct must be <= 99.9 %"),
-    ({"ge_r_pct": 0}, "ge_r_pct must be > 0 %"),
-    ({"delay_ms": True}, "delay_ms must be a number"),
-])
+@pytest.mark.parametrize(
+    ("effects", "message"),
+    [
+        ({"delay_ms": -1}, "delay_ms must be >= 0 ms, got -1"),
+        ({"loss_pct": 101}, "loss_pct must be <= 100 %, got 101"),
+        ({"jitter_dist": "cauchy"}, "unknown distribution 'cauchy' for jitter_dist"),
+        ({"bogus": 1}, "unknown effect 'bogus'"),
+        ({"rate_mbit": 0}, "rate_mbit must be > 0 Mbit/s"),
+        ({"rate_mbit": "fast"}, "rate_mbit must be a number"),
+        ({"queue_bytes": 10.5}, "queue_bytes must be a whole number of bytes"),
+        ({"partition": 1}, "partition must be true or false"),
+        ({"delay_ms": float("nan")}, "delay_ms must be finite"),
+        ({"jitter_corr_pct": 100}, "jitter_corr_pct must be <= 99.9 %"),
+        ({"ge_r_pct": 0}, "ge_r_pct must be > 0 %"),
+        ({"delay_ms": True}, "delay_ms must be a number"),
+    ],
+)
 def test_bad_settings_raise_precise_value_errors(effects: dict, message: str) -> None:
     with pytest.raises(ValueError) as err:
         validate_effects(effects)
@@ -415,18 +426,27 @@ def test_bad_settings_raise_precise_value_errors(effects: dict, message: str) ->
         Link(**effects)
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda link: link.set(0.0, "sideways", delay_ms=1), "unknown direction 'sideways'"),
-    (lambda link: link.set(0.0, duration=-1, delay_ms=1), "duration must be a number of seconds > 0"),
-    (lambda link: link.set(0.0), "no effects given"),
-    (lambda link: link.bandwidth_collapse(0.0, 1.0, fraction=0.1), "needs a rate limit"),
-    (lambda link: link.bandwidth_collapse(0.0, 1.0, fraction=0), "fraction must be a number in (0, 1]"),
-    (lambda link: link.latency_spike(0.0, None, add_ms=5), "duration (s) is required"),
-    (lambda link: link.chaos(0.0, "meteor", 1.0), "unknown chaos 'meteor'"),
-    (lambda link: link.chaos(0.0, "latency-spike", 1.0, add_mss=3), "bad parameters for chaos"),
-    (lambda link: link.blackhole(0.0, "both"), "blackhole is one direction"),
-    (lambda link: link.a_to_b.offer(0.0, -1, "x"), "size must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda link: link.set(0.0, "sideways", delay_ms=1), "unknown direction 'sideways'"),
+        (
+            lambda link: link.set(0.0, duration=-1, delay_ms=1),
+            "duration must be a number of seconds > 0",
+        ),
+        (lambda link: link.set(0.0), "no effects given"),
+        (lambda link: link.bandwidth_collapse(0.0, 1.0, fraction=0.1), "needs a rate limit"),
+        (
+            lambda link: link.bandwidth_collapse(0.0, 1.0, fraction=0),
+            "fraction must be a number in (0, 1]",
+        ),
+        (lambda link: link.latency_spike(0.0, None, add_ms=5), "duration (s) is required"),
+        (lambda link: link.chaos(0.0, "meteor", 1.0), "unknown chaos 'meteor'"),
+        (lambda link: link.chaos(0.0, "latency-spike", 1.0, add_mss=3), "bad parameters for chaos"),
+        (lambda link: link.blackhole(0.0, "both"), "blackhole is one direction"),
+        (lambda link: link.a_to_b.offer(0.0, -1, "x"), "size must be >= 0"),
+    ],
+)
 def test_bad_control_calls_raise(call, message: str) -> None:
     link = Link()
     with pytest.raises(ValueError) as err:

@@ -37,19 +37,23 @@ def test_rate_collapse_step_takes_effect_at_exactly_the_right_time() -> None:
     gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
     assert all(g == pytest.approx(0.020, abs=1e-9) for g in gaps)
     assert len(during) == pytest.approx(3.0 / 0.020, abs=1)
-    assert all(b - a == pytest.approx(0.001, abs=1e-9)
-               for a, b in zip(after, after[1:], strict=False))
+    assert all(
+        b - a == pytest.approx(0.001, abs=1e-9) for a, b in zip(after, after[1:], strict=False)
+    )
     assert after[0] - during[-1] < 0.020
     assert link.a_to_b.effects()["rate_mbit"] == 80
 
 
 def test_steps_apply_in_time_order_per_direction() -> None:
     link = Link(delay_ms=10)
-    link.load_schedule(0.0, [
-        [3.0, {"delay_ms": 30}],
-        {"at": 1.0, "direction": "a_to_b", "delay_ms": 20},
-        {"at": 2.0, "direction": "b_to_a", "jitter_ms": 1, "duration": 0.5},
-    ])
+    link.load_schedule(
+        0.0,
+        [
+            [3.0, {"delay_ms": 30}],
+            {"at": 1.0, "direction": "a_to_b", "delay_ms": 20},
+            {"at": 2.0, "direction": "b_to_a", "jitter_ms": 1, "duration": 0.5},
+        ],
+    )
     at = lambda t, d: link.snapshot(t)[d]["effects"]  # noqa: E731
     assert at(0.99, "a_to_b")["delay_ms"] == 10
     assert at(1.0, "a_to_b")["delay_ms"] == 20 and at(1.0, "b_to_a")["delay_ms"] == 10
@@ -76,8 +80,11 @@ def write_trace(tmp_path: Path, kind: str) -> Path:
         path.write_text("time,rate_mbit,delay_ms\n" + "".join(f"{t},{r},{d}\n" for t, r, d in rows))
     else:
         path = tmp_path / "trace.jsonl"
-        path.write_text("".join(json.dumps({"time": t, "rate_mbit": r, "delay_ms": d}) + "\n"
-                                for t, r, d in rows))
+        path.write_text(
+            "".join(
+                json.dumps({"time": t, "rate_mbit": r, "delay_ms": d}) + "\n" for t, r, d in rows
+            )
+        )
     return path
 
 
@@ -85,9 +92,16 @@ def write_trace(tmp_path: Path, kind: str) -> Path:
 def test_trace_replay_loops_with_the_inferred_period(tmp_path: Path, kind: str) -> None:
     link = Link()
     link.load_schedule(10.0, write_trace(tmp_path, kind), loop=True)
-    expect = {0.5: (100, 10), 1.5: (50, 20), 2.5: (10, 30),  # first pass
-              3.5: (100, 10), 4.0: (50, 20), 5.999: (10, 30), 6.0: (100, 10),  # period 3 s
-              301.2: (50, 20)}
+    expect = {
+        0.5: (100, 10),
+        1.5: (50, 20),
+        2.5: (10, 30),  # first pass
+        3.5: (100, 10),
+        4.0: (50, 20),
+        5.999: (10, 30),
+        6.0: (100, 10),  # period 3 s
+        301.2: (50, 20),
+    }
     for t, (rate, delay) in expect.items():
         fx = link.snapshot(10.0 + t)["b_to_a"]["effects"]
         assert (fx["rate_mbit"], fx["delay_ms"]) == (rate, delay), t
@@ -134,22 +148,32 @@ def test_clear_cancels_the_schedule() -> None:
     assert link.snapshot(2.0)["a_to_b"]["effects"]["delay_ms"] == 3
 
 
-@pytest.mark.parametrize(("steps", "kwargs", "message"), [
-    ([], {}, "schedule has no steps"),
-    ([{"delay_ms": 1}], {}, "schedule step 0: missing 'at'"),
-    ([{"at": 1, "delay_ms": 1}, {"at": -1, "delay_ms": 2}], {}, "schedule step 1: at must be >= 0"),
-    ([{"at": 1, "warp": 9}], {}, "schedule step 0: unknown effect 'warp'"),
-    ([{"at": 1, "delay_ms": -5}], {}, "schedule step 0: delay_ms must be >= 0 ms"),
-    ([{"at": 1, "direction": "up", "delay_ms": 1}], {}, "unknown direction 'up'"),
-    ([{"at": 1, "delay_ms": 1, "duration": 0}], {}, "duration must be > 0 s"),
-    ([{"at": 1}], {}, "schedule step 0: no effects to change"),
-    ([[1, 2, 3]], {}, "a pair must be [at, {effect: value}]"),
-    ([{"at": 1, "delay_ms": 1}], {"loop": True}, "needs an explicit period"),
-    ([{"at": 0, "delay_ms": 1}, {"at": 4, "delay_ms": 2}], {"loop": True, "period": 3},
-     "period (3 s) must be later than the last step (4 s)"),
-    ("nope.csv", {}, "trace file 'nope.csv' does not exist"),
-    (42, {}, "a schedule is a list of steps or a trace file path"),
-])
+@pytest.mark.parametrize(
+    ("steps", "kwargs", "message"),
+    [
+        ([], {}, "schedule has no steps"),
+        ([{"delay_ms": 1}], {}, "schedule step 0: missing 'at'"),
+        (
+            [{"at": 1, "delay_ms": 1}, {"at": -1, "delay_ms": 2}],
+            {},
+            "schedule step 1: at must be >= 0",
+        ),
+        ([{"at": 1, "warp": 9}], {}, "schedule step 0: unknown effect 'warp'"),
+        ([{"at": 1, "delay_ms": -5}], {}, "schedule step 0: delay_ms must be >= 0 ms"),
+        ([{"at": 1, "direction": "up", "delay_ms": 1}], {}, "unknown direction 'up'"),
+        ([{"at": 1, "delay_ms": 1, "duration": 0}], {}, "duration must be > 0 s"),
+        ([{"at": 1}], {}, "schedule step 0: no effects to change"),
+        ([[1, 2, 3]], {}, "a pair must be [at, {effect: value}]"),
+        ([{"at": 1, "delay_ms": 1}], {"loop": True}, "needs an explicit period"),
+        (
+            [{"at": 0, "delay_ms": 1}, {"at": 4, "delay_ms": 2}],
+            {"loop": True, "period": 3},
+            "period (3 s) must be later than the last step (4 s)",
+        ),
+        ("nope.csv", {}, "trace file 'nope.csv' does not exist"),
+        (42, {}, "a schedule is a list of steps or a trace file path"),
+    ],
+)
 def test_bad_schedules_are_rejected_with_the_step_named(steps, kwargs, message) -> None:
     with pytest.raises(ValueError) as err:
         build_schedule(steps, **kwargs)
@@ -160,12 +184,15 @@ def test_bad_schedules_are_rejected_with_the_step_named(steps, kwargs, message) 
     assert link.snapshot(10.0)["a_to_b"]["effects"]["delay_ms"] == 2
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("rate,delay_ms\n1,2\n", "needs a header starting with 'time'"),
-    ("time,rate_mbit\n0,fast\n", ":2: rate_mbit must be a number"),
-    ("time,rate_mbit\n0,1,2\n", ":2: 3 cells, header has 2"),
-    ("time,warp\n0,1\n", "unknown effect 'warp'"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("rate,delay_ms\n1,2\n", "needs a header starting with 'time'"),
+        ("time,rate_mbit\n0,fast\n", ":2: rate_mbit must be a number"),
+        ("time,rate_mbit\n0,1,2\n", ":2: 3 cells, header has 2"),
+        ("time,warp\n0,1\n", "unknown effect 'warp'"),
+    ],
+)
 def test_bad_trace_files_name_the_line(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.csv"
     path.write_text(text)

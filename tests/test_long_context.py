@@ -14,7 +14,7 @@ from pddnet.model.loader import load_model
 from pddnet.model.paged_attention import plan_chunk
 from pddnet.model.rope import RotaryEmbedding
 
-PROMPT_TOKENS = 16_500      # past 16K; each full prefill of it takes ~5 s on one core
+PROMPT_TOKENS = 16_500  # past 16K; each full prefill of it takes ~5 s on one core
 
 
 def test_tiny_long_preset_reaches_128k_positions_in_float64():
@@ -36,19 +36,25 @@ def test_long_prompt_is_token_exact_across_chunkings_layouts_and_a_prefix_hit():
     blocks = PROMPT_TOKENS // 16 + 16
 
     # the whole prompt in one forward, its blocks scattered over the pool
-    whole = Engine(model, tok, num_blocks=blocks, block_size=16,
-                   max_num_batched_tokens=PROMPT_TOKENS, enable_prefix_cache=False)
+    whole = Engine(
+        model,
+        tok,
+        num_blocks=blocks,
+        block_size=16,
+        max_num_batched_tokens=PROMPT_TOKENS,
+        enable_prefix_cache=False,
+    )
     ids = whole.allocator.allocate(blocks)
     rng.shuffle(ids)
-    whole.allocator.decref(ids)               # the free list, hence the next tables, shuffled
+    whole.allocator.decref(ids)  # the free list, hence the next tables, shuffled
     out_whole = []
     for token in whole.stream(prompt, 8, ignore_eos=True, request_id="long"):
         if not out_whole:
             table = whole.get_sequence("long").block_table
             plan = plan_chunk(table, PROMPT_TOKENS, 16, 1, 2, 1)
-            assert all(tile.index is not None for tile in plan.tiles)   # all gathered
+            assert all(tile.index is not None for tile in plan.tiles)  # all gathered
         out_whole.append(token)
-    assert whole.num_steps == 8               # one prefill step, then decodes
+    assert whole.num_steps == 8  # one prefill step, then decodes
 
     # chunked prefill, 3000 tokens a step, on a fresh pool: consecutive blocks, read in place
     chunked = Engine(model, tok, num_blocks=blocks, block_size=16, max_num_batched_tokens=3000)

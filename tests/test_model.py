@@ -21,8 +21,9 @@ class ContiguousCache:
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         old_k, old_v = self.k[layer], self.v[layer]
         offset = 0 if old_k is None else old_k.shape[0]
         self.k[layer] = k if old_k is None else torch.cat([old_k, k])
@@ -68,7 +69,9 @@ def test_presets_kv_sizes_and_dtypes() -> None:
     for config in PRESETS.values():
         assert config.vocab_size >= ByteTokenizer.vocab_size
         assert (config.bos_token_id, config.eos_token_id) == (
-            ByteTokenizer.bos_token_id, ByteTokenizer.eos_token_id)
+            ByteTokenizer.bos_token_id,
+            ByteTokenizer.eos_token_id,
+        )
     assert ModelConfig.preset("small", "float64").torch_dtype == torch.float64
 
 
@@ -78,7 +81,9 @@ def test_config_errors_are_precise() -> None:
     with pytest.raises(ValueError, match="dtype must be one of"):
         ModelConfig.preset("tiny", "float16")
     tiny = PRESETS["tiny"]
-    with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"
+    ):
         dataclasses.replace(tiny, num_kv_heads=3)
     with pytest.raises(ValueError, match="head_dim must be even"):
         dataclasses.replace(tiny, head_dim=15)
@@ -125,10 +130,12 @@ def test_flattened_batch_of_sequences_matches_each_alone(tiny: LlamaModel) -> No
     run(tiny, caches[1], b_prefix)
     spans = [(0, len(a_new)), (len(a_new), len(a_new) + 1)]
 
-    def batch_attention(layer: int, q: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor) -> torch.Tensor:
-        return torch.cat([caches[i](layer, q[s:e], k[s:e], v[s:e])
-                          for i, (s, e) in enumerate(spans)])
+    def batch_attention(
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.cat(
+            [caches[i](layer, q[s:e], k[s:e], v[s:e]) for i, (s, e) in enumerate(spans)]
+        )
 
     ids = torch.tensor(a_new + b_new)
     positions = torch.cat([torch.arange(10, 15), torch.tensor([17])])
@@ -203,14 +210,17 @@ def test_causal_attention_matches_sdpa_reference() -> None:
     out = causal_attention(q, k, v, offset)
     kr, vr = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)  # HF repeat_kv
     mask = torch.arange(12)[None, :] <= torch.arange(offset, offset + 5)[:, None]
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1), kr.transpose(0, 1),
-                                         vr.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), kr.transpose(0, 1), vr.transpose(0, 1), attn_mask=mask
+    ).transpose(0, 1)
     assert (out - ref).abs().max().item() < 1e-12
     strided_q = torch.stack([q, q], dim=2).flatten(1, 2)[:, ::2]  # same values, not contiguous
     assert not strided_q.is_contiguous()
     assert torch.equal(causal_attention(strided_q, k, v, offset), out)
     # bfloat16 in, bfloat16 out
-    assert causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), offset).dtype == torch.bfloat16
+    assert (
+        causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), offset).dtype == torch.bfloat16
+    )
 
 
 def test_causal_attention_errors() -> None:
@@ -231,17 +241,24 @@ def test_rope_uses_hf_rotate_half_pairing() -> None:
     positions = torch.tensor([0, 5, 1000])
     cos, sin = RotaryEmbedding(config)(positions)
     rotated = apply_rotary(x, cos, sin)
-    as_complex = torch.complex(x[..., : d // 2], x[..., d // 2:])
-    turn = torch.polar(torch.ones(3, d // 2, dtype=torch.float64),
-                       positions[:, None].double() * inverse_frequencies(config)[None, :])
+    as_complex = torch.complex(x[..., : d // 2], x[..., d // 2 :])
+    turn = torch.polar(
+        torch.ones(3, d // 2, dtype=torch.float64),
+        positions[:, None].double() * inverse_frequencies(config)[None, :],
+    )
     expected = as_complex * turn[:, None, :]
     assert torch.allclose(rotated, torch.cat([expected.real, expected.imag], dim=-1), atol=1e-12)
     assert torch.equal(rotated[0], x[0])  # position 0 is the identity
 
 
 def test_llama3_rope_scaling_slows_only_long_wavelengths() -> None:
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     base = ModelConfig.preset("tiny")
     scaled = dataclasses.replace(base, rope_scaling=tuple(sorted(scaling.items())))
     plain, slow = inverse_frequencies(base), inverse_frequencies(scaled)

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 3.0
-WARMUP_DEADLINE_S = 30.0   # the write before a fault, which sets the session up
+WARMUP_DEADLINE_S = 30.0  # the write before a fault, which sets the session up
 # Margin over the deadline for a loaded 2-core machine; the engine default (30 s) is far beyond.
 MARGIN_S = 2.5
 
@@ -126,16 +126,28 @@ def test_descriptor_round_trip_and_rejections():
     region = MooncakeRegion("10.1.2.3", 15123, 0x7F00DEADB000, RegionLayout(spec, 1024))
     text = region.encode()
     assert len(text) <= 128 and MooncakeRegion.parse(text) == region
-    for bad in ("mooncake:", "mooncake:h:0:10:2.2.8.16.bfloat16.4", "mooncake:h:1:0:2.2.8.16.bfloat16.4",
-                "mooncake:h:1:10:2.2.8.16.float8.4", "mooncake:h o:1:10:2.2.8.16.float32.4",
-                "shm-name"):
+    for bad in (
+        "mooncake:",
+        "mooncake:h:0:10:2.2.8.16.bfloat16.4",
+        "mooncake:h:1:0:2.2.8.16.bfloat16.4",
+        "mooncake:h:1:10:2.2.8.16.float8.4",
+        "mooncake:h o:1:10:2.2.8.16.float32.4",
+        "shm-name",
+    ):
         with pytest.raises(BadRegion):
             MooncakeRegion.parse(bad)
 
 
 def test_settings_reject_bad_values():
-    for kw in ({"protocol": "udp"}, {"local_host": "0.0.0.0"}, {"progress_timeout_s": 0},
-               {"deadline_s": 0}, {"staging_bytes": 16}, {"max_batch_segments": 0}, {"rpc_port_min": 10, "rpc_port_max": 5}):
+    for kw in (
+        {"protocol": "udp"},
+        {"local_host": "0.0.0.0"},
+        {"progress_timeout_s": 0},
+        {"deadline_s": 0},
+        {"staging_bytes": 16},
+        {"max_batch_segments": 0},
+        {"rpc_port_min": 10, "rpc_port_max": 5},
+    ):
         with pytest.raises(ValueError):
             MooncakeSettings(**kw)
     env = MooncakeSettings(progress_timeout_s=2, deadline_s=4.5).engine_environment()
@@ -151,7 +163,7 @@ async def test_rdma_without_nics_fails_at_start_with_the_reason():
 
 # -- faults: a receiver in another process ------------------------------------------------------
 
-FAULT_SPEC = KVSpec(4, 4, 64, 16, "float32")   # 8 KiB per position
+FAULT_SPEC = KVSpec(4, 4, 64, 16, "float32")  # 8 KiB per position
 FAULT_BLOCKS = 256
 
 RECEIVER = f"""
@@ -178,9 +190,14 @@ class Receiver:
 
     def __init__(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", RECEIVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         if not line:
             self.end()
@@ -199,7 +216,7 @@ class Receiver:
 
 def fault_export():
     src = filled_pool(FAULT_SPEC, 160, seed=3)
-    return export_kv(src, list(range(128)), 0, 2048)   # 16 MiB per write
+    return export_kv(src, list(range(128)), 0, 2048)  # 16 MiB per write
 
 
 def target() -> WriteTarget:

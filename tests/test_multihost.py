@@ -25,8 +25,11 @@ MOONCAKE_REASON = mooncake_import_error()
 WAN = {"rtt_ms": 20.0, "jitter_ms": 1.0, "bw_mbit": 40.0}
 HANDOFFS = ("one-shot", "streaming", "dynamic")
 
-pytestmark = [pytest.mark.root, pytest.mark.timeout(240),
-              pytest.mark.skipif(ROOT_REASON is not None, reason=ROOT_REASON or "")]
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(ROOT_REASON is not None, reason=ROOT_REASON or ""),
+]
 
 
 def needs_mooncake():
@@ -46,27 +49,35 @@ async def wan_bytes(control_url: str) -> int:
     return int(link["a_to_b"]["counters"]["bytes_out"])
 
 
-@pytest.mark.parametrize("intra_dc,wan", [
-    pytest.param("mooncake", "mooncake", marks=needs_mooncake()),
-    pytest.param("mooncake", "tcp", marks=[needs_mooncake(), pytest.mark.heavy]),
-    pytest.param("shm", "mooncake", marks=[needs_mooncake(), pytest.mark.heavy]),
-])
+@pytest.mark.parametrize(
+    "intra_dc,wan",
+    [
+        pytest.param("mooncake", "mooncake", marks=needs_mooncake()),
+        pytest.param("mooncake", "tcp", marks=[needs_mooncake(), pytest.mark.heavy]),
+        pytest.param("shm", "mooncake", marks=[needs_mooncake(), pytest.mark.heavy]),
+    ],
+)
 async def test_token_exact_with_each_daemon_on_its_own_host(intra_dc, wan):
     bodies = workload(18, seed=11)
     for b in bodies:  # computed before the cluster takes the cores
         reference({k: v for k, v in b.items() if k != "handoff_mode"})
-    overrides = {"transport.intra_dc": intra_dc, "transport.wan": wan,
-                 "policy.pipeline": "p_rld_md"}
-    async with LocalCluster(mode="pdd", wan="packet", placement="hosts", overrides=overrides,
-                            **WAN) as cluster:
+    overrides = {
+        "transport.intra_dc": intra_dc,
+        "transport.wan": wan,
+        "policy.pipeline": "p_rld_md",
+    }
+    async with LocalCluster(
+        mode="pdd", wan="packet", placement="hosts", overrides=overrides, **WAN
+    ) as cluster:
         info = json.loads(cluster.run_file.read_text())
         assert info["transport"] == {"intra_dc": intra_dc, "wan": wan}
         daemons = {d["role"]: d for d in info["daemons"]}
         spaces = {d["namespace"] for d in daemons.values()}
         assert len(spaces) == 4 and all(netns.exists(ns) for ns in spaces)
         assert daemons["main_decode"]["address"].startswith("10.78.2.")
-        assert all(daemons[r]["address"].startswith("10.78.1.")
-                   for r in ("router", "prefill", "relay"))
+        assert all(
+            daemons[r]["address"].startswith("10.78.1.") for r in ("router", "prefill", "relay")
+        )
         before = await wan_bytes(cluster.wan["control_url"])
 
         results = await run_all(cluster.url, [{k: v for k, v in b.items()} for b in bodies])
@@ -81,11 +92,15 @@ async def test_token_exact_with_each_daemon_on_its_own_host(intra_dc, wan):
         for p in pdds:
             used = {e["detail"] for e in p["timeline"] if e["event"] == "kv_transport"}
             assert used <= {f"relay={intra_dc}", f"main_decode={wan}"}, used
-        assert any(f"main_decode={wan}" == e["detail"] for p in pdds for e in p["timeline"]
-                   if e["event"] == "kv_transport")
+        assert any(
+            f"main_decode={wan}" == e["detail"]
+            for p in pdds
+            for e in p["timeline"]
+            if e["event"] == "kv_transport"
+        )
         # MD's copies crossed the emulated WAN (whichever backend carried them).
         p_stats = await cluster.stats("prefill")
-        sent_to_md = p_stats["counters"]["kv_bytes_wan"]   # payload, whichever backend
+        sent_to_md = p_stats["counters"]["kv_bytes_wan"]  # payload, whichever backend
         assert sent_to_md > 0 and p_stats["counters"]["kv_bytes_intra_dc"] > 0
         assert await wan_bytes(cluster.wan["control_url"]) - before >= sent_to_md
         for role in ("relay", "main_decode"):

@@ -13,8 +13,9 @@ from conftest import root_netns_missing_reason
 
 from emulation import netns, tun
 
-root = pytest.mark.skipif(root_netns_missing_reason() is not None,
-                          reason=str(root_netns_missing_reason()))
+root = pytest.mark.skipif(
+    root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
+)
 
 
 @pytest.fixture
@@ -37,8 +38,10 @@ def links(ns_name: str) -> dict[str, dict]:
             out = {}
             for link in ipr.get_links():
                 out[link.get_attr("IFLA_IFNAME")] = {
-                    "up": bool(link["flags"] & 1), "mtu": link.get_attr("IFLA_MTU"),
-                    "addrs": [a.get_attr("IFA_LOCAL") for a in ipr.get_addr(index=link["index"])]}
+                    "up": bool(link["flags"] & 1),
+                    "mtu": link.get_attr("IFLA_MTU"),
+                    "addrs": [a.get_attr("IFA_LOCAL") for a in ipr.get_addr(index=link["index"])],
+                }
             return out
 
     return netns.run_in_netns(ns_name, read)
@@ -87,8 +90,9 @@ def test_socket_in_lives_in_the_namespace(ns):
 def test_exec_trampoline_keeps_the_pid_and_enters_the_namespace(ns):
     st = os.stat(netns.netns_path(ns))
     code = "import os; s = os.stat('/proc/self/ns/net'); print(os.getpid(), s.st_dev, s.st_ino)"
-    proc = subprocess.Popen(netns.exec_argv(ns, [sys.executable, "-c", code]),
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        netns.exec_argv(ns, [sys.executable, "-c", code]), stdout=subprocess.PIPE, text=True
+    )
     out, _ = proc.communicate(timeout=20)
     pid, dev, ino = map(int, out.split())
     assert proc.returncode == 0
@@ -99,8 +103,9 @@ def test_exec_trampoline_keeps_the_pid_and_enters_the_namespace(ns):
 @root
 def test_kill_all_in_ends_the_processes_inside_and_only_those(ns):
     outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    inside = subprocess.Popen(netns.exec_argv(ns, [sys.executable, "-c",
-                                                   "import time; time.sleep(30)"]))
+    inside = subprocess.Popen(
+        netns.exec_argv(ns, [sys.executable, "-c", "import time; time.sleep(30)"])
+    )
     try:
         deadline = time.monotonic() + 10
         while inside.pid not in netns.pids_in(ns):

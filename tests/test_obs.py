@@ -17,31 +17,48 @@ T0 = 1_800_000_000.0
 
 def pdd_object(rid: str = "cmpl-1", offset: float = 0.0) -> dict:
     """The shape of a real PDD completion's `pdd` object (p_rld_md, one-shot handoff)."""
+
     def ev(event: str, dt: float, producer: str, detail=None) -> dict:
         return {"event": event, "time": T0 + offset + dt, "producer": producer, "detail": detail}
 
-    return {"request_id": rid, "mode": "pdd", "pipeline": "p_rld_md", "handoff_mode": "one-shot",
-            "relay_tokens": 3, "main_tokens": 2, "wan_kv_bytes": 306176, "handoff_bytes": 154,
-            "ttft_s": 0.92, "finish_reason": "length",
-            "timeline": [ev("arrival", 0.0, "router", 299),
-                         ev("prefill_start", 0.007, "prefill", {"value": 299, "label": "p_rld_md"}),
-                         ev("prefill_end", 0.916, "prefill", 299),
-                         ev("rld_kv_complete", 0.920, "relay", 306176),
-                         ev("first_token", 0.921, "router", "relay"),
-                         ev("md_kv_complete", 0.963, "main_decode", 306176),
-                         ev("handoff_start", 0.986, "relay", {"value": 3, "label": "one-shot"}),
-                         ev("handoff_end", 1.003, "main_decode", {"value": 154,
-                                                                  "label": "one-shot"}),
-                         ev("first_md_token", 1.011, "main_decode", 3),
-                         ev("request_done", 1.104, "main_decode", "length"),
-                         ev("done", 1.122, "router", "length")]}
+    return {
+        "request_id": rid,
+        "mode": "pdd",
+        "pipeline": "p_rld_md",
+        "handoff_mode": "one-shot",
+        "relay_tokens": 3,
+        "main_tokens": 2,
+        "wan_kv_bytes": 306176,
+        "handoff_bytes": 154,
+        "ttft_s": 0.92,
+        "finish_reason": "length",
+        "timeline": [
+            ev("arrival", 0.0, "router", 299),
+            ev("prefill_start", 0.007, "prefill", {"value": 299, "label": "p_rld_md"}),
+            ev("prefill_end", 0.916, "prefill", 299),
+            ev("rld_kv_complete", 0.920, "relay", 306176),
+            ev("first_token", 0.921, "router", "relay"),
+            ev("md_kv_complete", 0.963, "main_decode", 306176),
+            ev("handoff_start", 0.986, "relay", {"value": 3, "label": "one-shot"}),
+            ev("handoff_end", 1.003, "main_decode", {"value": 154, "label": "one-shot"}),
+            ev("first_md_token", 1.011, "main_decode", 3),
+            ev("request_done", 1.104, "main_decode", "length"),
+            ev("done", 1.122, "router", "length"),
+        ],
+    }
 
 
 def spans(trace: dict, pid: int = 1) -> dict[str, dict]:
-    tid_name = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
-                if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == pid}
-    return {f"{tid_name[e['tid']]}:{e['name']}": e for e in trace["traceEvents"]
-            if e["ph"] == "X" and e["pid"] == pid}
+    tid_name = {
+        e["tid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == pid
+    }
+    return {
+        f"{tid_name[e['tid']]}:{e['name']}": e
+        for e in trace["traceEvents"]
+        if e["ph"] == "X" and e["pid"] == pid
+    }
 
 
 def test_trace_puts_each_phase_on_its_daemons_track_on_one_clock():
@@ -70,8 +87,11 @@ def test_trace_of_several_requests_shares_one_origin_and_skips_missing_spans():
     late = pdd_object("cmpl-2", offset=2.0)
     # cross-dc-like: no relay, no handoff; MD decodes from its copy
     late.update(mode="cross-dc", pipeline="p_md", relay_tokens=0, handoff_mode=None)
-    late["timeline"] = [e for e in late["timeline"]
-                        if e["event"] not in ("rld_kv_complete", "handoff_start", "handoff_end")]
+    late["timeline"] = [
+        e
+        for e in late["timeline"]
+        if e["event"] not in ("rld_kv_complete", "handoff_start", "handoff_end")
+    ]
     trace = chrome_trace([pdd_object(), late])
     assert trace["otherData"]["requests"] == 2
     second = spans(trace, pid=2)
@@ -90,8 +110,14 @@ def test_trace_rejects_objects_without_a_timeline():
 
 
 def test_find_pdd_objects_in_nested_results():
-    doc = {"requests": {"pdd": [{"ttft_s": 0.1, "pdd": pdd_object("a"), "token_times": [1.0]},
-                                {"pdd": pdd_object("b")}]}}
+    doc = {
+        "requests": {
+            "pdd": [
+                {"ttft_s": 0.1, "pdd": pdd_object("a"), "token_times": [1.0]},
+                {"pdd": pdd_object("b")},
+            ]
+        }
+    }
     assert [p["request_id"] for p in find_pdd_objects(doc, "b")] == ["b"]
     assert find_pdd_objects(doc, "zz") == []
     assert find_token_times(doc, "a") == [1.0] and find_token_times(doc, "b") is None
@@ -108,16 +134,24 @@ def value(samples: list, **labels) -> float:
     return hits[0]
 
 
-MD_STATS = {"role": "main_decode", "instance": "pdd.main_decode", "port": 4,
-            "requests": {"active": 2, "allocated": 7, "handoffs": 5},
-            "kv_blocks": {"total": 1024, "free": 1000, "used": 24, "block_size": 16},
-            "lanes": {"bulk": {"bytes_in": 307874, "bytes_out": 796},
-                      "control": {"bytes_in": 1437, "bytes_out": 885}},
-            "counters": {"tokens_emitted": 48}, "max_extend_tokens": {"one-shot": 16},
-            "active_phases": {"r1": "waiting_cut", "r2": "waiting_cut"},
-            "handoffs": {"one-shot": 3, "streaming": 2}, "queues": {"engine": 4},
-            "drc": {"hits": 3, "lookups": 4, "cached_blocks": 10,
-                    "hit_intervals": {"95-100%": 2}}, "load": 0.25}
+MD_STATS = {
+    "role": "main_decode",
+    "instance": "pdd.main_decode",
+    "port": 4,
+    "requests": {"active": 2, "allocated": 7, "handoffs": 5},
+    "kv_blocks": {"total": 1024, "free": 1000, "used": 24, "block_size": 16},
+    "lanes": {
+        "bulk": {"bytes_in": 307874, "bytes_out": 796},
+        "control": {"bytes_in": 1437, "bytes_out": 885},
+    },
+    "counters": {"tokens_emitted": 48},
+    "max_extend_tokens": {"one-shot": 16},
+    "active_phases": {"r1": "waiting_cut", "r2": "waiting_cut"},
+    "handoffs": {"one-shot": 3, "streaming": 2},
+    "queues": {"engine": 4},
+    "drc": {"hits": 3, "lookups": 4, "cached_blocks": 10, "hit_intervals": {"95-100%": 2}},
+    "load": 0.25,
+}
 
 
 def test_collector_translates_a_daemon_stats_dict():
@@ -148,11 +182,13 @@ def test_histograms_are_cumulative_and_checked():
     for x in (0.005, 0.01, 0.05, 3.0):
         h.observe(x)
     m = scrape({"role": "relay", "histograms": {"inter_token_seconds": h.to_stats()}})
-    buckets = {s.labels["le"]: s.value for s in m["pdd_inter_token_seconds"]
-               if s.name.endswith("_bucket")}
+    buckets = {
+        s.labels["le"]: s.value for s in m["pdd_inter_token_seconds"] if s.name.endswith("_bucket")
+    }
     assert buckets == {"0.01": 2, "0.1": 3, "+Inf": 4}
-    assert value([s for s in m["pdd_inter_token_seconds"] if s.name.endswith("_sum")]) \
-        == pytest.approx(3.065)
+    assert value(
+        [s for s in m["pdd_inter_token_seconds"] if s.name.endswith("_sum")]
+    ) == pytest.approx(3.065)
     with pytest.raises(ValueError, match="latency must be"):
         h.observe(-1)
     with pytest.raises(ValueError, match="increasing"):
@@ -201,17 +237,26 @@ def test_step_times_split_decode_from_prefill_and_sum_decode_by_batch():
     from pddnet.engine.engine import StepStats
     from pddnet.obs.step_times import StepTimes, batch_bucket
 
-    assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 127, 128, 500)] == \
-        ["1", "2-3", "2-3", "4-7", "4-7", "8-15", "64-127", "128+", "128+"]
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 127, 128, 500)] == [
+        "1",
+        "2-3",
+        "2-3",
+        "4-7",
+        "4-7",
+        "8-15",
+        "64-127",
+        "128+",
+        "128+",
+    ]
     with pytest.raises(ValueError, match="at least one"):
         batch_bucket(0)
     st = StepTimes()
     #          step, seconds, seqs, tokens, prefill tokens, decode tokens, sampled
-    st.observe(StepStats(1, 0.300, 1, 100, 100, 0, 1))    # a prefill
-    st.observe(StepStats(2, 0.010, 1, 1, 0, 1, 1))        # decode, batch 1
+    st.observe(StepStats(1, 0.300, 1, 100, 100, 0, 1))  # a prefill
+    st.observe(StepStats(2, 0.010, 1, 1, 0, 1, 1))  # decode, batch 1
     st.observe(StepStats(3, 0.030, 1, 1, 0, 1, 1))
-    st.observe(StepStats(4, 0.040, 3, 3, 0, 3, 3))        # decode, batch 3
-    st.observe(StepStats(5, 0.050, 2, 9, 8, 1, 2))        # an extend batched with a decode
+    st.observe(StepStats(4, 0.040, 3, 3, 0, 3, 3))  # decode, batch 3
+    st.observe(StepStats(5, 0.050, 2, 9, 8, 1, 2))  # an extend batched with a decode
     out = st.to_stats()
     assert out["histograms"]["engine_prefill_step_s"]["count"] == 2
     assert out["histograms"]["engine_decode_step_s"]["count"] == 3
@@ -237,6 +282,10 @@ async def test_daemons_report_the_step_times_their_engine_measured():
         assert sum(b["steps"] for b in steps.values()) > 0, role
         assert all(b["mean_ms"] > 0 for b in steps.values())
         assert stats[role]["threads"] == cfg.model.threads
-    m = {f.name: f.samples for f in text_string_to_metric_families(
-        render(registry_for(lambda: stats["relay"], "relay"))[0].decode())}
+    m = {
+        f.name: f.samples
+        for f in text_string_to_metric_families(
+            render(registry_for(lambda: stats["relay"], "relay"))[0].decode()
+        )
+    }
     assert "pdd_engine_decode_step_s" in m and "pdd_stat_decode_step_ms_by_batch" in m

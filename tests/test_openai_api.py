@@ -24,8 +24,9 @@ from pddnet.roles.openai_api import (
 )
 
 TOK = ByteTokenizer()
-MODEL = ModelInfo(name="tiny", vocab_size=259, max_position=4096, eos_token_id=257,
-                  aliases=("tiny-alias",))
+MODEL = ModelInfo(
+    name="tiny", vocab_size=259, max_position=4096, eos_token_id=257, aliases=("tiny-alias",)
+)
 
 
 def parse(body, limit=4096):
@@ -40,83 +41,140 @@ def test_text_prompt_defaults():
     assert parse({"model": "tiny-alias", "prompt": "x", "temperature": 0}).needs_seed is False
 
 
-@pytest.mark.parametrize("prompt, ids", [
-    ([1, 2, 3], (1, 2, 3)),
-    (["ab"], (256, 97, 98)),
-    ([[5, 6]], (5, 6)),
-    ("", (256,)),
-])
+@pytest.mark.parametrize(
+    "prompt, ids",
+    [
+        ([1, 2, 3], (1, 2, 3)),
+        (["ab"], (256, 97, 98)),
+        ([[5, 6]], (5, 6)),
+        ("", (256,)),
+    ],
+)
 def test_prompt_forms(prompt, ids):
     assert parse({"model": "tiny", "prompt": prompt}).prompt_token_ids == ids
 
 
 def test_full_body():
-    r = parse({"model": "tiny", "prompt": [1, 2], "max_tokens": 7, "temperature": 0.7,
-               "top_p": 0.9, "top_k": -1, "seed": 2**64 - 1, "stream": True,
-               "stream_options": {"include_usage": True}, "return_token_ids": True,
-               "ignore_eos": True, "stop_token_ids": [10], "handoff_mode": "streaming",
-               "n": 1, "echo": False, "logprobs": None, "stop": [], "user": "u"})
-    assert (r.max_tokens, r.top_k, r.seed, r.stream, r.include_usage) == (7, 0, 2**64 - 1, True,
-                                                                         True)
+    r = parse(
+        {
+            "model": "tiny",
+            "prompt": [1, 2],
+            "max_tokens": 7,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "seed": 2**64 - 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "ignore_eos": True,
+            "stop_token_ids": [10],
+            "handoff_mode": "streaming",
+            "n": 1,
+            "echo": False,
+            "logprobs": None,
+            "stop": [],
+            "user": "u",
+        }
+    )
+    assert (r.max_tokens, r.top_k, r.seed, r.stream, r.include_usage) == (
+        7,
+        0,
+        2**64 - 1,
+        True,
+        True,
+    )
     assert r.return_token_ids and r.ignore_eos and r.stop_token_ids == (10,)
     assert r.handoff_mode == "streaming" and not r.needs_seed
 
 
-@pytest.mark.parametrize("body, param, fragment", [
-    ([1, 2], None, "must be a JSON object"),
-    ({"prompt": "x"}, "model", "provide a model"),
-    ({"model": 3, "prompt": "x"}, "model", "model must be a string"),
-    ({"model": "tiny"}, "prompt", "provide a prompt"),
-    ({"model": "tiny", "prompt": 5}, "prompt", "prompt must be a string"),
-    ({"model": "tiny", "prompt": []}, "prompt", "must not be empty"),
-    ({"model": "tiny", "prompt": ["a", "b"]}, "prompt", "holds 2 prompts"),
-    ({"model": "tiny", "prompt": [1, "a"]}, "prompt", "must be integers"),
-    ({"model": "tiny", "prompt": [1, 999]}, "prompt", "token id 999 is outside"),
-    ({"model": "tiny", "prompt": [1, True]}, "prompt", "must be integers"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 2.5}, "max_tokens", "max_tokens must be"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 5000}, "max_tokens", "server's limit"),
-    ({"model": "tiny", "prompt": [1] * 4000, "max_tokens": 100}, "max_tokens",
-     "maximum context length is 4096"),
-    ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
-    ({"model": "tiny", "prompt": "x", "temperature": 3}, "temperature", "[0, 2]"),
-    ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
-    ({"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p", "[0, 1]"),
-    ({"model": "tiny", "prompt": "x", "top_k": -2}, "top_k", "top_k must be"),
-    ({"model": "tiny", "prompt": "x", "seed": -1}, "seed", "seed must be"),
-    ({"model": "tiny", "prompt": "x", "seed": 2**64}, "seed", "seed must be"),
-    ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream", "stream must be true or false"),
-    ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
-     "stream_options", "only allowed when stream"),
-    ({"model": "tiny", "prompt": "x", "n": 0}, "n", "n must be an integer in [1, 16]"),
-    ({"model": "tiny", "prompt": "x", "n": 17}, "n", "n must be an integer in [1, 16]"),
-    ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 3}, "best_of", "not supported"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be"),
-    ({"model": "tiny", "prompt": "x", "logprobs": True}, "logprobs", "logprobs must be"),
-    ({"model": "tiny", "prompt": "x", "stop": [""]}, "stop", "1..1024 characters"),
-    ({"model": "tiny", "prompt": "x", "stop": 5}, "stop", "string or an array of strings"),
-    ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16"),
-    ({"model": "tiny", "prompt": "x", "echo": True}, "echo", "not supported"),
-    ({"model": "tiny", "prompt": "x", "suffix": "z"}, "suffix", "not supported"),
-    ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
-     "less than or equal to max_tokens=4"),
-    ({"model": "tiny", "prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be"),
-    ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
-    ({"model": "tiny", "prompt": "x", "frequency_penalty": "x"}, "frequency_penalty",
-     "must be a number"),
-    ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
-    ({"model": "tiny", "prompt": "x", "repetition_penalty": 101}, "repetition_penalty",
-     "[0, 100]"),
-    ({"model": "tiny", "prompt": "x", "top_logprobs": 2}, "top_logprobs",
-     "Unrecognized request argument"),
-    ({"model": "tiny", "prompt": "x", "stream": True,
-      "stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats",
-     "true or false"),
-    ({"model": "tiny", "prompt": "x", "stop_token_ids": [300]}, "stop_token_ids", "[0, 259)"),
-    ({"model": "tiny", "prompt": "x", "handoff_mode": "fast"}, "handoff_mode", "one-shot"),
-    ({"model": "tiny", "prompt": "x", "bogus": 1}, "bogus", "Unrecognized request argument"),
-])
+@pytest.mark.parametrize(
+    "body, param, fragment",
+    [
+        ([1, 2], None, "must be a JSON object"),
+        ({"prompt": "x"}, "model", "provide a model"),
+        ({"model": 3, "prompt": "x"}, "model", "model must be a string"),
+        ({"model": "tiny"}, "prompt", "provide a prompt"),
+        ({"model": "tiny", "prompt": 5}, "prompt", "prompt must be a string"),
+        ({"model": "tiny", "prompt": []}, "prompt", "must not be empty"),
+        ({"model": "tiny", "prompt": ["a", "b"]}, "prompt", "holds 2 prompts"),
+        ({"model": "tiny", "prompt": [1, "a"]}, "prompt", "must be integers"),
+        ({"model": "tiny", "prompt": [1, 999]}, "prompt", "token id 999 is outside"),
+        ({"model": "tiny", "prompt": [1, True]}, "prompt", "must be integers"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 2.5}, "max_tokens", "max_tokens must be"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 5000}, "max_tokens", "server's limit"),
+        (
+            {"model": "tiny", "prompt": [1] * 4000, "max_tokens": 100},
+            "max_tokens",
+            "maximum context length is 4096",
+        ),
+        ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
+        ({"model": "tiny", "prompt": "x", "temperature": 3}, "temperature", "[0, 2]"),
+        ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
+        ({"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p", "[0, 1]"),
+        ({"model": "tiny", "prompt": "x", "top_k": -2}, "top_k", "top_k must be"),
+        ({"model": "tiny", "prompt": "x", "seed": -1}, "seed", "seed must be"),
+        ({"model": "tiny", "prompt": "x", "seed": 2**64}, "seed", "seed must be"),
+        (
+            {"model": "tiny", "prompt": "x", "stream": "yes"},
+            "stream",
+            "stream must be true or false",
+        ),
+        (
+            {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "only allowed when stream",
+        ),
+        ({"model": "tiny", "prompt": "x", "n": 0}, "n", "n must be an integer in [1, 16]"),
+        ({"model": "tiny", "prompt": "x", "n": 17}, "n", "n must be an integer in [1, 16]"),
+        ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 3}, "best_of", "not supported"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be"),
+        ({"model": "tiny", "prompt": "x", "logprobs": True}, "logprobs", "logprobs must be"),
+        ({"model": "tiny", "prompt": "x", "stop": [""]}, "stop", "1..1024 characters"),
+        ({"model": "tiny", "prompt": "x", "stop": 5}, "stop", "string or an array of strings"),
+        ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16"),
+        ({"model": "tiny", "prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"model": "tiny", "prompt": "x", "suffix": "z"}, "suffix", "not supported"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+        (
+            {"model": "tiny", "prompt": "x", "max_tokens": 4, "min_tokens": 5},
+            "min_tokens",
+            "less than or equal to max_tokens=4",
+        ),
+        ({"model": "tiny", "prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be"),
+        ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+        (
+            {"model": "tiny", "prompt": "x", "frequency_penalty": "x"},
+            "frequency_penalty",
+            "must be a number",
+        ),
+        ({"model": "tiny", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+        (
+            {"model": "tiny", "prompt": "x", "repetition_penalty": 101},
+            "repetition_penalty",
+            "[0, 100]",
+        ),
+        (
+            {"model": "tiny", "prompt": "x", "top_logprobs": 2},
+            "top_logprobs",
+            "Unrecognized request argument",
+        ),
+        (
+            {
+                "model": "tiny",
+                "prompt": "x",
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": 1},
+            },
+            "stream_options.continuous_usage_stats",
+            "true or false",
+        ),
+        ({"model": "tiny", "prompt": "x", "stop_token_ids": [300]}, "stop_token_ids", "[0, 259)"),
+        ({"model": "tiny", "prompt": "x", "handoff_mode": "fast"}, "handoff_mode", "one-shot"),
+        ({"model": "tiny", "prompt": "x", "bogus": 1}, "bogus", "Unrecognized request argument"),
+    ],
+)
 def test_bad_bodies_get_400_naming_the_problem(body, param, fragment):
     with pytest.raises(ApiError) as info:
         parse(body)
@@ -167,6 +225,7 @@ def test_incremental_detokenizer_never_splits_a_character():
 
 # -- the router's HTTP surface, with scripted daemons on the real transport --------------------
 
+
 class ScriptedDaemon:
     """A peer speaking the real protocol over the real transport: records what the router sends
     and lets the test answer as P / RLD / MD would."""
@@ -180,8 +239,14 @@ class ScriptedDaemon:
     async def start(self) -> int:
         from pddnet.transport import Server
 
-        self.server = Server("127.0.0.1", 0, role=self.role, instance_id=f"test-{self.role}",
-                             secret=b"s3cret", on_connection=self._on_conn)
+        self.server = Server(
+            "127.0.0.1",
+            0,
+            role=self.role,
+            instance_id=f"test-{self.role}",
+            secret=b"s3cret",
+            on_connection=self._on_conn,
+        )
         return await self.server.start()
 
     async def _on_conn(self, conn) -> None:
@@ -235,22 +300,56 @@ async def test_router_assembles_out_of_order_tokens_from_two_producers():
     from pddnet.protocol import messages as m
 
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(http.post(
-            router.url + "/v1/completions",
-            json={"model": "tiny", "prompt": "ab", "max_tokens": 5, "temperature": 0.5,
-                  "return_token_ids": True}))
+        post = asyncio.ensure_future(
+            http.post(
+                router.url + "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": "ab",
+                    "max_tokens": 5,
+                    "temperature": 0.5,
+                    "return_token_ids": True,
+                },
+            )
+        )
         sub = await daemons["prefill"].wait_for(m.Submit)
         assert sub.prompt_token_ids == (256, 97, 98) and sub.seed is not None  # seed fixed
         rid = sub.request_id
         md, rld = daemons["main_decode"], daemons["relay"]
-        await md.send(m.TokenEvent(request_id=rid, index=3, token_ids=(100, 101),
-                                   producer="main_decode", time=time.time()))
-        await rld.send(m.Timeline(request_id=rid, event="handoff_end", time=time.time(),
-                                  producer="main_decode", detail_int=40, detail_str="one-shot"))
-        await rld.send(m.TokenEvent(request_id=rid, index=0, token_ids=(72, 105, 33),
-                                    producer="relay", time=time.time()))
-        await md.send(m.RequestDone(request_id=rid, reason="length", num_prompt_tokens=3,
-                                    num_output_tokens=5, producer="main_decode", time=time.time()))
+        await md.send(
+            m.TokenEvent(
+                request_id=rid,
+                index=3,
+                token_ids=(100, 101),
+                producer="main_decode",
+                time=time.time(),
+            )
+        )
+        await rld.send(
+            m.Timeline(
+                request_id=rid,
+                event="handoff_end",
+                time=time.time(),
+                producer="main_decode",
+                detail_int=40,
+                detail_str="one-shot",
+            )
+        )
+        await rld.send(
+            m.TokenEvent(
+                request_id=rid, index=0, token_ids=(72, 105, 33), producer="relay", time=time.time()
+            )
+        )
+        await md.send(
+            m.RequestDone(
+                request_id=rid,
+                reason="length",
+                num_prompt_tokens=3,
+                num_output_tokens=5,
+                producer="main_decode",
+                time=time.time(),
+            )
+        )
         resp = await post
         body = await resp.json()
         assert resp.status == 200, body
@@ -272,14 +371,19 @@ async def test_router_conflict_is_an_error_and_cancels_everywhere():
     from pddnet.protocol import messages as m
 
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(http.post(
-            router.url + "/v1/completions",
-            json={"model": "tiny", "prompt": [1, 2], "max_tokens": 4, "temperature": 0}))
+        post = asyncio.ensure_future(
+            http.post(
+                router.url + "/v1/completions",
+                json={"model": "tiny", "prompt": [1, 2], "max_tokens": 4, "temperature": 0},
+            )
+        )
         rid = (await daemons["prefill"].wait_for(m.Submit)).request_id
-        await daemons["relay"].send(m.TokenEvent(request_id=rid, index=0, token_ids=(5, 6),
-                                                 producer="relay", time=1.0))
-        await daemons["main_decode"].send(m.TokenEvent(request_id=rid, index=1, token_ids=(7,),
-                                                       producer="main_decode", time=1.1))
+        await daemons["relay"].send(
+            m.TokenEvent(request_id=rid, index=0, token_ids=(5, 6), producer="relay", time=1.0)
+        )
+        await daemons["main_decode"].send(
+            m.TokenEvent(request_id=rid, index=1, token_ids=(7,), producer="main_decode", time=1.1)
+        )
         resp = await post
         body = await resp.json()
         assert resp.status == 500 and "conflict at token index 1" in body["error"]["message"]
@@ -290,8 +394,10 @@ async def test_router_conflict_is_an_error_and_cancels_everywhere():
 async def test_router_overload_disconnect_and_http_errors():
     from pddnet.protocol import messages as m
 
-    async with scripted_router(max_concurrent_requests=1, max_body_bytes=4096) as (
-            router, daemons), aiohttp.ClientSession() as http:
+    async with (
+        scripted_router(max_concurrent_requests=1, max_body_bytes=4096) as (router, daemons),
+        aiohttp.ClientSession() as http,
+    ):
         url = router.url + "/v1/completions"
         async with http.get(router.url + "/health") as r:
             assert r.status == 200 and (await r.json())["status"] == "ok"
@@ -304,11 +410,20 @@ async def test_router_overload_disconnect_and_http_errors():
         async with http.post(url, json={"model": "nope", "prompt": "x"}) as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
         # One request in flight (streaming, never answered) fills the router: the next gets 503.
-        first = await http.post(url, json={"model": "tiny", "prompt": "x", "stream": True,
-                                           "max_tokens": 50, "temperature": 0})
+        first = await http.post(
+            url,
+            json={
+                "model": "tiny",
+                "prompt": "x",
+                "stream": True,
+                "max_tokens": 50,
+                "temperature": 0,
+            },
+        )
         rid = (await daemons["prefill"].wait_for(m.Submit)).request_id
-        await daemons["relay"].send(m.TokenEvent(request_id=rid, index=0, token_ids=(65,),
-                                                 producer="relay", time=1.0))
+        await daemons["relay"].send(
+            m.TokenEvent(request_id=rid, index=0, token_ids=(65,), producer="relay", time=1.0)
+        )
         line = await first.content.readline()
         assert line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"] == "A"
         async with http.post(url, json={"model": "tiny", "prompt": "y"}) as r:
@@ -334,9 +449,15 @@ async def test_health_is_ok_only_when_every_daemon_reports_all_its_links_up():
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
         ok = await wait_for(lambda: health(http, 200), 5, "/health ok")
         assert ok["waiting_for"] == [] and ok["peers"] == dict.fromkeys(daemons, True)
-        await daemons["prefill"].send(m.LinkState(
-            link="main-decode control", up=False, since=time.time(), ready=False,
-            detail="redial: cannot connect to 10.0.0.2:7300"))
+        await daemons["prefill"].send(
+            m.LinkState(
+                link="main-decode control",
+                up=False,
+                since=time.time(),
+                ready=False,
+                detail="redial: cannot connect to 10.0.0.2:7300",
+            )
+        )
         body = await wait_for(lambda: health(http, 503), 5, "/health degraded")
         assert body["status"] == "degraded" and body["peers"]["prefill"] is False
         [line] = body["waiting_for"]
@@ -344,8 +465,9 @@ async def test_health_is_ok_only_when_every_daemon_reports_all_its_links_up():
         assert line.endswith("(redial: cannot connect to 10.0.0.2:7300)")
         link = body["links"]["prefill"]["links"]["main-decode control"]
         assert link["up"] is False and "10.0.0.2" in link["detail"]
-        await daemons["prefill"].send(m.LinkState(link="main-decode control", up=True,
-                                                  since=time.time(), ready=True))
+        await daemons["prefill"].send(
+            m.LinkState(link="main-decode control", up=True, since=time.time(), ready=True)
+        )
         await wait_for(lambda: health(http, 200), 5, "/health ok again")
 
 
@@ -359,11 +481,16 @@ async def test_a_request_p_handed_to_rld_is_replayed_at_once_when_rld_is_lost(or
 
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
         p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
-        post = asyncio.ensure_future(http.post(router.url + "/v1/completions", json={
-            "model": "tiny", "prompt": [1, 2], "max_tokens": 3, "temperature": 0}))
+        post = asyncio.ensure_future(
+            http.post(
+                router.url + "/v1/completions",
+                json={"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "temperature": 0},
+            )
+        )
         rid = (await p.wait_for(m.Submit)).request_id
-        handed = m.Timeline(request_id=rid, event="rld_kv_sent", time=time.time(),
-                            producer="prefill", detail_int=64)
+        handed = m.Timeline(
+            request_id=rid, event="rld_kv_sent", time=time.time(), producer="prefill", detail_int=64
+        )
 
         async def relay_gone():
             return router.peers["relay"].conn is None
@@ -381,11 +508,25 @@ async def test_a_request_p_handed_to_rld_is_replayed_at_once_when_rld_is_lost(or
             await p.send(handed)
         replay = await md.wait_for(m.Submit, timeout=5)  # the stall timer would be 30 s
         assert replay.request_id == rid and replay.output_token_ids == ()
-        await md.send(m.TokenEvent(request_id=rid, index=0, token_ids=(72, 105, 33),
-                                   producer="main_decode", time=time.time()))
-        await md.send(m.RequestDone(request_id=rid, reason="length", num_prompt_tokens=3,
-                                    num_output_tokens=3, producer="main_decode",
-                                    time=time.time()))
+        await md.send(
+            m.TokenEvent(
+                request_id=rid,
+                index=0,
+                token_ids=(72, 105, 33),
+                producer="main_decode",
+                time=time.time(),
+            )
+        )
+        await md.send(
+            m.RequestDone(
+                request_id=rid,
+                reason="length",
+                num_prompt_tokens=3,
+                num_output_tokens=3,
+                producer="main_decode",
+                time=time.time(),
+            )
+        )
         resp = await post
         body = await resp.json()
         assert resp.status == 200 and body["choices"][0]["text"] == "Hi!", body
@@ -403,20 +544,46 @@ async def test_md_lost_right_after_rlds_cut_is_replayed_at_once():
 
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
         p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
-        post = asyncio.ensure_future(http.post(router.url + "/v1/completions", json={
-            "model": "tiny", "prompt": [1, 2], "max_tokens": 3, "temperature": 0}))
+        post = asyncio.ensure_future(
+            http.post(
+                router.url + "/v1/completions",
+                json={"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "temperature": 0},
+            )
+        )
         rid = (await p.wait_for(m.Submit)).request_id
-        await rld.send(m.TokenEvent(request_id=rid, index=0, token_ids=(72,), producer="relay",
-                                    time=time.time()))
-        await rld.send(m.Timeline(request_id=rid, event="handoff_start", time=time.time(),
-                                  producer="relay", detail_int=1, detail_str="one-shot"))
+        await rld.send(
+            m.TokenEvent(
+                request_id=rid, index=0, token_ids=(72,), producer="relay", time=time.time()
+            )
+        )
+        await rld.send(
+            m.Timeline(
+                request_id=rid,
+                event="handoff_start",
+                time=time.time(),
+                producer="relay",
+                detail_int=1,
+                detail_str="one-shot",
+            )
+        )
         await md.server.close()
         replay = await rld.wait_for(m.Submit, timeout=5)  # the stall timer would be 30 s
         assert replay.request_id == rid and replay.output_token_ids == (72,)
-        await rld.send(m.TokenEvent(request_id=rid, index=1, token_ids=(105, 33),
-                                    producer="relay", time=time.time()))
-        await rld.send(m.RequestDone(request_id=rid, reason="length", num_prompt_tokens=3,
-                                     num_output_tokens=3, producer="relay", time=time.time()))
+        await rld.send(
+            m.TokenEvent(
+                request_id=rid, index=1, token_ids=(105, 33), producer="relay", time=time.time()
+            )
+        )
+        await rld.send(
+            m.RequestDone(
+                request_id=rid,
+                reason="length",
+                num_prompt_tokens=3,
+                num_output_tokens=3,
+                producer="relay",
+                time=time.time(),
+            )
+        )
         resp = await post
         body = await resp.json()
         assert resp.status == 200 and body["choices"][0]["text"] == "Hi!", body
@@ -429,19 +596,19 @@ async def test_router_health_is_503_without_its_daemons():
     from pddnet.roles.router import Router
 
     ports = {f"{r}.port": free_port() for r in ("prefill", "main_decode")}
-    router = Router(load_config(None, {"secret": "s", "router.port": 0, "mode": "cross-dc",
-                                       **ports}))
+    router = Router(
+        load_config(None, {"secret": "s", "router.port": 0, "mode": "cross-dc", **ports})
+    )
     await router.start()
     try:
         async with aiohttp.ClientSession() as http:
             async with http.get(router.url + "/health") as r:
                 body = await r.json()
-                assert r.status == 503 and body["peers"] == {"prefill": False,
-                                                             "main_decode": False}
-                assert [w.split(":")[0] for w in body["waiting_for"]] == ["prefill",
-                                                                          "main_decode"]
-            async with http.post(router.url + "/v1/completions",
-                                 json={"model": "tiny", "prompt": "x"}) as r:
+                assert r.status == 503 and body["peers"] == {"prefill": False, "main_decode": False}
+                assert [w.split(":")[0] for w in body["waiting_for"]] == ["prefill", "main_decode"]
+            async with http.post(
+                router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}
+            ) as r:
                 assert r.status == 503 and "not connected" in (await r.json())["error"]["message"]
     finally:
         await router.close()
@@ -449,18 +616,33 @@ async def test_router_health_is_503_without_its_daemons():
 
 # -- issue 24: vLLM's sampling extensions, stop strings, n, logprobs, chat ----------------------
 
+
 def test_extension_fields_parse_and_travel_in_the_sampling_fields():
-    r = parse({"model": "tiny", "prompt": "x", "max_tokens": 30, "min_tokens": 10,
-               "stop": "\n\n", "n": 3, "best_of": 3, "logprobs": 5, "presence_penalty": 0.5,
-               "frequency_penalty": -1, "repetition_penalty": 1.3,
-               "include_stop_str_in_output": True, "stream": True,
-               "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    r = parse(
+        {
+            "model": "tiny",
+            "prompt": "x",
+            "max_tokens": 30,
+            "min_tokens": 10,
+            "stop": "\n\n",
+            "n": 3,
+            "best_of": 3,
+            "logprobs": 5,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.3,
+            "include_stop_str_in_output": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+    )
     assert (r.n, r.min_tokens, r.stop, r.logprobs) == (3, 10, ("\n\n",), 5)
     assert r.include_stop_str_in_output and r.continuous_usage and not r.chat
     fields = r.sampling_fields()
     assert fields["min_tokens"] == 10 and fields["repetition_penalty"] == 1.3
     assert fields["frequency_penalty"] == -1.0 and fields["logprobs"] == 5
     from pddnet.protocol import Submit
+
     Submit(request_id="r", prompt_token_ids=r.prompt_token_ids, seed=1, **fields)  # valid wire
 
 
@@ -473,51 +655,82 @@ def parse_chat(body, limit=4096, template=None):
     def render(messages, add_generation_prompt, kwargs):
         text = template.render(messages, add_generation_prompt, **kwargs)
         return TOK.encode(text, add_bos=template.add_bos), text
+
     return parse_chat_request(body, MODEL, render, limit)
 
 
 def test_chat_request_renders_the_messages():
-    r = parse_chat({"model": "tiny", "messages": [
-        {"role": "system", "content": "S"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 2})
+    r = parse_chat(
+        {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": "S"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ],
+            "max_completion_tokens": 9,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+    )
     assert r.chat and r.prompt_text == "system: S\nuser: a\nb\nassistant:"
     assert r.prompt_token_ids == tuple(TOK.encode(r.prompt_text, add_bos=True))
     assert (r.max_tokens, r.logprobs) == (9, 2)
     # default max_tokens: the rest of the context, within the server's limit
     r = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, limit=100)
     assert r.max_tokens == 100 and r.logprobs is None
-    r = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                    "logprobs": True})
+    r = parse_chat(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    )
     assert r.logprobs == 0
-    r = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                    "add_generation_prompt": False, "tools": [], "response_format": {"type":
-                                                                                "text"}})
+    r = parse_chat(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "add_generation_prompt": False,
+            "tools": [],
+            "response_format": {"type": "text"},
+        }
+    )
     assert r.prompt_text == "user: hi\n"
 
 
-@pytest.mark.parametrize("extra, param, fragment", [
-    ({"messages": []}, "messages", "non-empty array"),
-    ({"messages": "hi"}, "messages", "non-empty array"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content",
-     "string or an array of text parts"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content", "only text parts"),
-    ({"messages": [{"content": "x"}]}, "messages[0].role", "role must be a non-empty string"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
-     "messages[0].tool_calls", "not supported"),
-    ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"tool_choice": "auto"}, "tool_choice", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
-    ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
-    ({"top_logprobs": 3}, "top_logprobs", "needs logprobs to be true"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens", "must be an integer >= 1"),
-    ({"max_tokens": 5000}, "max_tokens", "server's limit"),
-    ({"prompt": "x"}, "prompt", "Unrecognized request argument"),
-    ({"suffix": "x"}, "suffix", "Unrecognized request argument"),
-    ({"chat_template_kwargs": []}, "chat_template_kwargs", "must be an object"),
-])
+@pytest.mark.parametrize(
+    "extra, param, fragment",
+    [
+        ({"messages": []}, "messages", "non-empty array"),
+        ({"messages": "hi"}, "messages", "non-empty array"),
+        (
+            {"messages": [{"role": "user", "content": 3}]},
+            "messages[0].content",
+            "string or an array of text parts",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+            "only text parts",
+        ),
+        ({"messages": [{"content": "x"}]}, "messages[0].role", "role must be a non-empty string"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+            "messages[0].tool_calls",
+            "not supported",
+        ),
+        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"tool_choice": "auto"}, "tool_choice", "not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+        ({"top_logprobs": 3}, "top_logprobs", "needs logprobs to be true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "must be an integer >= 1"),
+        ({"max_tokens": 5000}, "max_tokens", "server's limit"),
+        ({"prompt": "x"}, "prompt", "Unrecognized request argument"),
+        ({"suffix": "x"}, "suffix", "Unrecognized request argument"),
+        ({"chat_template_kwargs": []}, "chat_template_kwargs", "must be an object"),
+    ],
+)
 def test_bad_chat_bodies_get_400_naming_the_field(extra, param, fragment):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **extra}
     with pytest.raises(ApiError) as info:
@@ -542,8 +755,8 @@ def test_choice_text_stop_strings_as_vllm():
     # streaming holds back len(longest stop) - 1 characters, so no part of a stop is sent
     held = ChoiceText(decode, ("STOP",))
     assert held.feed(TOK.encode("Hello ST", add_bos=False)) is None
-    assert held.text[:held.emittable] == "Hello"
-    assert held.finish() is False and held.text[:held.emittable] == "Hello ST"
+    assert held.text[: held.emittable] == "Hello"
+    assert held.finish() is False and held.text[: held.emittable] == "Hello ST"
     # not before min_tokens tokens: a stop string inside the first min_tokens is text
     late = ChoiceText(decode, ("l",), min_tokens=3)
     assert late.feed(TOK.encode("hello", add_bos=False)) == 4 and late.text == "hel"
@@ -561,27 +774,57 @@ def test_chat_and_logprob_shapes():
         response_body,
     )
 
-    r = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                    "return_token_ids": True, "logprobs": True, "top_logprobs": 1})
-    body = response_body("chatcmpl-1", 5, "tiny", r,
-                         [ChoiceResult(0, "ab", [97, 98], "length", None, None, {"x": 1})],
-                         {"x": 1})
+    r = parse_chat(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "return_token_ids": True,
+            "logprobs": True,
+            "top_logprobs": 1,
+        }
+    )
+    body = response_body(
+        "chatcmpl-1",
+        5,
+        "tiny",
+        r,
+        [ChoiceResult(0, "ab", [97, 98], "length", None, None, {"x": 1})],
+        {"x": 1},
+    )
     assert body["object"] == "chat.completion" and body["prompt_token_ids"][0] == 256
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "ab"}
     assert choice["token_ids"] == [97, 98] and choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(r.prompt_token_ids), "completion_tokens": 2,
-                             "total_tokens": len(r.prompt_token_ids) + 2}
+    assert body["usage"] == {
+        "prompt_tokens": len(r.prompt_token_ids),
+        "completion_tokens": 2,
+        "total_tokens": len(r.prompt_token_ids) + 2,
+    }
     entries = [(-0.5, (98, 97), (-0.1, -0.5)), None]
     chat = chat_logprobs([97, 98], entries, lambda t: chr(t))
-    assert chat["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
-        {"token": "b", "logprob": -0.1, "bytes": [98]},
-        {"token": "a", "logprob": -0.5, "bytes": [97]}]}
+    assert chat["content"][0] == {
+        "token": "a",
+        "logprob": -0.5,
+        "bytes": [97],
+        "top_logprobs": [
+            {"token": "b", "logprob": -0.1, "bytes": [98]},
+            {"token": "a", "logprob": -0.5, "bytes": [97]},
+        ],
+    }
     assert chat["content"][1]["logprob"] is None
-    comp, end = completion_logprobs([97, 98], [(-0.5, (98,), (-0.1,)), (-1.0, (), ())],
-                                    lambda t: chr(t), offset=3)
-    assert comp == {"text_offset": [3, 4], "token_logprobs": [-0.5, -1.0], "tokens": ["a", "b"],
-                    "top_logprobs": [{"b": -0.1, "a": -0.5}, {"b": -1.0}]} and end == 5
+    comp, end = completion_logprobs(
+        [97, 98], [(-0.5, (98,), (-0.1,)), (-1.0, (), ())], lambda t: chr(t), offset=3
+    )
+    assert (
+        comp
+        == {
+            "text_offset": [3, 4],
+            "token_logprobs": [-0.5, -1.0],
+            "tokens": ["a", "b"],
+            "top_logprobs": [{"b": -0.1, "a": -0.5}, {"b": -1.0}],
+        }
+        and end == 5
+    )
     first = completion_chunk("c", 1, "tiny", "a", r, [97], first=True)
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
@@ -593,39 +836,68 @@ def test_chat_and_logprob_shapes():
 async def _token(daemon, rid, index, ids, producer="relay", **extra):
     from pddnet.protocol import messages as m
 
-    await daemon.send(m.TokenEvent(request_id=rid, index=index, token_ids=tuple(ids),
-                                   producer=producer, time=time.time(), **extra))
+    await daemon.send(
+        m.TokenEvent(
+            request_id=rid,
+            index=index,
+            token_ids=tuple(ids),
+            producer=producer,
+            time=time.time(),
+            **extra,
+        )
+    )
 
 
 async def _done(daemon, rid, n, producer="relay"):
     from pddnet.protocol import messages as m
 
-    await daemon.send(m.RequestDone(request_id=rid, reason="length", num_prompt_tokens=3,
-                                    num_output_tokens=n, producer=producer, time=time.time()))
+    await daemon.send(
+        m.RequestDone(
+            request_id=rid,
+            reason="length",
+            num_prompt_tokens=3,
+            num_output_tokens=n,
+            producer=producer,
+            time=time.time(),
+        )
+    )
 
 
 async def test_router_stop_string_ends_the_choice_and_cancels_the_daemons():
     from pddnet.protocol import messages as m
 
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(http.post(
-            router.url + "/v1/completions",
-            json={"model": "tiny", "prompt": "ab", "max_tokens": 50, "temperature": 0,
-                  "stop": ["!!", "zz"], "return_token_ids": True, "stream": True}))
+        post = asyncio.ensure_future(
+            http.post(
+                router.url + "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": "ab",
+                    "max_tokens": 50,
+                    "temperature": 0,
+                    "stop": ["!!", "zz"],
+                    "return_token_ids": True,
+                    "stream": True,
+                },
+            )
+        )
         rid = (await daemons["prefill"].wait_for(m.Submit)).request_id
         await _token(daemons["relay"], rid, 0, b"Hi!")
         await _token(daemons["main_decode"], rid, 4, b"yy", "main_decode")  # not released yet
-        await _token(daemons["relay"], rid, 3, b"!x")     # "Hi!!" completes "!!" at index 3
+        await _token(daemons["relay"], rid, 3, b"!x")  # "Hi!!" completes "!!" at index 3
         resp = await post
-        lines = [json.loads(line[6:]) for line in (await resp.read()).split(b"\n\n")
-                 if line.startswith(b"data: {")]
+        lines = [
+            json.loads(line[6:])
+            for line in (await resp.read()).split(b"\n\n")
+            if line.startswith(b"data: {")
+        ]
         text = "".join(c["choices"][0]["text"] for c in lines)
         ids = [t for c in lines for t in c["choices"][0].get("token_ids", [])]
-        assert text == "Hi" and ids == list(b"Hi!!")   # the stop string is not in the text
+        assert text == "Hi" and ids == list(b"Hi!!")  # the stop string is not in the text
         last = lines[-1]["choices"][0]
         assert last["finish_reason"] == "stop" and last["stop_reason"] == "!!"
-        assert all("!" not in c["choices"][0]["text"] for c in lines)   # never sent, held
-        for d in daemons.values():   # every daemon is told to stop and free the request
+        assert all("!" not in c["choices"][0]["text"] for c in lines)  # never sent, held
+        for d in daemons.values():  # every daemon is told to stop and free the request
             cancel = await d.wait_for(m.Cancel)
             assert cancel.request_id == rid and "stop string" in cancel.reason
         assert router.stats()["active_requests"] == 0
@@ -635,10 +907,21 @@ async def test_router_n_choices_have_derived_seeds_and_logprobs():
     from pddnet.protocol import messages as m
 
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(http.post(
-            router.url + "/v1/completions",
-            json={"model": "tiny", "prompt": "ab", "max_tokens": 2, "temperature": 0.7,
-                  "seed": 41, "n": 2, "logprobs": 1, "return_token_ids": True}))
+        post = asyncio.ensure_future(
+            http.post(
+                router.url + "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": "ab",
+                    "max_tokens": 2,
+                    "temperature": 0.7,
+                    "seed": 41,
+                    "n": 2,
+                    "logprobs": 1,
+                    "return_token_ids": True,
+                },
+            )
+        )
         p = daemons["prefill"]
         while sum(isinstance(x, m.Submit) for x in p.received) < 2:
             await p.wait_for(m.Submit)
@@ -646,9 +929,15 @@ async def test_router_n_choices_have_derived_seeds_and_logprobs():
         subs = [x for x in p.received if isinstance(x, m.Submit)]
         assert [s.seed for s in subs] == [41, 42] and all(s.logprobs == 1 for s in subs)
         for i, sub in enumerate(subs):
-            await _token(daemons["relay"], sub.request_id, 0, [65 + i, 66],
-                         logprobs=(-0.25, -0.5), top_logprob_ids=(65 + i, 66),
-                         top_logprobs=(-0.25, -0.5))
+            await _token(
+                daemons["relay"],
+                sub.request_id,
+                0,
+                [65 + i, 66],
+                logprobs=(-0.25, -0.5),
+                top_logprob_ids=(65 + i, 66),
+                top_logprobs=(-0.25, -0.5),
+            )
             await _done(daemons["relay"], sub.request_id, 2)
         resp = await post
         body = await resp.json()
@@ -667,25 +956,37 @@ async def test_router_chat_stream_shape():
     from pddnet.protocol import messages as m
 
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(http.post(
-            router.url + "/v1/chat/completions",
-            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                  "max_tokens": 3, "temperature": 0, "stream": True,
-                  "stream_options": {"include_usage": True}}))
+        post = asyncio.ensure_future(
+            http.post(
+                router.url + "/v1/chat/completions",
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+        )
         sub = await daemons["prefill"].wait_for(m.Submit)
         assert sub.prompt_token_ids == tuple(TOK.encode("user: hi\nassistant:", add_bos=True))
         await _token(daemons["relay"], sub.request_id, 0, b"OK.")
         await _done(daemons["relay"], sub.request_id, 3)
         resp = await post
-        chunks = [json.loads(line[6:]) for line in (await resp.read()).split(b"\n\n")
-                  if line.startswith(b"data: {")]
+        chunks = [
+            json.loads(line[6:])
+            for line in (await resp.read()).split(b"\n\n")
+            if line.startswith(b"data: {")
+        ]
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "OK."}
         assert chunks[-2]["choices"][0]["finish_reason"] == "length" and "pdd" in chunks[-2]
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
-        async with http.post(router.url + "/v1/chat/completions",
-                             json={"model": "tiny", "messages": [{"role": "user"}],
-                                   "tools": [{"type": "function"}]}) as r:
+        async with http.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user"}], "tools": [{"type": "function"}]},
+        ) as r:
             err = (await r.json())["error"]
             assert r.status == 400 and err["param"] == "tools"
 
@@ -694,35 +995,65 @@ async def test_router_streams_n_choices_each_to_its_end():
     from pddnet.protocol import messages as m
 
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(http.post(
-            router.url + "/v1/completions",
-            json={"model": "tiny", "prompt": "ab", "max_tokens": 3, "temperature": 0,
-                  "n": 2, "stream": True, "stream_options": {"include_usage": True}}))
+        post = asyncio.ensure_future(
+            http.post(
+                router.url + "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": "ab",
+                    "max_tokens": 3,
+                    "temperature": 0,
+                    "n": 2,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+        )
         p = daemons["prefill"]
         while sum(isinstance(x, m.Submit) for x in p.received) < 2:
             await p.wait_for(m.Submit)
             await asyncio.sleep(0.01)
         subs = [x for x in p.received if isinstance(x, m.Submit)]
-        assert [s.seed for s in subs] == [None, None]    # greedy: both choices alike
-        await _token(daemons["relay"], subs[1].request_id, 0, b"xyz")   # choice 1 ends first
-        await daemons["relay"].send(m.RequestDone(
-            request_id=subs[1].request_id, reason="length", num_prompt_tokens=3,
-            num_output_tokens=3, producer="relay", time=time.time()))
+        assert [s.seed for s in subs] == [None, None]  # greedy: both choices alike
+        await _token(daemons["relay"], subs[1].request_id, 0, b"xyz")  # choice 1 ends first
+        await daemons["relay"].send(
+            m.RequestDone(
+                request_id=subs[1].request_id,
+                reason="length",
+                num_prompt_tokens=3,
+                num_output_tokens=3,
+                producer="relay",
+                time=time.time(),
+            )
+        )
         await asyncio.sleep(0.1)
         await _token(daemons["relay"], subs[0].request_id, 0, b"xy")
         await _token(daemons["main_decode"], subs[0].request_id, 2, b"z", "main_decode")
-        await daemons["main_decode"].send(m.RequestDone(
-            request_id=subs[0].request_id, reason="length", num_prompt_tokens=3,
-            num_output_tokens=3, producer="main_decode", time=time.time()))
+        await daemons["main_decode"].send(
+            m.RequestDone(
+                request_id=subs[0].request_id,
+                reason="length",
+                num_prompt_tokens=3,
+                num_output_tokens=3,
+                producer="main_decode",
+                time=time.time(),
+            )
+        )
         resp = await asyncio.wait_for(post, 5)
-        chunks = [json.loads(line[6:]) for line in (await resp.read()).split(b"\n\n")
-                  if line.startswith(b"data: {")]
+        chunks = [
+            json.loads(line[6:])
+            for line in (await resp.read()).split(b"\n\n")
+            if line.startswith(b"data: {")
+        ]
         texts = {0: "", 1: ""}
         for c in chunks[:-1]:
             (choice,) = c["choices"]
             texts[choice["index"]] += choice["text"]
         assert texts == {0: "xyz", 1: "xyz"}
-        finals = [c["choices"][0]["index"] for c in chunks[:-1]
-                  if c["choices"][0]["finish_reason"] == "length"]
+        finals = [
+            c["choices"][0]["index"]
+            for c in chunks[:-1]
+            if c["choices"][0]["finish_reason"] == "length"
+        ]
         assert finals == [1, 0]
         assert chunks[-1]["usage"]["completion_tokens"] == 6

@@ -27,9 +27,12 @@ def _reference(max_tokens: int, temperature: float = 0.0, seed: int | None = Non
     model, tok = load_model("tiny")
     engine = Engine(model, tok, num_blocks=64, block_size=16)
     try:
-        return engine.generate(tok.encode(PROMPT, add_bos=True), max_tokens,
-                               SamplingParams(temperature=temperature, seed=seed),
-                               ignore_eos=True)
+        return engine.generate(
+            tok.encode(PROMPT, add_bos=True),
+            max_tokens,
+            SamplingParams(temperature=temperature, seed=seed),
+            ignore_eos=True,
+        )
     finally:
         engine.close()
 
@@ -40,16 +43,20 @@ async def test_official_client_streams_from_the_router():
     seeded = _reference(24, temperature=0.8, seed=1234)
     _, tok = load_model("tiny")
     async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=30, bw_mbit=4) as cluster:
-        client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused",
-                                    max_retries=0)
+        client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
         try:
             models = await client.models.list()
             assert [m.id for m in models.data] == ["tiny"]
 
             stream = await client.completions.create(
-                model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                model="tiny",
+                prompt=PROMPT,
+                max_tokens=40,
+                temperature=0,
+                stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"return_token_ids": True, "ignore_eos": True})
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
             text, ids, finish, pdd, usage = "", [], None, None, None
             chunks = 0
             async for chunk in stream:
@@ -74,8 +81,13 @@ async def test_official_client_streams_from_the_router():
             assert events[0] == "arrival" and "prefill_start" in events and events[-1] == "done"
 
             whole = await client.completions.create(
-                model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.8, seed=1234,
-                extra_body={"return_token_ids": True, "ignore_eos": True})
+                model="tiny",
+                prompt=PROMPT,
+                max_tokens=24,
+                temperature=0.8,
+                seed=1234,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
             assert whole.choices[0].model_extra["token_ids"] == seeded
             assert whole.choices[0].text == tok.decode(seeded)
 
@@ -91,7 +103,6 @@ async def test_official_client_streams_from_the_router():
 # -- chat completions on a real checkpoint folder, and vLLM's sampling extensions (issue 24) -----
 
 
-
 def chat_checkpoint(folder: Path) -> Path:
     """The tiny preset's weights (seed 0) in Hugging Face layout, with SmolLM2-Instruct's chat
     template in tokenizer_config.json (the byte tokenizer: no tokenizer.json)."""
@@ -99,8 +110,9 @@ def chat_checkpoint(folder: Path) -> Path:
     from pddnet.model.loader import init_random, save_hf
 
     save_hf(init_random(ModelConfig.preset("tiny"), 0), folder)
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "bos_token": "<bos>", "eos_token": "<eos>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "bos_token": "<bos>", "eos_token": "<eos>"})
+    )
     return folder
 
 
@@ -135,8 +147,10 @@ async def test_chat_and_sampling_extensions_on_a_pdd_cluster(tmp_path):
         finally:
             engine.close()
 
-    chat = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Tell me about the WAN."}]
+    chat = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Tell me about the WAN."},
+    ]
     p1 = prompt_of(chat)
     greedy = ref(p1, 48)
     seeded = [ref(p1, 24, temperature=0.8, seed=choice_seed(99, i)) for i in range(2)]
@@ -150,21 +164,33 @@ async def test_chat_and_sampling_extensions_on_a_pdd_cluster(tmp_path):
     long_prompt = prompt_of([{"role": "user", "content": "Write a long story."}])
     story = ref(long_prompt, 400, _ignore_eos=True)
     story_text = tok.decode(story)
-    cut = next(i for i in range(len(tok.decode(story[:150])), len(story_text) - 2)
-               if story_text[i:i + 2].isalnum() and story_text.find(story_text[i:i + 2]) == i)
-    stop = story_text[cut:cut + 2]
+    cut = next(
+        i
+        for i in range(len(tok.decode(story[:150])), len(story_text) - 2)
+        if story_text[i : i + 2].isalnum() and story_text.find(story_text[i : i + 2]) == i
+    )
+    stop = story_text[cut : cut + 2]
 
-    async with LocalCluster(mode="pdd", model=str(folder), wan="proxy", rtt_ms=30,
-                            overrides={"policy.pipeline": "p_rld_md"}) as cluster:
-        client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused",
-                                    max_retries=0)
+    async with LocalCluster(
+        mode="pdd",
+        model=str(folder),
+        wan="proxy",
+        rtt_ms=30,
+        overrides={"policy.pipeline": "p_rld_md"},
+    ) as cluster:
+        client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
         name = folder.name
         try:
             # (1) the official client's chat API, streamed, token-exact
             stream = await client.chat.completions.create(
-                model=name, messages=chat, max_tokens=48, temperature=0, stream=True,
+                model=name,
+                messages=chat,
+                max_tokens=48,
+                temperature=0,
+                stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"return_token_ids": True})
+                extra_body={"return_token_ids": True},
+            )
             text, ids, roles, finish, usage, prompt_ids = "", [], [], None, None, None
             async for chunk in stream:
                 usage = chunk.usage or usage
@@ -180,8 +206,14 @@ async def test_chat_and_sampling_extensions_on_a_pdd_cluster(tmp_path):
 
             # n = 2: two completions, each with its own seed (seed + i), token-exact
             both = await client.chat.completions.create(
-                model=name, messages=chat, max_tokens=24, temperature=0.8, seed=99, n=2,
-                extra_body={"return_token_ids": True, "ignore_eos": True})
+                model=name,
+                messages=chat,
+                max_tokens=24,
+                temperature=0.8,
+                seed=99,
+                n=2,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
             assert [c.index for c in both.choices] == [0, 1]
             assert [c.model_extra["token_ids"] for c in both.choices] == seeded
             assert [c.message.content for c in both.choices] == [tok.decode(s) for s in seeded]
@@ -190,31 +222,60 @@ async def test_chat_and_sampling_extensions_on_a_pdd_cluster(tmp_path):
             # (2) AIPerf-style: min_tokens, ignore_eos, stream_options.include_usage
             async with aiohttp.ClientSession() as http:
                 for path, body in (
-                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-                            {"type": "text", "text": "benchmark prompt"}]}],
-                            "max_completion_tokens": 40}),
-                        ("/v1/completions", {"prompt": "benchmark prompt", "max_tokens": 40})):
-                    body.update(model=name, stream=True, min_tokens=40, ignore_eos=True,
-                                stream_options={"include_usage": True})
+                    (
+                        "/v1/chat/completions",
+                        {
+                            "messages": [
+                                {
+                                    "role": "user",
+                                    "content": [{"type": "text", "text": "benchmark prompt"}],
+                                }
+                            ],
+                            "max_completion_tokens": 40,
+                        },
+                    ),
+                    ("/v1/completions", {"prompt": "benchmark prompt", "max_tokens": 40}),
+                ):
+                    body.update(
+                        model=name,
+                        stream=True,
+                        min_tokens=40,
+                        ignore_eos=True,
+                        stream_options={"include_usage": True},
+                    )
                     async with http.post(cluster.url + path, json=body) as r:
                         assert r.status == 200, await r.text()
-                        events = [json.loads(line[6:]) for line in
-                                  (await r.read()).split(b"\n\n") if line.startswith(b"data: {")]
-                    assert events[-1]["choices"] == [] and \
-                        events[-1]["usage"]["completion_tokens"] == 40, events[-1]
+                        events = [
+                            json.loads(line[6:])
+                            for line in (await r.read()).split(b"\n\n")
+                            if line.startswith(b"data: {")
+                        ]
+                    assert (
+                        events[-1]["choices"] == []
+                        and events[-1]["usage"]["completion_tokens"] == 40
+                    ), events[-1]
 
                 # (4) a stop string: excluded from the text, finish_reason stop, KV freed
-                body = {"model": name, "messages": [{"role": "user",
-                                                     "content": "Write a long story."}],
-                        "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stop": [stop],
-                        "return_token_ids": True, "stream": True}
+                body = {
+                    "model": name,
+                    "messages": [{"role": "user", "content": "Write a long story."}],
+                    "max_tokens": 400,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stop": [stop],
+                    "return_token_ids": True,
+                    "stream": True,
+                }
                 async with http.post(cluster.url + "/v1/chat/completions", json=body) as r:
-                    chunks = [json.loads(line[6:]) for line in (await r.read()).split(b"\n\n")
-                              if line.startswith(b"data: {")]
+                    chunks = [
+                        json.loads(line[6:])
+                        for line in (await r.read()).split(b"\n\n")
+                        if line.startswith(b"data: {")
+                    ]
                 got = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
                 got_ids = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
                 assert got == story_text[:cut] and stop not in got
-                assert got_ids == story[:len(got_ids)] and len(got_ids) < 400
+                assert got_ids == story[: len(got_ids)] and len(got_ids) < 400
                 assert stop in tok.decode(got_ids) and stop not in tok.decode(got_ids[:-1])
                 assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
                 assert chunks[-1]["choices"][0]["stop_reason"] == stop
@@ -222,22 +283,35 @@ async def test_chat_and_sampling_extensions_on_a_pdd_cluster(tmp_path):
 
             # (5) a conversation: turn 2 moves only its new tokens' KV over the WAN
             r1 = await client.chat.completions.create(
-                model=name, messages=chat, max_tokens=160, temperature=0,
-                extra_body={"min_tokens": 100, "stop_token_ids": ascii_stop,
-                            "return_token_ids": True})
+                model=name,
+                messages=chat,
+                max_tokens=160,
+                temperature=0,
+                extra_body={
+                    "min_tokens": 100,
+                    "stop_token_ids": ascii_stop,
+                    "return_token_ids": True,
+                },
+            )
             out1 = r1.choices[0].model_extra["token_ids"]
             pdd1 = r1.model_extra["pdd"]
-            assert out1 == turn1 and pdd1["main_tokens"] > 0, pdd1   # MD computed the reply
-            chat2 = chat + [{"role": "assistant", "content": r1.choices[0].message.content},
-                            {"role": "user", "content": "And the relay?"}]
-            r2 = await client.chat.completions.create(   # long enough for MD to take it
-                model=name, messages=chat2, max_tokens=100, temperature=0,
-                extra_body={"return_token_ids": True, "ignore_eos": True})
+            assert out1 == turn1 and pdd1["main_tokens"] > 0, pdd1  # MD computed the reply
+            chat2 = chat + [
+                {"role": "assistant", "content": r1.choices[0].message.content},
+                {"role": "user", "content": "And the relay?"},
+            ]
+            r2 = await client.chat.completions.create(  # long enough for MD to take it
+                model=name,
+                messages=chat2,
+                max_tokens=100,
+                temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
             p2, pdd2 = r2.model_extra["prompt_token_ids"], r2.model_extra["pdd"]
             assert p2 == prompt_of(chat2)
             assert "md_kv_complete" in [e["event"] for e in pdd2["timeline"]], pdd2
-            cached = common_prefix(p2, p1 + out1[:-1])   # what MD's radix tree holds of p2
-            assert cached >= len(p1) + len(out1) - 1      # the whole first turn
+            cached = common_prefix(p2, p1 + out1[:-1])  # what MD's radix tree holds of p2
+            assert cached >= len(p1) + len(out1) - 1  # the whole first turn
             block = cluster.config.main_decode.block_size
             assert pdd2["prefix_hit_tokens"] == min(cached, len(p2) - 1) // block * block
             # the KV of turn 2's new tokens (plus the cached run's unfinished last block)
@@ -246,13 +320,15 @@ async def test_chat_and_sampling_extensions_on_a_pdd_cluster(tmp_path):
             assert pdd2["wan_kv_bytes"] == shipped * 1024 < len(p2) * 1024 // 3
 
             # (6) unsupported fields: a 400 that names them
-            for kwargs, field in (({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                                   "tools"),
-                                  ({"logit_bias": {"5": 3}}, "logit_bias"),
-                                  ({"extra_body": {"echo": True}}, "echo")):
+            for kwargs, field in (
+                ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                ({"logit_bias": {"5": 3}}, "logit_bias"),
+                ({"extra_body": {"echo": True}}, "echo"),
+            ):
                 with pytest.raises(openai.BadRequestError) as info:
-                    await client.chat.completions.create(model=name, messages=chat,
-                                                         max_tokens=2, **kwargs)
+                    await client.chat.completions.create(
+                        model=name, messages=chat, max_tokens=2, **kwargs
+                    )
                 assert info.value.body["param"] == field and field in info.value.message
             with pytest.raises(openai.BadRequestError, match="suffix"):
                 await client.completions.create(model=name, prompt="x", suffix="y")

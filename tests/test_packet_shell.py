@@ -16,9 +16,12 @@ from emulation.effects import implied_jitter_std_ms
 from emulation.probes import TcpSink, UdpEcho, tcp_send_for, udp_rtts, udp_stream
 from emulation.testbed import Testbed
 
-pytestmark = [pytest.mark.root,
-              pytest.mark.skipif(root_netns_missing_reason() is not None,
-                                 reason=str(root_netns_missing_reason()))]
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(
+        root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
+    ),
+]
 
 _names = iter(range(1000))
 
@@ -63,8 +66,9 @@ async def test_delay_15ms_each_way_gives_30ms_rtt_median():
 
 
 async def test_normal_jitter_std_matches_the_model_and_does_not_reorder():
-    async with Testbed(name=tb_name(), rtt_ms=30, jitter_ms=5, jitter_dist="normal",
-                       shell="packet") as tb:
+    async with Testbed(
+        name=tb_name(), rtt_ms=30, jitter_ms=5, jitter_dist="normal", shell="packet"
+    ) as tb:
         # Probes >= 25 ms apart: the in-order rule (a packet never overtakes the one ahead)
         # then almost never binds, so the RTT is the sum of two independent draws.
         got = await rtts(tb, 200, 0.025)
@@ -87,9 +91,12 @@ async def test_normal_jitter_std_matches_the_model_and_does_not_reorder():
 async def bulk(tb: Testbed, port: int, seconds: float, flows: int = 1) -> TcpSink:
     sink = TcpSink(tcp_listener(tb, port))
     try:
-        await asyncio.gather(*[
-            asyncio.to_thread(tcp_send_for, tb.socket("a"), (tb.addr_b, port), seconds)
-            for _ in range(flows)])
+        await asyncio.gather(
+            *[
+                asyncio.to_thread(tcp_send_for, tb.socket("a"), (tb.addr_b, port), seconds)
+                for _ in range(flows)
+            ]
+        )
         await asyncio.sleep(0.3)  # let what is still queued arrive
     finally:
         sink.stop()
@@ -118,24 +125,35 @@ async def test_bulk_tcp_reaches_the_rate_and_two_flows_share_it():
 
 
 async def test_small_queue_tail_drops_are_counted():
-    async with Testbed(name=tb_name(), rtt_ms=20, bw_mbit=100, queue_bytes=30_000,
-                       shell="packet") as tb:
+    async with Testbed(
+        name=tb_name(), rtt_ms=20, bw_mbit=100, queue_bytes=30_000, shell="packet"
+    ) as tb:
         sink = await bulk(tb, 5003, 2.0)
         counters = (await tb.link.show())["a_to_b"]["counters"]
     assert counters["drops"]["queue_full"] > 0
     assert counters["queue"]["max_bytes"] <= 30_000
     assert sink.total() > 0  # TCP recovered from the drops and kept going
     # Every packet that entered was either delivered, dropped or is still in the link.
-    assert counters["packets_in"] == (counters["packets_out"] + sum(counters["drops"].values())
-                                      + counters["queue"]["packets"]
-                                      + counters["in_flight_packets"] - counters["duplicated"])
+    assert counters["packets_in"] == (
+        counters["packets_out"]
+        + sum(counters["drops"].values())
+        + counters["queue"]["packets"]
+        + counters["in_flight_packets"]
+        - counters["duplicated"]
+    )
 
 
 def binomial_interval(n: int, p: float, conf: float = 0.99) -> tuple[int, int]:
     """Central interval [lo, hi] holding at least `conf` of Binomial(n, p)."""
+
     def log_pmf(k: int) -> float:
-        return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
-                + k * math.log(p) + (n - k) * math.log1p(-p))
+        return (
+            math.lgamma(n + 1)
+            - math.lgamma(k + 1)
+            - math.lgamma(n - k + 1)
+            + k * math.log(p)
+            + (n - k) * math.log1p(-p)
+        )
 
     pmf = [math.exp(log_pmf(k)) for k in range(n + 1)]
     tail = (1 - conf) / 2
@@ -204,11 +222,13 @@ async def test_partition_stops_traffic_then_the_same_tcp_connection_recovers():
 
 
 async def test_schedule_rate_collapse_takes_effect_on_time():
-    async with Testbed(name=tb_name(), rtt_ms=2, bw_mbit=200, queue_bytes=200_000,
-                       shell="packet") as tb:
+    async with Testbed(
+        name=tb_name(), rtt_ms=2, bw_mbit=200, queue_bytes=200_000, shell="packet"
+    ) as tb:
         sink = TcpSink(tcp_listener(tb, 5005))
-        send = asyncio.create_task(asyncio.to_thread(
-            tcp_send_for, tb.socket("a"), (tb.addr_b, 5005), 2.5))
+        send = asyncio.create_task(
+            asyncio.to_thread(tcp_send_for, tb.socket("a"), (tb.addr_b, 5005), 2.5)
+        )
         try:
             await asyncio.sleep(0.7)
             reply = await tb.link.schedule([{"at": 0.8, "direction": "a_to_b", "rate_mbit": 10}])

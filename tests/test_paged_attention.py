@@ -34,8 +34,17 @@ def _table(rng: random.Random, kind: str, needed: int, num_blocks: int) -> list[
     return table
 
 
-def _case(rng: random.Random, n: int, t: int, block_size: int, kv_heads: int, group: int,
-          head_dim: int, kind: str, dtype: torch.dtype = torch.float64):
+def _case(
+    rng: random.Random,
+    n: int,
+    t: int,
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    kind: str,
+    dtype: torch.dtype = torch.float64,
+):
     needed = -(-n // block_size)
     num_blocks = 2 * needed + 3
     table = _table(rng, kind, needed, num_blocks)
@@ -45,8 +54,14 @@ def _case(rng: random.Random, n: int, t: int, block_size: int, kv_heads: int, gr
     slots = torch.tensor([table[i // block_size] * block_size + i % block_size for i in range(n)])
     keys, values = k_blocks.flatten(0, 1)[slots], v_blocks.flatten(0, 1)[slots]
     # a longer table than needed, as the engine's tables are (room for later tokens)
-    return (q.to(dtype), k_blocks.to(dtype), v_blocks.to(dtype), table + [0, 1],
-            keys.to(dtype), values.to(dtype))
+    return (
+        q.to(dtype),
+        k_blocks.to(dtype),
+        v_blocks.to(dtype),
+        table + [0, 1],
+        keys.to(dtype),
+        values.to(dtype),
+    )
 
 
 @pytest.mark.parametrize("tiles", ["default", "small"])
@@ -62,12 +77,17 @@ def test_paged_attention_equals_causal_attention(tiles, monkeypatch):
         for mode in ("decode", "extend", "prefill", "chunk"):
             for _ in range(4):
                 n = rng.randint(1, 700 if tiles == "default" else 150)
-                t = {"decode": 1, "extend": rng.randint(1, min(n, 9)), "prefill": n,
-                     "chunk": rng.randint(1, n)}[mode]
+                t = {
+                    "decode": 1,
+                    "extend": rng.randint(1, min(n, 9)),
+                    "prefill": n,
+                    "chunk": rng.randint(1, n),
+                }[mode]
                 block_size = rng.choice([1, 3, 4, 16])
                 kv_heads, group = rng.choice([(1, 1), (1, 2), (2, 2), (2, 4), (4, 1)])
-                q, kb, vb, table, keys, values = _case(rng, n, t, block_size, kv_heads, group,
-                                                       rng.choice([8, 16]), kind)
+                q, kb, vb, table, keys, values = _case(
+                    rng, n, t, block_size, kv_heads, group, rng.choice([8, 16]), kind
+                )
                 plan = plan_chunk(table, n, block_size, t, kv_heads * group, kv_heads)
                 out = paged_attention(q, kb, vb, plan, q_offset=n - t)
                 ref = causal_attention(q, keys, values, q_offset=n - t)
@@ -82,16 +102,26 @@ def test_several_chunks_of_one_sequence_each_equal_the_reference():
     # a prompt computed in chunks: chunk i attends over everything before it plus itself
     rng = random.Random(3)
     q, kb, vb, table, keys, values = _case(rng, 1000, 1000, 16, 2, 2, 16, "mixed")
-    out = torch.cat([paged_attention(q[s:e], kb, vb, plan_chunk(table, e, 16, e - s, 4, 2), s)
-                     for s, e in ((0, 300), (300, 301), (301, 777), (777, 1000))])
+    out = torch.cat(
+        [
+            paged_attention(q[s:e], kb, vb, plan_chunk(table, e, 16, e - s, 4, 2), s)
+            for s, e in ((0, 300), (300, 301), (301, 777), (777, 1000))
+        ]
+    )
     ref = causal_attention(q, keys, values, q_offset=0)
     assert (out - ref).abs().max().item() < 1e-10
 
 
-@pytest.mark.parametrize("pool_dtype, q_dtype, tol", [
-    (torch.bfloat16, torch.float64, 1e-10), (torch.float32, torch.float64, 1e-10),
-    (torch.float32, torch.bfloat16, 2e-4), (torch.float64, torch.bfloat16, 2e-4),
-    (torch.bfloat16, torch.float32, 1e-6)])
+@pytest.mark.parametrize(
+    "pool_dtype, q_dtype, tol",
+    [
+        (torch.bfloat16, torch.float64, 1e-10),
+        (torch.float32, torch.float64, 1e-10),
+        (torch.float32, torch.bfloat16, 2e-4),
+        (torch.float64, torch.bfloat16, 2e-4),
+        (torch.bfloat16, torch.float32, 1e-6),
+    ],
+)
 def test_narrow_pool_dtype_is_read_as_gather_then_reference_would(pool_dtype, q_dtype, tol):
     # gather(dtype=q.dtype) cast the stored K/V to q's dtype; paged attention must see the same
     rng = random.Random(5)
@@ -120,9 +150,9 @@ def test_plan_reads_runs_in_place_gathers_only_scattered_blocks_and_bounds_tiles
     rows = min(2048, chunk.query_tile) * 2
     assert all(rows * (t.end - t.start) <= pa.SCORE_TILE_ELEMENTS for t in chunk.tiles)
     # a long run is viewed in place; the scattered rest is gathered in bounded tiles
-    tile_blocks = pa.MAX_TILE_KEYS // bs           # a decode's tile
-    long = tile_blocks // pa.MIN_VIEW_SHARE + 3     # just long enough to be read in place
-    scattered = list(range(90_000, 80_000, -2))[:2 * tile_blocks + 7]
+    tile_blocks = pa.MAX_TILE_KEYS // bs  # a decode's tile
+    long = tile_blocks // pa.MIN_VIEW_SHARE + 3  # just long enough to be read in place
+    scattered = list(range(90_000, 80_000, -2))[: 2 * tile_blocks + 7]
     table = list(range(100, 100 + long)) + scattered + list(range(50_000, 50_010))
     plan = plan_chunk(table, len(table) * bs - 5, bs, 1, 2, 1)
     views = [t for t in plan.tiles if t.index is None]
@@ -131,8 +161,7 @@ def test_plan_reads_runs_in_place_gathers_only_scattered_blocks_and_bounds_tiles
     assert len(gathers) == 3 and sum(t.num_blocks for t in gathers) == len(scattered) + 10
     assert all(t.num_blocks <= pa.MAX_TILE_KEYS // bs for t in plan.tiles)
     assert all(a.end == b.start for a, b in zip(plan.tiles, plan.tiles[1:], strict=False))
-    assert torch.cat([t.index for t in gathers]).tolist() == scattered + list(range(50_000,
-                                                                                 50_010))
+    assert torch.cat([t.index for t in gathers]).tolist() == scattered + list(range(50_000, 50_010))
     assert plan.tiles[-1].end == len(table) * bs - 5
 
 
@@ -143,7 +172,7 @@ def test_view_tiles_share_the_pools_memory():
     tile = plan_chunk([2, 3, 4], 10, 4, 1, 2, 1).tiles[0]
     assert tile.index is None
     view = pa._tile_kv(k_blocks, tile, 10)
-    assert view.data_ptr() == pool.data[0, 0, 2].data_ptr()   # no copy
+    assert view.data_ptr() == pool.data[0, 0, 2].data_ptr()  # no copy
     view[9].fill_(1.0)
     assert pool.data[0, 0, 4, 1].eq(1.0).all()
 
@@ -170,7 +199,7 @@ def test_runner_paged_and_gather_paths_agree_on_a_mixed_batch():
     for path in ("paged", "gather"):
         pool = KVPool(spec, num_blocks=64)
         runner = ModelRunner(model, pool, attention=path)
-        a = [5, 9, 2, 30, 31, 32, 33, 7, 8, 40, 41, 42, 43, 44, 45, 46]   # runs and jumps
+        a = [5, 9, 2, 30, 31, 32, 33, 7, 8, 40, 41, 42, 43, 44, 45, 46]  # runs and jumps
         b = list(range(50, 64))
         first = runner.run([Chunk(ids[:37], 0, a, "none"), Chunk(ids[:50], 0, b, "all")])
         # then: a decode, an extend of several tokens, and a prefill chunk, batched together

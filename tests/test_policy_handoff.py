@@ -21,12 +21,15 @@ def test_fixed_modes_ignore_inputs():
     assert HandoffPolicy(mode="streaming").decide(1, 1.0).mode is HandoffMode.STREAMING
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"mode": "sideways"}, "unknown handoff mode"),
-    ({"chunk": 0}, "chunk"),
-    ({"threshold_tokens": -1}, "threshold_tokens"),
-    ({"rld_load_limit": 1.5}, "rld_load_limit"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"mode": "sideways"}, "unknown handoff mode"),
+        ({"chunk": 0}, "chunk"),
+        ({"threshold_tokens": -1}, "threshold_tokens"),
+        ({"rld_load_limit": 1.5}, "rld_load_limit"),
+    ],
+)
 def test_bad_policy_values_are_named(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         HandoffPolicy(**kwargs)

@@ -5,8 +5,16 @@ from pddnet.policy.pipeline import Pipeline, PipelineInputs, PipelinePolicy
 
 
 def inputs(**kw):
-    base = dict(prompt_tokens=4096, hit_tokens=0, max_tokens=256, kv_bytes_per_token=16384,
-                bandwidth_bps=125e6, rtt_s=0.03, rld_s_per_token=0.02, rld_admits=True)
+    base = dict(
+        prompt_tokens=4096,
+        hit_tokens=0,
+        max_tokens=256,
+        kv_bytes_per_token=16384,
+        bandwidth_bps=125e6,
+        rtt_s=0.03,
+        rld_s_per_token=0.02,
+        rld_admits=True,
+    )
     base.update(kw)
     return PipelineInputs(**base)
 
@@ -76,7 +84,7 @@ def test_admission_keeps_high_water_marks():
     adm = RelayAdmission(max_running_tokens=100, max_blocks=10, max_requests=2)
     assert adm.try_admit("a", 40, 3).admitted
     assert adm.try_admit("b", 40, 3).admitted
-    assert not adm.try_admit("c", 1, 1).admitted      # third request: over max_requests
+    assert not adm.try_admit("c", 1, 1).admitted  # third request: over max_requests
     adm.release("a")
     assert adm.try_admit("c", 10, 1).admitted
     c = adm.counters()
@@ -85,13 +93,14 @@ def test_admission_keeps_high_water_marks():
 
 
 def test_singular_traffic_gets_only_its_share_of_rld():
-    adm = RelayAdmission(max_running_tokens=1000, max_blocks=100, max_requests=4,
-                         singular_share=0.5)
+    adm = RelayAdmission(
+        max_running_tokens=1000, max_blocks=100, max_requests=4, singular_share=0.5
+    )
     assert adm.try_admit("s1", 100, 10, singular=True).admitted
     assert adm.try_admit("s2", 100, 10, singular=True).admitted
     third = adm.try_admit("s3", 100, 10, singular=True)
     assert not third.admitted and "singular share" in third.reason
-    assert adm.try_admit("relayed", 100, 10).admitted       # relayed traffic still fits
+    assert adm.try_admit("relayed", 100, 10).admitted  # relayed traffic still fits
     adm.release("s1")
     assert adm.try_admit("s3", 100, 10, singular=True).admitted
     assert adm.counters()["singular_requests"] == 2
@@ -117,11 +126,17 @@ def test_the_bytes_queued_ahead_push_a_request_past_the_direct_budget():
     rec = queued.record(inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000))
     assert rec["wan_backlog_bytes"] == rec["inputs"]["wan_backlog_bytes"] == 20_000_000
     # a backlog that still fits leaves it direct: 19 MB -> 194.6 ms
-    assert policy.decide(inputs(hit_tokens=4000, wan_backlog_bytes=19_000_000)).pipeline \
+    assert (
+        policy.decide(inputs(hit_tokens=4000, wan_backlog_bytes=19_000_000)).pipeline
         is Pipeline.P_MD
+    )
     # RLD refusing: the request waits for its KV on MD, backlog or not
-    assert policy.decide(inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000,
-                                rld_admits=False)).pipeline is Pipeline.P_MD
+    assert (
+        policy.decide(
+            inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000, rld_admits=False)
+        ).pipeline
+        is Pipeline.P_MD
+    )
 
 
 def test_the_singular_filter_compares_with_the_requests_own_crossing_time():

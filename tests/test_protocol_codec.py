@@ -69,14 +69,31 @@ NONCE = bytes(range(16))
 MAC = bytes(range(32))
 
 
-def kv_chunk(payload: object = None, *, dtype: str = "float32", tokens: int = 3, layers: int = 2,
-             heads: int = 1, dim: int = 4, **over: object) -> KvChunk:
+def kv_chunk(
+    payload: object = None,
+    *,
+    dtype: str = "float32",
+    tokens: int = 3,
+    layers: int = 2,
+    heads: int = 1,
+    dim: int = 4,
+    **over: object,
+) -> KvChunk:
     shape = (layers, 2, tokens, heads, dim)
     if payload is None:
         payload = np.arange(np.prod(shape), dtype=dtype).reshape(shape)
-    fields = dict(request_id="req-1", chunk_index=0, token_start=16, token_end=16 + tokens,
-                  layer_start=0, layer_end=layers, block_ids=[7, 8], dtype=dtype, shape=shape,
-                  payload=payload)
+    fields = dict(
+        request_id="req-1",
+        chunk_index=0,
+        token_start=16,
+        token_end=16 + tokens,
+        layer_start=0,
+        layer_end=layers,
+        block_ids=[7, 8],
+        dtype=dtype,
+        shape=shape,
+        payload=payload,
+    )
     fields.update(over)
     return KvChunk(**fields)  # type: ignore[arg-type]
 
@@ -93,33 +110,89 @@ SAMPLES = [
     Pong(nonce=17, time=99.25),
     ErrorMessage(request_id=None, code="bad_frame", message="bad magic", fatal=True),
     ErrorMessage(request_id="req-1", code="no_capacity", message="RLD full"),
-    LinkState(link="main-decode control", up=False, since=1.5, detail="heartbeat deadline",
-              ready=False),
+    LinkState(
+        link="main-decode control", up=False, since=1.5, detail="heartbeat deadline", ready=False
+    ),
     Submit(request_id="req-1", prompt_token_ids=[1, 2, 3], max_tokens=16),
-    Submit(request_id="cmpl-abc", prompt_token_ids=list(range(300)), max_tokens=64,
-           temperature=0.7, top_p=0.9, top_k=40, seed=2**63, stop_token_ids=[2, 5],
-           ignore_eos=True, output_token_ids=[9, 9, 10], handoff_mode="streaming"),
+    Submit(
+        request_id="cmpl-abc",
+        prompt_token_ids=list(range(300)),
+        max_tokens=64,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=2**63,
+        stop_token_ids=[2, 5],
+        ignore_eos=True,
+        output_token_ids=[9, 9, 10],
+        handoff_mode="streaming",
+    ),
     Cancel(request_id="req-1", reason="client disconnected"),
     TokenEvent(request_id="req-1", index=0, token_ids=[42], producer="relay", time=1.5),
-    TokenEvent(request_id="req-1", index=5, token_ids=[1, 2, 3], producer="main_decode",
-               time=2.0),
-    RequestDone(request_id="req-1", reason="eos", num_prompt_tokens=3, num_output_tokens=7,
-                producer="main_decode", time=3.0),
-    KvAllocRequest(request_id="req-1", prompt_token_ids=[5] * 40, num_tokens=40, block_size=16,
-                   dtype="float64", num_layers=4, num_kv_heads=2, head_dim=8,
-                   expected_hit_tokens=32, max_tokens=10),
-    KvAllocRequest(request_id="req-2", prompt_token_ids=[1, 2], num_tokens=2, block_size=1,
-                   dtype="bfloat16", num_layers=1, num_kv_heads=1, head_dim=1,
-                   expected_hit_tokens=0, max_tokens=1, temperature=1.0, seed=7,
-                   pipeline="p_rld_md"),
-    KvAllocResponse(request_id="req-1", accepted=True, hit_tokens=32, block_ids=[3, 4, 9],
-                    block_size=16, dtype="float64", region="pdd-rld-kv"),
-    KvAllocResponse(request_id="req-1", accepted=False, hit_tokens=0, block_ids=[],
-                    block_size=32, dtype="float32", error="out of blocks"),
+    TokenEvent(request_id="req-1", index=5, token_ids=[1, 2, 3], producer="main_decode", time=2.0),
+    RequestDone(
+        request_id="req-1",
+        reason="eos",
+        num_prompt_tokens=3,
+        num_output_tokens=7,
+        producer="main_decode",
+        time=3.0,
+    ),
+    KvAllocRequest(
+        request_id="req-1",
+        prompt_token_ids=[5] * 40,
+        num_tokens=40,
+        block_size=16,
+        dtype="float64",
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=8,
+        expected_hit_tokens=32,
+        max_tokens=10,
+    ),
+    KvAllocRequest(
+        request_id="req-2",
+        prompt_token_ids=[1, 2],
+        num_tokens=2,
+        block_size=1,
+        dtype="bfloat16",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
+        expected_hit_tokens=0,
+        max_tokens=1,
+        temperature=1.0,
+        seed=7,
+        pipeline="p_rld_md",
+    ),
+    KvAllocResponse(
+        request_id="req-1",
+        accepted=True,
+        hit_tokens=32,
+        block_ids=[3, 4, 9],
+        block_size=16,
+        dtype="float64",
+        region="pdd-rld-kv",
+    ),
+    KvAllocResponse(
+        request_id="req-1",
+        accepted=False,
+        hit_tokens=0,
+        block_ids=[],
+        block_size=32,
+        dtype="float32",
+        error="out of blocks",
+    ),
     kv_chunk(),
     kv_chunk(dtype="uint8", tokens=1, layers=1, block_ids=[]),
-    KvDone(request_id="req-1", num_tokens=40, num_chunks=3, num_bytes=123456,
-           first_token_id=11, time=4.0),
+    KvDone(
+        request_id="req-1",
+        num_tokens=40,
+        num_chunks=3,
+        num_bytes=123456,
+        first_token_id=11,
+        time=4.0,
+    ),
     KvAbort(request_id="req-1", reason="deadline"),
     CacheEvents(seq=3, block_size=32, inserted=[2**64 - 1, 5], evicted=[]),
     CacheEvents(seq=0, block_size=16, inserted=[7], evicted=[], reset=True),
@@ -127,8 +200,14 @@ SAMPLES = [
     RelayTokens(request_id="req-1", start_index=1, token_ids=[4, 5, 6]),
     Takeover(request_id="req-1", ready_position=40, chunk_tokens=16),
     Timeline(request_id="req-1", event="prefill_start", time=1.5, producer="prefill"),
-    Timeline(request_id="req-1", event="handoff_end", time=2.5, producer="main_decode",
-             detail_int=100, detail_str="one-shot"),
+    Timeline(
+        request_id="req-1",
+        event="handoff_end",
+        time=2.5,
+        producer="main_decode",
+        detail_int=100,
+        detail_str="one-shot",
+    ),
     Handoff(request_id="req-1", start_index=1, token_ids=[4, 5, 6], final=True, mode="one-shot"),
     Handoff(request_id="req-1", start_index=1, token_ids=[4], final=False, mode="streaming"),
     Handoff(request_id="req-1", start_index=7, token_ids=[], final=True, mode="streaming"),
@@ -140,14 +219,30 @@ def sample(cls: type, i: int = 0):
     return [m for m in SAMPLES if type(m) is cls][i]
 
 
-def raw_frame(msg_type: int, meta: object, payload: bytes = b"", *, magic: bytes = MAGIC,
-              version: int = VERSION, flags: int = 0, meta_len: int | None = None,
-              payload_len: int | None = None, payload_hash: int = 0,
-              crc: int | None = None) -> bytes:
+def raw_frame(
+    msg_type: int,
+    meta: object,
+    payload: bytes = b"",
+    *,
+    magic: bytes = MAGIC,
+    version: int = VERSION,
+    flags: int = 0,
+    meta_len: int | None = None,
+    payload_len: int | None = None,
+    payload_hash: int = 0,
+    crc: int | None = None,
+) -> bytes:
     body = meta if isinstance(meta, bytes) else msgpack.packb(meta, use_bin_type=True)
-    head = HEADER.pack(magic, version, msg_type, flags,
-                       len(body) if meta_len is None else meta_len,
-                       len(payload) if payload_len is None else payload_len, payload_hash, 0)
+    head = HEADER.pack(
+        magic,
+        version,
+        msg_type,
+        flags,
+        len(body) if meta_len is None else meta_len,
+        len(payload) if payload_len is None else payload_len,
+        payload_hash,
+        0,
+    )
     crc = zlib.crc32(head[:28]) if crc is None else crc
     return head[:28] + struct.pack("!I", crc) + body + payload
 
@@ -195,8 +290,12 @@ def test_decoded_fields_have_wire_types():
 @pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview", "numpy"])
 def test_kv_chunk_payload_kinds_round_trip(kind):
     array = np.arange(2 * 2 * 3 * 1 * 4, dtype=np.float32).reshape(2, 2, 3, 1, 4)
-    payload = {"bytes": array.tobytes(), "bytearray": bytearray(array.tobytes()),
-               "memoryview": memoryview(array.tobytes()), "numpy": array}[kind]
+    payload = {
+        "bytes": array.tobytes(),
+        "bytearray": bytearray(array.tobytes()),
+        "memoryview": memoryview(array.tobytes()),
+        "numpy": array,
+    }[kind]
     msg = kv_chunk(payload)
     got = decode_bytes(encode_bytes(msg))
     assert got == msg
@@ -219,8 +318,9 @@ def test_decoded_payload_is_one_buffer_shared_with_the_array():
     assert np.shares_memory(array, np.frombuffer(got.payload, dtype=np.uint8))
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16", "int32", "int64",
-                                   "uint8"])
+@pytest.mark.parametrize(
+    "dtype", ["float64", "float32", "bfloat16", "float16", "int32", "int64", "uint8"]
+)
 def test_torch_tensor_payload_round_trip(dtype):
     torch = pytest.importorskip("torch")
     t = (torch.arange(2 * 2 * 3 * 2 * 4) % 100).to(getattr(torch, dtype)).reshape(2, 2, 3, 2, 4)
@@ -249,7 +349,7 @@ def test_stream_fed_one_byte_at_a_time_gives_the_same_messages():
     decoder = Decoder()
     got = []
     for i in range(len(stream)):
-        got += decoder.feed(stream[i:i + 1])
+        got += decoder.feed(stream[i : i + 1])
     assert got == SAMPLES
     decoder.eof()
 
@@ -262,7 +362,7 @@ def test_stream_fed_in_random_splits_gives_the_same_messages(seed):
     got, pos = [], 0
     while pos < len(stream):
         step = rng.choice([1, 2, 7, 31, 32, 33, 100, 1000])
-        got += decoder.feed(memoryview(stream)[pos:pos + step])
+        got += decoder.feed(memoryview(stream)[pos : pos + step])
         pos += step
     assert got == SAMPLES
     assert decoder.frames_decoded == len(SAMPLES)
@@ -299,7 +399,7 @@ def test_truncated_input_is_reported_at_end_of_stream():
         with pytest.raises(TruncatedFrame, match="stream ended inside"):
             decoder.eof()
     decoder = Decoder()
-    decoder.feed(frame[:len(frame) - 1])
+    decoder.feed(frame[: len(frame) - 1])
     with pytest.raises(TruncatedFrame, match=r"KV_CHUNK frame: \d+ of \d+ bytes received"):
         decoder.eof()
     Decoder().eof()  # nothing fed: a clean end
@@ -365,9 +465,10 @@ def test_payload_length_mismatch_is_named_and_caught_before_the_payload_arrives(
     frame = raw_frame(MessageType.KV_CHUNK, meta, bytes(4000))
     decoder = Decoder()
     with pytest.raises(PayloadError) as info:
-        decoder.feed(frame[:len(frame) - 4000])  # header + metadata only
-    assert str(info.value) == ("KV_CHUNK payload is 4000 bytes but dtype float32 shape "
-                               "[2, 2, 3, 1, 4] needs 192")
+        decoder.feed(frame[: len(frame) - 4000])  # header + metadata only
+    assert str(info.value) == (
+        "KV_CHUNK payload is 4000 bytes but dtype float32 shape [2, 2, 3, 1, 4] needs 192"
+    )
     assert decoder.allocated_bytes < 4000
 
 
@@ -427,8 +528,16 @@ def test_missing_and_unknown_fields():
 
 def test_optional_fields_may_be_omitted_by_the_sender():
     meta = meta_of(sample(Submit))
-    for key in ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
-                "output_token_ids", "handoff_mode"):
+    for key in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop_token_ids",
+        "ignore_eos",
+        "output_token_ids",
+        "handoff_mode",
+    ):
         del meta[key]
     assert decode_bytes(raw_frame(MessageType.SUBMIT, meta)) == sample(Submit)
 
@@ -446,7 +555,8 @@ def test_wrong_field_types():
     assert "'token_end' must be an int" in str(bad_meta(kv_chunk(), token_end="19"))
     assert "'reason' must be a str" in str(bad_meta(sample(Cancel), reason=b"x"))
     assert "'nonce' must be bytes of length 16..64" in str(
-        bad_meta(sample(Hello), nonce="0123456789abcdef"))
+        bad_meta(sample(Hello), nonce="0123456789abcdef")
+    )
     assert "'mac' must be bytes of length 32" in str(bad_meta(sample(Auth), mac=b"short"))
     assert "'prompt_token_ids' must be a list" in str(bad_meta(sample(Submit), prompt_token_ids=3))
     assert "'time' must be a finite float" in str(bad_meta(sample(Ping), time=float("nan")))
@@ -459,17 +569,21 @@ def test_ranges_and_patterns():
     assert "'request_id' must be a str matching" in str(bad_meta(sample(KvDone), request_id="a b"))
     assert "'request_id' must be a str matching" in str(bad_meta(sample(KvDone), request_id=""))
     assert "'role' must be one of" in str(bad_meta(sample(Hello), role="admin"))
-    assert "'top_p' must be a finite float in [0.0, 1.0]" in str(bad_meta(sample(Submit), top_p=1.5))
+    assert "'top_p' must be a finite float in [0.0, 1.0]" in str(
+        bad_meta(sample(Submit), top_p=1.5)
+    )
     assert "'max_tokens' must be an int in [1," in str(bad_meta(sample(Submit), max_tokens=0))
 
 
 def test_cross_field_rules():
     assert "num_tokens is 39 but prompt_token_ids has 40" in str(
-        bad_meta(sample(KvAllocRequest), num_tokens=39))
+        bad_meta(sample(KvAllocRequest), num_tokens=39)
+    )
     assert "refuses but lists block_ids" in str(bad_meta(sample(KvAllocResponse, 1), block_ids=[1]))
     assert "token range [19, 19) is empty" in str(bad_meta(kv_chunk(), token_start=19))
     assert "one-shot HANDOFF must be a single final message" in str(
-        bad_meta(sample(Handoff), final=False))
+        bad_meta(sample(Handoff), final=False)
+    )
     with pytest.raises(SchemaError, match="not final must carry at least one token"):
         Handoff(request_id="r", start_index=0, token_ids=[], final=False, mode="streaming")
     with pytest.raises(SchemaError, match="nothing left to generate"):
@@ -480,8 +594,15 @@ def test_metadata_that_is_not_a_clean_msgpack_map():
     assert "metadata must be a map, got list" in str(decode_error(raw_frame(MessageType.PING, [1])))
     ext = msgpack.packb({"nonce": msgpack.ExtType(1, b""), "time": 0.0})
     assert "extension type 1" in str(decode_error(raw_frame(MessageType.PING, ext)))
-    dup = b"\x83" + msgpack.packb("nonce") + b"\x01" + msgpack.packb("nonce") + b"\x02" + \
-        msgpack.packb("time") + msgpack.packb(0.0)
+    dup = (
+        b"\x83"
+        + msgpack.packb("nonce")
+        + b"\x01"
+        + msgpack.packb("nonce")
+        + b"\x02"
+        + msgpack.packb("time")
+        + msgpack.packb(0.0)
+    )
     assert "repeats key 'nonce'" in str(decode_error(raw_frame(MessageType.PING, dup)))
     err = decode_error(raw_frame(MessageType.PING, b"\xc1"))
     assert "PING metadata is not valid msgpack" in str(err)
@@ -519,8 +640,14 @@ def test_error_carries_earlier_messages_and_poisons_the_decoder():
 
 
 def test_every_error_is_a_protocol_error_with_a_code():
-    for exc in (FrameError("x"), LimitExceeded("x"), TruncatedFrame("x"), SchemaError("x"),
-                PayloadError("x"), DecoderPoisoned("x")):
+    for exc in (
+        FrameError("x"),
+        LimitExceeded("x"),
+        TruncatedFrame("x"),
+        SchemaError("x"),
+        PayloadError("x"),
+        DecoderPoisoned("x"),
+    ):
         assert isinstance(exc, ProtocolError)
         assert exc.code and exc.code.replace("_", "").isalpha()
     # and the code fits an ERROR message
@@ -565,10 +692,12 @@ def test_docs_list_every_message_and_field():
     """docs/protocol.md's tables must match the schemas in messages.py (names, order, types)."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
     for code, cls in MESSAGE_CLASSES.items():
-        match = re.search(rf"^### {cls.TYPE.name} \({code}\) .*?(?=^### |^## |\Z)", doc,
-                          re.S | re.M)
+        match = re.search(
+            rf"^### {cls.TYPE.name} \({code}\) .*?(?=^### |^## |\Z)", doc, re.S | re.M
+        )
         assert match, f"docs/protocol.md has no section for {cls.TYPE.name}"
         rows = re.findall(r"^\| `(\w+)` \| (.*?) \|", match.group(0), re.M)
-        expected = [(f.name, f.metadata["spec"].describe().replace("|", "\\|"))
-                    for f in cls.schema()]
+        expected = [
+            (f.name, f.metadata["spec"].describe().replace("|", "\\|")) for f in cls.schema()
+        ]
         assert rows == expected, cls.TYPE.name

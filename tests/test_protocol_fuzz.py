@@ -53,10 +53,19 @@ from pddnet.protocol.messages import (
     UIntList,
 )
 
-FUZZ = settings(max_examples=100, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-SMALL = Limits(max_metadata_bytes=2048, max_payload_bytes=4096, max_str_len=256,
-               max_bin_len=128, max_array_len=64, max_map_len=32)
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+SMALL = Limits(
+    max_metadata_bytes=2048,
+    max_payload_bytes=4096,
+    max_str_len=256,
+    max_bin_len=128,
+    max_array_len=64,
+    max_map_len=32,
+)
 
 
 def spec_strategy(spec: Spec) -> st.SearchStrategy:
@@ -71,8 +80,9 @@ def spec_strategy(spec: Spec) -> st.SearchStrategy:
     if isinstance(spec, FloatList):
         lo = spec.lo if math.isfinite(spec.lo) else -1e9
         hi = spec.hi if math.isfinite(spec.hi) else 1e9
-        return st.lists(st.floats(lo, hi, allow_nan=False, allow_infinity=False),
-                        max_size=min(spec.max_len, 12))
+        return st.lists(
+            st.floats(lo, hi, allow_nan=False, allow_infinity=False), max_size=min(spec.max_len, 12)
+        )
     if isinstance(spec, Bool):
         return st.booleans()
     if isinstance(spec, Str):
@@ -84,8 +94,11 @@ def spec_strategy(spec: Spec) -> st.SearchStrategy:
     if isinstance(spec, Bytes):
         return st.binary(min_size=spec.min_len, max_size=spec.max_len)
     if isinstance(spec, UIntList):
-        return st.lists(st.integers(0, spec.hi), min_size=spec.min_len,
-                        max_size=max(spec.min_len, min(spec.max_len, 12)))
+        return st.lists(
+            st.integers(0, spec.hi),
+            min_size=spec.min_len,
+            max_size=max(spec.min_len, min(spec.max_len, 12)),
+        )
     raise AssertionError(f"no strategy for {spec!r}")
 
 
@@ -110,8 +123,9 @@ def _fix_up(cls: type[Message], values: dict, draw) -> dict:
     elif cls is KvAllocResponse:
         if values["accepted"]:
             values["error"] = ""
-            values["hit_tokens"] = min(values["hit_tokens"],
-                                       len(values["block_ids"]) * values["block_size"])
+            values["hit_tokens"] = min(
+                values["hit_tokens"], len(values["block_ids"]) * values["block_size"]
+            )
         else:
             values["error"] = values["error"] or "refused"
             values["block_ids"] = []
@@ -203,14 +217,18 @@ def _header(code: int, flags: int, meta_len: int, payload_len: int, payload_hash
 
 
 @FUZZ
-@given(code=st.sampled_from(sorted(MESSAGE_CLASSES)) | st.integers(0, 255),
-       flags=st.just(0) | st.integers(0, 3),
-       meta_len=st.integers(0, 4096) | st.integers(0, 2**32 - 1),
-       payload_len=st.just(0) | st.integers(0, 8192) | st.integers(0, 2**64 - 1),
-       payload_hash=st.just(0) | st.sampled_from([1, 2**64 - 1]),
-       body=st.binary(max_size=256), data=st.data())
-def test_random_well_formed_headers_never_overallocate(code, flags, meta_len, payload_len,
-                                                       payload_hash, body, data):
+@given(
+    code=st.sampled_from(sorted(MESSAGE_CLASSES)) | st.integers(0, 255),
+    flags=st.just(0) | st.integers(0, 3),
+    meta_len=st.integers(0, 4096) | st.integers(0, 2**32 - 1),
+    payload_len=st.just(0) | st.integers(0, 8192) | st.integers(0, 2**64 - 1),
+    payload_hash=st.just(0) | st.sampled_from([1, 2**64 - 1]),
+    body=st.binary(max_size=256),
+    data=st.data(),
+)
+def test_random_well_formed_headers_never_overallocate(
+    code, flags, meta_len, payload_len, payload_hash, body, data
+):
     # A valid CRC takes the decoder past the first checks into the length and metadata logic.
     # The stream then carries as many bytes as the header declares (capped), so a decoder that
     # trusted a declared length beyond its limits would be caught holding too much.
@@ -220,15 +238,30 @@ def test_random_well_formed_headers_never_overallocate(code, flags, meta_len, pa
 
 
 @FUZZ
-@given(dtype=st.sampled_from(sorted(DTYPES)), tokens=st.integers(1, 64),
-       layers=st.integers(1, 4), heads=st.integers(1, 8), dim=st.integers(1, 64),
-       sent=st.integers(0, 1 << 16), data=st.data())
-def test_kv_chunk_beyond_the_payload_limit_is_refused_before_allocation(dtype, tokens, layers,
-                                                                       heads, dim, sent, data):
+@given(
+    dtype=st.sampled_from(sorted(DTYPES)),
+    tokens=st.integers(1, 64),
+    layers=st.integers(1, 4),
+    heads=st.integers(1, 8),
+    dim=st.integers(1, 64),
+    sent=st.integers(0, 1 << 16),
+    data=st.data(),
+)
+def test_kv_chunk_beyond_the_payload_limit_is_refused_before_allocation(
+    dtype, tokens, layers, heads, dim, sent, data
+):
     shape = [layers, 2, tokens, heads, dim]
     size = math.prod(shape) * DTYPES[dtype]
-    meta = {"request_id": "r", "chunk_index": 0, "token_start": 0, "token_end": tokens,
-            "layer_start": 0, "layer_end": layers, "dtype": dtype, "shape": shape}
+    meta = {
+        "request_id": "r",
+        "chunk_index": 0,
+        "token_start": 0,
+        "token_end": tokens,
+        "layer_start": 0,
+        "layer_end": layers,
+        "dtype": dtype,
+        "shape": shape,
+    }
     body = msgpack.packb(meta, use_bin_type=True)
     payload = bytes(min(size, sent))
     frame = _header(int(MessageType.KV_CHUNK), 0, len(body), size, 0) + body + payload
@@ -262,7 +295,7 @@ def mutated(draw, frame: bytes) -> bytes:
         elif kind == "insert":
             buf[i:i] = draw(st.binary(min_size=1, max_size=16))
         else:
-            del buf[i:i + draw(st.integers(1, 16))]
+            del buf[i : i + draw(st.integers(1, 16))]
     return bytes(buf)
 
 
@@ -291,10 +324,15 @@ def test_truncated_frames_are_reported_at_eof(data):
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=5),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
     max_leaves=20,
 )
 

@@ -85,6 +85,7 @@ class Sink:
 def bytes_between(marks: list[tuple[float, int]], t0: float, t1: float) -> int:
     def at(t: float) -> int:
         return max([b for ts, b in marks if ts <= t] or [0])
+
     return at(t1) - at(t0)
 
 
@@ -293,8 +294,7 @@ async def test_lossy_effects_are_refused_by_the_proxy_shell(echo_port: int) -> N
         WanProxy((LOOP, 0), (LOOP, echo_port), Link(loss_pct=2))
     link = Link(delay_ms=1)
     async with WanProxy((LOOP, 0), (LOOP, echo_port), link) as proxy:
-        for effects in ({"loss_pct": 1}, {"duplicate_pct": 1}, {"reorder_pct": 5},
-                        {"ge_p_pct": 1}):
+        for effects in ({"loss_pct": 1}, {"duplicate_pct": 1}, {"reorder_pct": 5}, {"ge_p_pct": 1}):
             with pytest.raises(ValueError, match="cannot lose, duplicate or reorder"):
                 link.set(time.monotonic(), **effects)
         with pytest.raises(ValueError, match="not supported"):

@@ -43,18 +43,18 @@ def finish(cache: RadixCache, tokens: list[int]) -> list[int]:
 
 def test_match_after_insert_returns_the_inserted_full_blocks_only():
     a, c = make()
-    tokens = list(range(10))                        # 2 full blocks + 2 tokens
+    tokens = list(range(10))  # 2 full blocks + 2 tokens
     table = a.allocate(3)
     res = c.insert_finished(tokens, table)
     assert res.adopted == tuple(table[:2]) and res.duplicates == ()
-    assert res.freed == (table[2],)                 # the partial block is never cached
+    assert res.freed == (table[2],)  # the partial block is never cached
     assert res.hashes == tuple(block_hashes(tokens, BS))
     m = c.match_prefix(tokens + [99, 98])
     assert m.block_ids == tuple(table[:2]) and m.hit_tokens == 8
     assert m.handle.hashes == res.hashes
-    assert c.match(list(range(7))).block_ids == (table[0],)   # block granularity
+    assert c.match(list(range(7))).block_ids == (table[0],)  # block granularity
     assert c.match([5] + list(range(1, 12))).num_blocks == 0
-    again = c.insert_finished(list(range(4)), a.allocate(1))   # a prefix of what is cached
+    again = c.insert_finished(list(range(4)), a.allocate(1))  # a prefix of what is cached
     assert again.adopted == () and again.freed == again.duplicates and c.num_nodes == 1
     c.check_invariants()
 
@@ -66,9 +66,9 @@ def test_diverging_suffix_splits_at_a_block_boundary_and_dedups_the_shared_part(
     other = list(range(4)) + [50, 51, 52, 53, 54, 55, 56, 57]
     table = a.allocate(3)
     res = c.insert_finished(other, table)
-    assert res.duplicates == (table[0],)            # block 0 was cached under first[0]
+    assert res.duplicates == (table[0],)  # block 0 was cached under first[0]
     assert table[0] in res.freed and res.adopted == tuple(table[1:])
-    assert c.num_nodes == 3                         # shared head + two tails
+    assert c.num_nodes == 3  # shared head + two tails
     assert c.match(other).block_ids == (first[0], table[1], table[2])
     assert c.match(list(range(12))).block_ids == tuple(first[:3])
     c.check_invariants()
@@ -110,9 +110,12 @@ def test_bad_inserts_are_refused_with_clear_errors():
     c.check_invariants()
     # refused part way through the new ids: nothing is left marked or cached
     more = a.allocate(2)
-    for bad, why in (([more[0], more[1], 10_000], "outside"), ([more[0], -1], "outside"),
-                     ([more[0], more[1], more[0]], "repeats"),
-                     ([more[0], table[0]], "already cached")):
+    for bad, why in (
+        ([more[0], more[1], 10_000], "outside"),
+        ([more[0], -1], "outside"),
+        ([more[0], more[1], more[0]], "repeats"),
+        ([more[0], table[0]], "already cached"),
+    ):
         with pytest.raises(ValueError, match=why):
             c.insert_finished([5] * (4 * len(bad)), bad)
         c.check_invariants()
@@ -122,10 +125,10 @@ def test_bad_inserts_are_refused_with_clear_errors():
 def test_split_inside_a_locked_deep_node_keeps_the_lock_counts_exact():
     a, c = make()
     finish(c, [0] * 4 + [1] * 8)
-    finish(c, [0] * 4 + [2] * 4)                    # head [0000] + two tails
+    finish(c, [0] * 4 + [2] * 4)  # head [0000] + two tails
     m = c.match_prefix([0] * 4 + [1] * 8)
-    c.lock(m.handle)                                # the deep tail [1111 1111] is locked
-    finish(c, [0] * 4 + [1] * 4 + [3] * 4)          # splits that locked tail in two
+    c.lock(m.handle)  # the deep tail [1111 1111] is locked
+    finish(c, [0] * 4 + [1] * 4 + [3] * 4)  # splits that locked tail in two
     c.check_invariants()
     assert c.unlock(m.handle) == []
     c.check_invariants()
@@ -144,8 +147,8 @@ def test_locked_prefix_survives_eviction_and_unlock_makes_it_evictable():
     c.lock(m.handle)
     assert c.num_evictable == 0 and c.evict(10) == [] and c.num_cached_blocks == 3
     with pytest.raises(OutOfBlocks):
-        c.allocate(6)                               # 5 free, nothing evictable
-    assert c.unlock(m.handle) == []                 # the tree still holds its reference
+        c.allocate(6)  # 5 free, nothing evictable
+    assert c.unlock(m.handle) == []  # the tree still holds its reference
     assert c.num_evictable == 3 and c.num_available == 8
     assert sorted(c.allocate(8)) == list(range(8))  # evicts all three for a big allocation
     c.check_invariants()
@@ -154,11 +157,11 @@ def test_locked_prefix_survives_eviction_and_unlock_makes_it_evictable():
 def test_partial_lock_keeps_the_locked_head_and_frees_the_tail():
     a, c = make()
     blocks = finish(c, list(range(16)))
-    m = c.match_prefix(list(range(8)))              # first two of four blocks
+    m = c.match_prefix(list(range(8)))  # first two of four blocks
     assert c.acquisition_cost(m.handle) == 2
     c.lock(m.handle)
     assert c.num_evictable == 2
-    assert c.evict(5) == [blocks[3], blocks[2]]     # tail first, the locked head stays
+    assert c.evict(5) == [blocks[3], blocks[2]]  # tail first, the locked head stays
     assert c.match(list(range(16))).block_ids == tuple(blocks[:2])
     c.check_invariants()
 
@@ -200,13 +203,13 @@ def test_only_leaves_are_evicted_even_when_an_inner_block_is_unreferenced():
     a, c = make(8)
     t1, t2 = a.allocate(1), a.allocate(2)
     c.insert([7] * 4, t1)
-    c.release(t1)                                   # block t1 now unreferenced in the tree
-    c.insert([7] * 4 + [8] * 4, t2)                 # t2[0] duplicate, t2[1] adopted below t1
+    c.release(t1)  # block t1 now unreferenced in the tree
+    c.insert([7] * 4 + [8] * 4, t2)  # t2[0] duplicate, t2[1] adopted below t1
     assert c.match([7] * 4 + [8] * 4).block_ids == (t1[0], t2[1])
-    assert c.num_evictable == 0 and c.evict(2) == []   # t1's child is referenced by request 2
+    assert c.num_evictable == 0 and c.evict(2) == []  # t1's child is referenced by request 2
     assert c.acquisition_cost(c.match([7] * 4)) == 0
-    assert sorted(c.release(t2)) == [t2[0]]         # its duplicate is freed, t2[1] stays cached
-    assert c.evict(2) == [t2[1], t1[0]]             # leaf first, then its parent
+    assert sorted(c.release(t2)) == [t2[0]]  # its duplicate is freed, t2[1] stays cached
+    assert c.evict(2) == [t2[1], t1[0]]  # leaf first, then its parent
     c.check_invariants()
 
 
@@ -216,12 +219,20 @@ def test_only_leaves_are_evicted_even_when_an_inner_block_is_unreferenced():
 def test_hit_statistics_and_seven_interval_histogram():
     a, c = make(64)
     finish(c, list(range(40)))
-    serve(c, list(range(40)) + [1, 2])              # 40 of 42 hit: > 95%
+    serve(c, list(range(40)) + [1, 2])  # 40 of 42 hit: > 95%
     assert c.num_requests == 2 and c.tokens_asked == 82 and c.tokens_hit == 40
     assert c.hit_histogram[HIT_INTERVAL_LABELS.index("0-20%")] == 1
     assert c.hit_histogram[HIT_INTERVAL_LABELS.index("95-100%")] == 1
-    assert [hit_interval(x) for x in (0, 0.2, 0.21, 0.8, 0.9, 0.95, 0.951, 1.0)] == \
-        [0, 0, 1, 3, 4, 5, 6, 6]
+    assert [hit_interval(x) for x in (0, 0.2, 0.21, 0.8, 0.9, 0.95, 0.951, 1.0)] == [
+        0,
+        0,
+        1,
+        3,
+        4,
+        5,
+        6,
+        6,
+    ]
     with pytest.raises(ValueError):
         hit_interval(1.5)
 
@@ -233,11 +244,11 @@ def test_events_name_prefixes_by_chained_hashes_and_are_netted_per_notice():
     ev = c.drain_events()
     assert ev is not None and ev.seq == 0 and ev.block_size == BS
     assert set(ev.inserted) == set(block_hashes(tokens, BS)) and ev.evicted == ()
-    msg = CacheEvents(**dataclasses.asdict(ev))     # the wire message takes it as is
+    msg = CacheEvents(**dataclasses.asdict(ev))  # the wire message takes it as is
     assert msg.inserted == ev.inserted
     assert c.drain_events() is None
     c.evict(1)
-    finish(c, tokens)                               # evicted, then re-inserted: net present
+    finish(c, tokens)  # evicted, then re-inserted: net present
     c.evict(2)
     ev = c.drain_events()
     assert ev.seq == 1 and set(ev.evicted) == set(block_hashes(tokens, BS)[1:])
@@ -248,12 +259,12 @@ def test_events_name_prefixes_by_chained_hashes_and_are_netted_per_notice():
 def test_undrained_event_log_is_bounded_and_skips_a_notice_number():
     a = BlockAllocator(64)
     c = RadixCache(a, BS, max_pending_events=5)
-    finish(c, list(range(24)))                      # 6 inserts > 5 pending: dropped
+    finish(c, list(range(24)))  # 6 inserts > 5 pending: dropped
     assert c.num_pending_events == 0 and c.events_dropped == 6
     finish(c, [100] * 4)
     ev = c.drain_events()
-    assert ev.seq == 1                              # notice 0 never sent: receivers see a gap
-    quiet = RadixCache(BlockAllocator(64), BS, max_pending_events=0)   # nobody watches
+    assert ev.seq == 1  # notice 0 never sent: receivers see a gap
+    quiet = RadixCache(BlockAllocator(64), BS, max_pending_events=0)  # nobody watches
     finish(quiet, list(range(24)))
     quiet.evict(3)
     assert quiet.drain_events() is None and quiet.num_pending_events == 0
@@ -276,12 +287,13 @@ def test_drain_splits_a_large_log_into_numbered_notices():
 def test_engine_runs_token_exact_on_a_radix_cache(tiny_engine_pair):
     radix_engine, cold = tiny_engine_pair
     cache = RadixCache(radix_engine.allocator, radix_engine.block_size)
-    radix_engine.blocks.prefix_cache = cache        # what BlockManager would construct
+    radix_engine.blocks.prefix_cache = cache  # what BlockManager would construct
     base = list(range(3, 40))
     follow = base + list(range(60, 75))
     for prompt in (base, follow, follow):
-        assert radix_engine.generate(prompt, 10, ignore_eos=True) == \
-            cold.generate(prompt, 10, ignore_eos=True)
+        assert radix_engine.generate(prompt, 10, ignore_eos=True) == cold.generate(
+            prompt, 10, ignore_eos=True
+        )
         cache.check_invariants()
     assert cache.tokens_hit > 0 and cache.num_cached_blocks > 0
     res = radix_engine.reserve_kv(follow + [5], 4)  # MD's allocation path
@@ -301,9 +313,12 @@ def test_engine_runs_token_exact_on_a_radix_cache(tiny_engine_pair):
 def tiny_engine_pair():
     from pddnet.engine.engine import Engine
     from pddnet.model.loader import load_model
+
     model, tok = load_model("tiny")
-    return (Engine(model, tok, num_blocks=48, block_size=4),
-            Engine(model, tok, num_blocks=48, block_size=4, enable_prefix_cache=False))
+    return (
+        Engine(model, tok, num_blocks=48, block_size=4),
+        Engine(model, tok, num_blocks=48, block_size=4, enable_prefix_cache=False),
+    )
 
 
 # -- invariants under random traffic (hypothesis) ---------------------------------------------------------
@@ -318,12 +333,14 @@ class RadixMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.a = BlockAllocator(24)
         self.c = RadixCache(self.a, self.BS)
-        self.live: dict[int, tuple[list[int], list[int]]] = {}   # id -> (tokens, block table)
+        self.live: dict[int, tuple[list[int], list[int]]] = {}  # id -> (tokens, block table)
         self.pins: list = []
         self.next_id = 0
 
     def locked_blocks(self) -> set[int]:
-        out = {b for b in range(self.a.num_blocks) if self.c.is_cached(b) and self.a.refcount(b) > 1}
+        out = {
+            b for b in range(self.a.num_blocks) if self.c.is_cached(b) and self.a.refcount(b) > 1
+        }
         return out | {b for m in self.pins for b in m.block_ids}
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=14))
@@ -387,8 +404,11 @@ class RadixMachine(RuleBasedStateMachine):
         for _ in range(n):
             candidates = [x for x in self.c._leaves if x.evictable]
             locked = self.locked_blocks()
-            expected = (min(candidates, key=lambda x: (x.last_access, x.uid)).blocks[-1]
-                        if candidates else None)
+            expected = (
+                min(candidates, key=lambda x: (x.last_access, x.uid)).blocks[-1]
+                if candidates
+                else None
+            )
             freed = self.c.evict(1)
             if expected is None:
                 assert freed == [] and self.c.num_evictable == 0
@@ -418,9 +438,12 @@ class RadixMachine(RuleBasedStateMachine):
             assert all(self.a.refcount(b) >= 1 for b in t), "a live request's block was freed"
 
 
-RadixMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40,
-                                          deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+RadixMachine.TestCase.settings = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestRadixInvariants = RadixMachine.TestCase
 
 
@@ -430,9 +453,12 @@ class OneTokenBlockMachine(RadixMachine):
     BS = 1
 
 
-OneTokenBlockMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
-                                                  deadline=None,
-                                                  suppress_health_check=[HealthCheck.too_slow])
+OneTokenBlockMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestRadixInvariantsOneTokenBlocks = OneTokenBlockMachine.TestCase
 
 
@@ -443,8 +469,10 @@ def test_engine_can_run_on_the_radix_cache_and_counts_hits():
 
     model, tok = load_model("tiny")
     prompt = [256] + list(range(60))
-    with Engine(model, tok, num_blocks=64, block_size=8) as hashed, \
-            Engine(model, tok, num_blocks=64, block_size=8, prefix_cache_kind="radix") as radix:
+    with (
+        Engine(model, tok, num_blocks=64, block_size=8) as hashed,
+        Engine(model, tok, num_blocks=64, block_size=8, prefix_cache_kind="radix") as radix,
+    ):
         want = hashed.generate(prompt, 6)
         assert radix.generate(prompt, 6) == want
         assert radix.generate(prompt + [5, 6, 7], 6) == hashed.generate(prompt + [5, 6, 7], 6)
@@ -463,7 +491,7 @@ def test_insert_finished_with_the_callers_hashes_is_the_same_insert() -> None:
         tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 5 * BS))]
         n = -(-len(tokens) // BS)
         ta, tb = a.allocate(n), b.allocate(n)
-        extra = [rng.getrandbits(64)]            # trailing hashes beyond the full blocks: ignored
+        extra = [rng.getrandbits(64)]  # trailing hashes beyond the full blocks: ignored
         ra = a.insert_finished(tokens, ta)
         rb = b.insert_finished(tokens, tb, block_hashes(tokens, BS) + extra)
         assert ra == rb and a.drain_events() == b.drain_events()

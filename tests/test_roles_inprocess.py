@@ -55,13 +55,18 @@ class Collector:
         self.timeline: dict[str, list[Timeline]] = defaultdict(list)
         self.errors: list[ErrorMessage] = []
         self.pongs: list[Pong] = []
-        self.links: dict[str, dict[str, LinkState]] = defaultdict(dict)   # per daemon role
+        self.links: dict[str, dict[str, LinkState]] = defaultdict(dict)  # per daemon role
         self.changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
     async def connect(self, name: str, address: tuple[str, int]) -> None:
-        conn = await dial(*address, role="router", instance_id="test-router", lane="events",
-                          secret=SECRET.encode())
+        conn = await dial(
+            *address,
+            role="router",
+            instance_id="test-router",
+            lane="events",
+            secret=SECRET.encode(),
+        )
         self.conns[name] = conn
         self._tasks.append(asyncio.get_running_loop().create_task(self._read(conn)))
 
@@ -77,8 +82,10 @@ class Collector:
                     k = len(msg.top_logprob_ids) // len(msg.token_ids)
                     for j, lp in enumerate(msg.logprobs):
                         self.logprobs[msg.request_id][msg.index + j] = (
-                            lp, msg.top_logprob_ids[j * k:(j + 1) * k],
-                            msg.top_logprobs[j * k:(j + 1) * k])
+                            lp,
+                            msg.top_logprob_ids[j * k : (j + 1) * k],
+                            msg.top_logprobs[j * k : (j + 1) * k],
+                        )
             elif isinstance(msg, RequestDone):
                 self.done[msg.request_id] = msg
             elif isinstance(msg, Timeline):
@@ -187,11 +194,12 @@ def tiny():
 def reference(tiny, prompt, max_tokens, sp, ignore_eos, stop_token_ids=()):
     """The colocated engine's tokens, cut after the first extra stop token (SUBMIT semantics)."""
     model, tok = tiny
-    out = Engine(model, tok, num_blocks=128, block_size=16).generate(prompt, max_tokens, sp,
-                                                                     ignore_eos)
+    out = Engine(model, tok, num_blocks=128, block_size=16).generate(
+        prompt, max_tokens, sp, ignore_eos
+    )
     for i, t in enumerate(out):
         if t in stop_token_ids:
-            return out[:i + 1]
+            return out[: i + 1]
     return out
 
 
@@ -207,13 +215,26 @@ def with_stop_token(tiny, req: dict, index: int, request_id: str) -> dict:
 def workload(seed_base: int = 0) -> list[dict]:
     """Mixed prompt / output lengths, greedy and seeded sampling."""
     out = []
-    specs = [(12, 24, 0.0, True), (45, 90, 0.8, True), (70, 40, 0.0, False), (33, 500, 1.0, True),
-             (5, 1, 0.0, True)]
+    specs = [
+        (12, 24, 0.0, True),
+        (45, 90, 0.8, True),
+        (70, 40, 0.0, False),
+        (33, 500, 1.0, True),
+        (5, 1, 0.0, True),
+    ]
     for i, (plen, max_tokens, temp, ignore_eos) in enumerate(specs):
         prompt = [(37 * i + 11 * j + seed_base) % 250 + 1 for j in range(plen)]
-        out.append(dict(request_id=f"r{seed_base}-{i}", prompt_token_ids=prompt,
-                        max_tokens=max_tokens, temperature=temp, top_p=0.9 if temp else 1.0,
-                        seed=1000 + i if temp else None, ignore_eos=ignore_eos))
+        out.append(
+            dict(
+                request_id=f"r{seed_base}-{i}",
+                prompt_token_ids=prompt,
+                max_tokens=max_tokens,
+                temperature=temp,
+                top_p=0.9 if temp else 1.0,
+                seed=1000 + i if temp else None,
+                ignore_eos=ignore_eos,
+            )
+        )
     return out
 
 
@@ -221,14 +242,21 @@ async def run_workload(tiny, collector: Collector, reqs: list[dict]) -> None:
     for r in reqs:
         await collector.send("prefill", Submit(**r))
     for r in reqs:
-        await collector.wait_until(lambda r=r: collector.complete(r["request_id"]),
-                                   what=f"{r['request_id']} to complete")
+        await collector.wait_until(
+            lambda r=r: collector.complete(r["request_id"]), what=f"{r['request_id']} to complete"
+        )
     assert not collector.duplicates, f"indices emitted twice: {collector.duplicates}"
     assert not collector.errors
     for r in reqs:
         sp = SamplingParams(temperature=r["temperature"], top_p=r["top_p"], seed=r["seed"])
-        ref = reference(tiny, r["prompt_token_ids"], r["max_tokens"], sp, r["ignore_eos"],
-                        r.get("stop_token_ids", ()))
+        ref = reference(
+            tiny,
+            r["prompt_token_ids"],
+            r["max_tokens"],
+            sp,
+            r["ignore_eos"],
+            r.get("stop_token_ids", ()),
+        )
         assert collector.output(r["request_id"]) == ref, r["request_id"]
         if r.get("stop_token_ids") and len(ref) < r["max_tokens"]:
             assert collector.done[r["request_id"]].reason == "stop"
@@ -240,10 +268,13 @@ async def all_free(daemons: dict, timeout: float = 20.0) -> None:
         stats = {name: d.stats() for name, d in daemons.items()}
         json.dumps(stats)  # JSON-able, as `pdd status` needs
         # and P's WAN backlog (bytes MD has not acknowledged) released however requests ended
-        ok = all(s["kv_blocks"]["free"] == s["kv_blocks"]["total"] and s["requests"]["active"] == 0
-                 and s.get("planner", {}).get("wan_backlog_bytes", 0) == 0
-                 and s.get("planner", {}).get("wan_backlog_requests", 0) == 0
-                 for s in stats.values())
+        ok = all(
+            s["kv_blocks"]["free"] == s["kv_blocks"]["total"]
+            and s["requests"]["active"] == 0
+            and s.get("planner", {}).get("wan_backlog_bytes", 0) == 0
+            and s.get("planner", {}).get("wan_backlog_requests", 0) == 0
+            for s in stats.values()
+        )
         if ok:
             return
         assert time.monotonic() < deadline, f"KV not freed everywhere: {stats}"
@@ -260,15 +291,20 @@ async def test_pdd_token_exact_in_every_handoff_mode(tiny, handoff):
     async with running(cfg, md_delay=0.25) as (daemons, col):
         reqs = workload()
         # extra stop tokens, hit early (by RLD) and late (by MD, after the handoff)
-        stops = [with_stop_token(tiny, reqs[1], 2, "stop-early"),
-                 with_stop_token(tiny, reqs[3], 440, "stop-late")]
+        stops = [
+            with_stop_token(tiny, reqs[1], 2, "stop-early"),
+            with_stop_token(tiny, reqs[3], 440, "stop-late"),
+        ]
         await run_workload(tiny, col, reqs + stops)
         assert col.producers("stop-early")[-1] == "relay"
         assert col.producers("stop-late")[-1] == "main_decode"
         await all_free(daemons)
         md, rld = daemons["main_decode"], daemons["relay"]
-        modes = {col.events(r["request_id"])["handoff_start"].detail_str
-                 for r in reqs if "handoff_start" in col.events(r["request_id"])}
+        modes = {
+            col.events(r["request_id"])["handoff_start"].detail_str
+            for r in reqs
+            if "handoff_start" in col.events(r["request_id"])
+        }
         long_rid = reqs[3]["request_id"]  # 500 tokens: handed over to MD
         producers = col.producers(long_rid)
         # Eager: RLD made the first tokens, MD the rest after one cut.
@@ -277,8 +313,14 @@ async def test_pdd_token_exact_in_every_handoff_mode(tiny, handoff):
         assert set(producers[:cut]) == {"relay"} and set(producers[cut:]) == {"main_decode"}
         ev = col.events(long_rid)
         assert ev["rld_kv_complete"].time < ev["md_kv_complete"].time
-        assert {"prefill_start", "prefill_end", "wan_kv_sent", "handoff_start", "handoff_end",
-                "first_md_token"} <= set(ev)
+        assert {
+            "prefill_start",
+            "prefill_end",
+            "wan_kv_sent",
+            "handoff_start",
+            "handoff_end",
+            "first_md_token",
+        } <= set(ev)
         assert ev["first_md_token"].detail_int == cut
         # Token ids, not KV: one-shot < 2 KiB per 100 tokens; streaming (a frame per `chunk`
         # tokens) still a small fraction of the 1 KiB per token of the tiny model's KV.
@@ -332,7 +374,7 @@ async def test_one_shot_handoff_is_one_extend_even_when_the_engine_steps_between
     async with running(cfg, md_delay=0.25) as (daemons, col):
         md = daemons["main_decode"]
         settle_engine_between_calls(md)
-        req = workload()[3]                    # 500 tokens: RLD cannot finish it first
+        req = workload()[3]  # 500 tokens: RLD cannot finish it first
         await run_workload(tiny, col, [req])
         producers = col.producers(req["request_id"])
         cut = producers.index("main_decode")
@@ -376,7 +418,7 @@ async def test_a_slow_relay_allocation_still_hands_off(tiny, handoff):
 async def test_dynamic_picks_one_shot_for_a_quick_copy_and_streaming_for_a_slow_one(tiny):
     cfg = make_config(ClusterMode.PDD, "dynamic", handoff_chunk=4, handoff_threshold_tokens=32)
     async with running(cfg, md_delay=0.0) as (daemons, col):
-        await run_workload(tiny, col, workload(5)[1:2])      # MD's copy lands at once
+        await run_workload(tiny, col, workload(5)[1:2])  # MD's copy lands at once
         # now it lags RLD: long enough for > 32 relay tokens on a loaded box (~15 ms a step),
         # short enough that RLD, ~2 ms a step alone, is far from its 500 tokens
         daemons["main_decode"].kv_arrival_delay_s = 0.6
@@ -421,9 +463,11 @@ async def test_same_prompt_twice_reuses_decode_side_cache(tiny):
         await run_workload(tiny, col, [second])
         sent = [col.events(r["request_id"])["wan_kv_sent"].detail_int for r in (first, second)]
         assert 0 < sent[1] < sent[0]
-        hits = [col.events(r["request_id"])["prefix_hit_tokens"].detail_int for r in (first, second)]
+        hits = [
+            col.events(r["request_id"])["prefix_hit_tokens"].detail_int for r in (first, second)
+        ]
         assert hits[0] == 0 and hits[1] > 0
-        assert sent[1] == sent[0] * (45 - hits[1]) // 45   # only positions >= the hit crossed
+        assert sent[1] == sent[0] * (45 - hits[1]) // 45  # only positions >= the hit crossed
         await all_free(daemons)
 
 
@@ -431,15 +475,23 @@ async def test_cancel_mid_stream_frees_blocks_everywhere(tiny):
     cfg = make_config(ClusterMode.PDD, "streaming", handoff_chunk=2)
     async with running(cfg, md_delay=0.3) as (daemons, col):
         prompt = list(range(1, 60))
-        await col.send("prefill", Submit(request_id="gone", prompt_token_ids=prompt,
-                                         max_tokens=1500, ignore_eos=True))
-        await col.send("prefill", Submit(request_id="early", prompt_token_ids=prompt[:40],
-                                         max_tokens=1500, ignore_eos=True))
+        await col.send(
+            "prefill",
+            Submit(request_id="gone", prompt_token_ids=prompt, max_tokens=1500, ignore_eos=True),
+        )
+        await col.send(
+            "prefill",
+            Submit(
+                request_id="early", prompt_token_ids=prompt[:40], max_tokens=1500, ignore_eos=True
+            ),
+        )
         await col.wait_until(lambda: len(col.tokens["gone"]) >= 5, what="a few tokens")
         for name in ("prefill", "relay", "main_decode"):  # what the router does
             await col.send(name, Cancel(request_id="early", reason="client disconnected"))
-        await col.wait_until(lambda: any(p == "main_decode" for _, p in col.tokens["gone"].values()),
-                             what="MD to take over")
+        await col.wait_until(
+            lambda: any(p == "main_decode" for _, p in col.tokens["gone"].values()),
+            what="MD to take over",
+        )
         for name in ("prefill", "relay", "main_decode"):
             await col.send(name, Cancel(request_id="gone", reason="client disconnected"))
         await all_free(daemons)
@@ -454,8 +506,15 @@ async def test_cancel_right_after_submit_frees_everything(tiny):
     async with running(cfg, md_delay=0.05) as (daemons, col):
         for i in range(4):
             rid = f"race-{i}"
-            await col.send("prefill", Submit(request_id=rid, prompt_token_ids=list(range(1, 90)),
-                                             max_tokens=200, ignore_eos=True))
+            await col.send(
+                "prefill",
+                Submit(
+                    request_id=rid,
+                    prompt_token_ids=list(range(1, 90)),
+                    max_tokens=200,
+                    ignore_eos=True,
+                ),
+            )
             if i % 2:
                 await asyncio.sleep(0.01 * i)
             for name in ("relay", "main_decode", "prefill"):
@@ -483,15 +542,22 @@ def break_one_step(daemon, rid: str, after_sampled: int) -> list[str]:
     return fired
 
 
-@pytest.mark.parametrize("role, after_sampled", [("prefill", 0), ("relay", 3),
-                                                 ("main_decode", 3)])
-async def test_a_failing_engine_step_fails_its_requests_and_frees_their_blocks(tiny, role,
-                                                                              after_sampled):
+@pytest.mark.parametrize("role, after_sampled", [("prefill", 0), ("relay", 3), ("main_decode", 3)])
+async def test_a_failing_engine_step_fails_its_requests_and_frees_their_blocks(
+    tiny, role, after_sampled
+):
     cfg = make_config(ClusterMode.PDD, "one-shot", handoff_chunk=4)
     async with running(cfg, md_delay=0.25) as (daemons, col):
         fired = break_one_step(daemons[role], "doomed", after_sampled)
-        await col.send("prefill", Submit(request_id="doomed", prompt_token_ids=list(range(1, 40)),
-                                         max_tokens=300, ignore_eos=True))
+        await col.send(
+            "prefill",
+            Submit(
+                request_id="doomed",
+                prompt_token_ids=list(range(1, 40)),
+                max_tokens=300,
+                ignore_eos=True,
+            ),
+        )
         deadline = time.monotonic() + 30
         while not col.errors:
             assert time.monotonic() < deadline, "no ERROR for the request of the broken step"
@@ -504,16 +570,16 @@ async def test_a_failing_engine_step_fails_its_requests_and_frees_their_blocks(t
         await all_free(daemons)
         assert daemons[role].stats()["counters"]["engine_errors"] == 1
         col.errors.clear()
-        await run_workload(tiny, col, workload(17)[:2])   # the daemon still serves
+        await run_workload(tiny, col, workload(17)[:2])  # the daemon still serves
         await all_free(daemons)
 
 
 async def test_md_without_room_leaves_the_request_to_rld(tiny):
     """pdd mode, MD's pool too small for the request: P drops the WAN copy, RLD decodes it all."""
     cfg = make_config(ClusterMode.PDD, "one-shot")
-    cfg.main_decode.num_blocks = 8          # 64 positions at block size 8
+    cfg.main_decode.num_blocks = 8  # 64 positions at block size 8
     async with running(cfg) as (daemons, col):
-        req = workload(13)[1]               # 45-token prompt + 90 output tokens
+        req = workload(13)[1]  # 45-token prompt + 90 output tokens
         await run_workload(tiny, col, [req])
         assert set(col.producers(req["request_id"])) == {"relay"}
         assert "main_decode_refused" in col.events(req["request_id"])
@@ -526,18 +592,19 @@ async def test_a_kv_allocation_md_has_no_room_for_yet_waits_instead_of_failing(t
     time: the second one's KV_ALLOC waits for the first one's blocks, and both finish
     token-exact with no error (the pool refused nothing; the wait is counted and shown)."""
     cfg = make_config(ClusterMode.CROSS_DC)
-    cfg.main_decode.num_blocks = 24         # 45 + 90 tokens need 17 blocks of 8: one at a time
-    cfg.router.stall_timeout_s = 0.03       # MD tells the router every 10 ms that it waits
+    cfg.main_decode.num_blocks = 24  # 45 + 90 tokens need 17 blocks of 8: one at a time
+    cfg.router.stall_timeout_s = 0.03  # MD tells the router every 10 ms that it waits
     reqs = [dict(workload(21)[1], request_id=f"room-{i}") for i in range(2)]
-    for i, r in enumerate(reqs):            # different prompts: no shared cached prefix
+    for i, r in enumerate(reqs):  # different prompts: no shared cached prefix
         r["prompt_token_ids"] = [(t + 97 * i) % 250 + 1 for t in r["prompt_token_ids"]]
     async with running(cfg) as (daemons, col):
         await run_workload(tiny, col, reqs)
         md = daemons["main_decode"].stats()["requests"]
         assert md["alloc_waits"] == 1 and md["refused"] == 0
-        waits = [e for r in reqs for e in col.timeline[r["request_id"]]
-                 if e.event == "kv_alloc_wait"]
-        assert len(waits) >= 2      # queued, then still queued: not a stall for the router
+        waits = [
+            e for r in reqs for e in col.timeline[r["request_id"]] if e.event == "kv_alloc_wait"
+        ]
+        assert len(waits) >= 2  # queued, then still queued: not a stall for the router
         await all_free(daemons)
 
 
@@ -550,11 +617,15 @@ async def test_a_request_cancelled_while_waiting_for_md_room_leaves_nothing(tiny
         md = daemons["main_decode"]
         await col.send("prefill", Submit(**big))
         await col.send("prefill", Submit(**waiting))
-        await col.wait_until(lambda: md.stats()["requests"]["waiting_for_room"] == 1,
-                             what="the second allocation to wait")
+        await col.wait_until(
+            lambda: md.stats()["requests"]["waiting_for_room"] == 1,
+            what="the second allocation to wait",
+        )
         await col.send("prefill", Cancel(request_id="cw-1", reason="client went away"))
-        await col.wait_until(lambda: md.stats()["requests"]["waiting_for_room"] == 0,
-                             what="the waiting allocation to go")
+        await col.wait_until(
+            lambda: md.stats()["requests"]["waiting_for_room"] == 0,
+            what="the waiting allocation to go",
+        )
         await col.wait_until(lambda: col.complete("cw-0"), what="the first request")
         assert not col.errors
         await all_free(daemons)
@@ -575,9 +646,11 @@ def test_run_role_serves_until_sigterm_and_cleans_up(tmp_path):
     cfg.relay.port = port
     path = tmp_path / "cluster.toml"
     path.write_text(cfg.to_toml())
-    code = ("import asyncio, sys; from pddnet.config import load_config; "
-            "from pddnet.roles import run_role; "
-            "asyncio.run(run_role('relay', load_config(sys.argv[1])))")
+    code = (
+        "import asyncio, sys; from pddnet.config import load_config; "
+        "from pddnet.roles import run_role; "
+        "asyncio.run(run_role('relay', load_config(sys.argv[1])))"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
     try:
         deadline = time.monotonic() + 60
@@ -588,7 +661,9 @@ def test_run_role_serves_until_sigterm_and_cleans_up(tmp_path):
             assert proc.poll() is None, "relay exited early"
             assert time.monotonic() < deadline, "relay never listened"
             time.sleep(0.1)
-        segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"pdd-t-roles-relay-{proc.pid}-")]
+        segments = [
+            n for n in os.listdir("/dev/shm") if n.startswith(f"pdd-t-roles-relay-{proc.pid}-")
+        ]
         assert len(segments) == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -609,9 +684,18 @@ async def test_a_finished_prefill_is_copied_to_rld_while_the_next_prefill_runs(t
     cfg = make_config(ClusterMode.SAME_DC)
     cfg.prefill.max_num_batched_tokens, cfg.prefill.num_blocks = 2048, 512
     cfg.relay.num_blocks = 4096
-    reqs = [dict(request_id=rid, prompt_token_ids=[(13 * j + k) % 250 + 1 for j in range(n)],
-                 max_tokens=4, temperature=0.0, top_p=1.0, seed=None, ignore_eos=True)
-            for rid, n, k in (("A", 1500, 1), ("B", 2596, 2))]
+    reqs = [
+        dict(
+            request_id=rid,
+            prompt_token_ids=[(13 * j + k) % 250 + 1 for j in range(n)],
+            max_tokens=4,
+            temperature=0.0,
+            top_p=1.0,
+            seed=None,
+            ignore_eos=True,
+        )
+        for rid, n, k in (("A", 1500, 1), ("B", 2596, 2))
+    ]
     async with running(cfg) as (daemons, col):
         relay = daemons["relay"]
         answer = relay._alloc
@@ -621,47 +705,81 @@ async def test_a_finished_prefill_is_copied_to_rld_while_the_next_prefill_runs(t
                 await col.wait_until(lambda: "prefill_end" in col.events("A"), what="A prefilled")
                 await asyncio.sleep(0.05)
             await answer(p, msg)
+
         relay._alloc = after_a_prefilled
         for r in reqs:
             await col.send("prefill", Submit(**r))
         for r in reqs:
-            await col.wait_until(lambda r=r: col.complete(r["request_id"]),
-                                 what=f"{r['request_id']} to complete")
+            await col.wait_until(
+                lambda r=r: col.complete(r["request_id"]), what=f"{r['request_id']} to complete"
+            )
         await all_free(daemons)
     a, b = col.events("A"), col.events("B")
     assert a["rld_kv_complete"].time < b["prefill_end"].time, (
         f"A's copy completed {a['rld_kv_complete'].time - b['prefill_end'].time:+.3f} s after "
-        "B's prefill ended: it waited behind B's step")
+        "B's prefill ended: it waited behind B's step"
+    )
 
 
 # -- vLLM's sampling extensions (issue 24): penalties, min_tokens, n, logprobs ------------------
+
 
 def extension_requests() -> list[dict]:
     """Penalties and min_tokens, greedy and seeded, two choices of one prompt (n = 2 as the
     router sends it: one SUBMIT per choice, seed = choice_seed(seed, i)), logprobs."""
     from pddnet.engine.sampling import choice_seed
 
-    prompt = [(7 * j) % 40 + 1 for j in range(40)]     # repetitive: the penalties matter
+    prompt = [(7 * j) % 40 + 1 for j in range(40)]  # repetitive: the penalties matter
     base = dict(prompt_token_ids=prompt, max_tokens=120, top_p=1.0, ignore_eos=False)
-    out = [dict(base, request_id="pen-greedy", temperature=0.0, seed=None,
-                repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3,
-                logprobs=3),
-           dict(base, request_id="mintok", temperature=0.9, seed=77, min_tokens=100,
-                stop_token_ids=(10, 32), presence_penalty=-0.5, logprobs=0)]
+    out = [
+        dict(
+            base,
+            request_id="pen-greedy",
+            temperature=0.0,
+            seed=None,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+            presence_penalty=0.3,
+            logprobs=3,
+        ),
+        dict(
+            base,
+            request_id="mintok",
+            temperature=0.9,
+            seed=77,
+            min_tokens=100,
+            stop_token_ids=(10, 32),
+            presence_penalty=-0.5,
+            logprobs=0,
+        ),
+    ]
     for i in range(2):
-        out.append(dict(base, request_id=f"n2-{i}", temperature=1.0, seed=choice_seed(2**64 - 1, i),
-                        frequency_penalty=1.1, repetition_penalty=0.8, top_p=0.95))
+        out.append(
+            dict(
+                base,
+                request_id=f"n2-{i}",
+                temperature=1.0,
+                seed=choice_seed(2**64 - 1, i),
+                frequency_penalty=1.1,
+                repetition_penalty=0.8,
+                top_p=0.95,
+            )
+        )
     return out
 
 
 def extension_params(r: dict) -> SamplingParams:
-    return SamplingParams(temperature=r["temperature"], top_p=r["top_p"], seed=r["seed"],
-                          min_tokens=r.get("min_tokens", 0),
-                          stop_token_ids=tuple(r.get("stop_token_ids", ())),
-                          presence_penalty=r.get("presence_penalty", 0.0),
-                          frequency_penalty=r.get("frequency_penalty", 0.0),
-                          repetition_penalty=r.get("repetition_penalty", 1.0),
-                          logprobs=r.get("logprobs"))
+    return SamplingParams(
+        temperature=r["temperature"],
+        top_p=r["top_p"],
+        seed=r["seed"],
+        min_tokens=r.get("min_tokens", 0),
+        stop_token_ids=tuple(r.get("stop_token_ids", ())),
+        presence_penalty=r.get("presence_penalty", 0.0),
+        frequency_penalty=r.get("frequency_penalty", 0.0),
+        repetition_penalty=r.get("repetition_penalty", 1.0),
+        logprobs=r.get("logprobs"),
+    )
 
 
 @pytest.mark.parametrize("mode", [ClusterMode.PDD, ClusterMode.CROSS_DC, ClusterMode.SAME_DC])
@@ -675,12 +793,14 @@ async def test_sampling_extensions_token_exact_across_the_handoff_and_a_replay(t
     refs = {}
     for r in reqs:
         eng = Engine(model, tok, num_blocks=128, block_size=16)
-        refs[r["request_id"]] = eng.generate_logprobs(r["prompt_token_ids"], r["max_tokens"],
-                                                      extension_params(r), r["ignore_eos"])
+        refs[r["request_id"]] = eng.generate_logprobs(
+            r["prompt_token_ids"], r["max_tokens"], extension_params(r), r["ignore_eos"]
+        )
         eng.close()
     # the extensions change the tokens (or the test would prove nothing)
     plain = Engine(model, tok, num_blocks=128, block_size=16).generate(
-        reqs[0]["prompt_token_ids"], 120, SamplingParams(), False)
+        reqs[0]["prompt_token_ids"], 120, SamplingParams(), False
+    )
     assert refs["pen-greedy"][0] != plain
     assert refs["n2-0"][0] != refs["n2-1"][0]
     mintok = refs["mintok"][0]
@@ -691,30 +811,39 @@ async def test_sampling_extensions_token_exact_across_the_handoff_and_a_replay(t
         for r in reqs:
             await col.send("prefill", Submit(**r))
         for r in reqs:
-            await col.wait_until(lambda r=r: col.complete(r["request_id"]),
-                                 what=f"{r['request_id']} to complete")
+            await col.wait_until(
+                lambda r=r: col.complete(r["request_id"]), what=f"{r['request_id']} to complete"
+            )
         assert not col.duplicates and not col.errors
         for r in reqs:
             rid = r["request_id"]
             tokens, entries = refs[rid]
             assert col.output(rid) == tokens, rid
-            if r.get("logprobs") is not None:   # every token's, wherever it was sampled
+            if r.get("logprobs") is not None:  # every token's, wherever it was sampled
                 got = col.logprobs[rid]
                 assert sorted(got) == list(range(len(tokens))), rid
                 for i, e in enumerate(entries):
                     assert abs(got[i][0] - e.logprob) < 1e-9 and got[i][1] == e.top_ids, (rid, i)
         if mode is ClusterMode.PDD:
-            handed = [r["request_id"] for r in reqs if {"main_decode", "relay"}
-                      <= set(col.producers(r["request_id"]))]
+            handed = [
+                r["request_id"]
+                for r in reqs
+                if {"main_decode", "relay"} <= set(col.producers(r["request_id"]))
+            ]
             assert handed, "some request must be handed over from RLD to MD mid-stream"
         # A replay by token ids on a decode tier (what the router does when the carrier is
         # lost): the history-dependent sampling continues token-exact from index 50.
         r = dict(reqs[1], request_id="mintok-replay")
         tier = "relay" if mode is ClusterMode.SAME_DC else "main_decode"
         await col.send(tier, Submit(**r, output_token_ids=tuple(mintok[:50])))
-        await col.wait_until(lambda: "mintok-replay" in col.done and len(
-            col.tokens["mintok-replay"]) == col.done["mintok-replay"].num_output_tokens - 50,
-                             what="the replay")
+        await col.wait_until(
+            lambda: (
+                "mintok-replay" in col.done
+                and len(col.tokens["mintok-replay"])
+                == col.done["mintok-replay"].num_output_tokens - 50
+            ),
+            what="the replay",
+        )
         got = col.tokens["mintok-replay"]
         assert [got[i][0] for i in sorted(got)] == mintok[50:]
         assert sorted(got) == list(range(50, len(mintok)))
@@ -725,12 +854,19 @@ async def test_logprobs_reach_the_router_with_their_tokens(tiny):
     """TOKEN_EVENT carries each token's raw logprob and top-k where it was sampled: P's first
     token (through KV_DONE), RLD's, MD's after the cut; equal to the reference engine's."""
     model, tok = tiny
-    r = dict(request_id="lp", prompt_token_ids=list(range(1, 60)), max_tokens=300,
-             temperature=0.8, top_p=1.0, seed=5, ignore_eos=True, logprobs=4,
-             repetition_penalty=1.2)
+    r = dict(
+        request_id="lp",
+        prompt_token_ids=list(range(1, 60)),
+        max_tokens=300,
+        temperature=0.8,
+        top_p=1.0,
+        seed=5,
+        ignore_eos=True,
+        logprobs=4,
+        repetition_penalty=1.2,
+    )
     eng = Engine(model, tok, num_blocks=128, block_size=16)
-    want_tokens, want = eng.generate_logprobs(r["prompt_token_ids"], 300, extension_params(r),
-                                              True)
+    want_tokens, want = eng.generate_logprobs(r["prompt_token_ids"], 300, extension_params(r), True)
     eng.close()
     cfg = make_config(ClusterMode.PDD, "one-shot", handoff_chunk=4)
     async with running(cfg, md_delay=0.25) as (daemons, col):
@@ -744,13 +880,11 @@ async def test_logprobs_reach_the_router_with_their_tokens(tiny):
             lp, top_ids, top_lps = col.logprobs["lp"][i]
             assert abs(lp - entry.logprob) < 1e-9, i
             assert top_ids == entry.top_ids and len(top_ids) == 4
-            assert all(abs(a - b) < 1e-9 for a, b in zip(top_lps, entry.top_logprobs,
-                                                         strict=True))
+            assert all(abs(a - b) < 1e-9 for a, b in zip(top_lps, entry.top_logprobs, strict=True))
         await all_free(daemons)
 
 
-async def test_a_parked_takeover_whose_allocation_never_comes_expires_on_its_own(tiny,
-                                                                                 monkeypatch):
+async def test_a_parked_takeover_whose_allocation_never_comes_expires_on_its_own(tiny, monkeypatch):
     """Issue 23: a TAKEOVER that overtook an allocation that never comes is released after the
     TTL by its own timer (before, only a later TAKEOVER swept it, so a lone one stayed)."""
     from pddnet.protocol import Takeover
@@ -761,6 +895,9 @@ async def test_a_parked_takeover_whose_allocation_never_comes_expires_on_its_own
         rld = daemons["relay"]
         rld._takeover(Takeover(request_id="never-allocated", ready_position=4, chunk_tokens=16))
         assert rld.stats()["early_takeovers_waiting"] == 1
-        await col.wait_until(lambda: rld.stats()["early_takeovers_waiting"] == 0, timeout=10,
-                             what="the parked TAKEOVER to expire")
+        await col.wait_until(
+            lambda: rld.stats()["early_takeovers_waiting"] == 0,
+            timeout=10,
+            what="the parked TAKEOVER to expire",
+        )
         assert rld.stats()["counters"]["early_takeovers_expired"] == 1

@@ -29,17 +29,20 @@ def draws(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> Counter
     return Counter(sample_token(logits, params, pos) for pos in range(n))
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    (SamplingParams(temperature=-0.1), r"temperature must be a finite number >= 0, got -0.1"),
-    (SamplingParams(temperature=float("nan")), r"temperature must be a finite number >= 0"),
-    (SamplingParams(temperature=float("inf")), r"temperature must be a finite number >= 0"),
-    (SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-    (SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-    (SamplingParams(top_k=-1), r"top_k must be an integer >= 0 \(0 = no limit\), got -1"),
-    (SamplingParams(top_k=2.5), r"top_k must be an integer >= 0"),  # type: ignore[arg-type]
-    (SamplingParams(seed=-3), r"seed must be None or an integer in \[0, 2\*\*64\), got -3"),
-    (SamplingParams(seed=2**64), r"seed must be None or an integer in \[0, 2\*\*64\)"),
-])
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (SamplingParams(temperature=-0.1), r"temperature must be a finite number >= 0, got -0.1"),
+        (SamplingParams(temperature=float("nan")), r"temperature must be a finite number >= 0"),
+        (SamplingParams(temperature=float("inf")), r"temperature must be a finite number >= 0"),
+        (SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        (SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+        (SamplingParams(top_k=-1), r"top_k must be an integer >= 0 \(0 = no limit\), got -1"),
+        (SamplingParams(top_k=2.5), r"top_k must be an integer >= 0"),  # type: ignore[arg-type]
+        (SamplingParams(seed=-3), r"seed must be None or an integer in \[0, 2\*\*64\), got -3"),
+        (SamplingParams(seed=2**64), r"seed must be None or an integer in \[0, 2\*\*64\)"),
+    ],
+)
 def test_validation_errors(params: SamplingParams, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         params.validate()
@@ -68,8 +71,10 @@ def test_other_errors() -> None:
 def test_greedy_takes_lowest_id_on_ties() -> None:
     logits = torch.tensor([0.0, 3.0, 1.0, 3.0, 3.0])
     assert sample_token(logits, SamplingParams(), 0) == 1
-    assert sample_batch(torch.stack([logits, logits.flip(0)]), [SamplingParams()] * 2,
-                        [0, 1]) == [1, 0]
+    assert sample_batch(torch.stack([logits, logits.flip(0)]), [SamplingParams()] * 2, [0, 1]) == [
+        1,
+        0,
+    ]
 
 
 def test_same_seed_and_position_same_token_different_positions_vary() -> None:
@@ -84,7 +89,8 @@ def test_same_seed_and_position_same_token_different_positions_vary() -> None:
     assert other_seed != first
     # float32 logits with the same values give the same tokens
     assert [sample_token(logits.float().double(), params, p) for p in range(64)] == [
-        sample_token(logits.float(), params, p) for p in range(64)]
+        sample_token(logits.float(), params, p) for p in range(64)
+    ]
 
 
 def test_top_k_restricts_support() -> None:
@@ -135,7 +141,8 @@ def test_sample_batch_mixes_greedy_and_random_rows() -> None:
     params = [SamplingParams(), SamplingParams(1.0, 0.9, 10, seed=4), SamplingParams(0.7, seed=9)]
     positions = [5, 17, 2]
     assert sample_batch(logits, params, positions) == [
-        sample_token(row, p, pos) for row, p, pos in zip(logits, params, positions, strict=True)]
+        sample_token(row, p, pos) for row, p, pos in zip(logits, params, positions, strict=True)
+    ]
 
 
 finite = st.floats(min_value=-30, max_value=30, allow_nan=False)
@@ -149,10 +156,15 @@ params_strategy = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
-@given(values=st.lists(finite, min_size=1, max_size=40), params=params_strategy,
-       position=st.integers(min_value=0, max_value=2**40), noise=st.integers(0, 2**31))
-def test_sample_token_is_a_pure_function(values: list[float], params: SamplingParams,
-                                         position: int, noise: int) -> None:
+@given(
+    values=st.lists(finite, min_size=1, max_size=40),
+    params=params_strategy,
+    position=st.integers(min_value=0, max_value=2**40),
+    noise=st.integers(0, 2**31),
+)
+def test_sample_token_is_a_pure_function(
+    values: list[float], params: SamplingParams, position: int, noise: int
+) -> None:
     logits = torch.tensor(values, dtype=torch.float64)
     first = sample_token(logits, params, position)
     torch.manual_seed(noise)  # perturb any global state between calls
@@ -164,12 +176,16 @@ def test_sample_token_is_a_pure_function(values: list[float], params: SamplingPa
         assert first == values.index(max(values))
     elif params.top_k:
         # the chosen token ranks within the top k (ties ranked by lower id)
-        better = sum(1 for i, v in enumerate(values) if v > values[first] or
-                     (v == values[first] and i < first))
+        better = sum(
+            1
+            for i, v in enumerate(values)
+            if v > values[first] or (v == values[first] and i < first)
+        )
         assert better < params.top_k
 
 
 # -- vLLM's logits processing: penalties and min_tokens (issue 24) ------------------------------
+
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() -> None:
     logits = torch.tensor([2.0, -1.0, 3.0, -2.0, 1.0], dtype=torch.float64)
@@ -186,8 +202,12 @@ def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
     out = process_logits(logits, p, prompt_ids=[0, 0, 0], output_ids=[1, 2, 2, 2])
     assert out.tolist() == [0.0, -0.75, -1.75, 0.0]
     # negative values reward repetition (OpenAI's range is [-2, 2])
-    assert process_logits(logits, SamplingParams(presence_penalty=-1.0), [], [3]).tolist() == \
-        [0.0, 0.0, 0.0, 1.0]
+    assert process_logits(logits, SamplingParams(presence_penalty=-1.0), [], [3]).tolist() == [
+        0.0,
+        0.0,
+        0.0,
+        1.0,
+    ]
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
@@ -210,17 +230,20 @@ def test_penalties_apply_to_greedy_and_need_the_history() -> None:
     assert sample_batch(logits[None], [p], [9], [([], [0])]) == [1]
     with pytest.raises(ValueError, match="need each row's token history"):
         sample_batch(logits[None], [p], [9])
-    assert sample_batch(logits[None], [SamplingParams()], [9]) == [0]   # unchanged without
+    assert sample_batch(logits[None], [SamplingParams()], [9]) == [0]  # unchanged without
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    (SamplingParams(min_tokens=-1), r"min_tokens must be an integer >= 0"),
-    (SamplingParams(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
-    (SamplingParams(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\]"),
-    (SamplingParams(repetition_penalty=0.0), r"repetition_penalty must be in \(0, 100\]"),
-    (SamplingParams(logprobs=21), r"logprobs must be None or an integer in \[0, 20\]"),
-    (SamplingParams(stop_token_ids=(-1,)), r"stop_token_ids must be a sequence"),
-])
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (SamplingParams(min_tokens=-1), r"min_tokens must be an integer >= 0"),
+        (SamplingParams(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+        (SamplingParams(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\]"),
+        (SamplingParams(repetition_penalty=0.0), r"repetition_penalty must be in \(0, 100\]"),
+        (SamplingParams(logprobs=21), r"logprobs must be None or an integer in \[0, 20\]"),
+        (SamplingParams(stop_token_ids=(-1,)), r"stop_token_ids must be a sequence"),
+    ],
+)
 def test_extension_validation_errors(params: SamplingParams, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         params.validate()
@@ -231,11 +254,11 @@ def test_token_logprob_is_raw_log_softmax_with_ranked_top_k() -> None:
     entry = token_logprob(logits, 3, 3)
     logp = torch.log_softmax(logits, -1)
     assert entry.token_id == 3 and entry.logprob == float(logp[3])
-    assert entry.top_ids == (1, 2, 0)   # ties: lower id first
+    assert entry.top_ids == (1, 2, 0)  # ties: lower id first
     assert entry.top_logprobs == tuple(float(logp[i]) for i in (1, 2, 0))
     assert token_logprob(logits, 0, 0).top_ids == ()
     floor = token_logprob(torch.tensor([0.0, -1e6], dtype=torch.float64), 1, 1)
-    assert floor.logprob == -9999.0     # what vLLM reports for -inf
+    assert floor.logprob == -9999.0  # what vLLM reports for -inf
 
 
 def test_choice_seeds_follow_vllm_and_the_router_agrees() -> None:
@@ -253,8 +276,14 @@ def test_engine_min_tokens_and_stop_token_ids_match_a_hand_driven_loop() -> None
 
     model, tok = load_model("tiny")
     prompt = [256] + list(b"penalties and min tokens")
-    params = SamplingParams(temperature=1.2, seed=4, min_tokens=20, stop_token_ids=(101, 32),
-                            repetition_penalty=1.5, presence_penalty=0.5)
+    params = SamplingParams(
+        temperature=1.2,
+        seed=4,
+        min_tokens=20,
+        stop_token_ids=(101, 32),
+        repetition_penalty=1.5,
+        presence_penalty=0.5,
+    )
     engine = Engine(model, tok, num_blocks=64, block_size=16)
     out = engine.generate(prompt, 60, params)
     assert len(out) >= 20
@@ -264,7 +293,7 @@ def test_engine_min_tokens_and_stop_token_ids_match_a_hand_driven_loop() -> None
     ids = list(prompt)
     for i, t in enumerate(out):
         logits = model(torch.tensor(ids), torch.arange(len(ids)), _full_attention)[-1]
-        row = process_logits(logits, params, prompt, ids[len(prompt):], tok.eos_token_id)
+        row = process_logits(logits, params, prompt, ids[len(prompt) :], tok.eos_token_id)
         assert sample_token(row, params, len(ids)) == t, i
         ids.append(t)
     engine.close()

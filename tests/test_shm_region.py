@@ -26,8 +26,11 @@ def shm_names() -> set[str]:
 def rld_pool():
     """RLD's shared pool: block size 4, float32 (P uses block size 3, float64)."""
     before = shm_names()
-    pool = KVPool(KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
-                         dtype="float32"), num_blocks=16, shm_name=unique_segment_name("test"))
+    pool = KVPool(
+        KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"),
+        num_blocks=16,
+        shm_name=unique_segment_name("test"),
+    )
     yield pool
     pool.close()
     assert shm_names() == before, "shared-memory segment left in /dev/shm"
@@ -38,8 +41,9 @@ def p_export(n_tokens: int = 10, start: int = 0, end: int | None = None):
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=3, dtype="float64")
     pool = KVPool(spec, num_blocks=8)
     table = [5, 1, 7, 2]
-    kv = torch.randn(2, 2, n_tokens, 2, 8, dtype=torch.float64,
-                     generator=torch.Generator().manual_seed(7))
+    kv = torch.randn(
+        2, 2, n_tokens, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7)
+    )
     pool.write_tokens(table, 0, kv)
     return export_kv(pool, table, start, n_tokens if end is None else end), kv
 
@@ -106,8 +110,9 @@ def test_a_second_process_attaches_by_name_and_writes(rld_pool):
         print(region.write({table}, {table}, export_kv(src, [0, 1, 2], 0, 9), 0))
         region.close()
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == 2 * 2 * 9 * 2 * 8 * 4
     want = torch.arange(2 * 2 * 9 * 2 * 8, dtype=torch.float64).view(2, 2, 9, 2, 8)

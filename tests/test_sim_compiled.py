@@ -15,8 +15,9 @@ import pytest
 
 from pddnet.sim import compiled
 
-pytestmark = pytest.mark.skipif(compiled.missing_tools() is not None,
-                                reason=f"cannot compile here: {compiled.missing_tools()}")
+pytestmark = pytest.mark.skipif(
+    compiled.missing_tools() is not None, reason=f"cannot compile here: {compiled.missing_tools()}"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,23 +40,36 @@ def tree(quick_build) -> Path:
 
 
 def _pdd(args, env=None):
-    return subprocess.run([sys.executable, "-m", "pddnet", *args], env=env, check=True,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pddnet", *args],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_the_compiled_copy_imports_every_listed_module_as_a_c_extension(tree):
-    code = ("from pddnet.sim import compiled; import pddnet; "
-            "print(compiled.compiled_modules() == list(compiled.COMPILED_MODULES)); "
-            "print(pddnet.__file__)")
+    code = (
+        "from pddnet.sim import compiled; import pddnet; "
+        "print(compiled.compiled_modules() == list(compiled.COMPILED_MODULES)); "
+        "print(pddnet.__file__)"
+    )
     # (from a folder without the pure package: Python puts the working directory first)
-    out = subprocess.run([sys.executable, "-c", code], env=compiled.compiled_env(tree),
-                         cwd=tree.parent, check=True, stdout=subprocess.PIPE,
-                         text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=compiled.compiled_env(tree),
+        cwd=tree.parent,
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout.split()
     assert out[0] == "True"
     assert Path(out[1]).is_relative_to(tree)
     # and this (the tests') process runs the pure package
     assert compiled.compiled_modules() == []
-    assert compiled.build() == tree          # cached: the same digest, no second build
+    assert compiled.build() == tree  # cached: the same digest, no second build
 
 
 def _stressful_config(path: Path, trace: Path) -> None:
@@ -66,29 +80,51 @@ def _stressful_config(path: Path, trace: Path) -> None:
     for i in range(120):
         conv, turn = divmod(i, 6)
         ids = list(range(conv * 1000, conv * 1000 + 30 + 5 * turn))
-        lines.append({"timestamp": i * 150, "input_length": len(ids) * 256,
-                      "output_length": 64 + 13 * (i % 9), "hash_ids": ids,
-                      "conversation": conv})
+        lines.append(
+            {
+                "timestamp": i * 150,
+                "input_length": len(ids) * 256,
+                "output_length": 64 + 13 * (i % 9),
+                "hash_ids": ids,
+                "conversation": conv,
+            }
+        )
     trace.write_text("\n".join(json.dumps(x) for x in lines))
     base = {
-        "seed": 11, "model": "qwen2.5-7b", "tokens_per_unit": 256,
+        "seed": 11,
+        "model": "qwen2.5-7b",
+        "tokens_per_unit": 256,
         "systems": ["same-dc", "cross-dc", "pdd", "pdd-no-drc", "cross-dc-no-drc"],
         "chips": {"a": "gpu-a", "b": "gpu-b"},
-        "pdd": {"prefill": {"chip": "a", "instances": 2}, "relay": {"chip": "a", "instances": 1},
-                "main_decode": {"chip": "b", "instances": 2}},
-        "baseline": {"prefill": {"chip": "a", "instances": 2},
-                     "decode": {"chip": "a", "instances": 2}},
+        "pdd": {
+            "prefill": {"chip": "a", "instances": 2},
+            "relay": {"chip": "a", "instances": 1},
+            "main_decode": {"chip": "b", "instances": 2},
+        },
+        "baseline": {
+            "prefill": {"chip": "a", "instances": 2},
+            "decode": {"chip": "a", "instances": 2},
+        },
         "line": {"bw_gbit": 5, "rtt_ms": 40, "jitter_ms": 6, "queue_mb": 8},
         "engine": {"memory_utilisation": 0.25},
-        "workload": {"requests": 220, "num_conversations": 400,
-                     "conversation_rate_per_s": 1.0, "system_prompt_len": [4000, 16000],
-                     "task_len": [1000, 4000], "small_tool_len": [64, 1024],
-                     "large_tool_len": [8000, 32000], "output_len": [64, 512],
-                     "max_context": 65536},
+        "workload": {
+            "requests": 220,
+            "num_conversations": 400,
+            "conversation_rate_per_s": 1.0,
+            "system_prompt_len": [4000, 16000],
+            "task_len": [1000, 4000],
+            "small_tool_len": [64, 1024],
+            "large_tool_len": [8000, 32000],
+            "output_len": [64, 512],
+            "max_context": 65536,
+        },
     }
     path.write_text(json.dumps(base))
-    traced = dict(base, workload={"kind": "trace", "path": str(trace), "requests": 120},
-                  systems=["pdd", "cross-dc"])
+    traced = dict(
+        base,
+        workload={"kind": "trace", "path": str(trace), "requests": 120},
+        systems=["pdd", "cross-dc"],
+    )
     (path.parent / "traced.json").write_text(json.dumps(traced))
 
 
@@ -99,17 +135,27 @@ def test_compiled_and_pure_runs_give_byte_identical_json(tree, tmp_path):
     env.pop(compiled.TREE_ENV, None)
     for name in ("stress", "traced"):
         for mode in ("pure", "compiled"):
-            args = ["sim", "run", "--config", str(tmp_path / f"{name}.json"), "--no-plots",
-                    "--jobs", "1", "--out", str(tmp_path / mode)]
+            args = [
+                "sim",
+                "run",
+                "--config",
+                str(tmp_path / f"{name}.json"),
+                "--no-plots",
+                "--jobs",
+                "1",
+                "--out",
+                str(tmp_path / mode),
+            ]
             run = _pdd(args + (["--compiled"] if mode == "compiled" else []), env=env)
-            want = ("simulator: compiled with mypyc" if mode == "compiled"
-                    else "simulator: pure Python")
+            want = (
+                "simulator: compiled with mypyc" if mode == "compiled" else "simulator: pure Python"
+            )
             assert want in run.stderr
         pure = (tmp_path / "pure" / f"{name}.json").read_text()
         fast = (tmp_path / "compiled" / f"{name}.json").read_text()
-        systems = json.loads(pure)["systems"]     # a real result, not an empty file
+        systems = json.loads(pure)["systems"]  # a real result, not an empty file
         assert all(r["finished"] == r["requests"] for r in systems.values())
-        if name == "stress":                      # the config does what it says
+        if name == "stress":  # the config does what it says
             assert systems["pdd"]["md_alloc_waits"] > 0
         assert pure == fast, f"{name}: compiled and pure JSON differ"
 
@@ -117,21 +163,38 @@ def test_compiled_and_pure_runs_give_byte_identical_json(tree, tmp_path):
 @pytest.mark.heavy  # CI: the stressful scenarios above cover every system compiled vs pure
 def test_reproduce_quick_compiled_is_byte_identical_to_pure(tree, tmp_path):
     for mode in ("pure", "compiled"):
-        _pdd(["sim", "reproduce", "--quick", "--no-plots", "--jobs", "2",
-              "--out", str(tmp_path / mode)] + (["--compiled"] if mode == "compiled" else []))
-    assert ((tmp_path / "pure" / "reproduce-quick.json").read_text()
-            == (tmp_path / "compiled" / "reproduce-quick.json").read_text())
+        _pdd(
+            [
+                "sim",
+                "reproduce",
+                "--quick",
+                "--no-plots",
+                "--jobs",
+                "2",
+                "--out",
+                str(tmp_path / mode),
+            ]
+            + (["--compiled"] if mode == "compiled" else [])
+        )
+    assert (tmp_path / "pure" / "reproduce-quick.json").read_text() == (
+        tmp_path / "compiled" / "reproduce-quick.json"
+    ).read_text()
 
 
 def test_a_build_that_cannot_compile_fails_with_mypycs_message(tmp_path, monkeypatch):
     # a copy of the sources with a type error mypyc rejects in one compiled module
     src = tmp_path / "src"
     for pkg in compiled.PACKAGES:
-        shutil.copytree(compiled.source_root() / pkg, src / pkg,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        shutil.copytree(
+            compiled.source_root() / pkg,
+            src / pkg,
+            ignore=shutil.ignore_patterns("__pycache__", "*.so"),
+        )
     events = src / "pddnet" / "sim" / "events.py"
     events.write_text(events.read_text() + "\n\ndef _broken() -> int:\n    return 'not an int'\n")
     monkeypatch.setattr(compiled, "source_root", lambda: src)
-    with pytest.raises(compiled.CompileError, match="events.py:[0-9]+: error: Incompatible return value"):
+    with pytest.raises(
+        compiled.CompileError, match="events.py:[0-9]+: error: Incompatible return value"
+    ):
         compiled.build(cache=tmp_path / "cache")
-    assert not any((tmp_path / "cache").iterdir())     # nothing half built is left behind
+    assert not any((tmp_path / "cache").iterdir())  # nothing half built is left behind

@@ -11,8 +11,8 @@ def test_events_run_in_time_then_scheduling_order():
     seen = []
     loop.at(2.0, seen.append, "c")
     loop.at(1.0, seen.append, "a")
-    loop.at(1.0, seen.append, "b")        # same time: scheduling order
-    loop.after(0.5, lambda: loop.after(1.0, seen.append, "late"))   # scheduled from an event
+    loop.at(1.0, seen.append, "b")  # same time: scheduling order
+    loop.after(0.5, lambda: loop.after(1.0, seen.append, "late"))  # scheduled from an event
     assert loop.run() == 5
     assert seen == ["a", "b", "late", "c"]
     assert loop.now == 2.0
@@ -32,7 +32,7 @@ def test_event_loop_refuses_the_past_and_stops_at_until():
 def test_histogram_quantiles_within_bucket_resolution():
     h = Histogram()
     for i in range(1, 10001):
-        h.add(i / 1000.0)                  # 1 ms .. 10 s, uniform
+        h.add(i / 1000.0)  # 1 ms .. 10 s, uniform
     assert h.n == 10000
     assert h.quantile(0.5) == pytest.approx(5.0, rel=0.005)
     assert h.quantile(0.99) == pytest.approx(9.9, rel=0.005)
@@ -57,20 +57,19 @@ def test_histogram_weights_and_merge():
 
 def test_histogram_buckets_in_order_from_the_floor_bucket_up():
     h = Histogram()
-    h.add(0.0)                             # at or below the floor: bucket -1
+    h.add(0.0)  # at or below the floor: bucket -1
     h.add(2.0, 3)
     h.add(1e-3)
     assert list(h.counts) == sorted(h.counts) and h.counts[-1] == 1.0
     assert sum(h.counts.values()) == h.n == 5
-    assert h.quantile(0.0) == 0.5e-6       # the floor bucket (its midpoint), not an empty one
+    assert h.quantile(0.0) == 0.5e-6  # the floor bucket (its midpoint), not an empty one
     assert h.quantile(0.5) == pytest.approx(2.0, rel=0.005)
     short = Histogram()
     short.add(1e-5)
-    short.merge(h)                         # a longer one into a shorter one
-    assert short.n == 6 and short.counts == {**h.counts,
-                                             short._bucket(1e-5): 1.0}
+    short.merge(h)  # a longer one into a shorter one
+    assert short.n == 6 and short.counts == {**h.counts, short._bucket(1e-5): 1.0}
     big = Histogram()
-    big.add(1.7e308)                       # the largest floats still have a bucket
+    big.add(1.7e308)  # the largest floats still have a bucket
     with pytest.raises(ValueError, match="finite"):
         big.add(float("inf"))
     assert big.quantile(0.5) == 1.7e308 and len(big.counts) == 1
@@ -89,7 +88,7 @@ def test_series_is_bounded_and_keeps_maxima():
 
 def test_series_interval_max_includes_the_level_held_into_it():
     s = Series(interval_s=1.0, max_points=64)
-    s.observe(0.2, 8.0)       # 8 requests from 0.2 s on
-    s.observe(2.5, 7.0)       # one leaves at 2.5 s: 8 were there during [2, 2.5)
-    s.observe(4.5, 0.0)       # the last leaves at 4.5 s: 7 were there during [4, 4.5)
+    s.observe(0.2, 8.0)  # 8 requests from 0.2 s on
+    s.observe(2.5, 7.0)  # one leaves at 2.5 s: 8 were there during [2, 2.5)
+    s.observe(4.5, 0.0)  # the last leaves at 4.5 s: 7 were there during [4, 4.5)
     assert s.values == [8.0, 8.0, 8.0, 7.0, 7.0]

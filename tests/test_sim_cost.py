@@ -50,7 +50,7 @@ def test_prefill_time_is_its_flops_over_compute(unit):
 
 
 def test_decode_step_time_is_its_bytes_over_bandwidth(unit):
-    kvpt = 2 * 2 * 2 * 16 * 2          # layers * (K,V) * kv heads * head_dim * bytes = 256
+    kvpt = 2 * 2 * 2 * 16 * 2  # layers * (K,V) * kv heads * head_dim * bytes = 256
     assert unit.model.kv_bytes_per_token == kvpt
     # batch 8 over 8000 context tokens: weights + KV read + KV written, at 100 GB/s
     want = (2e9 + (8000 + 8) * kvpt) / 100e9
@@ -117,8 +117,12 @@ def test_bad_profiles_are_rejected_with_the_field_named(tmp_path):
 def _host_terms(tmp_path, per_seq_us: float, per_ctx_ns: float) -> InstanceCost:
     # the [tflops] table must stay last: the new keys go before it
     head, table = CHIP.split("[tflops]")
-    text = head + f"step_per_seq_us = {per_seq_us}\nstep_per_ctx_token_ns = {per_ctx_ns}\n" \
-        + "[tflops]" + table
+    text = (
+        head
+        + f"step_per_seq_us = {per_seq_us}\nstep_per_ctx_token_ns = {per_ctx_ns}\n"
+        + "[tflops]"
+        + table
+    )
     (tmp_path / "host.toml").write_text(text)
     (tmp_path / "model.toml").write_text(MODEL)
     return InstanceCost(load_chip(tmp_path / "host.toml"), load_model(tmp_path / "model.toml"))
@@ -127,7 +131,7 @@ def _host_terms(tmp_path, per_seq_us: float, per_ctx_ns: float) -> InstanceCost:
 def test_per_sequence_and_per_context_terms_add_to_a_decode_step(tmp_path):
     c = _host_terms(tmp_path, per_seq_us=500.0, per_ctx_ns=200.0)
     kvpt = 256
-    roofline = (2e9 + (8000 + 8) * kvpt) / 100e9          # as in the memory-bound case above
+    roofline = (2e9 + (8000 + 8) * kvpt) / 100e9  # as in the memory-bound case above
     # 8 sequences x 0.5 ms, and 8000 cached + 8 new context tokens x 200 ns
     want = roofline + 8 * 500e-6 + (8000 + 8) * 200e-9
     assert c.decode_step_time(8, 8000) == pytest.approx(want)
@@ -175,8 +179,11 @@ def test_negative_host_terms_are_rejected(tmp_path):
 def _jittery(tmp_path, cv: float, name: str = "unit-chip") -> InstanceCost:
     head, table = CHIP.split("[tflops]")
     p = tmp_path / f"jitter-{cv}-{name}.toml"
-    p.write_text(head.replace('name = "unit-chip"', f'name = "{name}"')
-                 + f"step_jitter_cv = {cv}\n[tflops]" + table)
+    p.write_text(
+        head.replace('name = "unit-chip"', f'name = "{name}"')
+        + f"step_jitter_cv = {cv}\n[tflops]"
+        + table
+    )
     (tmp_path / "model.toml").write_text(MODEL)
     return InstanceCost(load_chip(p), load_model(tmp_path / "model.toml"))
 

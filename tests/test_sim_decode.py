@@ -12,15 +12,30 @@ STEP_S = 0.01
 class ConstantStep:
     """Every decode step takes STEP_S, whatever the batch (hand-computable times)."""
 
-    def decode_step_time(self, batch, context_tokens, extend_tokens=0, extend_pairs=0.0,
-                         extend_seqs=None, jitter=True, extend_context=0.0):
+    def decode_step_time(
+        self,
+        batch,
+        context_tokens,
+        extend_tokens=0,
+        extend_pairs=0.0,
+        extend_seqs=None,
+        jitter=True,
+        extend_context=0.0,
+    ):
         return STEP_S
 
 
 def test_stop_takes_the_tokens_emitted_so_far_and_drops_the_one_in_flight():
     loop = EventLoop()
-    inst = DecodeInstance(loop, ConstantStep(), "RLD0", max_seqs=8, user_delay_s=0.0,
-                          itl=Histogram(), segment_steps=32)
+    inst = DecodeInstance(
+        loop,
+        ConstantStep(),
+        "RLD0",
+        max_seqs=8,
+        user_delay_s=0.0,
+        itl=Histogram(),
+        segment_steps=32,
+    )
     finished = []
     cut = Member("cut", 100, 50, 0.0, lambda m, t, made: finished.append((m.state, t, made)))
     other = Member("other", 100, 5, 0.0, lambda m, t, made: finished.append((m.state, t, made)))
@@ -32,7 +47,7 @@ def test_stop_takes_the_tokens_emitted_so_far_and_drops_the_one_in_flight():
     loop.run()
     made, last = stopped[0]
     assert made == 2
-    assert last == pytest.approx(2 * STEP_S)           # its last token, not TAKEOVER's time
+    assert last == pytest.approx(2 * STEP_S)  # its last token, not TAKEOVER's time
     # the stopped member never reports (its count was taken); the other decodes on alone
     assert [s for s, _, _ in finished] == ["other"]
     assert finished[0][1:] == (pytest.approx(5 * STEP_S), 5)
@@ -43,15 +58,22 @@ def test_stop_takes_the_tokens_emitted_so_far_and_drops_the_one_in_flight():
 
 def test_stop_before_the_member_ever_ran_gives_no_tokens():
     loop = EventLoop()
-    inst = DecodeInstance(loop, ConstantStep(), "RLD0", max_seqs=1, user_delay_s=0.0,
-                          itl=Histogram(), segment_steps=32)
+    inst = DecodeInstance(
+        loop,
+        ConstantStep(),
+        "RLD0",
+        max_seqs=1,
+        user_delay_s=0.0,
+        itl=Histogram(),
+        segment_steps=32,
+    )
     calls = []
     busy = Member("busy", 10, 4, 0.0, lambda m, t, made: calls.append(m.state))
     late = Member("late", 10, 4, 0.5, lambda m, t, made: calls.append(m.state))
     inst.add(busy)
-    inst.add(late)                    # waits for the only slot
+    inst.add(late)  # waits for the only slot
     out = []
     loop.at(0.015, lambda: out.append(inst.stop(late, loop.now)))
     loop.run()
-    assert out == [(0, 0.5)]          # nothing made here; its last token is the one before
+    assert out == [(0, 0.5)]  # nothing made here; its last token is the one before
     assert calls == ["busy"]

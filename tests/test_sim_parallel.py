@@ -14,8 +14,7 @@ from tests.test_sim_system import small
 def paced(requests=150):
     """test_sim_system's small config, every system offered the baseline's send times."""
     cfg = small(requests, seed=5, systems=["pdd", "same-dc", "cross-dc"])
-    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload,
-                                                                 arrivals="baseline"))
+    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, arrivals="baseline"))
 
 
 def test_two_processes_give_byte_identical_results_and_the_same_progress():
@@ -23,11 +22,13 @@ def test_two_processes_give_byte_identical_results_and_the_same_progress():
     counts = {1: {}, 2: {}}
     out = {}
     for jobs in (1, 2):
+
         def progress(system, n, seen=counts[jobs]):
             seen[system] = seen.get(system, 0) + n
+
         out[jobs] = run_systems(cfg, cfg.systems, progress, jobs=jobs)
     assert dumps(out[1]) == dumps(out[2])
-    assert tuple(out[2]) == tuple(cfg.systems)    # the config's order, not completion order
+    assert tuple(out[2]) == tuple(cfg.systems)  # the config's order, not completion order
     assert counts[1] == counts[2] == dict.fromkeys(cfg.systems, cfg.workload.requests)
     # the non-baseline systems were offered the baseline's recorded send times
     assert out[2]["pdd"]["offered_rps"] == out[2]["same-dc"]["offered_rps"]
@@ -46,15 +47,17 @@ def _progress_then(x, progress=None):
 
 def test_a_task_error_reaches_the_caller_and_results_keep_their_order():
     got = []
-    res = run_tasks([Task(_progress_then, (n,), progress_kw="progress") for n in (3, 1, 2)],
-                    jobs=2, progress=lambda i, p: got.append((i, p)))
+    res = run_tasks(
+        [Task(_progress_then, (n,), progress_kw="progress") for n in (3, 1, 2)],
+        jobs=2,
+        progress=lambda i, p: got.append((i, p)),
+    )
     assert res == [30, 10, 20]
     for i, n in enumerate((3, 1, 2)):
         mine = [p for j, p in got if j == i]
         assert mine[0] == "line" and sum(p for p in mine[1:]) == n
     with pytest.raises(ValueError, match="bad input 7"):
-        run_tasks([Task(_progress_then, (1,), progress_kw="progress"), Task(_fails, (7,))],
-                  jobs=2)
+        run_tasks([Task(_progress_then, (1,), progress_kw="progress"), Task(_fails, (7,))], jobs=2)
     with pytest.raises(ValueError, match="jobs must be >= 1"):
         run_tasks([Task(_fails, (1,))], jobs=0)
 

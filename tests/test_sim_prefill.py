@@ -48,20 +48,27 @@ class Recorder:
 
 
 def request(name, tokens):
-    return SimpleNamespace(name=name, req=SimpleNamespace(prompt_tokens=tokens, units=()),
-                           p_hit=0, prefill_start=-1.0, last_chunk_tokens=0)
+    return SimpleNamespace(
+        name=name,
+        req=SimpleNamespace(prompt_tokens=tokens, units=()),
+        p_hit=0,
+        prefill_start=-1.0,
+        last_chunk_tokens=0,
+    )
 
 
 def instance(cost, budget=2048, max_seqs=64, **kw):
     loop = EventLoop()
-    return loop, PrefillInstance(loop, cost, "P0", 1, 16, budget, prefix_cache=False,
-                                 max_seqs=max_seqs, **kw)
+    return loop, PrefillInstance(
+        loop, cost, "P0", 1, 16, budget, prefix_cache=False, max_seqs=max_seqs, **kw
+    )
 
 
 def test_one_forward_over_several_chunks_adds_their_work(cost):
     assert cost.prefill_step_time([(0, 1000)]) == cost.prefill_chunk_time(0, 1000)
     assert cost.prefill_step_time([(0, 1000), (200, 500)]) == pytest.approx(
-        secs((0, 1000), (200, 500)))
+        secs((0, 1000), (200, 500))
+    )
     with pytest.raises(ValueError, match="at least one chunk"):
         cost.prefill_step_time([])
     with pytest.raises(ValueError, match="bad prefill chunk"):
@@ -85,8 +92,8 @@ def test_waiting_prompts_share_one_step_up_to_the_budget(cost):
     loop, p = instance(cost)
     rec = Recorder()
     a, b = request("a", 1000), request("b", 500)
-    p.submit(a, rec)              # P idle: a's step starts at once...
-    p.submit(b, rec)              # ...so b, arriving at the same instant, waits for its end
+    p.submit(a, rec)  # P idle: a's step starts at once...
+    p.submit(b, rec)  # ...so b, arriving at the same instant, waits for its end
     loop.run()
     t1 = secs((0, 1000))
     assert rec.done_at("a") == pytest.approx(t1)
@@ -111,7 +118,7 @@ def test_a_prompt_arriving_mid_step_waits_for_the_step_boundary(cost):
     rec = Recorder()
     p.submit(request("a", 1000), rec)
     late = request("b", 200)
-    loop.at(0.5, p.submit, late, rec)     # a's step runs [0, 2.256...)
+    loop.at(0.5, p.submit, late, rec)  # a's step runs [0, 2.256...)
     loop.run()
     t_a = secs((0, 1000))
     assert late.prefill_start == pytest.approx(t_a)
@@ -127,8 +134,8 @@ def test_the_last_admitted_prompt_is_chunked_to_the_remaining_budget(cost):
     p.submit(b, rec)
     loop.run()
     t0 = secs((0, 100))
-    t1 = t0 + secs((0, 1000), (0, 200))       # a whole, b's first 200 tokens
-    t2 = t1 + secs((200, 500))                # running prompts first: b's remaining 300
+    t1 = t0 + secs((0, 1000), (0, 200))  # a whole, b's first 200 tokens
+    t2 = t1 + secs((200, 500))  # running prompts first: b's remaining 300
     assert rec.done_at("a") == pytest.approx(t1)
     assert ("b", 200, pytest.approx(t1), False) in rec.seen
     assert rec.done_at("b") == pytest.approx(t2)
@@ -150,8 +157,9 @@ def test_max_seqs_caps_the_prompts_of_a_step(cost):
 
 def test_shared_host_slowdown_adds_the_weights_of_active_members():
     state = {"rld": True, "md": False, "outside": 1.5}
-    host = SharedHost({("P0", "RLD0"): 0.5, ("P0", "D0"): 0.25, ("P0", "outside"): 0.2,
-                       ("RLD0", "P0"): 0.7})
+    host = SharedHost(
+        {("P0", "RLD0"): 0.5, ("P0", "D0"): 0.25, ("P0", "outside"): 0.2, ("RLD0", "P0"): 0.7}
+    )
     host.join("P0", lambda: False)
     host.join("RLD0", lambda: state["rld"])
     host.join("D0", lambda: state["md"])
@@ -159,8 +167,8 @@ def test_shared_host_slowdown_adds_the_weights_of_active_members():
     assert host.slowdown("P0") == pytest.approx(1 + 0.5 + 0.2 * 1.5)
     state.update(md=True, outside=0.0)
     assert host.slowdown("P0") == pytest.approx(1.75)
-    assert host.slowdown("RLD0") == 1.0            # P0 is not computing
-    assert host.slowdown("D0") == 1.0              # no weights: never slowed
+    assert host.slowdown("RLD0") == 1.0  # P0 is not computing
+    assert host.slowdown("D0") == 1.0  # no weights: never slowed
     with pytest.raises(ValueError, match="already joined"):
         host.join("D0", lambda: True)
     with pytest.raises(ValueError, match="not a member"):
@@ -197,8 +205,9 @@ def test_prefill_work_runs_slower_while_a_neighbour_decodes(cost):
     rld = {"busy": True}
     host = SharedHost({("P0", "RLD0"): 1.0})
     host.join("RLD0", lambda: rld["busy"])
-    p = PrefillInstance(loop, cost, "P0", 1, 16, 2048, prefix_cache=False, max_seqs=8,
-                        contention_tick_s=0.05)
+    p = PrefillInstance(
+        loop, cost, "P0", 1, 16, 2048, prefix_cache=False, max_seqs=8, contention_tick_s=0.05
+    )
     host.join("P0", lambda: p.busy)
     p.cost = replace(cost, host=host, host_member="P0")
     loop.at(0.1, rld.update, {"busy": False})
@@ -227,14 +236,17 @@ def test_export_waits_for_a_next_step_that_starts_at_once(cost):
     loop, p = instance(cost, export_wait=1.0)
     rec = Recorder()
     p.submit(request("a", 1000), rec)
-    p.submit(request("b", 500), rec)       # waiting when a's step ends: the next step at once
+    p.submit(request("b", 500), rec)  # waiting when a's step ends: the next step at once
     loop.run()
     t1 = secs((0, 1000))
     t2 = t1 + secs((0, 500))
     # a's KV leaves only when b's step ends, and is reported before b's own
     assert rec.seen == [
-        ("a", 0, 0.0, False), ("b", 0, pytest.approx(t1), False),
-        ("a", 1000, pytest.approx(t2), True), ("b", 500, pytest.approx(t2), True)]
+        ("a", 0, 0.0, False),
+        ("b", 0, pytest.approx(t1), False),
+        ("a", 1000, pytest.approx(t2), True),
+        ("b", 500, pytest.approx(t2), True),
+    ]
     assert p.exports_held == 1 and p.steps == 2 and not p.busy
 
 
@@ -242,7 +254,7 @@ def test_export_goes_at_once_when_p_is_idle_after_the_step(cost):
     loop, p = instance(cost, export_wait=1.0)
     rec = Recorder()
     p.submit(request("a", 1000), rec)
-    late = secs((0, 1000)) + 0.5          # after a's step: P was idle, nothing waited
+    late = secs((0, 1000)) + 0.5  # after a's step: P was idle, nothing waited
     loop.at(late, p.submit, request("b", 500), rec)
     loop.run()
     assert rec.done_at("a") == pytest.approx(secs((0, 1000)))
@@ -258,22 +270,25 @@ def test_a_chunk_report_waits_for_the_prompts_next_chunk(cost):
     t1 = secs((0, 600))
     t2 = t1 + secs((600, 1000))
     # the running prompt continues at once, so its first chunk's KV leaves with the second
-    assert rec.seen == [("a", 0, 0.0, False), ("a", 600, pytest.approx(t2), False),
-                        ("a", 1000, pytest.approx(t2), True)]
+    assert rec.seen == [
+        ("a", 0, 0.0, False),
+        ("a", 600, pytest.approx(t2), False),
+        ("a", 1000, pytest.approx(t2), True),
+    ]
 
 
 def test_export_wait_is_a_seeded_share_of_the_reports_that_could_wait(cost):
     def run(share):
         loop, p = instance(cost, max_seqs=1, export_wait=share)
         rec = Recorder()
-        for i in range(400):                # one prompt a step, the queue never empty
+        for i in range(400):  # one prompt a step, the queue never empty
             p.submit(request(f"r{i}", 100), rec)
         loop.run()
         return p.exports_held, rec.seen
 
     held, seen = run(0.25)
-    assert 70 <= held <= 130                # 399 reports could wait, each with p = 0.25
-    assert (held, seen) == run(0.25)        # the same draws every run
+    assert 70 <= held <= 130  # 399 reports could wait, each with p = 0.25
+    assert (held, seen) == run(0.25)  # the same draws every run
     assert run(0.0)[0] == 0
     done = [n for n, _, _, d in seen if d]
     assert sorted(done) == sorted(f"r{i}" for i in range(400))

@@ -39,8 +39,7 @@ def test_quick_reproduce_compares_at_equal_offered_load(quick):
     base, pdd = s["same-dc"], s["pdd"]
     assert base["arrivals"] == "baseline"
     assert pdd["offered_rps"] == base["offered_rps"]
-    assert pdd["prefix"]["p_hit_tokens"] == pytest.approx(base["prefix"]["p_hit_tokens"],
-                                                          rel=0.02)
+    assert pdd["prefix"]["p_hit_tokens"] == pytest.approx(base["prefix"]["p_hit_tokens"], rel=0.02)
     assert pdd["deferred_turns"] <= 0.1 * pdd["requests"]
     # the naive system is slower than the baseline, so some of its turns wait: it is offered
     # at most the baseline's load, which can only understate its blow-up
@@ -51,16 +50,23 @@ def test_quick_reproduce_prints_ours_beside_the_source(quick, capsys):
     from pddnet.sim.reproduce import print_report
 
     rows = {row["figure"]: row for row in quick["table"]}
-    for fig in ("naive cross-DC TTFT", "PDD TTFT", "RLD share of output tokens",
-                "DRC bandwidth cut", "cost table: planner's best BCR"):
+    for fig in (
+        "naive cross-DC TTFT",
+        "PDD TTFT",
+        "RLD share of output tokens",
+        "DRC bandwidth cut",
+        "cost table: planner's best BCR",
+    ):
         row = rows[fig]
         assert row["ours"] and row["source"] and row["why"]
     # the "holds" column says what the checks say, never a fixed "yes"
     checks = quick["checks"]
     assert rows["naive cross-DC TTFT"]["holds"].startswith(
-        "yes" if checks["naive cross-DC P99 TTFT >= 2x baseline"] else "NO")
+        "yes" if checks["naive cross-DC P99 TTFT >= 2x baseline"] else "NO"
+    )
     assert rows["DRC bandwidth cut"]["holds"].startswith(
-        "yes" if checks["DRC cuts WAN KV bytes >= 5x"] else "NO")
+        "yes" if checks["DRC cuts WAN KV bytes >= 5x"] else "NO"
+    )
     # the cost note derives the source's cost ratio from our chip prices (43 A + 32 B vs 88 A)
     chips = quick["ours"]["chips"]
     a, b = chips["gpu-a"]["price_per_hour"], chips["gpu-b"]["price_per_hour"]

@@ -25,8 +25,11 @@ from pddnet.sim.workload import SimRequest
 
 
 @settings(max_examples=60, deadline=None)
-@given(tokens=st.lists(st.integers(-(1 << 40), 1 << 40), max_size=40),
-       bs=st.integers(1, 5), parent=st.integers(0, (1 << 64) - 1))
+@given(
+    tokens=st.lists(st.integers(-(1 << 40), 1 << 40), max_size=40),
+    bs=st.integers(1, 5),
+    parent=st.integers(0, (1 << 64) - 1),
+)
 def test_chained_hashes_are_block_hashes(tokens: list[int], bs: int, parent: int) -> None:
     assert chained_hashes(tokens, bs, parent) == block_hashes(tokens, bs, parent)
 
@@ -44,14 +47,16 @@ def test_prediction_from_kept_hashes_equals_hashing_the_prompt() -> None:
     rng = random.Random(3)
     for bs in (1, 4):
         base = [rng.randrange(9) for _ in range(40)]
-        a, b = _view_with([base[:24], base[:9] + [99] * 8], bs), \
-            _view_with([base[:24], base[:9] + [99] * 8], bs)
+        a, b = (
+            _view_with([base[:24], base[:9] + [99] * 8], bs),
+            _view_with([base[:24], base[:9] + [99] * 8], bs),
+        )
         for cut in (0, 1, 5, 9, 17, 24, 33, 40):
             prompt = base[:cut]
             slow = a.predict(prompt)
             fast = b.predict_from_hashes(len(prompt), block_hashes(prompt, bs), bs)
             assert fast == slow
-        assert list(a._hashes) == list(b._hashes)          # the same LRU order after
+        assert list(a._hashes) == list(b._hashes)  # the same LRU order after
     v = _view_with([[1, 2, 3, 4]], 2)
     with pytest.raises(ValueError, match="block size 4, the view's is 2"):
         v.predict_from_hashes(8, [1, 2], 4)
@@ -106,7 +111,7 @@ def test_insert_finished_releases_as_release_does(seed: int) -> None:
     """Requests that locked a cached prefix, or did not (their copies are duplicates), with
     partial tails, splits and evictions between them: the same results and the same state."""
     rng = random.Random(seed)
-    bs = 1 + seed % 2                # one-token blocks are keyed by the token itself
+    bs = 1 + seed % 2  # one-token blocks are keyed by the token itself
     slow, fast = _ReleaseAfterInsert(BlockAllocator(40), bs), RadixCache(BlockAllocator(40), bs)
     live: list[tuple[list[int], list[int], list[int]]] = []
     for _ in range(60):
@@ -119,7 +124,7 @@ def test_insert_finished_releases_as_release_does(seed: int) -> None:
             p = [rng.randrange(3) for _ in range(rng.randrange(2, 12))]
             need = -(-(len(p) + 2) // bs)
             lock = rng.random() < 0.7
-            upto = rng.randrange((len(p) - 1) // bs + 1)      # may lock less than it could
+            upto = rng.randrange((len(p) - 1) // bs + 1)  # may lock less than it could
             tables = []
             for c in (slow, fast):
                 hit: tuple[int, ...] = ()
@@ -150,16 +155,16 @@ def test_rejected_allocator_calls_change_nothing() -> None:
     x = a.allocate(3)
     before = [a.refcount(b) for b in range(6)], a.num_free
     with pytest.raises(ValueError, match="double free"):
-        a.decref([x[0], x[1], x[1]])        # x[1] goes below zero after freeing x[0]
+        a.decref([x[0], x[1], x[1]])  # x[1] goes below zero after freeing x[0]
     with pytest.raises(ValueError, match="incref of free block 5"):
         a.incref([x[0], x[2], 5])
     with pytest.raises(ValueError, match="outside 0..5"):
         a.decref([x[0], -1])
     with pytest.raises(ValueError, match="outside 0..5"):
-        a.incref([x[0], 1.0])               # not an int: rejected, as every non-int is
+        a.incref([x[0], 1.0])  # not an int: rejected, as every non-int is
     assert ([a.refcount(b) for b in range(6)], a.num_free) == before
     assert a.decref([x[0], x[2]]) == [x[0], x[2]]
-    assert a.allocate(3) == [3, 4, 5]       # FIFO reuse order unchanged by the fast path
+    assert a.allocate(3) == [3, 4, 5]  # FIFO reuse order unchanged by the fast path
 
 
 def test_simulator_prompt_hashes_follow_a_conversation() -> None:
@@ -174,7 +179,7 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
     for turn in range(6):
         units = units + tuple(rng.randrange(50) for _ in range(rng.randrange(1, 11)))
         if turn == 4:
-            units = (7,) + units[1:]           # not an extension: hashed from scratch
+            units = (7,) + units[1:]  # not an extension: hashed from scratch
         req = SimRequest(turn, 42, 0.0, units, len(units) * 4, 4, (1,))
         held = sim._hashes_for(req.conversation, req.units)
         assert held == block_hashes(units, bs)
@@ -187,25 +192,33 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
         assert sim._with_kv_hashes(st, with_kv) == block_hashes(with_kv, bs)
         assert sim._hash_memo[42] == (units, first)
         states.append((st, units))
-    for held, first in later:                  # a holder's hashes stayed what they were
-        assert held[:len(first)] == first
-    for st, units in states:                   # and lists grown by later turns give the same
+    for held, first in later:  # a holder's hashes stayed what they were
+        assert held[: len(first)] == first
+    for st, units in states:  # and lists grown by later turns give the same
         assert sim._with_kv_hashes(st, units + (3,) * 9) == block_hashes(units + (3,) * 9, bs)
 
 
 @settings(max_examples=150, deadline=None)
-@given(start=st.lists(st.integers(0, 30), max_size=25),
-       batches=st.lists(st.tuples(st.sampled_from(["add", "evicted", "predict"]),
-                                  st.lists(st.integers(0, 30), max_size=12)), max_size=10),
-       cap=st.integers(1, 40))
+@given(
+    start=st.lists(st.integers(0, 30), max_size=25),
+    batches=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "evicted", "predict"]),
+            st.lists(st.integers(0, 30), max_size=12),
+        ),
+        max_size=10,
+    ),
+    cap=st.integers(1, 40),
+)
 def test_view_keeps_the_lru_order_of_stamping_each_batch_newest(
-        start: list[int], batches: list[tuple[str, list[int]]], cap: int) -> None:
+    start: list[int], batches: list[tuple[str, list[int]]], cap: int
+) -> None:
     """DecodeCacheView (one stamp per batch, the next to drop found from a heap when the cap is
     passed) against its definition: the hashes of one batch (a notice's inserts, an answer's
     matched prefix) become the newest together, evicted ones leave, predictions change nothing,
     and past the cap the oldest batch's go first, of one batch the one learned last first."""
     view = DecodeCacheView(block_size=1, max_hashes=cap)
-    ref: dict[int, int] = {}              # hash -> batch number; insertion order: learned
+    ref: dict[int, int] = {}  # hash -> batch number; insertion order: learned
     dropped = 0
     for number, (kind, batch) in enumerate([("add", start), *batches]):
         if kind == "evicted":
@@ -213,15 +226,15 @@ def test_view_keeps_the_lru_order_of_stamping_each_batch_newest(
             for h in batch:
                 ref.pop(h, None)
             continue
-        if kind == "predict":                                  # a pure query: no change
+        if kind == "predict":  # a pure query: no change
             pred = view.predict_from_hashes(len(batch), batch, 1)
-            hit = list(itertools.takewhile(ref.__contains__, batch[:len(batch) - 1]))
+            hit = list(itertools.takewhile(ref.__contains__, batch[: len(batch) - 1]))
             assert pred.hit_tokens == len(hit)
             batch = []
         else:
             view._add(batch)
         for h in batch:
-            ref[h] = number                    # a known hash keeps its place in the order
+            ref[h] = number  # a known hash keeps its place in the order
         while len(ref) > cap:
             order = list(ref)
             del ref[min(order, key=lambda h: (ref[h], -order.index(h)))]
@@ -230,5 +243,6 @@ def test_view_keeps_the_lru_order_of_stamping_each_batch_newest(
         assert view.dropped_by_cap == dropped
         # the order the next drops will take: by batch, then the last learned first
         mine = list(view._hashes)
-        assert sorted(mine, key=lambda h: (view._hashes[h], -mine.index(h))) == \
-            sorted(ref, key=lambda h: (ref[h], -list(ref).index(h)))
+        assert sorted(mine, key=lambda h: (view._hashes[h], -mine.index(h))) == sorted(
+            ref, key=lambda h: (ref[h], -list(ref).index(h))
+        )

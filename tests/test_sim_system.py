@@ -23,19 +23,32 @@ from pddnet.sim.workload import trace_stream
 
 def small(requests=160, **over):
     cfg = {
-        "seed": 3, "model": "qwen2.5-7b", "tokens_per_unit": 512,
+        "seed": 3,
+        "model": "qwen2.5-7b",
+        "tokens_per_unit": 512,
         "systems": ["same-dc", "cross-dc", "pdd", "pdd-no-drc"],
         "chips": {"a": "gpu-a", "b": "gpu-b"},
-        "pdd": {"prefill": {"chip": "a", "instances": 2}, "relay": {"chip": "a", "instances": 1},
-                "main_decode": {"chip": "b", "instances": 2}},
-        "baseline": {"prefill": {"chip": "a", "instances": 2},
-                     "decode": {"chip": "a", "instances": 2}},
+        "pdd": {
+            "prefill": {"chip": "a", "instances": 2},
+            "relay": {"chip": "a", "instances": 1},
+            "main_decode": {"chip": "b", "instances": 2},
+        },
+        "baseline": {
+            "prefill": {"chip": "a", "instances": 2},
+            "decode": {"chip": "a", "instances": 2},
+        },
         "line": {"bw_gbit": 10, "rtt_ms": 30},
-        "workload": {"requests": requests, "num_conversations": 1000,
-                     "conversation_rate_per_s": 0.5, "system_prompt_len": [4000, 16000],
-                     "task_len": [1000, 4000], "small_tool_len": [64, 1024],
-                     "large_tool_len": [8000, 32000], "output_len": [64, 512],
-                     "max_context": 65536},
+        "workload": {
+            "requests": requests,
+            "num_conversations": 1000,
+            "conversation_rate_per_s": 0.5,
+            "system_prompt_len": [4000, 16000],
+            "task_len": [1000, 4000],
+            "small_tool_len": [64, 1024],
+            "large_tool_len": [8000, 32000],
+            "output_len": [64, 512],
+            "max_context": 65536,
+        },
     }
     cfg.update(over)
     return parse_config(cfg)
@@ -56,6 +69,7 @@ def test_the_simulator_drives_the_daemons_policy_objects():
     assert type(sim.wan.link) is emulation.link.Link
     from pddnet.bench import agent_workload
     from pddnet.sim import workload
+
     assert workload.generate_agent_workload is agent_workload.generate_agent_workload
 
 
@@ -66,14 +80,18 @@ def test_pipeline_decisions_go_through_the_daemons_planner_and_policy(monkeypatc
     cancel) and ends empty; the goodput estimator learns from every KV_RECEIVED."""
     import pddnet.sim.runner as runner
     from pddnet.policy.planner import PipelinePlanner
+
     made, planned = [], []
     real_plan = PipelinePlanner.plan_predicted
 
     def plan_predicted(self, *args, **kw):
         plan = real_plan(self, *args, **kw)
-        x = plan.inputs     # the daemons' inputs: min recent RTT, P's own backlog
-        assert (x.rtt_s, x.bandwidth_bps, x.wan_backlog_bytes) == \
-            (self.rtt.min_s, self.bandwidth.bytes_per_s, self.backlog.bytes)
+        x = plan.inputs  # the daemons' inputs: min recent RTT, P's own backlog
+        assert (x.rtt_s, x.bandwidth_bps, x.wan_backlog_bytes) == (
+            self.rtt.min_s,
+            self.bandwidth.bytes_per_s,
+            self.backlog.bytes,
+        )
         planned.append((self, plan))
         return plan
 
@@ -96,19 +114,22 @@ def test_pipeline_decisions_go_through_the_daemons_planner_and_policy(monkeypatc
     assert all(b.bytes == 0 and b.pending == 0 for b in sim.wan_backlogs)
     assert sim.bw_est.samples > 0
     # what the planners chose is what the simulator counted (RLD refusals aside)
-    chosen = {p.value: sum(pl.chosen[p.wire] for pl in sim.planners.values()) for p in
-              pddnet.policy.pipeline.Pipeline}
+    chosen = {
+        p.value: sum(pl.chosen[p.wire] for pl in sim.planners.values())
+        for p in pddnet.policy.pipeline.Pipeline
+    }
     assert sim.counts["rld_refused"] or chosen == sim.pipelines
 
 
 def test_the_simulated_wan_times_a_transfer_paced_by_the_prefill():
     from pddnet.sim.events import EventLoop
     from pddnet.sim.wan import WanLine
+
     loop = EventLoop()
-    wan = WanLine(loop, rate_mbit=8.0, delay_ms=10.0, piece_bytes=100_000)   # 1 MB/s
+    wan = WanLine(loop, rate_mbit=8.0, delay_ms=10.0, piece_bytes=100_000)  # 1 MB/s
     done = []
     tr = wan.start_transfer(500_000, done.append, sender=0)
-    loop.at(1.0, wan.make_sendable, tr, 500_000)     # P computed it all after 1 s
+    loop.at(1.0, wan.make_sendable, tr, 500_000)  # P computed it all after 1 s
     loop.run()
     (t,) = done
     # 1 s of prefill, 0.5 s on the line (its token bucket's 15 KB burst leaves at once), 10 ms
@@ -119,6 +140,7 @@ def test_p_learns_its_delivery_rate_as_the_prefill_daemon_does(monkeypatch):
     """The goodput sample is the prefill daemon's: the KV's bytes over the time from MD's
     answer reaching P (the transfer's start) to KV_RECEIVED reaching P."""
     import pddnet.sim.runner as runner
+
     made, want, got = [], [], []
 
     def system(*args):
@@ -131,6 +153,7 @@ def test_p_learns_its_delivery_rate_as_the_prefill_daemon_does(monkeypatch):
             if st.transfer is not None:
                 want.append((st.transfer.total, now - st.transfer.started_at))
             real(now, st)
+
         sim._p_kv_received = received
         made.append(sim)
         return sim
@@ -139,7 +162,7 @@ def test_p_learns_its_delivery_rate_as_the_prefill_daemon_does(monkeypatch):
     simulate(small(), "pdd")
     assert got and got == want
     owd = made[0].cfg.line.rtt_ms / 2e3
-    assert all(sec > owd for _, sec in got)           # MD's acknowledgement crossed back
+    assert all(sec > owd for _, sec in got)  # MD's acknowledgement crossed back
 
 
 def test_same_seed_gives_byte_identical_json_and_another_seed_does_not():
@@ -183,7 +206,7 @@ def test_the_drc_holds_most_prefixes_and_cuts_wan_bytes(runs):
     per_req = (nodrc["wan"]["kv_bytes"] + nodrc["wan"]["kv_bytes_cancelled"]) / nodrc["requests"]
     assert per_req > 2 * pdd["wan"]["kv_bytes_per_request"]
     view = pdd["wan"]["view"]
-    assert view["predictions"] > 0        # P's view of MD's cache was consulted and repaired
+    assert view["predictions"] > 0  # P's view of MD's cache was consulted and repaired
 
 
 def test_p_hears_what_a_turn_left_on_md_before_the_next_turn_arrives(runs):
@@ -216,8 +239,7 @@ def test_baseline_arrivals_offer_every_system_the_same_requests_at_the_same_time
 
 
 def test_schedule_replays_recorded_times_in_time_order():
-    reqs = [dataclasses.replace(r, arrival_s=float(i)) for i, r in enumerate(
-        trace_like(5))]
+    reqs = [dataclasses.replace(r, arrival_s=float(i)) for i, r in enumerate(trace_like(5))]
     sched = Schedule()
     for r, t in zip(reqs, (0.5, 4.0, 2.5, 3.0, 4.5), strict=True):
         sched.record(r.rid, t)
@@ -241,6 +263,7 @@ def test_open_arrivals_count_turns_sent_before_their_predecessor_finished():
 
 def trace_like(n):
     from pddnet.sim.workload import SimRequest
+
     return [SimRequest(i, i % 2, float(i), (i, i + 1), 1024, 64, (7,)) for i in range(n)]
 
 
@@ -250,8 +273,15 @@ def test_trace_replay(tmp_path):
         # conversations of 4 turns sharing a 20-block prefix, Mooncake-style fields
         conv, turn = divmod(i, 4)
         ids = list(range(conv * 1000, conv * 1000 + 20 + 4 * turn))
-        lines.append({"timestamp": i * 500, "input_length": len(ids) * 512,
-                      "output_length": 200, "hash_ids": ids, "conversation": conv})
+        lines.append(
+            {
+                "timestamp": i * 500,
+                "input_length": len(ids) * 512,
+                "output_length": 200,
+                "hash_ids": ids,
+                "conversation": conv,
+            }
+        )
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines))
     reqs = list(trace_stream(path, 512))
@@ -273,8 +303,7 @@ def test_bad_configs_get_clear_errors():
     with pytest.raises(ValueError, match="queue_mb must hold at least one 1500-byte packet"):
         small(line={"bw_gbit": 10, "queue_mb": 0.001})
     with pytest.raises(ValueError, match="instances: must be an integer >= 1"):
-        small(pdd={"prefill": {"chip": "a", "instances": 0},
-                   "main_decode": {"chip": "b"}})
+        small(pdd={"prefill": {"chip": "a", "instances": 0}, "main_decode": {"chip": "b"}})
     with pytest.raises(ValueError, match="unknown agent workload field"):
         simulate(small(workload={"requests": 5, "turns": 3}), "pdd")
 
@@ -316,8 +345,7 @@ def _run_short_of_md_blocks(monkeypatch, system: type[SimulatedSystem]) -> dict:
 
     monkeypatch.setattr(runner, "SimulatedSystem", system)
     cfg = small(requests=300)
-    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
-                                                              memory_utilisation=0.22))
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, memory_utilisation=0.22))
     return simulate(cfg, "cross-dc")
 
 
@@ -379,7 +407,7 @@ def test_requests_rld_finishes_alone_hold_at_most_their_share_of_it(monkeypatch)
     monkeypatch.setattr(runner, "SimulatedSystem", Recording)
     r = simulate(small(requests=300, policy={"rld_max_requests": 4}), "pdd-no-drc")
     assert r["pipelines"]["P->RLD"] > 0 and r["rld"]["refused"] > 0
-    assert peak == [2, 4]         # half of the 4 for requests RLD finishes alone, all 4 in all
+    assert peak == [2, 4]  # half of the 4 for requests RLD finishes alone, all 4 in all
 
 
 @pytest.mark.parametrize("system", ["pdd", "cross-dc", "same-dc", "pdd-no-drc"])
@@ -390,6 +418,7 @@ def test_finished_requests_are_freed_by_reference_counting(system):
     import gc
 
     from pddnet.sim.system import ReqState
+
     cfg = small(300, systems=[system])
     gc.collect()
     gc.disable()

@@ -29,7 +29,7 @@ def test_bytes_leave_only_once_computed_and_senders_share_the_line():
     small = wan.start_transfer(1_000_000, lambda t: done.setdefault("small", t), sender="P1")
     loop.at(0.5, wan.make_sendable, small, 1_000_000)
     half = wan.start_transfer(1_000_000, lambda t: done.setdefault("late", t), sender="P2")
-    loop.at(0.1, wan.make_sendable, half, 500_000)        # only half computed: never done
+    loop.at(0.1, wan.make_sendable, half, 500_000)  # only half computed: never done
     loop.run()
     # another sender's small transfer shares the line with the big one instead of waiting
     # for all of it
@@ -42,16 +42,22 @@ def test_one_sender_sends_in_write_order():
     """A (P, MD) pair's stripes carry KV in the order P computed it: a newer request's KV
     waits behind an older one's, and bytes computed later wait behind bytes written before."""
     loop = EventLoop()
-    wan = WanLine(loop, rate_mbit=80.0, delay_ms=0.0, piece_bytes=1 << 18, queue_bytes=1 << 20,
-                  control_reserve=0)
+    wan = WanLine(
+        loop,
+        rate_mbit=80.0,
+        delay_ms=0.0,
+        piece_bytes=1 << 18,
+        queue_bytes=1 << 20,
+        control_reserve=0,
+    )
     done = {}
     first = wan.start_transfer(4_000_000, lambda t: done.setdefault("first", t), sender="P0")
     second = wan.start_transfer(1_000_000, lambda t: done.setdefault("second", t), sender="P0")
-    wan.make_sendable(first, 2_000_000)                # first half of the older request
-    loop.at(0.01, wan.make_sendable, second, 1_000_000)   # the newer one, all of it
-    loop.at(0.02, wan.make_sendable, first, 4_000_000)    # the older one's second half
+    wan.make_sendable(first, 2_000_000)  # first half of the older request
+    loop.at(0.01, wan.make_sendable, second, 1_000_000)  # the newer one, all of it
+    loop.at(0.02, wan.make_sendable, first, 4_000_000)  # the older one's second half
     loop.run()
-    line = 10e6                                        # bytes per second
+    line = 10e6  # bytes per second
     # order on the line: first's 2 MB, second's 1 MB, then first's last 2 MB
     assert done["second"] == pytest.approx(3e6 / line, rel=0.02)
     assert done["first"] == pytest.approx(5e6 / line, rel=0.02)
@@ -60,17 +66,16 @@ def test_one_sender_sends_in_write_order():
 
 def test_control_messages_wait_behind_queued_bulk_not_behind_unsent_bytes():
     loop = EventLoop()
-    wan = WanLine(loop, rate_mbit=80.0, delay_ms=5.0, piece_bytes=1 << 20,
-                  queue_bytes=2 << 20)
+    wan = WanLine(loop, rate_mbit=80.0, delay_ms=5.0, piece_bytes=1 << 20, queue_bytes=2 << 20)
     tr = wan.start_transfer(50_000_000, lambda t: None, sender=0)
     wan.make_sendable(tr, 50_000_000)
     got = []
     loop.at(1.0, wan.message, "a_to_b", 100, lambda t: got.append(t))
     loop.at(1.0, wan.message, "b_to_a", 100, lambda t: got.append(("back", t)))
     loop.run()
-    ahead = (2 << 20) / 10e6           # at most the bottleneck queue's worth of bytes ahead
-    assert 1.005 <= got[0][1] <= 1.006                 # the empty direction: just the delay
-    assert 1.005 <= got[1] <= 1.005 + ahead + 0.11     # bulk direction: queue, not 50 MB
+    ahead = (2 << 20) / 10e6  # at most the bottleneck queue's worth of bytes ahead
+    assert 1.005 <= got[0][1] <= 1.006  # the empty direction: just the delay
+    assert 1.005 <= got[1] <= 1.005 + ahead + 0.11  # bulk direction: queue, not 50 MB
 
 
 def test_cancel_stops_sending():
@@ -88,20 +93,28 @@ def test_cancel_stops_sending():
 
 def _random_traffic(wan: WanLine, loop: EventLoop, seed: int) -> list[tuple[str, float]]:
     import random
+
     rng = random.Random(seed)
     got: list[tuple[str, float]] = []
     for i in range(40):
         t = rng.uniform(0.0, 2.0)
         if rng.random() < 0.5:
-            tr = wan.start_transfer(rng.randrange(1, 3_000_000),
-                                    lambda now, i=i: got.append((f"kv{i}", now)),
-                                    sender=rng.randrange(3))
+            tr = wan.start_transfer(
+                rng.randrange(1, 3_000_000),
+                lambda now, i=i: got.append((f"kv{i}", now)),
+                sender=rng.randrange(3),
+            )
             loop.at(t, wan.make_sendable, tr, tr.total // 2)
             loop.at(t + rng.uniform(0.0, 0.3), wan.make_sendable, tr, tr.total)
         else:
             way = rng.choice(["a_to_b", "b_to_a"])
-            loop.at(t, wan.message, way, rng.randrange(50, 5000),
-                    lambda now, i=i: got.append((f"msg{i}", now)))
+            loop.at(
+                t,
+                wan.message,
+                way,
+                rng.randrange(50, 5000),
+                lambda now, i=i: got.append((f"msg{i}", now)),
+            )
     loop.run()
     return got
 
@@ -111,22 +124,32 @@ def test_waking_only_when_something_can_happen_changes_no_arrival(seed, monkeypa
     """The shell skips the link's queue-exit wake-ups while nobody waits for room (in-order
     propagation: a queued item cannot overtake one in flight). Every arrival is the same as
     with a wake-up at every exit, jitter and a tight queue included."""
+
     def line(loop: EventLoop) -> WanLine:
-        return WanLine(loop, rate_mbit=40.0, delay_ms=20.0, jitter_ms=5.0, queue_bytes=2 << 20,
-                       piece_bytes=1 << 18, control_reserve=1 << 14, seed=seed)
+        return WanLine(
+            loop,
+            rate_mbit=40.0,
+            delay_ms=20.0,
+            jitter_ms=5.0,
+            queue_bytes=2 << 20,
+            piece_bytes=1 << 18,
+            control_reserve=1 << 14,
+            seed=seed,
+        )
 
     loop = EventLoop()
     lean = _random_traffic(line(loop), loop, seed)
     lean_events = loop.events_run
-    monkeypatch.setattr(WanLine, "_next_wake",
-                        lambda self, direction: self._dirs[direction].next_wakeup())
+    monkeypatch.setattr(
+        WanLine, "_next_wake", lambda self, direction: self._dirs[direction].next_wakeup()
+    )
     loop = EventLoop()
     eager = _random_traffic(line(loop), loop, seed)
     assert len(lean) > 30
     assert lean == eager
     assert lean_events <= loop.events_run
     if seed == 0:
-        assert lean_events < loop.events_run     # (it did skip some)
+        assert lean_events < loop.events_run  # (it did skip some)
 
 
 def test_the_queue_is_the_one_asked_for_and_pieces_fit_in_it():
@@ -150,11 +173,13 @@ def test_the_queue_is_the_one_asked_for_and_pieces_fit_in_it():
     assert len(done) == 3 and c["kv_bytes"] == 3 * (40 << 20) and c["drops"] == 0
 
 
-
-@pytest.mark.parametrize("queue,piece,want_queue,want_piece", [
-    (None, 8 << 20, (8 << 20) + (1 << 20), 8 << 20),   # default: one piece and the reserve
-    (1 << 20, 32 << 10, 1 << 20, 32 << 10),            # smaller than the reserve: piece kept
-])
+@pytest.mark.parametrize(
+    "queue,piece,want_queue,want_piece",
+    [
+        (None, 8 << 20, (8 << 20) + (1 << 20), 8 << 20),  # default: one piece and the reserve
+        (1 << 20, 32 << 10, 1 << 20, 32 << 10),  # smaller than the reserve: piece kept
+    ],
+)
 def test_default_and_tiny_queues(queue, piece, want_queue, want_piece):
     loop = EventLoop()
     wan = WanLine(loop, rate_mbit=80.0, delay_ms=5.0, queue_bytes=queue, piece_bytes=piece)

@@ -33,7 +33,7 @@ from tests.chaos.harness import (
     token_diff,
 )
 
-RSS_BOUND_MIB = 64          # allowed RSS growth per daemon over the run (after warm-up)
+RSS_BOUND_MIB = 64  # allowed RSS growth per daemon over the run (after warm-up)
 MAX_REQUESTS_PER_CLIENT = 400
 CANCEL_SHARE = 0.25
 SEED = 31
@@ -47,8 +47,9 @@ def _rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-async def _cancel_mid_stream(session: aiohttp.ClientSession, url: str, index: int, body: dict,
-                             after_chunks: int) -> Outcome:
+async def _cancel_mid_stream(
+    session: aiohttp.ClientSession, url: str, index: int, body: dict, after_chunks: int
+) -> Outcome:
     """A client that goes away after `after_chunks` chunks: what it read must be a prefix of
     the reference (no duplicate, no skip); the router then frees the request everywhere."""
     want = reference_tokens(body)
@@ -71,21 +72,31 @@ async def _cancel_mid_stream(session: aiohttp.ClientSession, url: str, index: in
         r.close()
     dup, skip, repl = token_diff(want, tokens, complete=False)
     status = "wrong" if dup or skip or repl else "cancelled"
-    return Outcome(index=index, status=status, tokens=tokens, expected_len=len(want),
-                   duplicated=dup, skipped=skip, replaced=repl, prompt_len=len(body["prompt"]),
-                   stream=True, detail="cancelled by the client mid-stream")
+    return Outcome(
+        index=index,
+        status=status,
+        tokens=tokens,
+        expected_len=len(want),
+        duplicated=dup,
+        skipped=skip,
+        replaced=repl,
+        prompt_len=len(body["prompt"]),
+        stream=True,
+        detail="cancelled by the client mid-stream",
+    )
 
 
 async def soak(clients: int, seconds: float, case: str) -> CaseResult:
-    pool = mixed_workload(48, SEED, long_prompt=(100, 400), short_prompt=(4, 40),
-                          max_tokens=(4, 80))
+    pool = mixed_workload(
+        48, SEED, long_prompt=(100, 400), short_prompt=(4, 40), max_tokens=(4, 80)
+    )
     for b in pool:
         b["stream"] = b["stream"] or b["max_tokens"] > 40
     precompute_references(pool)
     started = time.monotonic()
     result = CaseResult(suite="soak", case=case, fault_kind="cancels", seed=SEED)
     async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=10.0, bw_mbit=50.0) as cluster:
-        warm = await fresh_requests(cluster)            # first-use allocations happen here
+        warm = await fresh_requests(cluster)  # first-use allocations happen here
         assert all(o.status == "exact" for o in warm), [o.describe() for o in warm]
         baseline = await snapshot(cluster)
         rss0 = {r: _rss_mib(d.pid) for r, d in cluster.daemons.items()}
@@ -104,8 +115,11 @@ async def soak(clients: int, seconds: float, case: str) -> CaseResult:
                     index = n * MAX_REQUESTS_PER_CLIENT + i
                     if body["stream"] and rng.random() < CANCEL_SHARE:
                         cancels += 1
-                        out.append(await _cancel_mid_stream(session, cluster.url, index, body,
-                                                            rng.randint(1, 3)))
+                        out.append(
+                            await _cancel_mid_stream(
+                                session, cluster.url, index, body, rng.randint(1, 3)
+                            )
+                        )
                     else:
                         out.append(await send(session, cluster.url, index, body))
             return out
@@ -117,10 +131,14 @@ async def soak(clients: int, seconds: float, case: str) -> CaseResult:
         result.add(fresh)
         result.fresh_ok = all(o.status == "exact" for o in fresh)
         growth = {r: round(_rss_mib(d.pid) - rss0[r], 1) for r, d in cluster.daemons.items()}
-        result.notes.append(f"RSS growth MiB {growth} (bound {RSS_BOUND_MIB}); "
-                            f"{cancels} cancelled mid-stream")
-        result.leaks += [f"{r}: RSS grew {g} MiB (bound {RSS_BOUND_MIB} MiB)"
-                         for r, g in growth.items() if g > RSS_BOUND_MIB]
+        result.notes.append(
+            f"RSS growth MiB {growth} (bound {RSS_BOUND_MIB}); {cancels} cancelled mid-stream"
+        )
+        result.leaks += [
+            f"{r}: RSS grew {g} MiB (bound {RSS_BOUND_MIB} MiB)"
+            for r, g in growth.items()
+            if g > RSS_BOUND_MIB
+        ]
         router = await cluster.stats("router")
         if router["active_requests"]:
             result.leaks.append(f"router: {router['active_requests']} requests still active")

@@ -18,9 +18,17 @@ HOST = "127.0.0.1"
 def chunk(i: int, tokens: int = 64) -> KvChunk:
     arr = np.full((2, 2, tokens, 2, 16), float(i), dtype=np.float32)
     payload, dtype, shape = payload_from_array(arr)
-    return KvChunk(request_id=f"r-{i % 3}", chunk_index=i, token_start=i * tokens,
-                   token_end=(i + 1) * tokens, layer_start=0, layer_end=2, dtype=dtype,
-                   shape=shape, payload=payload)
+    return KvChunk(
+        request_id=f"r-{i % 3}",
+        chunk_index=i,
+        token_start=i * tokens,
+        token_end=(i + 1) * tokens,
+        layer_start=0,
+        layer_end=2,
+        dtype=dtype,
+        shape=shape,
+        payload=payload,
+    )
 
 
 def test_choose_lane_prefers_least_backlog_then_round_robin():
@@ -44,16 +52,20 @@ class Receiver:
     def __init__(self, close_lane_after: int | None = None) -> None:
         self.by_conn: dict[int, list[KvChunk]] = {}
         self.close_lane_after = close_lane_after
-        self.server = Server(HOST, 0, role="main_decode", instance_id="md", secret=SECRET,
-                             on_connection=self.handle)
+        self.server = Server(
+            HOST, 0, role="main_decode", instance_id="md", secret=SECRET, on_connection=self.handle
+        )
 
     async def handle(self, conn) -> None:
         accepted_index = len(self.by_conn)  # lanes are dialled one after another
         got = self.by_conn.setdefault(id(conn), [])
         async for msg in conn:
             got.append(msg)
-            if accepted_index == 1 and self.close_lane_after is not None \
-                    and len(got) >= self.close_lane_after:
+            if (
+                accepted_index == 1
+                and self.close_lane_after is not None
+                and len(got) >= self.close_lane_after
+            ):
                 await conn.close("test kills bulk lane 1")
                 return
 
@@ -62,8 +74,10 @@ class Receiver:
 
 
 async def open_lanes(port: int, n: int):
-    return [await dial(HOST, port, role="prefill", instance_id="p", lane="bulk", secret=SECRET)
-            for _ in range(n)]
+    return [
+        await dial(HOST, port, role="prefill", instance_id="p", lane="bulk", secret=SECRET)
+        for _ in range(n)
+    ]
 
 
 async def test_striping_spreads_chunks_across_lanes_and_all_arrive():
@@ -119,8 +133,7 @@ async def test_a_dead_lane_fails_the_transfer():
 async def test_only_bulk_lanes_and_only_kv_chunks():
     rx = Receiver()
     port = await rx.server.start()
-    control = await dial(HOST, port, role="prefill", instance_id="p", lane="control",
-                         secret=SECRET)
+    control = await dial(HOST, port, role="prefill", instance_id="p", lane="control", secret=SECRET)
     with pytest.raises(ValueError, match="not a bulk lane"):
         StripedSender([control])
     with pytest.raises(ValueError):

@@ -19,8 +19,9 @@ from emulation.probes import UdpEcho, udp_rtts
 from emulation.testbed import Testbed, find_emulators, load_state, status_processes, teardown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-root = pytest.mark.skipif(root_netns_missing_reason() is not None,
-                          reason=str(root_netns_missing_reason()))
+root = pytest.mark.skipif(
+    root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
+)
 
 
 @pytest.fixture
@@ -36,14 +37,23 @@ def host_links() -> list[str]:
 
 def machine(name: str, state_dir: str) -> dict:
     """What a testbed could leave behind: namespaces, host links, its processes, state."""
-    return {"netns": netns.list_netns(), "links": host_links(),
-            "procs": status_processes(name), "emulators": find_emulators(name),
-            "state": sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []}
+    return {
+        "netns": netns.list_netns(),
+        "links": host_links(),
+        "procs": status_processes(name),
+        "emulators": find_emulators(name),
+        "state": sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else [],
+    }
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "emulation.testbed_cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "emulation.testbed_cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_bad_arguments_are_rejected_before_anything_is_made():
@@ -65,8 +75,16 @@ def test_cli_up_status_exec_down_leaves_the_machine_as_before(state_dir):
     try:
         assert up.returncode == 0, up.stderr
         assert netns.exists(f"{name}-a") and netns.exists(f"{name}-b")
-        ex = cli("exec", "--name", name, "b", "--", sys.executable, "-c",
-                 "import socket; s = socket.socket(); s.bind(('10.77.0.2', 0)); print('bound')")
+        ex = cli(
+            "exec",
+            "--name",
+            name,
+            "b",
+            "--",
+            sys.executable,
+            "-c",
+            "import socket; s = socket.socket(); s.bind(('10.77.0.2', 0)); print('bound')",
+        )
         assert ex.returncode == 0 and ex.stdout.strip() == "bound", ex.stderr
         st = cli("status", "--name", name)
         assert st.returncode == 0, st.stdout + st.stderr
@@ -84,8 +102,21 @@ def test_down_cleans_up_after_the_emulator_was_killed(state_dir):
     name = "pddtt-crash"
     before = machine(name, state_dir)
     assert cli("up", "--name", name, "--shell", "packet").returncode == 0
-    sleeper = subprocess.Popen([sys.executable, "-m", "emulation.testbed_cli", "exec", "--name",
-                                name, "a", "--", "sleep", "60"], cwd=ROOT)
+    sleeper = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "emulation.testbed_cli",
+            "exec",
+            "--name",
+            name,
+            "a",
+            "--",
+            "sleep",
+            "60",
+        ],
+        cwd=ROOT,
+    )
     try:
         state = load_state(name, state_dir)
         deadline = time.monotonic() + 10
@@ -150,15 +181,15 @@ asyncio.run(main())
 
 
 @root
-async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_the_rest(
-        state_dir):
+async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_the_rest(state_dir):
     name = "pddtt-owner"
     before = machine(name, state_dir)
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, name], cwd=ROOT,
-                             stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, name], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         emulator = int(owner.stdout.readline())
-        owner.kill()                 # no cleanup runs in the owner
+        owner.kill()  # no cleanup runs in the owner
         owner.wait(timeout=10)
         deadline = time.monotonic() + 10
         while find_emulators(name):  # PR_SET_PDEATHSIG: the emulator goes with its owner
@@ -193,8 +224,10 @@ async def median_rtt(tb: Testbed, port: int) -> float:
 
 @root
 async def test_two_testbeds_with_the_same_addresses_coexist(state_dir):
-    async with Testbed(name="pddtt-one", rtt_ms=20, shell="packet") as one, \
-            Testbed(name="pddtt-two", rtt_ms=2, shell="packet") as two:
+    async with (
+        Testbed(name="pddtt-one", rtt_ms=20, shell="packet") as one,
+        Testbed(name="pddtt-two", rtt_ms=2, shell="packet") as two,
+    ):
         assert one.addr_b == two.addr_b and one.control_url != two.control_url
         r1, r2 = await median_rtt(one, 7100), await median_rtt(two, 7100)
         assert 20 <= r1 < 22 and 2 <= r2 < 4, (r1, r2)
@@ -217,8 +250,12 @@ while True:
 @root
 async def test_process_faults_hang_then_resume_and_kill(state_dir):
     async with Testbed(name="pddtt-faults", shell="packet") as tb:
-        server = tb.exec("b", [sys.executable, "-c", ECHO_SERVER, tb.addr_b, "7200"],
-                         stdout=subprocess.PIPE, text=True)
+        server = tb.exec(
+            "b",
+            [sys.executable, "-c", ECHO_SERVER, tb.addr_b, "7200"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert (await asyncio.to_thread(server.stdout.readline)).strip() == "ready"
         client = tb.socket("a", socket.AF_INET, socket.SOCK_DGRAM)
         dst = (tb.addr_b, 7200)

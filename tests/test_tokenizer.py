@@ -74,8 +74,9 @@ def test_tokenizer_json_is_used_with_ids_from_config(tmp_path: Path) -> None:
 
 def test_tokenizer_json_with_ids_from_tokenizer_config(tmp_path: Path) -> None:
     write_word_level(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"})
+    )
     tok = load_tokenizer(tmp_path)
     assert (tok.bos_token_id, tok.eos_token_id) == (0, 1)
 
@@ -101,12 +102,16 @@ def test_model_folder_with_byte_level_bpe(tmp_path: Path) -> None:
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(["prefill relay decode main decode"] * 20, trainer=trainer)
     vocab = backend.get_vocab_size()
-    config = dataclasses.replace(ModelConfig.preset("tiny"), vocab_size=vocab, bos_token_id=0,
-                                 eos_token_id=1)
+    config = dataclasses.replace(
+        ModelConfig.preset("tiny"), vocab_size=vocab, bos_token_id=0, eos_token_id=1
+    )
     save_hf(init_random(config, seed=0), tmp_path)
     backend.save(str(tmp_path / "tokenizer.json"))
     model, tok = load_model(str(tmp_path))
@@ -115,6 +120,9 @@ def test_model_folder_with_byte_level_bpe(tmp_path: Path) -> None:
     ids = tok.encode(text)
     assert ids[0] == 0 and len(ids) < len(text.encode())  # merges learnt from the corpus
     assert tok.decode(ids) == text
-    logits = model(torch.tensor(ids), torch.arange(len(ids)),
-                   lambda layer, q, k, v: causal_attention(q, k, v, 0))
+    logits = model(
+        torch.tensor(ids),
+        torch.arange(len(ids)),
+        lambda layer, q, k, v: causal_attention(q, k, v, 0),
+    )
     assert logits.shape == (len(ids), vocab)

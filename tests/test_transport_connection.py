@@ -46,8 +46,17 @@ HOST = "127.0.0.1"
 def kv_chunk(index: int = 0, tokens: int = 4) -> KvChunk:
     arr = np.arange(2 * 2 * tokens * 2 * 8, dtype=np.float32).reshape(2, 2, tokens, 2, 8) + index
     payload, dtype, shape = payload_from_array(arr)
-    return KvChunk(request_id="r-1", chunk_index=index, token_start=0, token_end=tokens,
-                   layer_start=0, layer_end=2, dtype=dtype, shape=shape, payload=payload)
+    return KvChunk(
+        request_id="r-1",
+        chunk_index=index,
+        token_start=0,
+        token_end=tokens,
+        layer_start=0,
+        layer_end=2,
+        dtype=dtype,
+        shape=shape,
+        payload=payload,
+    )
 
 
 def raw_header(msg_type: int, meta_len: int, payload_len: int) -> bytes:
@@ -61,8 +70,15 @@ class Echo:
     def __init__(self, **server_kwargs) -> None:
         self.ended: list[str] = []
         self.conns = []
-        self.server = Server(HOST, 0, role="main_decode", instance_id="md-0", secret=SECRET,
-                             on_connection=self.handle, **server_kwargs)
+        self.server = Server(
+            HOST,
+            0,
+            role="main_decode",
+            instance_id="md-0",
+            secret=SECRET,
+            on_connection=self.handle,
+            **server_kwargs,
+        )
 
     async def handle(self, conn) -> None:
         self.conns.append(conn)
@@ -79,8 +95,7 @@ class Echo:
 
 
 async def dial_echo(port: int, lane: str = "control", secret: bytes = SECRET, **kw):
-    return await dial(HOST, port, role="prefill", instance_id="p-0", lane=lane, secret=secret,
-                      **kw)
+    return await dial(HOST, port, role="prefill", instance_id="p-0", lane=lane, secret=secret, **kw)
 
 
 async def read_messages(reader: asyncio.StreamReader, timeout: float = 5.0) -> list:
@@ -118,15 +133,20 @@ async def test_round_trip_over_loopback_with_the_handshake():
     async with Echo() as echo:
         conn = await dial_echo(echo.port)
         assert (conn.peer_role, conn.peer_instance, conn.lane) == ("main_decode", "md-0", "control")
-        msgs = [Ping(nonce=7, time=1.5),
-                Submit(request_id="r-1", prompt_token_ids=list(range(5000)), max_tokens=8),
-                TokenEvent(request_id="r-1", index=0, token_ids=[3, 4], producer="relay", time=2.0)]
+        msgs = [
+            Ping(nonce=7, time=1.5),
+            Submit(request_id="r-1", prompt_token_ids=list(range(5000)), max_tokens=8),
+            TokenEvent(request_id="r-1", index=0, token_ids=[3, 4], producer="relay", time=2.0),
+        ]
         for m in msgs:
             await conn.send(m)
         assert [await conn.recv() for _ in msgs] == msgs
         server_conn = echo.conns[0]
-        assert (server_conn.peer_role, server_conn.peer_instance, server_conn.lane) == \
-            ("prefill", "p-0", "control")
+        assert (server_conn.peer_role, server_conn.peer_instance, server_conn.lane) == (
+            "prefill",
+            "p-0",
+            "control",
+        )
         # stats count every frame, exact bytes, by type and direction (handshake included)
         submit_bytes = len(encode_bytes(msgs[1]))
         assert conn.stats["frames_out"]["SUBMIT"] == 1
@@ -160,8 +180,9 @@ async def test_peer_eof_raises_connection_closed_with_the_reason():
     async def close_at_once(conn) -> None:
         await conn.close("server says bye")
 
-    server = Server(HOST, 0, role="relay", instance_id="rld", secret=SECRET,
-                    on_connection=close_at_once)
+    server = Server(
+        HOST, 0, role="relay", instance_id="rld", secret=SECRET, on_connection=close_at_once
+    )
     port = await server.start()
     conn = await dial_echo(port)
     with pytest.raises(ConnectionClosed, match="peer closed"):
@@ -306,19 +327,41 @@ async def test_dial_refused_and_dial_with_retry():
     with pytest.raises(DialRefused, match=f"cannot connect to {HOST}:{port}"):
         await dial_echo(port)
     with pytest.raises(DialRefused, match="gave up after 2 attempts"):
-        await dial_with_retry(HOST, port, attempts=2, delay=0.01, role="prefill",
-                              instance_id="p", lane="control", secret=SECRET)
+        await dial_with_retry(
+            HOST,
+            port,
+            attempts=2,
+            delay=0.01,
+            role="prefill",
+            instance_id="p",
+            lane="control",
+            secret=SECRET,
+        )
     # The server comes up while the dialer retries.
-    server = Server(HOST, port, role="relay", instance_id="rld", secret=SECRET,
-                    on_connection=lambda conn: conn.recv())
+    server = Server(
+        HOST,
+        port,
+        role="relay",
+        instance_id="rld",
+        secret=SECRET,
+        on_connection=lambda conn: conn.recv(),
+    )
 
     async def start_late() -> None:
         await asyncio.sleep(0.2)
         await server.start()
 
     starter = asyncio.create_task(start_late())
-    conn = await dial_with_retry(HOST, port, attempts=100, delay=0.05, role="prefill",
-                                 instance_id="p", lane="control", secret=SECRET)
+    conn = await dial_with_retry(
+        HOST,
+        port,
+        attempts=100,
+        delay=0.05,
+        role="prefill",
+        instance_id="p",
+        lane="control",
+        secret=SECRET,
+    )
     await starter
     assert conn.peer_role == "relay"
     await conn.close()
@@ -329,8 +372,16 @@ async def test_dial_refused_and_dial_with_retry():
 async def test_auth_failure_is_not_retried():
     async with Echo() as echo:
         with pytest.raises(AuthenticationFailed):
-            await dial_with_retry(HOST, echo.port, attempts=5, delay=0.01, role="prefill",
-                                  instance_id="p", lane="control", secret=b"wrong")
+            await dial_with_retry(
+                HOST,
+                echo.port,
+                attempts=5,
+                delay=0.01,
+                role="prefill",
+                instance_id="p",
+                lane="control",
+                secret=b"wrong",
+            )
         assert echo.server.handshakes_failed == 1
     assert_no_other_tasks()
 
@@ -342,8 +393,9 @@ async def test_server_close_closes_every_connection_and_handler():
         stuck.set()
         await asyncio.Event().wait()  # a handler that ignores its connection
 
-    server = Server(HOST, 0, role="relay", instance_id="rld", secret=SECRET,
-                    on_connection=never_returns)
+    server = Server(
+        HOST, 0, role="relay", instance_id="rld", secret=SECRET, on_connection=never_returns
+    )
     port = await server.start()
     conns = [await dial_echo(port) for _ in range(3)]
     await stuck.wait()
@@ -441,18 +493,19 @@ async def test_close_drops_the_socket_when_the_peer_never_takes_the_last_bytes()
     async def never_reads(conn) -> None:
         await stop.wait()
 
-    server = Server(HOST, 0, role="main_decode", instance_id="md-0", secret=SECRET,
-                    on_connection=never_reads)
+    server = Server(
+        HOST, 0, role="main_decode", instance_id="md-0", secret=SECRET, on_connection=never_reads
+    )
     port = await server.start()
     conn = await dial_echo(port, lane="bulk")
     sock = conn._writer.transport.get_extra_info("socket")
-    blob = encode_bytes(kv_chunk(tokens=4096))   # 1 MiB a frame: socket buffers fill up
+    blob = encode_bytes(kv_chunk(tokens=4096))  # 1 MiB a frame: socket buffers fill up
     for _ in range(64):
-        conn._writer.write(blob)                  # (no drain: the peer never reads)
+        conn._writer.write(blob)  # (no drain: the peer never reads)
     assert conn._writer.transport.get_write_buffer_size() > 0
     async with asyncio.timeout(5):
         await conn.close("stripe replaced")
-    await asyncio.sleep(0.05)                     # the transport closes on the next turn
+    await asyncio.sleep(0.05)  # the transport closes on the next turn
     assert sock.fileno() == -1, "the socket is still open"
     stop.set()
     await server.close()

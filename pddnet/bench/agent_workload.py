@@ -30,17 +30,24 @@ from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache, hit_interval
 @dataclass(frozen=True)
 class AgentRequest:
     conversation_id: int
-    turn: int                              # 0 for the first request of a conversation
-    arrival_s: float                       # offset from the start of the run
+    turn: int  # 0 for the first request of a conversation
+    arrival_s: float  # offset from the start of the run
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
-    output_token_ids: tuple[int, ...]      # the reply the history records (max_tokens long)
-    appended_token_ids: tuple[int, ...]    # what this turn adds after the previous output
+    output_token_ids: tuple[int, ...]  # the reply the history records (max_tokens long)
+    appended_token_ids: tuple[int, ...]  # what this turn adds after the previous output
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, conversation_id: int, turn: int, arrival_s: float,
-                 prompt_token_ids: tuple[int, ...], max_tokens: int,
-                 output_token_ids: tuple[int, ...], appended_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        conversation_id: int,
+        turn: int,
+        arrival_s: float,
+        prompt_token_ids: tuple[int, ...],
+        max_tokens: int,
+        output_token_ids: tuple[int, ...],
+        appended_token_ids: tuple[int, ...],
+    ) -> None:
         object.__setattr__(self, "conversation_id", conversation_id)
         object.__setattr__(self, "turn", turn)
         object.__setattr__(self, "arrival_s", arrival_s)
@@ -55,18 +62,18 @@ class AgentWorkloadParams:
     """Lengths in tokens; defaults fit the tiny model (max_position 4096, byte vocabulary)."""
 
     num_conversations: int = 300
-    conversation_rate_per_s: float = 4.0    # Poisson arrivals of new conversations
-    think_time_s: float = 2.0               # mean gap between a turn and the next (tool + user)
-    num_system_prompts: int = 4             # shared by every conversation of that agent type
+    conversation_rate_per_s: float = 4.0  # Poisson arrivals of new conversations
+    think_time_s: float = 2.0  # mean gap between a turn and the next (tool + user)
+    num_system_prompts: int = 4  # shared by every conversation of that agent type
     system_prompt_len: tuple[int, int] = (400, 1200)
     task_len: tuple[int, int] = (100, 600)
-    max_turns: tuple[int, int] = (6, 30)    # a conversation's turn budget (uniform)
+    max_turns: tuple[int, int] = (6, 30)  # a conversation's turn budget (uniform)
     small_tool_len: tuple[int, int] = (4, 48)
     large_tool_len: tuple[int, int] = (400, 2000)
     large_tool_prob: float = 0.18
-    output_len: tuple[int, int] = (4, 32)   # max_tokens of each turn
-    max_context: int = 4096                 # prompt + max_tokens; the conversation ends there
-    vocab: int = 256                        # token ids drawn from [0, vocab)
+    output_len: tuple[int, int] = (4, 32)  # max_tokens of each turn
+    max_context: int = 4096  # prompt + max_tokens; the conversation ends there
+    vocab: int = 256  # token ids drawn from [0, vocab)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -85,8 +92,9 @@ class AgentWorkloadParams:
             raise ValueError(f"vocab must be >= 2, got {self.vocab}")
         first = self.system_prompt_len[1] + self.task_len[1] + self.output_len[1]
         if first > self.max_context:
-            raise ValueError(f"a first turn may need {first} tokens > max_context "
-                             f"{self.max_context}")
+            raise ValueError(
+                f"a first turn may need {first} tokens > max_context {self.max_context}"
+            )
 
 
 def uniform_ids(rng: random.Random, vocab: int, k: int) -> tuple[int, ...]:
@@ -98,8 +106,9 @@ def uniform_ids(rng: random.Random, vocab: int, k: int) -> tuple[int, ...]:
     return tuple([math.floor(draw() * n) for _ in range(k)])
 
 
-def generate_agent_workload(params: AgentWorkloadParams | None = None,
-                            seed: int = 0) -> list[AgentRequest]:
+def generate_agent_workload(
+    params: AgentWorkloadParams | None = None, seed: int = 0
+) -> list[AgentRequest]:
     """Every turn of every conversation, in arrival order (a pure function of params, seed)."""
     p = params or AgentWorkloadParams()
     rng = random.Random(seed)
@@ -119,8 +128,7 @@ def generate_agent_workload(params: AgentWorkloadParams | None = None,
             output = tokens(p.output_len)
             if len(prompt) + len(output) > p.max_context:
                 break  # the agent's context is full: the conversation ends
-            out.append(AgentRequest(conv, turn, round(t, 6), prompt, len(output), output,
-                                    appended))
+            out.append(AgentRequest(conv, turn, round(t, 6), prompt, len(output), output, appended))
             large = rng.random() < p.large_tool_prob
             appended = tokens(p.large_tool_len if large else p.small_tool_len)
             prompt = prompt + output + appended
@@ -129,8 +137,9 @@ def generate_agent_workload(params: AgentWorkloadParams | None = None,
     return out
 
 
-def follow_up_prompt(request: AgentRequest, previous_prompt: Sequence[int],
-                     previous_output: Sequence[int]) -> tuple[int, ...]:
+def follow_up_prompt(
+    request: AgentRequest, previous_prompt: Sequence[int], previous_output: Sequence[int]
+) -> tuple[int, ...]:
     """Turn t's prompt built from what turn t-1 really was (a live run's model output)."""
     if request.turn == 0:
         return request.prompt_token_ids
@@ -150,8 +159,9 @@ def ideal_hit_ratios(requests: Sequence[AgentRequest], block_size: int = 16) -> 
         cache.lock(m.handle)
         ratios.append(m.hit_tokens / len(prompt))
         with_kv = prompt + r.output_token_ids[:-1]
-        table = list(m.block_ids) + cache.allocate(-(-len(with_kv) // block_size)
-                                                   - len(m.block_ids))
+        table = list(m.block_ids) + cache.allocate(
+            -(-len(with_kv) // block_size) - len(m.block_ids)
+        )
         cache.insert_finished(with_kv, table)
     return ratios
 

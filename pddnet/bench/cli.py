@@ -25,7 +25,7 @@ from typing import Any
 @dataclass(frozen=True)
 class BenchSpec:
     name: str
-    module: str     # dotted path of a module with add_arguments(p) and async run(args)
+    module: str  # dotted path of a module with add_arguments(p) and async run(args)
     help: str
 
     def load(self) -> ModuleType:
@@ -39,56 +39,98 @@ class BenchSpec:
         from pddnet.cli import DefaultsHelpFormatter
 
         mod = self.load()
-        p = argparse.ArgumentParser(prog=f"pdd bench {self.name}",
-                                    description=(mod.__doc__ or self.help).splitlines()[0],
-                                    formatter_class=DefaultsHelpFormatter)
+        p = argparse.ArgumentParser(
+            prog=f"pdd bench {self.name}",
+            description=(mod.__doc__ or self.help).splitlines()[0],
+            formatter_class=DefaultsHelpFormatter,
+        )
         mod.add_arguments(p)
         return p
 
 
-BENCHES: dict[str, BenchSpec] = {s.name: s for s in (
-    BenchSpec("ttft", "pddnet.bench.ttft",
-              "same-dc vs cross-dc vs pdd: ttft, tpot, itl, e2el, request_goodput, RLD/MD "
-              "token shares"),
-    BenchSpec("handoff-mode", "pddnet.bench.handoff_mode",
-              "one-shot vs streaming vs dynamic handoff over RLD backlogs of 8..512 tokens"),
-    BenchSpec("transport", "pddnet.bench.transport",
-              "shm write vs memcpy, WAN goodput vs rate, decode daemon vs reference engine"),
-    BenchSpec("drc", "pddnet.bench.drc",
-              "WAN KV bytes and TTFT with and without the decode-side RadixCache"),
-    BenchSpec("handoff", "pddnet.bench.handoff",
-              "token-id vs KV-direct handoff: payload, latency, quiet and jittery WAN"),
-    BenchSpec("engine", "pddnet.bench.engine",
-              "engine step time vs context: gather vs paged attention, and the roofline target"),
-)}
+BENCHES: dict[str, BenchSpec] = {
+    s.name: s
+    for s in (
+        BenchSpec(
+            "ttft",
+            "pddnet.bench.ttft",
+            "same-dc vs cross-dc vs pdd: ttft, tpot, itl, e2el, request_goodput, RLD/MD "
+            "token shares",
+        ),
+        BenchSpec(
+            "handoff-mode",
+            "pddnet.bench.handoff_mode",
+            "one-shot vs streaming vs dynamic handoff over RLD backlogs of 8..512 tokens",
+        ),
+        BenchSpec(
+            "transport",
+            "pddnet.bench.transport",
+            "shm write vs memcpy, WAN goodput vs rate, decode daemon vs reference engine",
+        ),
+        BenchSpec(
+            "drc",
+            "pddnet.bench.drc",
+            "WAN KV bytes and TTFT with and without the decode-side RadixCache",
+        ),
+        BenchSpec(
+            "handoff",
+            "pddnet.bench.handoff",
+            "token-id vs KV-direct handoff: payload, latency, quiet and jittery WAN",
+        ),
+        BenchSpec(
+            "engine",
+            "pddnet.bench.engine",
+            "engine step time vs context: gather vs paged attention, and the roofline target",
+        ),
+    )
+}
 
 
 def register(sub: Any) -> None:
     """Add `bench`, `demo` and `trace` to the `pdd` subcommands."""
     listing = "\n".join(f"  {s.name:<14} {s.help}" for s in BENCHES.values())
-    b = sub.add_parser("bench", help="run a benchmark (pdd bench NAME --help)",
-                       description=f"Benchmarks (each with --quick):\n{listing}",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark (pdd bench NAME --help)",
+        description=f"Benchmarks (each with --quick):\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     b.add_argument("name", nargs="?", metavar="NAME", help="benchmark to run; none: list them")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="...",
-                   help="the benchmark's own options (pdd bench NAME --help)")
+    b.add_argument(
+        "bench_args",
+        nargs=argparse.REMAINDER,
+        metavar="...",
+        help="the benchmark's own options (pdd bench NAME --help)",
+    )
     b.set_defaults(handler=run_bench)
 
     from pddnet.bench import demo
 
-    d = sub.add_parser("demo", help="bring up pdd, cross-dc and same-dc and compare them",
-                       description=(demo.__doc__ or "").strip(),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = sub.add_parser(
+        "demo",
+        help="bring up pdd, cross-dc and same-dc and compare them",
+        description=(demo.__doc__ or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     demo.add_arguments(d)
     d.set_defaults(handler=run_demo)
 
-    t = sub.add_parser("trace", help="a request's timeline as a Chrome/Perfetto trace",
-                       description="Find REQUEST_ID's `pdd` object (a completion body, or a "
-                       "benchmark's result JSON) and write it as a Chrome/Perfetto trace "
-                       "(open in https://ui.perfetto.dev).")
+    t = sub.add_parser(
+        "trace",
+        help="a request's timeline as a Chrome/Perfetto trace",
+        description="Find REQUEST_ID's `pdd` object (a completion body, or a "
+        "benchmark's result JSON) and write it as a Chrome/Perfetto trace "
+        "(open in https://ui.perfetto.dev).",
+    )
     t.add_argument("request_id", metavar="REQUEST_ID")
-    t.add_argument("--in", dest="inputs", nargs="+", default=["results"], metavar="PATH",
-                   help="JSON files or folders to search (default: results/)")
+    t.add_argument(
+        "--in",
+        dest="inputs",
+        nargs="+",
+        default=["results"],
+        metavar="PATH",
+        help="JSON files or folders to search (default: results/)",
+    )
     t.add_argument("-o", "--output", help="trace file (default: trace-REQUEST_ID.json)")
     t.set_defaults(handler=run_trace)
 
@@ -101,8 +143,10 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     spec = BENCHES.get(args.name)
     if spec is None:
-        print(f"pdd bench: unknown benchmark {args.name!r}; known: {', '.join(BENCHES)}",
-              file=sys.stderr)
+        print(
+            f"pdd bench: unknown benchmark {args.name!r}; known: {', '.join(BENCHES)}",
+            file=sys.stderr,
+        )
         return 2
     return run_spec(spec, list(args.bench_args))
 
@@ -115,7 +159,7 @@ def run_spec(spec: BenchSpec, argv: list[str]) -> int:
     ns.bench_spec = spec.name
     try:
         asyncio.run(spec.load().run(ns))
-    except ValueError as exc:   # a bad option combination, said precisely by the benchmark
+    except ValueError as exc:  # a bad option combination, said precisely by the benchmark
         p.error(str(exc))
     return 0
 
@@ -162,11 +206,16 @@ def run_trace(args: argparse.Namespace) -> int:
             times = find_token_times(data, args.request_id)
             write_trace(out, found[0], {args.request_id: times} if times else None)
             pdd = found[0]
-            print(f"{args.request_id}: mode {pdd.get('mode')}, pipeline {pdd.get('pipeline')}, "
-                  f"{len(pdd['timeline'])} milestones (from {f})")
+            print(
+                f"{args.request_id}: mode {pdd.get('mode')}, pipeline {pdd.get('pipeline')}, "
+                f"{len(pdd['timeline'])} milestones (from {f})"
+            )
             print(f"wrote {out}  (open it in https://ui.perfetto.dev or chrome://tracing)")
             return 0
-    print(f"pdd trace: request {args.request_id!r} not found in {len(files)} JSON file(s) under "
-          f"{', '.join(args.inputs)} (benchmarks store every request's `pdd` object; or save a "
-          f"completion's JSON body and pass it with --in)", file=sys.stderr)
+    print(
+        f"pdd trace: request {args.request_id!r} not found in {len(files)} JSON file(s) under "
+        f"{', '.join(args.inputs)} (benchmarks store every request's `pdd` object; or save a "
+        f"completion's JSON body and pass it with --in)",
+        file=sys.stderr,
+    )
     return 1

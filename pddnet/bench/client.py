@@ -23,7 +23,7 @@ class StreamRecord:
     token_ids: list[int] = field(default_factory=list)
     pdd: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
-    dilation: float = 1.0          # the cluster's time dilation k: reported durations are / k
+    dilation: float = 1.0  # the cluster's time dilation k: reported durations are / k
     prompt_len: int | None = None  # prompt tokens sent (None for a text prompt)
 
     def span_s(self, start: float, end: float) -> float:
@@ -32,8 +32,9 @@ class StreamRecord:
 
     @property
     def ttft_s(self) -> float | None:
-        return None if self.first_token_at is None else self.span_s(self.sent_at,
-                                                                    self.first_token_at)
+        return (
+            None if self.first_token_at is None else self.span_s(self.sent_at, self.first_token_at)
+        )
 
     @property
     def wall_ttft_s(self) -> float | None:
@@ -45,14 +46,18 @@ class StreamRecord:
         return [self.span_s(a, b) for a, b in zip(t, t[1:], strict=False)]
 
 
-async def stream_completion(session: Any, url: str, body: dict[str, Any],
-                            dilation: float = 1.0) -> StreamRecord:
+async def stream_completion(
+    session: Any, url: str, body: dict[str, Any], dilation: float = 1.0
+) -> StreamRecord:
     """POST a streaming completion with return_token_ids and record token arrival times
     (`dilation`: the cluster's k, kept on the record so its durations come out modelled)."""
     body = {**body, "stream": True, "return_token_ids": True}
     prompt = body.get("prompt")
-    rec = StreamRecord(sent_at=time.time(), dilation=dilation,
-                       prompt_len=len(prompt) if isinstance(prompt, list) else None)
+    rec = StreamRecord(
+        sent_at=time.time(),
+        dilation=dilation,
+        prompt_len=len(prompt) if isinstance(prompt, list) else None,
+    )
     async with session.post(url.rstrip("/") + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             rec.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"

@@ -16,12 +16,12 @@ from typing import Any
 class DeviceSetup:
     """The emulated devices of a benchmark run, checked and with k numeric (auto resolved)."""
 
-    overrides: dict[str, Any]             # config overrides for every cluster of the run
-    dilation: float                       # k: workload time x k, reported durations / k
-    target_model: str | None = None       # None: unpaced
+    overrides: dict[str, Any]  # config overrides for every cluster of the run
+    dilation: float  # k: workload time x k, reported durations / k
+    target_model: str | None = None  # None: unpaced
     devices: dict[str, str] | None = None  # role -> "8 x h100-sxm", over all the run's clusters
-    auto: bool = False                    # k came from --dilation auto's probe
-    wire_scale: float = 1.0               # real / target KV bytes per token (1 unpaced)
+    auto: bool = False  # k came from --dilation auto's probe
+    wire_scale: float = 1.0  # real / target KV bytes per token (1 unpaced)
 
     @property
     def emulated(self) -> bool:
@@ -32,13 +32,21 @@ class DeviceSetup:
         if not self.emulated:
             return "devices: unpaced: this box's own times"
         on = ", ".join(f"{role} {desc}" for role, desc in (self.devices or {}).items())
-        return (f"devices: emulated {self.target_model} on {on}; k = {self.dilation:g}"
-                f"{' (auto)' if self.auto else ''} (times / k)")
+        return (
+            f"devices: emulated {self.target_model} on {on}; k = {self.dilation:g}"
+            f"{' (auto)' if self.auto else ''} (times / k)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"emulated": self.emulated, "target_model": self.target_model,
-                "devices": self.devices, "dilation": self.dilation, "auto": self.auto,
-                "wire_scale": self.wire_scale, "overrides": self.overrides}
+        return {
+            "emulated": self.emulated,
+            "target_model": self.target_model,
+            "devices": self.devices,
+            "dilation": self.dilation,
+            "auto": self.auto,
+            "wire_scale": self.wire_scale,
+            "overrides": self.overrides,
+        }
 
     def wall_rate_mbit(self, modelled_mbit: float) -> float:
         """A link rate of the modelled world (the target's KV bytes, modelled seconds) as the
@@ -53,8 +61,9 @@ class DeviceSetup:
 UNPACED = DeviceSetup(overrides={}, dilation=1.0)
 
 
-def setup_devices(args: argparse.Namespace, clusters: Mapping[str, Mapping[str, Any]],
-                  log: Any = print) -> DeviceSetup:
+def setup_devices(
+    args: argparse.Namespace, clusters: Mapping[str, Mapping[str, Any]], log: Any = print
+) -> DeviceSetup:
     """Check the emulated-device flags (pddnet.device.flags) against every cluster the benchmark
     will start -- `clusters`: label -> the overrides its LocalCluster gets (with "mode" and
     "model.name") -- and resolve ``--dilation auto`` once, on the cluster with the most model
@@ -65,8 +74,11 @@ def setup_devices(args: argparse.Namespace, clusters: Mapping[str, Mapping[str, 
     from pddnet.device.dilation import real_kv_bytes_per_token
     from pddnet.device.emulated import DEVICE_ROLES, active_roles
 
-    if getattr(args, "target_model", None) is None and not getattr(args, "device", None) \
-            and getattr(args, "dilation", None) is None:
+    if (
+        getattr(args, "target_model", None) is None
+        and not getattr(args, "device", None)
+        and getattr(args, "dilation", None) is None
+    ):
         return UNPACED
     try:
         dev = flags.overrides(args)
@@ -91,9 +103,14 @@ def setup_devices(args: argparse.Namespace, clusters: Mapping[str, Mapping[str, 
             if role in d["devices"]:
                 devices[role] = d["devices"][role]
                 break
-    return DeviceSetup(overrides=dev, dilation=emulations[0].dilation,
-                       target_model=emulations[0].target.name, devices=devices, auto=auto,
-                       wire_scale=scale)
+    return DeviceSetup(
+        overrides=dev,
+        dilation=emulations[0].dilation,
+        target_model=emulations[0].target.name,
+        devices=devices,
+        auto=auto,
+        wire_scale=scale,
+    )
 
 
 async def daemon_stats(cluster: Any) -> dict[str, dict[str, Any]]:
@@ -109,8 +126,11 @@ def device_reports(stats_by_run: Mapping[str, Mapping[str, dict[str, Any]]]) -> 
 def print_validity(reports: Mapping[str, dict[str, Any]], bench: str) -> list[str]:
     """Print, prominently, a `validity_warning` for every run that overran its modelled devices
     on more than 1% of its forwards; returns them (empty when every run kept pace)."""
-    warnings = [w for label, r in reports.items()
-                if (w := validity_warning(r, f"{bench} {label}".strip())) is not None]
+    warnings = [
+        w
+        for label, r in reports.items()
+        if (w := validity_warning(r, f"{bench} {label}".strip())) is not None
+    ]
     if warnings:
         bar = "!" * 100
         print(f"\n{bar}")
@@ -127,17 +147,26 @@ def device_report(stats_by_role: dict[str, dict[str, Any]]) -> dict[str, Any]:
     unpaced run."""
     from pddnet.device.pacer import VALID_OVERRUN_SHARE
 
-    roles = {r: s["device"] for r, s in stats_by_role.items()
-             if isinstance(s.get("device"), dict) and s["device"].get("emulated")}
+    roles = {
+        r: s["device"]
+        for r, s in stats_by_role.items()
+        if isinstance(s.get("device"), dict) and s["device"].get("emulated")
+    }
     if not roles:
         return {"emulated": False}
     steps = sum(d["steps"] for d in roles.values())
     overruns = sum(d["overruns"] for d in roles.values())
     valid = all(d["overrun_share"] <= VALID_OVERRUN_SHARE for d in roles.values())
-    return {"emulated": True, "roles": roles, "steps": steps, "overruns": overruns,
-            "overrun_share": overruns / steps if steps else 0.0, "valid": valid,
-            "dilation": max(d["dilation"] for d in roles.values()),
-            "dilation_needed": max(d["dilation_needed"] for d in roles.values())}
+    return {
+        "emulated": True,
+        "roles": roles,
+        "steps": steps,
+        "overruns": overruns,
+        "overrun_share": overruns / steps if steps else 0.0,
+        "valid": valid,
+        "dilation": max(d["dilation"] for d in roles.values()),
+        "dilation_needed": max(d["dilation_needed"] for d in roles.values()),
+    }
 
 
 def validity_warning(report: dict[str, Any], what: str = "this run") -> str | None:
@@ -146,7 +175,9 @@ def validity_warning(report: dict[str, Any], what: str = "this run") -> str | No
     if not report.get("emulated") or report["valid"]:
         return None
     worst = max(report["roles"].items(), key=lambda kv: kv[1]["overrun_share"])
-    return (f"NOT VALID: {what} overran its modelled devices on {report['overruns']} of "
-            f"{report['steps']} forwards ({worst[0]}: {worst[1]['overrun_share']:.1%} > 1%), so "
-            f"its times are this box's, not the devices'; rerun with --dilation "
-            f"{report['dilation_needed']:g} or more (it ran at k = {report['dilation']:g})")
+    return (
+        f"NOT VALID: {what} overran its modelled devices on {report['overruns']} of "
+        f"{report['steps']} forwards ({worst[0]}: {worst[1]['overrun_share']:.1%} > 1%), so "
+        f"its times are this box's, not the devices'; rerun with --dilation "
+        f"{report['dilation_needed']:g} or more (it ran at k = {report['dilation']:g})"
+    )

@@ -36,22 +36,35 @@ from pddnet.bench.results import percentile, write_result
 from pddnet.device import flags as device_flags
 from pddnet.kv.radix import HIT_INTERVAL_LABELS, hit_interval
 
-QUICK = AgentWorkloadParams(num_conversations=4, conversation_rate_per_s=6.0, think_time_s=0.2,
-                            max_turns=(4, 6), large_tool_len=(200, 600))
+QUICK = AgentWorkloadParams(
+    num_conversations=4,
+    conversation_rate_per_s=6.0,
+    think_time_s=0.2,
+    max_turns=(4, 6),
+    large_tool_len=(200, 600),
+)
 FULL = AgentWorkloadParams(num_conversations=40, conversation_rate_per_s=2.0, think_time_s=1.0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a few conversations (smoke test)")
-    p.add_argument("--conversations", type=int, default=None,
-                   help="agent conversations (default: 40, or 4 with --quick)")
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        help="agent conversations (default: 40, or 4 with --quick)",
+    )
     p.add_argument("--model", default="tiny", help="model preset (tiny: 1 KiB KV per token)")
     p.add_argument("--wan", default="auto", choices=["auto", "packet", "proxy"])
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--bw-mbit", type=float, default=1000.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--md-blocks", type=int, default=8192,
-                   help="MD's KV pool in blocks of 16 (room for the conversations' prefixes)")
+    p.add_argument(
+        "--md-blocks",
+        type=int,
+        default=8192,
+        help="MD's KV pool in blocks of 16 (room for the conversations' prefixes)",
+    )
     p.add_argument("--out", default="results", help="folder for results/<bench>/...")
     p.add_argument("--no-progress", action="store_true")
     metrics.add_arguments(p)
@@ -59,13 +72,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def variant_overrides(args: argparse.Namespace, prefix_cache: str) -> dict[str, Any]:
-    return {"policy.pipeline": "p_md", "main_decode.prefix_cache": prefix_cache,
-            "main_decode.num_blocks": args.md_blocks, "prefill.num_blocks": 2048,
-            "model.threads": 1}
+    return {
+        "policy.pipeline": "p_md",
+        "main_decode.prefix_cache": prefix_cache,
+        "main_decode.num_blocks": args.md_blocks,
+        "prefill.num_blocks": 2048,
+        "model.threads": 1,
+    }
 
 
-async def run_variant(args: argparse.Namespace, workload: list, prefix_cache: str,
-                      show_progress: bool, devices: Any = None) -> dict[str, Any]:
+async def run_variant(
+    args: argparse.Namespace,
+    workload: list,
+    prefix_cache: str,
+    show_progress: bool,
+    devices: Any = None,
+) -> dict[str, Any]:
     import aiohttp
 
     from pddnet.bench.devices import UNPACED, daemon_stats
@@ -76,23 +98,37 @@ async def run_variant(args: argparse.Namespace, workload: list, prefix_cache: st
     devices = devices or UNPACED
     k = devices.dilation
     overrides = {**variant_overrides(args, prefix_cache), **devices.overrides}
-    async with LocalCluster(mode="pdd", model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
-                            jitter_ms=0.0, bw_mbit=args.bw_mbit, overrides=overrides) as cluster:
+    async with LocalCluster(
+        mode="pdd",
+        model=args.model,
+        wan=args.wan,
+        rtt_ms=args.rtt_ms,
+        jitter_ms=0.0,
+        bw_mbit=args.bw_mbit,
+        overrides=overrides,
+    ) as cluster:
         timeout = aiohttp.ClientTimeout(total=600 * k)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await warm_up(session, cluster.url, args.model, dilation=k)
             t0 = time.monotonic()
             with progress(len(workload), f"drc {prefix_cache}", enabled=show_progress) as bar:
-                records = await drive_agent(session, cluster.url, workload, args.model, bar,
-                                            dilation=k)
+                records = await drive_agent(
+                    session, cluster.url, workload, args.model, bar, dilation=k
+                )
             duration = (time.monotonic() - t0) / k
         stats = await daemon_stats(cluster)
         shell = cluster.wan.get("shell")
     errors = [r.error for r in records if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(records)} requests failed, e.g. {errors[0]}")
-    return {"records": records, "md": stats["main_decode"], "prefill": stats["prefill"],
-            "stats": stats, "shell": shell, "duration": duration}
+    return {
+        "records": records,
+        "md": stats["main_decode"],
+        "prefill": stats["prefill"],
+        "stats": stats,
+        "shell": shell,
+        "duration": duration,
+    }
 
 
 def prompt_tokens(pdd: dict[str, Any]) -> int:
@@ -109,11 +145,14 @@ def _per_interval(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         sel = [r for r in rows if r["interval"] == i]
         on = sum(r["bytes_drc"] for r in sel)
         off = sum(r["bytes_no_drc"] for r in sel)
-        out[label] = {"requests": len(sel), "bytes_drc": on, "bytes_no_drc": off,
-                      "reduction": (off / on) if on else None,
-                      "median_ttft_ms_drc": percentile([r["ttft_ms_drc"] for r in sel], 50),
-                      "median_ttft_ms_no_drc": percentile([r["ttft_ms_no_drc"] for r in sel],
-                                                          50)}
+        out[label] = {
+            "requests": len(sel),
+            "bytes_drc": on,
+            "bytes_no_drc": off,
+            "reduction": (off / on) if on else None,
+            "median_ttft_ms_drc": percentile([r["ttft_ms_drc"] for r in sel], 50),
+            "median_ttft_ms_no_drc": percentile([r["ttft_ms_no_drc"] for r in sel], 50),
+        }
     return out
 
 
@@ -125,10 +164,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     params = QUICK if args.quick else FULL
     if args.conversations:
         params = dataclasses.replace(params, num_conversations=args.conversations)
-    base = {"mode": "pdd", "model.name": args.model, "wan.shell": args.wan,
-            "wan.rtt_ms": args.rtt_ms, "wan.bw_mbit": args.bw_mbit}
-    devices = setup_devices(args, {v: {**base, **variant_overrides(args, v)}
-                                   for v in ("radix", "off")})
+    base = {
+        "mode": "pdd",
+        "model.name": args.model,
+        "wan.shell": args.wan,
+        "wan.rtt_ms": args.rtt_ms,
+        "wan.bw_mbit": args.bw_mbit,
+    }
+    devices = setup_devices(
+        args, {v: {**base, **variant_overrides(args, v)} for v in ("radix", "off")}
+    )
     workload = generate_agent_workload(params, seed=args.seed)
     ideal = hit_distribution(ideal_hit_ratios(workload))
     show = not args.no_progress
@@ -141,38 +186,65 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("the two runs produced different tokens for the same request")
         hit = rec_on.pdd.get("prefix_hit_tokens", 0)
         prompt = prompt_tokens(rec_on.pdd)
-        rows.append({"prompt_tokens": prompt, "hit_tokens": hit,
-                     "interval": hit_interval(hit / prompt),
-                     "bytes_drc": rec_on.pdd.get("wan_kv_bytes", 0),
-                     "bytes_no_drc": rec_off.pdd.get("wan_kv_bytes", 0),
-                     "ttft_ms_drc": rec_on.ttft_s * 1e3, "ttft_ms_no_drc": rec_off.ttft_s * 1e3})
+        rows.append(
+            {
+                "prompt_tokens": prompt,
+                "hit_tokens": hit,
+                "interval": hit_interval(hit / prompt),
+                "bytes_drc": rec_on.pdd.get("wan_kv_bytes", 0),
+                "bytes_no_drc": rec_off.pdd.get("wan_kv_bytes", 0),
+                "ttft_ms_drc": rec_on.ttft_s * 1e3,
+                "ttft_ms_no_drc": rec_off.ttft_s * 1e3,
+            }
+        )
     total_on = sum(r["bytes_drc"] for r in rows)
     total_off = sum(r["bytes_no_drc"] for r in rows)
-    measured = {label: c / len(rows) for label, c in zip(
-        HIT_INTERVAL_LABELS, [sum(r["interval"] == i for r in rows)
-                              for i in range(len(HIT_INTERVAL_LABELS))], strict=True)}
+    measured = {
+        label: c / len(rows)
+        for label, c in zip(
+            HIT_INTERVAL_LABELS,
+            [sum(r["interval"] == i for r in rows) for i in range(len(HIT_INTERVAL_LABELS))],
+            strict=True,
+        )
+    }
     mean_hit = sum(r["hit_tokens"] / r["prompt_tokens"] for r in rows) / len(rows)
     result = {
-        "config": {"model": args.model, "wan_shell": on["shell"], "rtt_ms": args.rtt_ms,
-                   "bw_mbit": args.bw_mbit, "md_blocks": args.md_blocks, "seed": args.seed,
-                   "pipeline": "p_md", "torch_threads_per_daemon": 1,
-                   "workload": dataclasses.asdict(params),
-                   "target_model": getattr(args, "target_model", None),
-                   "device": getattr(args, "device", []),
-                   "dilation": getattr(args, "dilation", None),
-                   "dilation_k": devices.dilation, "goodput_slos_ms": slos,
-                   "metric_percentiles": args.metric_percentiles},
-        "emulation": devices.to_dict(), "devices": reports,
+        "config": {
+            "model": args.model,
+            "wan_shell": on["shell"],
+            "rtt_ms": args.rtt_ms,
+            "bw_mbit": args.bw_mbit,
+            "md_blocks": args.md_blocks,
+            "seed": args.seed,
+            "pipeline": "p_md",
+            "torch_threads_per_daemon": 1,
+            "workload": dataclasses.asdict(params),
+            "target_model": getattr(args, "target_model", None),
+            "device": getattr(args, "device", []),
+            "dilation": getattr(args, "dilation", None),
+            "dilation_k": devices.dilation,
+            "goodput_slos_ms": slos,
+            "metric_percentiles": args.metric_percentiles,
+        },
+        "emulation": devices.to_dict(),
+        "devices": reports,
         "devices_line": devices.line(),
-        "requests": len(rows), "mean_hit": mean_hit,
-        "hit_distribution_measured": measured, "hit_distribution_ideal": ideal,
-        "wan_kv_bytes_drc": total_on, "wan_kv_bytes_no_drc": total_off,
+        "requests": len(rows),
+        "mean_hit": mean_hit,
+        "hit_distribution_measured": measured,
+        "hit_distribution_ideal": ideal,
+        "wan_kv_bytes_drc": total_on,
+        "wan_kv_bytes_no_drc": total_off,
         "byte_reduction": (total_off / total_on) if total_on else None,
         # vLLM's serving metrics of each run (pddnet.bench.metrics)
-        "serving": {"drc": metrics.serving_metrics(on["records"], on["duration"], slos,
-                                                   args.metric_percentiles),
-                    "no_drc": metrics.serving_metrics(off["records"], off["duration"], slos,
-                                                      args.metric_percentiles)},
+        "serving": {
+            "drc": metrics.serving_metrics(
+                on["records"], on["duration"], slos, args.metric_percentiles
+            ),
+            "no_drc": metrics.serving_metrics(
+                off["records"], off["duration"], slos, args.metric_percentiles
+            ),
+        },
         "per_interval": _per_interval(rows),
         "md_drc_stats": on["md"].get("drc"),
         "p_view": on["prefill"].get("planner", {}).get("view"),
@@ -191,48 +263,74 @@ def _plots(result: dict[str, Any], path: Path) -> list[str]:
 
     out = []
     per = result["per_interval"]
-    mib = {label: {"with DRC": v["bytes_drc"] / 2**20, "without DRC": v["bytes_no_drc"] / 2**20}
-           for label, v in per.items() if v["requests"]}
-    p = grouped_bars(mib, path.with_name(path.stem + "-bytes.png"), "WAN KV MiB",
-                     f"WAN KV bytes by MD hit interval (reduction "
-                     f"{result['byte_reduction'] or 0:.1f}x)")
+    mib = {
+        label: {"with DRC": v["bytes_drc"] / 2**20, "without DRC": v["bytes_no_drc"] / 2**20}
+        for label, v in per.items()
+        if v["requests"]
+    }
+    p = grouped_bars(
+        mib,
+        path.with_name(path.stem + "-bytes.png"),
+        "WAN KV MiB",
+        f"WAN KV bytes by MD hit interval (reduction {result['byte_reduction'] or 0:.1f}x)",
+    )
     if p is not None:
         out.append(str(p))
-    share = {label: {"measured": result["hit_distribution_measured"][label] * 100,
-                     "ideal cache": result["hit_distribution_ideal"][label] * 100}
-             for label in HIT_INTERVAL_LABELS}
-    p = grouped_bars(share, path.with_name(path.stem + "-hits.png"), "% of requests",
-                     "prefix hit distribution (source intervals)")
+    share = {
+        label: {
+            "measured": result["hit_distribution_measured"][label] * 100,
+            "ideal cache": result["hit_distribution_ideal"][label] * 100,
+        }
+        for label in HIT_INTERVAL_LABELS
+    }
+    p = grouped_bars(
+        share,
+        path.with_name(path.stem + "-hits.png"),
+        "% of requests",
+        "prefix hit distribution (source intervals)",
+    )
     if p is not None:
         out.append(str(p))
     return out
 
 
 def print_table(r: dict[str, Any]) -> None:
-    print(f"\ndrc: {r['requests']} requests, mean MD hit {r['mean_hit']:.3f}, "
-          f"WAN {r['config']['wan_shell']} {r['config']['rtt_ms']:g} ms "
-          f"{r['config']['bw_mbit']:g} Mbit/s, model {r['config']['model']}, 1 torch thread/daemon")
+    print(
+        f"\ndrc: {r['requests']} requests, mean MD hit {r['mean_hit']:.3f}, "
+        f"WAN {r['config']['wan_shell']} {r['config']['rtt_ms']:g} ms "
+        f"{r['config']['bw_mbit']:g} Mbit/s, model {r['config']['model']}, 1 torch thread/daemon"
+    )
     if r.get("devices_line"):
         print(r["devices_line"])
-    print(f"{'hit interval':<12} {'share':>7} {'ideal':>7} {'KV MiB DRC':>11} "
-          f"{'no DRC':>9} {'ratio':>7} {'median_ttft DRC':>15} {'no DRC':>8}")
+    print(
+        f"{'hit interval':<12} {'share':>7} {'ideal':>7} {'KV MiB DRC':>11} "
+        f"{'no DRC':>9} {'ratio':>7} {'median_ttft DRC':>15} {'no DRC':>8}"
+    )
     for label, v in r["per_interval"].items():
         ratio = f"{v['reduction']:.1f}x" if v["reduction"] else "-"
         t_on, t_off = v["median_ttft_ms_drc"], v["median_ttft_ms_no_drc"]
-        print(f"{label:<12} {r['hit_distribution_measured'][label]:>7.1%} "
-              f"{r['hit_distribution_ideal'][label]:>7.1%} {v['bytes_drc'] / 2**20:>11.2f} "
-              f"{v['bytes_no_drc'] / 2**20:>9.2f} {ratio:>7} "
-              f"{'-' if t_on is None else f'{t_on:.0f} ms':>15} "
-              f"{'-' if t_off is None else f'{t_off:.0f} ms':>8}")
+        print(
+            f"{label:<12} {r['hit_distribution_measured'][label]:>7.1%} "
+            f"{r['hit_distribution_ideal'][label]:>7.1%} {v['bytes_drc'] / 2**20:>11.2f} "
+            f"{v['bytes_no_drc'] / 2**20:>9.2f} {ratio:>7} "
+            f"{'-' if t_on is None else f'{t_on:.0f} ms':>15} "
+            f"{'-' if t_off is None else f'{t_off:.0f} ms':>8}"
+        )
     red = r["byte_reduction"]
-    print(f"total WAN KV: {r['wan_kv_bytes_drc'] / 2**20:.1f} MiB with DRC vs "
-          f"{r['wan_kv_bytes_no_drc'] / 2**20:.1f} MiB without: "
-          f"{'-' if red is None else f'{red:.1f}x'} fewer bytes")
-    print("vLLM's serving metrics of the two runs (ms; request_goodput req/s under "
-          f"{metrics.goodput_label(r['config']['goodput_slos_ms'])}, output_throughput tok/s):")
-    metrics.print_columns([("DRC", r["serving"]["drc"]), ("no DRC", r["serving"]["no_drc"])],
-                          metrics.serving_columns(r["config"]["metric_percentiles"]),
-                          label="run")
+    print(
+        f"total WAN KV: {r['wan_kv_bytes_drc'] / 2**20:.1f} MiB with DRC vs "
+        f"{r['wan_kv_bytes_no_drc'] / 2**20:.1f} MiB without: "
+        f"{'-' if red is None else f'{red:.1f}x'} fewer bytes"
+    )
+    print(
+        "vLLM's serving metrics of the two runs (ms; request_goodput req/s under "
+        f"{metrics.goodput_label(r['config']['goodput_slos_ms'])}, output_throughput tok/s):"
+    )
+    metrics.print_columns(
+        [("DRC", r["serving"]["drc"]), ("no DRC", r["serving"]["no_drc"])],
+        metrics.serving_columns(r["config"]["metric_percentiles"]),
+        label="run",
+    )
     print(f"results: {r['path']}")
 
 

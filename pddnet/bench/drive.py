@@ -24,8 +24,14 @@ from pddnet.bench.workload import BenchRequest
 
 
 def _body(model: str, prompt: Sequence[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, **extra}
+    return {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 async def warm_up(session: Any, url: str, model: str, dilation: float = 1.0) -> None:
@@ -35,16 +41,25 @@ async def warm_up(session: Any, url: str, model: str, dilation: float = 1.0) -> 
         raise RuntimeError(f"warm-up request failed: {rec.error}")
 
 
-async def drive_poisson(session: Any, url: str, workload: Sequence[BenchRequest], model: str,
-                        progress: Any = None, dilation: float = 1.0,
-                        **extra: Any) -> list[StreamRecord]:
+async def drive_poisson(
+    session: Any,
+    url: str,
+    workload: Sequence[BenchRequest],
+    model: str,
+    progress: Any = None,
+    dilation: float = 1.0,
+    **extra: Any,
+) -> list[StreamRecord]:
     start = time.monotonic()
 
     async def one(req: BenchRequest) -> StreamRecord:
         await asyncio.sleep(max(0.0, req.arrival_s * dilation - (time.monotonic() - start)))
-        rec = await stream_completion(session, url, _body(model, req.prompt_token_ids,
-                                                          req.max_tokens, **extra),
-                                      dilation=dilation)
+        rec = await stream_completion(
+            session,
+            url,
+            _body(model, req.prompt_token_ids, req.max_tokens, **extra),
+            dilation=dilation,
+        )
         if progress is not None:
             progress.update(1)
         return rec
@@ -52,8 +67,14 @@ async def drive_poisson(session: Any, url: str, workload: Sequence[BenchRequest]
     return list(await asyncio.gather(*(one(r) for r in workload)))
 
 
-async def drive_agent(session: Any, url: str, workload: Sequence[AgentRequest], model: str,
-                      progress: Any = None, dilation: float = 1.0) -> list[StreamRecord]:
+async def drive_agent(
+    session: Any,
+    url: str,
+    workload: Sequence[AgentRequest],
+    model: str,
+    progress: Any = None,
+    dilation: float = 1.0,
+) -> list[StreamRecord]:
     by_conv: dict[int, list[int]] = {}
     for i, r in enumerate(workload):
         by_conv.setdefault(r.conversation_id, []).append(i)
@@ -67,17 +88,20 @@ async def drive_agent(session: Any, url: str, workload: Sequence[AgentRequest], 
             req = workload[i]
             await asyncio.sleep(max(0.0, req.arrival_s * dilation - (time.monotonic() - start)))
             prompt = follow_up_prompt(req, prompt, output)
-            rec = await stream_completion(session, url, _body(model, prompt, req.max_tokens),
-                                          dilation=dilation)
+            rec = await stream_completion(
+                session, url, _body(model, prompt, req.max_tokens), dilation=dilation
+            )
             records[i] = rec
             if progress is not None:
                 progress.update(1)
-            if rec.error is not None:   # the conversation cannot go on without this turn
+            if rec.error is not None:  # the conversation cannot go on without this turn
                 for j in indices:
                     if records[j] is None:
-                        records[j] = StreamRecord(sent_at=time.time(),
-                                                  error=f"not sent: turn {req.turn} failed",
-                                                  dilation=dilation)
+                        records[j] = StreamRecord(
+                            sent_at=time.time(),
+                            error=f"not sent: turn {req.turn} failed",
+                            dilation=dilation,
+                        )
                         if progress is not None:
                             progress.update(1)
                 return

@@ -47,22 +47,30 @@ SLOW_REPEATS = 3
 # -- shapes and the old path's memory ---------------------------------------------------------
 
 
-def shapes(contexts: list[int], chunks: list[int], batches: list[int],
-           max_position: int) -> list[dict[str, Any]]:
+def shapes(
+    contexts: list[int], chunks: list[int], batches: list[int], max_position: int
+) -> list[dict[str, Any]]:
     """Every (kind, context, size) to measure, prefill chunks first; shapes past the model's
     last position are left out."""
     out: list[dict[str, Any]] = []
     for c in chunks:
-        out += [{"kind": "prefill", "context": n, "chunk": c, "batch": 1}
-                for n in contexts if n + c <= max_position]
+        out += [
+            {"kind": "prefill", "context": n, "chunk": c, "batch": 1}
+            for n in contexts
+            if n + c <= max_position
+        ]
     for b in batches:
-        out += [{"kind": "decode", "context": n, "chunk": 1, "batch": b}
-                for n in contexts if n + 1 <= max_position]
+        out += [
+            {"kind": "decode", "context": n, "chunk": 1, "batch": b}
+            for n in contexts
+            if n + 1 <= max_position
+        ]
     return out
 
 
-def gather_temp_bytes(shape: dict[str, Any], num_heads: int, num_kv_heads: int,
-                      head_dim: int, itemsize: int) -> int:
+def gather_temp_bytes(
+    shape: dict[str, Any], num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int
+) -> int:
     """Peak temporaries of the old path for one sequence's attention in one layer: its gathered
     K and V, the [Hq, t, n] scores and their softmax, and the causal mask."""
     t, n = shape["chunk"], shape["context"] + shape["chunk"]
@@ -83,8 +91,7 @@ class Setup:
     consecutive blocks (as a fresh engine's allocator hands them out), filled with seeded
     random KV; one runner per attention path on it."""
 
-    def __init__(self, model: Any, tokens: int, max_batch: int, block_size: int,
-                 seed: int) -> None:
+    def __init__(self, model: Any, tokens: int, max_batch: int, block_size: int, seed: int) -> None:
         import torch
 
         from pddnet.engine.runner import ModelRunner
@@ -94,7 +101,7 @@ class Setup:
         self.per_seq = spec.num_blocks_for(tokens)
         self.pool = KVPool(spec, self.per_seq * max_batch)
         gen = torch.Generator().manual_seed(seed)
-        for layer in range(spec.num_layers):   # layer by layer: no pool-sized float32 temporary
+        for layer in range(spec.num_layers):  # layer by layer: no pool-sized float32 temporary
             self.pool.data[layer].copy_(torch.randn(self.pool.data[layer].shape, generator=gen))
         self.runners = {p: ModelRunner(model, self.pool, attention=p) for p in PATHS}
         self.gen = gen
@@ -115,27 +122,38 @@ class Setup:
         self.pool.close()
 
 
-def measure(setup: Setup, shape: dict[str, Any], paths: list[str], repeats: int,
-            old_cap_bytes: int, old_bytes: int) -> dict[str, Any]:
+def measure(
+    setup: Setup,
+    shape: dict[str, Any],
+    paths: list[str],
+    repeats: int,
+    old_cap_bytes: int,
+    old_bytes: int,
+) -> dict[str, Any]:
     """Median step time of each path on one shape (a warm-up run first, then the paths
     interleaved repeat by repeat; fewer repeats for a slow shape), and how far their logits
     differ."""
     chunks = setup.chunks(shape)
     runnable = [p for p in paths if p != "gather" or old_bytes <= old_cap_bytes]
-    result: dict[str, Any] = {p: {"skipped": f"needs ~{old_bytes / GIB:.1f} GiB of temporaries "
-                                             f"per layer (cap {old_cap_bytes / GIB:.1f} GiB)"}
-                              for p in paths if p not in runnable}
+    result: dict[str, Any] = {
+        p: {
+            "skipped": f"needs ~{old_bytes / GIB:.1f} GiB of temporaries "
+            f"per layer (cap {old_cap_bytes / GIB:.1f} GiB)"
+        }
+        for p in paths
+        if p not in runnable
+    }
     times: dict[str, list[float]] = {p: [] for p in runnable}
     logits: dict[str, Any] = {}
     rep, slowest = 0, 0.0
     while rep <= (repeats if slowest <= SLOW_SHAPE_S else min(repeats, SLOW_REPEATS)):
-        for p in list(runnable):               # repeat 0 is the warm-up (first touch)
+        for p in list(runnable):  # repeat 0 is the warm-up (first touch)
             try:
                 t0 = time.perf_counter()
                 out = setup.runners[p].run(chunks)
                 dt = time.perf_counter() - t0
-            except (RuntimeError, MemoryError) as exc:   # torch reports a failed alloc so
-                if p != "gather":   # the paged path's memory is bounded: a failure is a bug
+            except (RuntimeError, MemoryError) as exc:  # torch reports a failed alloc so
+                if p != "gather":  # the paged path's memory is bounded: a failure is a bug
                     raise
                 result[p] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                 runnable.remove(p)
@@ -149,8 +167,9 @@ def measure(setup: Setup, shape: dict[str, Any], paths: list[str], repeats: int,
     for p in runnable:
         result[p] = {"median_s": statistics.median(times[p]), "times_s": times[p]}
     if len(logits) == 2 and all(p in runnable for p in logits):
-        result["max_logit_diff"] = max(float((a - b).abs().max())
-                                       for a, b in zip(*logits.values(), strict=True))
+        result["max_logit_diff"] = max(
+            float((a - b).abs().max()) for a, b in zip(*logits.values(), strict=True)
+        )
     return result
 
 
@@ -190,10 +209,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 setup = Setup(model, tokens, batch, args.block_size, args.seed)
                 try:
                     for shape in here:
-                        old = gather_temp_bytes(shape, cfg.num_heads, cfg.num_kv_heads,
-                                                cfg.head_dim, cfg.itemsize)
-                        m = measure(setup, shape, args.paths, args.repeats,
-                                    int(args.max_old_gib * GIB), old)
+                        old = gather_temp_bytes(
+                            shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.itemsize
+                        )
+                        m = measure(
+                            setup, shape, args.paths, args.repeats, int(args.max_old_gib * GIB), old
+                        )
                         rows.append(_row(shape, m, modelled_step_s(cost, shape)))
                         bar.update(1)
                 finally:
@@ -201,11 +222,21 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
-    data = {"config": config, "torch_threads": 1, "model": _model_info(cfg),
-            "target": {"chip": args.chip, "gpus": args.gpus, "model": args.target_model,
-                       "note": "modelled: roofline time of the same forward shape"},
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-            "elapsed_s": time.perf_counter() - started, "rows": rows}
+    data = {
+        "config": config,
+        "torch_threads": 1,
+        "model": _model_info(cfg),
+        "target": {
+            "chip": args.chip,
+            "gpus": args.gpus,
+            "model": args.target_model,
+            "note": "modelled: roofline time of the same forward shape",
+        },
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "elapsed_s": time.perf_counter() - started,
+        "rows": rows,
+    }
     path = write_result("engine", data, args.out)
     plots = _plots(rows, path, args)
     print_table(data, args)
@@ -227,14 +258,20 @@ def _row(shape: dict[str, Any], m: dict[str, Any], modelled: float) -> dict[str,
 
 
 def _model_info(cfg: Any) -> dict[str, Any]:
-    return {"name": cfg.name, "dtype": cfg.dtype, "layers": cfg.num_layers,
-            "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-            "max_position": cfg.max_position, "parameters": cfg.num_parameters}
+    return {
+        "name": cfg.name,
+        "dtype": cfg.dtype,
+        "layers": cfg.num_layers,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position": cfg.max_position,
+        "parameters": cfg.num_parameters,
+    }
 
 
 def _label(row: dict[str, Any]) -> str:
-    return (f"prefill C={row['chunk']}" if row["kind"] == "prefill"
-            else f"decode B={row['batch']}")
+    return f"prefill C={row['chunk']}" if row["kind"] == "prefill" else f"decode B={row['batch']}"
 
 
 def _plots(rows: list[dict[str, Any]], path: Any, args: argparse.Namespace) -> list[str]:
@@ -243,18 +280,31 @@ def _plots(rows: list[dict[str, Any]], path: Any, args: argparse.Namespace) -> l
         mine = [r for r in rows if _label(r) == label]
         series: dict[str, tuple[list[float], list[float]]] = {}
         for p in PATHS:
-            pts = [(r["context"], r["paths"][p]["median_s"] * 1e3) for r in mine
-                   if "median_s" in r["paths"].get(p, {})]
+            pts = [
+                (r["context"], r["paths"][p]["median_s"] * 1e3)
+                for r in mine
+                if "median_s" in r["paths"].get(p, {})
+            ]
             if pts:
                 series[f"{p} ({'new' if p == 'paged' else 'old'})"] = (
-                    [x for x, _ in pts], [y for _, y in pts])
-        series[f"modelled {args.target_model}"] = ([r["context"] for r in mine],
-                                                   [r["modelled_s"] * 1e3 for r in mine])
+                    [x for x, _ in pts],
+                    [y for _, y in pts],
+                )
+        series[f"modelled {args.target_model}"] = (
+            [r["context"] for r in mine],
+            [r["modelled_s"] * 1e3 for r in mine],
+        )
         panels.append((f"{label}: step ms", series))
-    png = panels_plot(panels, path.with_suffix(".png"), "context tokens",
-                      f"{args.model} step time vs context (1 torch thread) and "
-                      f"{args.target_model} on {args.gpus} x {args.chip} (roofline)",
-                      logx=True, logy=True, ncols=3)
+    png = panels_plot(
+        panels,
+        path.with_suffix(".png"),
+        "context tokens",
+        f"{args.model} step time vs context (1 torch thread) and "
+        f"{args.target_model} on {args.gpus} x {args.chip} (roofline)",
+        logx=True,
+        logy=True,
+        ncols=3,
+    )
     return [str(png)] if png else []
 
 
@@ -266,36 +316,59 @@ def _ms(entry: dict[str, Any]) -> str:
 
 def print_table(data: dict[str, Any], args: argparse.Namespace) -> None:
     m, load = data["model"], data["loadavg_before"]
-    print(f"\nengine step time: model {m['name']} ({m['dtype']}, {m['layers']} layers, "
-          f"{m['heads']}/{m['kv_heads']} heads x {m['head_dim']}), 1 torch thread, median of "
-          f"{args.repeats}; load average {load[0]:.2f} before, {data['loadavg_after'][0]:.2f} "
-          f"after")
-    print(f"modelled: {args.target_model} on {args.gpus} x {args.chip} (roofline); "
-          f"k = real / modelled, the least time dilation without overrun")
-    print(f"{'shape':<16} {'context':>8} {'gather ms':>10} {'paged ms':>9} {'speedup':>8} "
-          f"{'model ms':>9} {'k gather':>9} {'k paged':>8}")
+    print(
+        f"\nengine step time: model {m['name']} ({m['dtype']}, {m['layers']} layers, "
+        f"{m['heads']}/{m['kv_heads']} heads x {m['head_dim']}), 1 torch thread, median of "
+        f"{args.repeats}; load average {load[0]:.2f} before, {data['loadavg_after'][0]:.2f} "
+        f"after"
+    )
+    print(
+        f"modelled: {args.target_model} on {args.gpus} x {args.chip} (roofline); "
+        f"k = real / modelled, the least time dilation without overrun"
+    )
+    print(
+        f"{'shape':<16} {'context':>8} {'gather ms':>10} {'paged ms':>9} {'speedup':>8} "
+        f"{'model ms':>9} {'k gather':>9} {'k paged':>8}"
+    )
     for r in data["rows"]:
         k = {p: (f"{r['k'][p]:.1f}" if p in r["k"] else "-") for p in PATHS}
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
-        print(f"{_label(r):<16} {r['context']:>8} {_ms(r['paths'].get('gather', {})):>10} "
-              f"{_ms(r['paths'].get('paged', {})):>9} {sp:>8} {r['modelled_s'] * 1e3:>9.2f} "
-              f"{k['gather']:>9} {k['paged']:>8}")
+        print(
+            f"{_label(r):<16} {r['context']:>8} {_ms(r['paths'].get('gather', {})):>10} "
+            f"{_ms(r['paths'].get('paged', {})):>9} {sp:>8} {r['modelled_s'] * 1e3:>9.2f} "
+            f"{k['gather']:>9} {k['paged']:>8}"
+        )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="short contexts, few repeats (smoke)")
     p.add_argument("--model", default="tiny-long", help="preset or HF folder to run for real")
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536],
-                   help="cached context lengths n")
-    p.add_argument("--chunks", type=int, nargs="+", default=[512, 2048],
-                   help="prefill chunk sizes C (new tokens on top of n)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32],
-                   help="decode batch sizes B")
+    p.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=[1024, 4096, 16384, 65536],
+        help="cached context lengths n",
+    )
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[512, 2048],
+        help="prefill chunk sizes C (new tokens on top of n)",
+    )
+    p.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 4, 16, 32], help="decode batch sizes B"
+    )
     p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-old-gib", type=float, default=6.0,
-                   help="skip a gather-path shape whose temporaries would exceed this")
+    p.add_argument(
+        "--max-old-gib",
+        type=float,
+        default=6.0,
+        help="skip a gather-path shape whose temporaries would exceed this",
+    )
     p.add_argument("--chip", default="h100-sxm", help="modelled chip profile")
     p.add_argument("--gpus", type=int, default=8, help="modelled chips per instance")
     p.add_argument("--target-model", default="llama-3-70b", help="modelled model profile")

@@ -51,7 +51,7 @@ from pddnet.bench.results import write_result
 from pddnet.device import flags as device_flags
 
 MODES = ("one-shot", "streaming", "dynamic")
-STALL_TAIL_TOKENS = 8    # tokens after the cut that still count as "around the handoff"
+STALL_TAIL_TOKENS = 8  # tokens after the cut that still count as "around the handoff"
 
 
 # -- per request (pure) -----------------------------------------------------------------------
@@ -79,22 +79,29 @@ def handoff_metrics(rec: StreamRecord, prompt_len: int) -> dict[str, Any]:
     start = ev.get("handoff_start")
     backlog = _value(start["detail"]) if start else None
     out: dict[str, Any] = {
-        "ok": rec.error is None, "error": rec.error, "num_tokens": len(rec.token_ids),
-        "relay_tokens": relay, "main_tokens": int(pdd.get("main_tokens", 0)),
-        "mode_used": pdd.get("handoff_mode"), "backlog": backlog,
+        "ok": rec.error is None,
+        "error": rec.error,
+        "num_tokens": len(rec.token_ids),
+        "relay_tokens": relay,
+        "main_tokens": int(pdd.get("main_tokens", 0)),
+        "mode_used": pdd.get("handoff_mode"),
+        "backlog": backlog,
         "handed_off": int(pdd.get("main_tokens", 0)) > 0 and backlog is not None,
-        "handoff_bytes": pdd.get("handoff_bytes"), "stall_s": None,
-        "rld_occupancy_token_s": None, "handoff_s": None,
+        "handoff_bytes": pdd.get("handoff_bytes"),
+        "stall_s": None,
+        "rld_occupancy_token_s": None,
+        "handoff_s": None,
         # vLLM's per-request metrics (pddnet.bench.metrics), ms
         "ttft_ms": None if rec.ttft_s is None else rec.ttft_s * 1e3,
         "tpot_ms": None if (tpot := metrics.tpot_s(rec)) is None else tpot * 1e3,
         "e2el_ms": None if (e2el := metrics.e2el_s(rec)) is None else e2el * 1e3,
-        "median_itl_ms": None}
+        "median_itl_ms": None,
+    }
     gaps = rec.inter_token_s()
     if gaps:
         out["median_itl_ms"] = statistics.median(gaps) * 1e3
     if backlog is not None and times:
-        lo = max(1, min(backlog, relay))   # gap i is token i-1 -> token i
+        lo = max(1, min(backlog, relay))  # gap i is token i-1 -> token i
         hi = min(len(times) - 1, relay + STALL_TAIL_TOKENS)
         window = [rec.span_s(times[i - 1], times[i]) for i in range(lo, hi + 1)]
         out["stall_s"] = max(window) if window else None
@@ -102,7 +109,7 @@ def handoff_metrics(rec: StreamRecord, prompt_len: int) -> dict[str, Any]:
     if landed is not None and 0 < relay <= len(times):
         held, t_prev = float(prompt_len), float(landed["time"])
         occupancy = 0.0
-        for i in range(relay):            # RLD holds prompt + i tokens until token i is out
+        for i in range(relay):  # RLD holds prompt + i tokens until token i is out
             t = times[i]
             occupancy += held * max(0.0, t - t_prev)
             held, t_prev = prompt_len + i + 1.0, t
@@ -112,8 +119,9 @@ def handoff_metrics(rec: StreamRecord, prompt_len: int) -> dict[str, Any]:
     return out
 
 
-def rate_for_backlog(target: int, baseline: int, step_s: float, kv_bytes: int,
-                     max_rate_mbit: float) -> float | None:
+def rate_for_backlog(
+    target: int, baseline: int, step_s: float, kv_bytes: int, max_rate_mbit: float
+) -> float | None:
     """WAN rate (Mbit/s) at which `kv_bytes` cross in the time RLD needs for the backlog
     tokens beyond `baseline` (what it makes anyway on an unlimited link); None = unlimited."""
     extra_s = (target - baseline) * step_s
@@ -139,30 +147,54 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from pddnet.model.config import PRESETS
 
     kv_per_token = PRESETS[args.model].kv_bytes_per_token if args.model in PRESETS else None
-    overrides = {"model.threads": args.threads, "policy.handoff_chunk": args.chunk,
-                 "policy.handoff_threshold_tokens": args.threshold, "policy.handoff": "dynamic",
-                 # every request must go through RLD: the pipeline policy would send a small
-                 # KV straight to MD, and there would be no handoff to measure
-                 "policy.pipeline": "p_rld_md"}
-    devices = setup_devices(args, {"handoff-mode": {
-        "mode": "pdd", "model.name": args.model, "wan.shell": args.wan,
-        "wan.rtt_ms": args.rtt_ms, **overrides}})
+    overrides = {
+        "model.threads": args.threads,
+        "policy.handoff_chunk": args.chunk,
+        "policy.handoff_threshold_tokens": args.threshold,
+        "policy.handoff": "dynamic",
+        # every request must go through RLD: the pipeline policy would send a small
+        # KV straight to MD, and there would be no handoff to measure
+        "policy.pipeline": "p_rld_md",
+    }
+    devices = setup_devices(
+        args,
+        {
+            "handoff-mode": {
+                "mode": "pdd",
+                "model.name": args.model,
+                "wan.shell": args.wan,
+                "wan.rtt_ms": args.rtt_ms,
+                **overrides,
+            }
+        },
+    )
     k = devices.dilation
     rng = random.Random(args.seed)
     rows: list[dict[str, Any]] = []
     records: dict[str, list[StreamRecord]] = {m: [] for m in args.modes}
     calibration: dict[str, Any] = {}
-    async with LocalCluster(mode="pdd", model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
-                            bw_mbit=None, overrides={**overrides, **devices.overrides}) as cluster:
+    async with LocalCluster(
+        mode="pdd",
+        model=args.model,
+        wan=args.wan,
+        rtt_ms=args.rtt_ms,
+        bw_mbit=None,
+        overrides={**overrides, **devices.overrides},
+    ) as cluster:
         control = ControlClient(cluster.wan["control_url"])
         timeout = aiohttp.ClientTimeout(total=args.request_timeout * k)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await warm_up(session, cluster.url, args.model, dilation=k)
 
             async def one(mode: str, max_tokens: int) -> StreamRecord:
-                body = {"model": args.model, "prompt": fresh_prompt(rng, args.prompt_len),
-                        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                        "handoff_mode": mode}
+                body = {
+                    "model": args.model,
+                    "prompt": fresh_prompt(rng, args.prompt_len),
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "handoff_mode": mode,
+                }
                 return await stream_completion(session, cluster.url, body, dilation=k)
 
             # Calibration on the unlimited link: the decode step, and the backlog RLD reaches
@@ -175,12 +207,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             times = cal.token_times
             step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.01 * k
             baseline = m["backlog"] or 0
-            kv_bytes = int(cal.pdd.get("wan_kv_bytes") or
-                           (kv_per_token or 1024) * args.prompt_len)
+            kv_bytes = int(cal.pdd.get("wan_kv_bytes") or (kv_per_token or 1024) * args.prompt_len)
             max_rate = devices.wall_rate_mbit(args.max_rate_mbit)
-            calibration = {"step_s": step / k, "step_wall_s": step,
-                           "baseline_backlog": baseline, "kv_bytes": kv_bytes,
-                           "wire_scale": devices.wire_scale}
+            calibration = {
+                "step_s": step / k,
+                "step_wall_s": step,
+                "baseline_backlog": baseline,
+                "kv_bytes": kv_bytes,
+                "wire_scale": devices.wire_scale,
+            }
             total = len(args.backlogs) * len(args.modes) * args.repeats
             with progress(total, "handoff-mode", enabled=not args.no_progress) as bar:
                 for target in args.backlogs:
@@ -194,35 +229,62 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         for mode in args.modes:
                             rec = await one(mode, max_tokens)
                             records[mode].append(rec)
-                            row = {"target_backlog": target, "rate_mbit": rate,
-                                   "wall_rate_mbit": wall_rate, "mode": mode,
-                                   "repeat": rep, "max_tokens": max_tokens,
-                                   **handoff_metrics(rec, args.prompt_len),
-                                   "pdd": rec.pdd, "token_times": rec.token_times,
-                                   "dilation": rec.dilation}
+                            row = {
+                                "target_backlog": target,
+                                "rate_mbit": rate,
+                                "wall_rate_mbit": wall_rate,
+                                "mode": mode,
+                                "repeat": rep,
+                                "max_tokens": max_tokens,
+                                **handoff_metrics(rec, args.prompt_len),
+                                "pdd": rec.pdd,
+                                "token_times": rec.token_times,
+                                "dilation": rec.dilation,
+                            }
                             rows.append(row)
                             bar.update(1)
                             if row["stall_s"] is not None:
-                                bar.set_postfix(backlog=row["backlog"], mode=mode,
-                                                stall=f"{row['stall_s'] * 1e3:.0f}ms")
+                                bar.set_postfix(
+                                    backlog=row["backlog"],
+                                    mode=mode,
+                                    stall=f"{row['stall_s'] * 1e3:.0f}ms",
+                                )
             await control.clear("both")
         stats = await daemon_stats(cluster)
-    return finish(args, rows, calibration, stats["main_decode"], stats["relay"], stats, devices,
-                  records)
+    return finish(
+        args, rows, calibration, stats["main_decode"], stats["relay"], stats, devices, records
+    )
 
 
 def aggregate(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, dict[str, Any]]:
     """Per mode, per target backlog: means over repeats of the measured figures."""
     out: dict[str, dict[str, Any]] = {}
-    keys = ("backlog", "stall_s", "rld_occupancy_token_s", "handoff_s", "median_itl_ms",
-            "ttft_ms", "tpot_ms", "relay_tokens", "handoff_bytes")
+    keys = (
+        "backlog",
+        "stall_s",
+        "rld_occupancy_token_s",
+        "handoff_s",
+        "median_itl_ms",
+        "ttft_ms",
+        "tpot_ms",
+        "relay_tokens",
+        "handoff_bytes",
+    )
     for mode in modes:
         per: dict[str, Any] = {}
         for target in sorted({r["target_backlog"] for r in rows}):
-            sel = [r for r in rows if r["mode"] == mode and r["target_backlog"] == target
-                   and r["ok"] and r["handed_off"]]
-            entry: dict[str, Any] = {"n": len(sel),
-                                     "modes_used": sorted({str(r["mode_used"]) for r in sel})}
+            sel = [
+                r
+                for r in rows
+                if r["mode"] == mode
+                and r["target_backlog"] == target
+                and r["ok"]
+                and r["handed_off"]
+            ]
+            entry: dict[str, Any] = {
+                "n": len(sel),
+                "modes_used": sorted({str(r["mode_used"]) for r in sel}),
+            }
             for k in keys:
                 vals = [r[k] for r in sel if r[k] is not None]
                 entry[k] = sum(vals) / len(vals) if vals else None
@@ -241,22 +303,35 @@ def threshold_finding(agg: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for target in one:
         a, b = one[target], stream.get(target, {})
         if a.get("stall_s") and b.get("stall_s"):
-            rows.append({"target_backlog": int(target), "backlog": a["backlog"],
-                         "stall_ratio_oneshot_over_streaming": a["stall_s"] / b["stall_s"],
-                         "occupancy_ratio_streaming_over_oneshot":
-                             (b["rld_occupancy_token_s"] / a["rld_occupancy_token_s"])
-                             if a.get("rld_occupancy_token_s") and b.get("rld_occupancy_token_s")
-                             else None})
+            rows.append(
+                {
+                    "target_backlog": int(target),
+                    "backlog": a["backlog"],
+                    "stall_ratio_oneshot_over_streaming": a["stall_s"] / b["stall_s"],
+                    "occupancy_ratio_streaming_over_oneshot": (
+                        b["rld_occupancy_token_s"] / a["rld_occupancy_token_s"]
+                    )
+                    if a.get("rld_occupancy_token_s") and b.get("rld_occupancy_token_s")
+                    else None,
+                }
+            )
     crossing = next((r for r in rows if r["stall_ratio_oneshot_over_streaming"] > 1.0), None)
-    return {"by_backlog": rows,
-            "streaming_pays_from_backlog": crossing["backlog"] if crossing else None}
+    return {
+        "by_backlog": rows,
+        "streaming_pays_from_backlog": crossing["backlog"] if crossing else None,
+    }
 
 
-def finish(args: argparse.Namespace, rows: list[dict[str, Any]], calibration: dict[str, Any],
-           md_stats: dict[str, Any], relay_stats: dict[str, Any],
-           stats: dict[str, dict[str, Any]] | None = None,
-           devices: DeviceSetup | None = None,
-           records: dict[str, list[StreamRecord]] | None = None) -> dict[str, Any]:
+def finish(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    calibration: dict[str, Any],
+    md_stats: dict[str, Any],
+    relay_stats: dict[str, Any],
+    stats: dict[str, dict[str, Any]] | None = None,
+    devices: DeviceSetup | None = None,
+    records: dict[str, list[StreamRecord]] | None = None,
+) -> dict[str, Any]:
     devices = devices or UNPACED
     stats = stats or {"main_decode": md_stats, "relay": relay_stats}
     report = device_report(stats)
@@ -264,85 +339,139 @@ def finish(args: argparse.Namespace, rows: list[dict[str, Any]], calibration: di
     finding = threshold_finding(agg)
     config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
     consistency = {
-        "tokens_complete": all(r["relay_tokens"] + r["main_tokens"] == r["max_tokens"]
-                               for r in rows if r["ok"]),
+        "tokens_complete": all(
+            r["relay_tokens"] + r["main_tokens"] == r["max_tokens"] for r in rows if r["ok"]
+        ),
         "md_max_extend_tokens": md_stats.get("max_extend_tokens", {}),
-        "streaming_extend_within_chunk":
-            md_stats.get("max_extend_tokens", {}).get("streaming", 0) <= args.chunk,
+        "streaming_extend_within_chunk": md_stats.get("max_extend_tokens", {}).get("streaming", 0)
+        <= args.chunk,
         "not_handed_off": sum(1 for r in rows if r["ok"] and not r["handed_off"]),
         "errors": [r["error"] for r in rows if not r["ok"]][:5],
     }
     config["dilation_k"] = devices.dilation
     # vLLM's per-request latency stats per handoff mode, over every backlog (requests run one
     # at a time here, so no throughput: duration None)
-    serving = {mode: {k: v for k, v in metrics.serving_metrics(
-        recs, None, None, getattr(args, "metric_percentiles", metrics.DEFAULT_PERCENTILES)
-    ).items() if k.endswith("_ms") or k in ("completed", "failed", "total_output_tokens")}
-        for mode, recs in (records or {}).items()}
-    path = write_result("handoff-mode", {
-        "config": config, "threads_per_daemon": args.threads, "calibration": calibration,
-        "by_mode": agg, "serving": serving, "threshold": finding, "consistency": consistency,
-        "emulation": devices.to_dict(), "devices": report,
-        "requests": rows, "daemon_stats": stats}, args.out)
+    serving = {
+        mode: {
+            k: v
+            for k, v in metrics.serving_metrics(
+                recs, None, None, getattr(args, "metric_percentiles", metrics.DEFAULT_PERCENTILES)
+            ).items()
+            if k.endswith("_ms") or k in ("completed", "failed", "total_output_tokens")
+        }
+        for mode, recs in (records or {}).items()
+    }
+    path = write_result(
+        "handoff-mode",
+        {
+            "config": config,
+            "threads_per_daemon": args.threads,
+            "calibration": calibration,
+            "by_mode": agg,
+            "serving": serving,
+            "threshold": finding,
+            "consistency": consistency,
+            "emulation": devices.to_dict(),
+            "devices": report,
+            "requests": rows,
+            "daemon_stats": stats,
+        },
+        args.out,
+    )
     series: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
     for key in ("stall_s", "rld_occupancy_token_s", "handoff_s"):
         series[key] = {}
         for mode, per in agg.items():
-            pts = sorted((e["backlog"], e[key]) for e in per.values()
-                         if e["backlog"] is not None and e[key] is not None)
+            pts = sorted(
+                (e["backlog"], e[key])
+                for e in per.values()
+                if e["backlog"] is not None and e[key] is not None
+            )
             scale = 1.0 if key == "rld_occupancy_token_s" else 1e3
             series[key][mode] = ([p[0] for p in pts], [p[1] * scale for p in pts])
-    png = panels_plot([("largest inter-token stall (ms)", series["stall_s"]),
-                       ("RLD occupancy (token-seconds)", series["rld_occupancy_token_s"]),
-                       ("handoff duration (ms)", series["handoff_s"])],
-                      path.with_suffix(".png"), "RLD backlog at TAKEOVER (tokens)",
-                      f"Handoff modes, model {args.model}, chunk {args.chunk} "
-                      f"(dynamic threshold {args.threshold})", logx=True)
+    png = panels_plot(
+        [
+            ("largest inter-token stall (ms)", series["stall_s"]),
+            ("RLD occupancy (token-seconds)", series["rld_occupancy_token_s"]),
+            ("handoff duration (ms)", series["handoff_s"]),
+        ],
+        path.with_suffix(".png"),
+        "RLD backlog at TAKEOVER (tokens)",
+        f"Handoff modes, model {args.model}, chunk {args.chunk} "
+        f"(dynamic threshold {args.threshold})",
+        logx=True,
+    )
     print_table(args, agg, finding, consistency, calibration, devices.line(), serving)
     print(f"wrote {path}" + (f"\nwrote {png}" if png else ""))
     warnings = print_validity({"": report}, "handoff-mode")
-    return {"path": str(path), "by_mode": agg, "serving": serving, "threshold": finding,
-            "consistency": consistency, "plot": str(png) if png else None,
-            "devices": report, "warnings": warnings}
+    return {
+        "path": str(path),
+        "by_mode": agg,
+        "serving": serving,
+        "threshold": finding,
+        "consistency": consistency,
+        "plot": str(png) if png else None,
+        "devices": report,
+        "warnings": warnings,
+    }
 
 
-def print_table(args: argparse.Namespace, agg: dict[str, Any], finding: dict[str, Any],
-                consistency: dict[str, Any], calibration: dict[str, Any],
-                devices_line: str | None = None,
-                serving: dict[str, dict[str, Any]] | None = None) -> None:
+def print_table(
+    args: argparse.Namespace,
+    agg: dict[str, Any],
+    finding: dict[str, Any],
+    consistency: dict[str, Any],
+    calibration: dict[str, Any],
+    devices_line: str | None = None,
+    serving: dict[str, dict[str, Any]] | None = None,
+) -> None:
     def f(v: float | None, scale: float = 1e3, fmt: str = "7.1f") -> str:
         return f"{'-':>7}" if v is None else format(v * scale, fmt)
 
-    print(f"\nhandoff-mode benchmark: model {args.model}, prompt {args.prompt_len} tokens, "
-          f"chunk {args.chunk}, dynamic threshold {args.threshold}; decode step "
-          f"{calibration['step_s'] * 1e3:.1f} ms, baseline backlog "
-          f"{calibration['baseline_backlog']} tokens")
+    print(
+        f"\nhandoff-mode benchmark: model {args.model}, prompt {args.prompt_len} tokens, "
+        f"chunk {args.chunk}, dynamic threshold {args.threshold}; decode step "
+        f"{calibration['step_s'] * 1e3:.1f} ms, baseline backlog "
+        f"{calibration['baseline_backlog']} tokens"
+    )
     if devices_line:
         print(devices_line)
-    print(f"{'target':>6} {'mode':>9} {'backlog':>7} {'stall':>7} {'handoff':>7} "
-          f"{'RLD tok-s':>9} {'used':>10} {'median_itl':>10}   (ms)")
+    print(
+        f"{'target':>6} {'mode':>9} {'backlog':>7} {'stall':>7} {'handoff':>7} "
+        f"{'RLD tok-s':>9} {'used':>10} {'median_itl':>10}   (ms)"
+    )
     for target in (str(b) for b in args.backlogs):
         for mode in args.modes:
             e = agg[mode][target]
-            print(f"{target:>6} {mode:>9} {f(e['backlog'], 1, '7.0f')} {f(e['stall_s'])} "
-                  f"{f(e['handoff_s'])} {f(e['rld_occupancy_token_s'], 1, '9.1f')} "
-                  f"{','.join(e['modes_used']):>10} {f(e['median_itl_ms'], 1, '10.1f')}")
+            print(
+                f"{target:>6} {mode:>9} {f(e['backlog'], 1, '7.0f')} {f(e['stall_s'])} "
+                f"{f(e['handoff_s'])} {f(e['rld_occupancy_token_s'], 1, '9.1f')} "
+                f"{','.join(e['modes_used']):>10} {f(e['median_itl_ms'], 1, '10.1f')}"
+            )
     for r in finding.get("by_backlog", []):
         occ = r["occupancy_ratio_streaming_over_oneshot"]
-        print(f"  backlog {r['backlog']:.0f}: one-shot stall / streaming stall "
-              f"{r['stall_ratio_oneshot_over_streaming']:.2f}x"
-              + (f", streaming RLD occupancy / one-shot {occ:.2f}x" if occ else ""))
+        print(
+            f"  backlog {r['backlog']:.0f}: one-shot stall / streaming stall "
+            f"{r['stall_ratio_oneshot_over_streaming']:.2f}x"
+            + (f", streaming RLD occupancy / one-shot {occ:.2f}x" if occ else "")
+        )
     if finding:
-        print(f"  streaming's stall is below one-shot's from backlog "
-              f"{finding['streaming_pays_from_backlog']} on (dynamic's threshold: "
-              f"{args.threshold})")
+        print(
+            f"  streaming's stall is below one-shot's from backlog "
+            f"{finding['streaming_pays_from_backlog']} on (dynamic's threshold: "
+            f"{args.threshold})"
+        )
     print(f"  MD's largest extend per mode: {consistency['md_max_extend_tokens']}")
     if serving:
         print("  vLLM's per-request metrics per handoff mode, over every backlog (ms):")
-        pct = [float(k[1:-len("_itl_ms")]) for k in next(iter(serving.values()))
-               if k.startswith("p") and k.endswith("_itl_ms")]
-        cols = [c for c in metrics.serving_columns(pct, goodput=False)
-                if c[0] != "output_throughput"]
+        pct = [
+            float(k[1 : -len("_itl_ms")])
+            for k in next(iter(serving.values()))
+            if k.startswith("p") and k.endswith("_itl_ms")
+        ]
+        cols = [
+            c for c in metrics.serving_columns(pct, goodput=False) if c[0] != "output_throughput"
+        ]
         metrics.print_columns(list(serving.items()), cols, indent="  ")
 
 
@@ -356,9 +485,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=int, default=64, help="policy.handoff_threshold_tokens")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--rtt-ms", type=float, default=10.0)
-    p.add_argument("--max-rate-mbit", type=float, default=10000.0,
-                   help="cap on the WAN rate set per backlog (modelled when devices are "
-                        "emulated)")
+    p.add_argument(
+        "--max-rate-mbit",
+        type=float,
+        default=10000.0,
+        help="cap on the WAN rate set per backlog (modelled when devices are emulated)",
+    )
     p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument("--seed", type=int, default=0)

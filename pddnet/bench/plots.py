@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]   # label -> (xs, ys)
+Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]  # label -> (xs, ys)
 
 
 def have_matplotlib() -> bool:
@@ -40,8 +40,13 @@ def _save(fig: Any, path: str | Path, tight_bbox: bool = False) -> Path:
     return path
 
 
-def cdf_plot(samples: Mapping[str, Sequence[float]], path: str | Path, xlabel: str,
-             title: str, scale: float = 1e3) -> Path | None:
+def cdf_plot(
+    samples: Mapping[str, Sequence[float]],
+    path: str | Path,
+    xlabel: str,
+    title: str,
+    scale: float = 1e3,
+) -> Path | None:
     """Empirical CDFs, one step line per label; values are multiplied by `scale` (s -> ms)."""
     if not have_matplotlib():
         return None
@@ -50,8 +55,12 @@ def cdf_plot(samples: Mapping[str, Sequence[float]], path: str | Path, xlabel: s
     for label, values in samples.items():
         xs = sorted(v * scale for v in values)
         if xs:
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                    label=f"{label} (n={len(xs)})")
+            ax.step(
+                xs,
+                [(i + 1) / len(xs) for i in range(len(xs))],
+                where="post",
+                label=f"{label} (n={len(xs)})",
+            )
     ax.set_xlabel(xlabel)
     ax.set_ylabel("fraction of requests")
     ax.set_title(title)
@@ -60,9 +69,15 @@ def cdf_plot(samples: Mapping[str, Sequence[float]], path: str | Path, xlabel: s
     return _save(fig, path)
 
 
-def panels_plot(panels: Sequence[tuple[str, Series]], path: str | Path, xlabel: str,
-                title: str, logx: bool = False, logy: bool = False,
-                ncols: int | None = None) -> Path | None:
+def panels_plot(
+    panels: Sequence[tuple[str, Series]],
+    path: str | Path,
+    xlabel: str,
+    title: str,
+    logx: bool = False,
+    logy: bool = False,
+    ncols: int | None = None,
+) -> Path | None:
     """Line plots sharing an x axis: one panel per (ylabel, series), side by side (or in rows
     of ``ncols``)."""
     if not have_matplotlib():
@@ -71,7 +86,7 @@ def panels_plot(panels: Sequence[tuple[str, Series]], path: str | Path, xlabel: 
     cols = min(ncols or len(panels), len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 4.2 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, (ylabel, series) in zip(axes.flat, panels, strict=False):
         for label, (xs, ys) in series.items():
@@ -88,15 +103,18 @@ def panels_plot(panels: Sequence[tuple[str, Series]], path: str | Path, xlabel: 
     return _save(fig, path)
 
 
-def grouped_bars(groups: Mapping[str, Mapping[str, float]], path: str | Path, ylabel: str,
-                 title: str) -> Path | None:
+def grouped_bars(
+    groups: Mapping[str, Mapping[str, float]], path: str | Path, ylabel: str, title: str
+) -> Path | None:
     """One cluster of bars per group (x axis), one bar per label inside it."""
     if not have_matplotlib():
         return None
     plt = _pyplot()
     names = list(groups)
-    labels = sorted({k for g in groups.values() for k in g}, key=lambda k: (
-        [k in g for g in groups.values()].index(True), k))
+    labels = sorted(
+        {k for g in groups.values() for k in g},
+        key=lambda k: ([k in g for g in groups.values()].index(True), k),
+    )
     width = 0.8 / max(len(labels), 1)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(names) * max(len(labels), 1) / 2), 4.2))
     for j, label in enumerate(labels):
@@ -110,10 +128,17 @@ def grouped_bars(groups: Mapping[str, Mapping[str, float]], path: str | Path, yl
     return _save(fig, path)
 
 
-def stacked_bars(groups: Mapping[str, Mapping[str, float]], path: str | Path, ylabel: str,
-                 title: str, colors: Mapping[str, str] | None = None, value_fmt: str = "{:.2f}",
-                 total_fmt: str | None = None, notes: Mapping[str, str] | None = None,
-                 caption: str | None = None) -> Path | None:
+def stacked_bars(
+    groups: Mapping[str, Mapping[str, float]],
+    path: str | Path,
+    ylabel: str,
+    title: str,
+    colors: Mapping[str, str] | None = None,
+    value_fmt: str = "{:.2f}",
+    total_fmt: str | None = None,
+    notes: Mapping[str, str] | None = None,
+    caption: str | None = None,
+) -> Path | None:
     """One stacked bar per group (x axis), one segment per label (zero segments are left
     out); each segment annotated with `value_fmt`, each bar's total above it with `total_fmt`
     and its `notes` under its name; the legend right of the axes and the `caption` below
@@ -127,29 +152,50 @@ def stacked_bars(groups: Mapping[str, Mapping[str, float]], path: str | Path, yl
         labels += [k for k, v in g.items() if v and k not in labels]
     fig, ax = plt.subplots(figsize=(max(5.5, (2.4 if notes else 1.9) * len(names)), 4.6))
     bottoms = [0.0] * len(names)
-    top = max((sum(float(v or 0.0) for v in g.values()) for g in groups.values()),
-              default=0.0) or 1.0
+    top = (
+        max((sum(float(v or 0.0) for v in g.values()) for g in groups.values()), default=0.0) or 1.0
+    )
     for label in labels:
         values = [float(groups[n].get(label, 0.0) or 0.0) for n in names]
-        bars = ax.bar(range(len(names)), values, 0.6, bottom=bottoms, label=label,
-                      color=(colors or {}).get(label))
+        bars = ax.bar(
+            range(len(names)),
+            values,
+            0.6,
+            bottom=bottoms,
+            label=label,
+            color=(colors or {}).get(label),
+        )
         for bar, v, b in zip(bars, values, bottoms, strict=True):
-            if v > 0.04 * top:   # a thinner segment has no room for its number
-                ax.text(bar.get_x() + bar.get_width() / 2, b + v / 2, value_fmt.format(v),
-                        ha="center", va="center", fontsize=8)
+            if v > 0.04 * top:  # a thinner segment has no room for its number
+                ax.text(
+                    bar.get_x() + bar.get_width() / 2,
+                    b + v / 2,
+                    value_fmt.format(v),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                )
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     if total_fmt:
         for i, total in enumerate(bottoms):
-            ax.text(i, total + top * 0.015, total_fmt.format(total), ha="center", va="bottom",
-                    fontsize=9)
+            ax.text(
+                i,
+                total + top * 0.015,
+                total_fmt.format(total),
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
     ax.set_ylim(0, top * 1.12)
-    ax.set_xticks(list(range(len(names))),
-                  [f"{n}\n{(notes or {}).get(n, '')}".rstrip() for n in names],
-                  fontsize=8 if notes else None)
+    ax.set_xticks(
+        list(range(len(names))),
+        [f"{n}\n{(notes or {}).get(n, '')}".rstrip() for n in names],
+        fontsize=8 if notes else None,
+    )
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
-    if labels:   # outside the axes, on the right: it never covers a bar
+    if labels:  # outside the axes, on the right: it never covers a bar
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     if caption:
         import textwrap

@@ -43,9 +43,12 @@ class _Lines:
         decile = 10 * self.n // self.total
         if decile != self._shown:
             self._shown = decile
-            print(f"{self.desc}: {self.n}/{self.total} {self.unit} "
-                  f"({time.monotonic() - self._t0:.0f} s){self._postfix}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{self.desc}: {self.n}/{self.total} {self.unit} "
+                f"({time.monotonic() - self._t0:.0f} s){self._postfix}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def set_postfix(self, **values: Any) -> None:
         self._postfix = "  " + ", ".join(f"{k}={v}" for k, v in values.items())

@@ -13,8 +13,11 @@ from typing import Any
 
 
 def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"cores": os.cpu_count(), "platform": platform.platform(),
-                            "python": platform.python_version()}
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
     try:
         import torch
 
@@ -39,9 +42,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def summary(values: Sequence[float]) -> dict[str, float | None]:
-    return {"n": len(values), "mean": (sum(values) / len(values)) if values else None,
-            "p50": percentile(values, 50), "p90": percentile(values, 90),
-            "p99": percentile(values, 99), "max": max(values) if values else None}
+    return {
+        "n": len(values),
+        "mean": (sum(values) / len(values)) if values else None,
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values) if values else None,
+    }
 
 
 def write_result(bench: str, data: dict[str, Any], out_dir: str | Path = "results") -> Path:
@@ -52,4 +60,3 @@ def write_result(bench: str, data: dict[str, Any], out_dir: str | Path = "result
     payload = {"bench": bench, "time": time.time(), "machine": machine_info(), **data}
     path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
     return path
-

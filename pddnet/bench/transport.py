@@ -97,11 +97,20 @@ def bench_shm(model: str, tokens: int, repeats: int) -> dict[str, Any]:
         owner.close()
         src.close()
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
-    return {"model": model, "tokens": tokens, "bytes": nbytes, "repeats": repeats,
-            "region_write_s": t_write, "memcpy_private_s": t_private,
-            "memcpy_shared_s": t_shared, "region_write_gb_s": gbps(t_write),
-            "memcpy_private_gb_s": gbps(t_private), "memcpy_shared_gb_s": gbps(t_shared),
-            "write_over_memcpy": t_private / t_write, "read_back_exact": exact}
+    return {
+        "model": model,
+        "tokens": tokens,
+        "bytes": nbytes,
+        "repeats": repeats,
+        "region_write_s": t_write,
+        "memcpy_private_s": t_private,
+        "memcpy_shared_s": t_shared,
+        "region_write_gb_s": gbps(t_write),
+        "memcpy_private_gb_s": gbps(t_private),
+        "memcpy_shared_gb_s": gbps(t_shared),
+        "write_over_memcpy": t_private / t_write,
+        "read_back_exact": exact,
+    }
 
 
 # -- 2. the WAN -----------------------------------------------------------------------------
@@ -133,9 +142,12 @@ def bench_wan_rate(rate_mbit: float, rtt_ms: float, seconds: float) -> dict[str,
     ls.listen(8)
     sink = TcpSink(ls)
     effects = {"rate_mbit": rate_mbit, "delay_ms": rtt_ms / 2}
-    proc = subprocess.Popen([sys.executable, "-c", PROXY, str(ROOT), str(ls.getsockname()[1]),
-                             json.dumps(effects)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PROXY, str(ROOT), str(ls.getsockname()[1]), json.dumps(effects)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         if not line.strip().isdigit():
@@ -153,12 +165,18 @@ def bench_wan_rate(rate_mbit: float, rtt_ms: float, seconds: float) -> dict[str,
             proc.wait()
         sink.stop()
         ls.close()
-    warm = min(0.5, seconds / 3)     # skip slow start and the first burst of the bucket
+    warm = min(0.5, seconds / 3)  # skip slow start and the first burst of the bucket
     window = sink.bytes_between(start + warm, start + seconds)
     goodput = window * 8 / (seconds - warm) / 1e6
-    return {"rate_mbit": rate_mbit, "rtt_ms": rtt_ms, "seconds": seconds, "bytes_sent": sent,
-            "bytes_received": sink.total(), "goodput_mbit": goodput,
-            "goodput_over_rate": goodput / rate_mbit}
+    return {
+        "rate_mbit": rate_mbit,
+        "rtt_ms": rtt_ms,
+        "seconds": seconds,
+        "bytes_sent": sent,
+        "bytes_received": sink.total(),
+        "goodput_mbit": goodput,
+        "goodput_over_rate": goodput / rate_mbit,
+    }
 
 
 # -- 3. decode daemon vs the reference engine ---------------------------------------------------
@@ -168,8 +186,13 @@ def make_requests(n: int, prompt_len: int, max_tokens: int, seed: int) -> list[d
     import random
 
     rng = random.Random(seed)
-    return [{"prompt": [256] + [rng.randrange(256) for _ in range(prompt_len - 1)],
-             "max_tokens": max_tokens} for _ in range(n)]
+    return [
+        {
+            "prompt": [256] + [rng.randrange(256) for _ in range(prompt_len - 1)],
+            "max_tokens": max_tokens,
+        }
+        for _ in range(n)
+    ]
 
 
 def reference_engine(model: str, requests: list[dict[str, Any]], threads: int) -> dict[str, Any]:
@@ -185,11 +208,14 @@ def reference_engine(model: str, requests: list[dict[str, Any]], threads: int) -
     try:
         m, tok = load_model(model)
         with Engine(m, tok, num_blocks=2048, block_size=16) as engine:
-            engine.generate([1, 2, 3], 2, SamplingParams(temperature=0.0))   # warm-up
+            engine.generate([1, 2, 3], 2, SamplingParams(temperature=0.0))  # warm-up
             t0 = time.perf_counter()
-            ids = [engine.add_request(r["prompt"], r["max_tokens"],
-                                      SamplingParams(temperature=0.0), ignore_eos=True)
-                   for r in requests]
+            ids = [
+                engine.add_request(
+                    r["prompt"], r["max_tokens"], SamplingParams(temperature=0.0), ignore_eos=True
+                )
+                for r in requests
+            ]
             out: dict[str, list[int]] = {rid: [] for rid in ids}
             while engine.has_work():
                 for o in engine.step():
@@ -199,8 +225,12 @@ def reference_engine(model: str, requests: list[dict[str, Any]], threads: int) -
     finally:
         torch.set_num_threads(old)
     tokens = [out[rid] for rid in ids]
-    return {"duration": elapsed, "total_output_tokens": sum(map(len, tokens)),
-            "output_throughput": sum(map(len, tokens)) / elapsed, "token_ids": tokens}
+    return {
+        "duration": elapsed,
+        "total_output_tokens": sum(map(len, tokens)),
+        "output_throughput": sum(map(len, tokens)) / elapsed,
+        "token_ids": tokens,
+    }
 
 
 def _busy_s(stats: dict[str, dict[str, Any]]) -> float:
@@ -208,9 +238,14 @@ def _busy_s(stats: dict[str, dict[str, Any]]) -> float:
     return sum(float(s.get("device", {}).get("modelled_busy_s", 0.0)) for s in stats.values())
 
 
-async def decode_daemon(model: str, requests: list[dict[str, Any]], threads: int,
-                        wan: str, devices: DeviceSetup = UNPACED,
-                        percentiles: Any = DEFAULT_PERCENTILES) -> dict[str, Any]:
+async def decode_daemon(
+    model: str,
+    requests: list[dict[str, Any]],
+    threads: int,
+    wan: str,
+    devices: DeviceSetup = UNPACED,
+    percentiles: Any = DEFAULT_PERCENTILES,
+) -> dict[str, Any]:
     """The same requests through a same-dc cluster (router, P, one decode daemon)."""
     import aiohttp
 
@@ -218,17 +253,34 @@ async def decode_daemon(model: str, requests: list[dict[str, Any]], threads: int
     from pddnet.cluster.local import LocalCluster
 
     k = devices.dilation
-    async with LocalCluster(mode="same-dc", model=model, wan=wan,
-                            overrides={"model.threads": threads,
-                                       **devices.overrides}) as cluster:
+    async with LocalCluster(
+        mode="same-dc",
+        model=model,
+        wan=wan,
+        overrides={"model.threads": threads, **devices.overrides},
+    ) as cluster:
         timeout = aiohttp.ClientTimeout(total=600 * k)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await warm_up(session, cluster.url, model, dilation=k)
             before = await daemon_stats(cluster) if devices.emulated else {}
             t0 = time.perf_counter()
-            recs = await asyncio.gather(*(stream_completion(session, cluster.url, {
-                "model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"],
-                "temperature": 0, "ignore_eos": True}, dilation=k) for r in requests))
+            recs = await asyncio.gather(
+                *(
+                    stream_completion(
+                        session,
+                        cluster.url,
+                        {
+                            "model": model,
+                            "prompt": r["prompt"],
+                            "max_tokens": r["max_tokens"],
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                        dilation=k,
+                    )
+                    for r in requests
+                )
+            )
             elapsed = time.perf_counter() - t0
         stats = await daemon_stats(cluster)
     errors = [r.error for r in recs if r.error]
@@ -237,8 +289,11 @@ async def decode_daemon(model: str, requests: list[dict[str, Any]], threads: int
     tokens = [r.token_ids for r in recs]
     # vLLM's serving metrics of these requests (ttft, tpot, itl, e2el; output_throughput over
     # the duration), modelled on emulated devices
-    out = {**serving_metrics(recs, elapsed / k, None, percentiles), "token_ids": tokens,
-           "stats": stats}
+    out = {
+        **serving_metrics(recs, elapsed / k, None, percentiles),
+        "token_ids": tokens,
+        "stats": stats,
+    }
     if devices.emulated:
         out["elapsed_wall_s"] = elapsed
         out["device_busy_s"] = _busy_s(stats) - _busy_s(before)
@@ -253,102 +308,171 @@ async def decode_daemon(model: str, requests: list[dict[str, Any]], threads: int
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     apply_quick(args)
     check_args(args)
-    devices = setup_devices(args, {"decode": {"mode": "same-dc", "model.name": args.model,
-                                              "wan.shell": args.wan,
-                                              "model.threads": args.threads}})
+    devices = setup_devices(
+        args,
+        {
+            "decode": {
+                "mode": "same-dc",
+                "model.name": args.model,
+                "wan.shell": args.wan,
+                "model.threads": args.threads,
+            }
+        },
+    )
     steps = 1 + len(args.rates) + 3
     with progress(steps, "transport", "part", enabled=not args.no_progress) as bar:
         shm = await asyncio.to_thread(bench_shm, args.model, args.shm_tokens, args.repeats)
         bar.update(1)
         wan = []
         for rate in args.rates:
-            wan.append(await asyncio.to_thread(bench_wan_rate, rate, args.rtt_ms,
-                                               args.wan_seconds))
+            wan.append(await asyncio.to_thread(bench_wan_rate, rate, args.rtt_ms, args.wan_seconds))
             bar.update(1)
-        requests = make_requests(args.decode_requests, args.decode_prompt_len,
-                                 args.decode_max_tokens, args.seed)
+        requests = make_requests(
+            args.decode_requests, args.decode_prompt_len, args.decode_max_tokens, args.seed
+        )
         # The reference runs before and after the daemons, so a change in the machine's load
         # during the run shows up as a spread instead of skewing the ratio unseen.
         ref = await asyncio.to_thread(reference_engine, args.model, requests, args.threads)
         bar.update(1)
-        daemon = await decode_daemon(args.model, requests, args.threads, args.wan, devices,
-                                     args.metric_percentiles)
+        daemon = await decode_daemon(
+            args.model, requests, args.threads, args.wan, devices, args.metric_percentiles
+        )
         bar.update(1)
         ref2 = await asyncio.to_thread(reference_engine, args.model, requests, args.threads)
         bar.update(1)
     ref_tps = (ref["output_throughput"] + ref2["output_throughput"]) / 2
     stats = daemon.pop("stats")
     report = device_report(stats)
-    decode = {"requests": len(requests), "prompt_len": args.decode_prompt_len,
-              "max_tokens": args.decode_max_tokens,
-              "reference": {**{k: v for k, v in ref.items() if k != "token_ids"},
-                            "output_throughput": ref_tps,
-                            "output_throughput_before_after": [ref["output_throughput"],
-                                                               ref2["output_throughput"]]},
-              "daemon": {k: v for k, v in daemon.items() if k != "token_ids"},
-              # paced, the reference (this CPU, unpaced) is no ideal for modelled devices
-              "daemon_over_reference": (None if devices.emulated
-                                        else daemon["output_throughput"] / ref_tps),
-              "tokens_identical": daemon["token_ids"] == ref["token_ids"] == ref2["token_ids"]}
+    decode = {
+        "requests": len(requests),
+        "prompt_len": args.decode_prompt_len,
+        "max_tokens": args.decode_max_tokens,
+        "reference": {
+            **{k: v for k, v in ref.items() if k != "token_ids"},
+            "output_throughput": ref_tps,
+            "output_throughput_before_after": [ref["output_throughput"], ref2["output_throughput"]],
+        },
+        "daemon": {k: v for k, v in daemon.items() if k != "token_ids"},
+        # paced, the reference (this CPU, unpaced) is no ideal for modelled devices
+        "daemon_over_reference": (
+            None if devices.emulated else daemon["output_throughput"] / ref_tps
+        ),
+        "tokens_identical": daemon["token_ids"] == ref["token_ids"] == ref2["token_ids"],
+    }
     if devices.emulated:
         decode["daemon_over_device_busy"] = daemon["device_busy_s"] / daemon["duration"]
     config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
     config["dilation_k"] = devices.dilation
-    path = write_result("transport", {"config": config, "threads_per_daemon": args.threads,
-                                      "shm": shm, "wan": wan, "decode": decode,
-                                      "emulation": {**devices.to_dict(), "applies_to": "decode"},
-                                      "devices": report, "daemon_stats": stats}, args.out)
-    decode_bar = ({"decode\n(x device busy time)": {
-                      "pddnet": decode["daemon_over_device_busy"], "ideal": 1.0}}
-                  if devices.emulated else
-                  {"decode\n(x reference\noutput_throughput)": {
-                      "pddnet": decode["daemon_over_reference"], "ideal": 1.0}})
+    path = write_result(
+        "transport",
+        {
+            "config": config,
+            "threads_per_daemon": args.threads,
+            "shm": shm,
+            "wan": wan,
+            "decode": decode,
+            "emulation": {**devices.to_dict(), "applies_to": "decode"},
+            "devices": report,
+            "daemon_stats": stats,
+        },
+        args.out,
+    )
+    decode_bar = (
+        {
+            "decode\n(x device busy time)": {
+                "pddnet": decode["daemon_over_device_busy"],
+                "ideal": 1.0,
+            }
+        }
+        if devices.emulated
+        else {
+            "decode\n(x reference\noutput_throughput)": {
+                "pddnet": decode["daemon_over_reference"],
+                "ideal": 1.0,
+            }
+        }
+    )
     png = grouped_bars(
-        {"shm write\nvs memcpy (GB/s)": {"pddnet": shm["region_write_gb_s"],
-                                         "ideal": shm["memcpy_private_gb_s"]},
-         **{f"WAN {w['rate_mbit']:g} Mbit/s\n(x rate)": {"pddnet": w["goodput_over_rate"],
-                                                          "ideal": 1.0} for w in wan},
-         **decode_bar},
-        path.with_suffix(".png"), "measured (pddnet) vs ideal",
-        f"Transport costs, model {args.model}, one run")
+        {
+            "shm write\nvs memcpy (GB/s)": {
+                "pddnet": shm["region_write_gb_s"],
+                "ideal": shm["memcpy_private_gb_s"],
+            },
+            **{
+                f"WAN {w['rate_mbit']:g} Mbit/s\n(x rate)": {
+                    "pddnet": w["goodput_over_rate"],
+                    "ideal": 1.0,
+                }
+                for w in wan
+            },
+            **decode_bar,
+        },
+        path.with_suffix(".png"),
+        "measured (pddnet) vs ideal",
+        f"Transport costs, model {args.model}, one run",
+    )
     print_table(args, shm, wan, decode, devices)
     print(f"wrote {path}" + (f"\nwrote {png}" if png else ""))
     warnings = print_validity({"decode": report}, "transport")
-    return {"path": str(path), "shm": shm, "wan": wan, "decode": decode,
-            "plot": str(png) if png else None, "devices": report, "warnings": warnings}
+    return {
+        "path": str(path),
+        "shm": shm,
+        "wan": wan,
+        "decode": decode,
+        "plot": str(png) if png else None,
+        "devices": report,
+        "warnings": warnings,
+    }
 
 
-def print_table(args: argparse.Namespace, shm: dict[str, Any], wan: list[dict[str, Any]],
-                decode: dict[str, Any], devices: DeviceSetup = UNPACED) -> None:
+def print_table(
+    args: argparse.Namespace,
+    shm: dict[str, Any],
+    wan: list[dict[str, Any]],
+    decode: dict[str, Any],
+    devices: DeviceSetup = UNPACED,
+) -> None:
     print(f"\ntransport benchmark: model {args.model}, {args.threads} torch thread(s)")
-    print(devices.line() + (" -- the decode part only; shm and WAN are this box's"
-                            if devices.emulated else ""))
-    print(f"shm   {shm['bytes'] / 2**20:.1f} MiB of KV ({shm['tokens']} tokens): region write "
-          f"{shm['region_write_gb_s']:.2f} GB/s, memcpy {shm['memcpy_private_gb_s']:.2f} GB/s "
-          f"(into shm {shm['memcpy_shared_gb_s']:.2f} GB/s): write / memcpy "
-          f"{shm['write_over_memcpy']:.2f}x, read back exact: {shm['read_back_exact']}")
+    print(
+        devices.line()
+        + (" -- the decode part only; shm and WAN are this box's" if devices.emulated else "")
+    )
+    print(
+        f"shm   {shm['bytes'] / 2**20:.1f} MiB of KV ({shm['tokens']} tokens): region write "
+        f"{shm['region_write_gb_s']:.2f} GB/s, memcpy {shm['memcpy_private_gb_s']:.2f} GB/s "
+        f"(into shm {shm['memcpy_shared_gb_s']:.2f} GB/s): write / memcpy "
+        f"{shm['write_over_memcpy']:.2f}x, read back exact: {shm['read_back_exact']}"
+    )
     for w in wan:
-        print(f"WAN   configured {w['rate_mbit']:g} Mbit/s, rtt {w['rtt_ms']:g} ms: goodput "
-              f"{w['goodput_mbit']:.1f} Mbit/s = {w['goodput_over_rate']:.1%} of the rate")
+        print(
+            f"WAN   configured {w['rate_mbit']:g} Mbit/s, rtt {w['rtt_ms']:g} ms: goodput "
+            f"{w['goodput_mbit']:.1f} Mbit/s = {w['goodput_over_rate']:.1%} of the rate"
+        )
     r, d = decode["reference"], decode["daemon"]
     before, after = r["output_throughput_before_after"]
-    serving = (f"       the cluster's requests: median_ttft {d['median_ttft_ms']:.1f} ms, "
-               f"median_tpot {d['median_tpot_ms']:.2f} ms, median_itl {d['median_itl_ms']:.2f} "
-               f"ms, median_e2el {d['median_e2el_ms']:.0f} ms (vLLM's definitions)")
-    if decode["daemon_over_reference"] is None:   # paced: the ideal is the devices' busy time
-        print(f"decode {decode['requests']} x {decode['max_tokens']} tokens: pddnet same-dc "
-              f"cluster output_throughput {d['output_throughput']:.0f} tok/s modelled, its "
-              f"devices busy {d['device_busy_s'] * 1e3:.1f} ms of its "
-              f"{d['duration'] * 1e3:.1f} ms = {decode['daemon_over_device_busy']:.2f}x "
-              f"(reference Engine on this CPU {r['output_throughput']:.0f} tok/s, not "
-              f"comparable); identical tokens: {decode['tokens_identical']}")
+    serving = (
+        f"       the cluster's requests: median_ttft {d['median_ttft_ms']:.1f} ms, "
+        f"median_tpot {d['median_tpot_ms']:.2f} ms, median_itl {d['median_itl_ms']:.2f} "
+        f"ms, median_e2el {d['median_e2el_ms']:.0f} ms (vLLM's definitions)"
+    )
+    if decode["daemon_over_reference"] is None:  # paced: the ideal is the devices' busy time
+        print(
+            f"decode {decode['requests']} x {decode['max_tokens']} tokens: pddnet same-dc "
+            f"cluster output_throughput {d['output_throughput']:.0f} tok/s modelled, its "
+            f"devices busy {d['device_busy_s'] * 1e3:.1f} ms of its "
+            f"{d['duration'] * 1e3:.1f} ms = {decode['daemon_over_device_busy']:.2f}x "
+            f"(reference Engine on this CPU {r['output_throughput']:.0f} tok/s, not "
+            f"comparable); identical tokens: {decode['tokens_identical']}"
+        )
         print(serving)
         return
-    print(f"decode {decode['requests']} x {decode['max_tokens']} tokens: output_throughput of "
-          f"the reference Engine {r['output_throughput']:.0f} tok/s (before {before:.0f}, after "
-          f"{after:.0f}), of the pddnet same-dc cluster {d['output_throughput']:.0f} tok/s = "
-          f"{decode['daemon_over_reference']:.2f}x; identical tokens: "
-          f"{decode['tokens_identical']}")
+    print(
+        f"decode {decode['requests']} x {decode['max_tokens']} tokens: output_throughput of "
+        f"the reference Engine {r['output_throughput']:.0f} tok/s (before {before:.0f}, after "
+        f"{after:.0f}), of the pddnet same-dc cluster {d['output_throughput']:.0f} tok/s = "
+        f"{decode['daemon_over_reference']:.2f}x; identical tokens: "
+        f"{decode['tokens_identical']}"
+    )
     print(serving)
 
 
@@ -357,8 +481,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small")
     p.add_argument("--shm-tokens", type=int, default=2048, help="KV tokens per shm write")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--rates", type=float, nargs="+", default=[50.0, 200.0, 1000.0],
-                   help="configured WAN rates (Mbit/s)")
+    p.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[50.0, 200.0, 1000.0],
+        help="configured WAN rates (Mbit/s)",
+    )
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--wan-seconds", type=float, default=3.0)
     p.add_argument("--decode-requests", type=int, default=4)

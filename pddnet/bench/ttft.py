@@ -56,27 +56,41 @@ def request_row(rec: StreamRecord, workload: str) -> dict[str, Any]:
     itl is token_times' gaps / dilation), input_len and output_len (vLLM's per-request names),
     sent_at and token_times raw (wall clock, the clock of the `pdd` timeline's `time`), and
     the dilation k that divides the one into the other."""
+
     def ms(v: float | None) -> float | None:
         return None if v is None else v * 1e3
 
-    return {"workload": workload, "ok": rec.error is None, "error": rec.error,
-            "ttft_ms": ms(rec.ttft_s), "tpot_ms": ms(metrics.tpot_s(rec)),
-            "e2el_ms": ms(metrics.e2el_s(rec)), "input_len": rec.prompt_len,
-            "output_len": len(rec.token_ids),
-            "sent_at": rec.sent_at, "token_times": rec.token_times, "dilation": rec.dilation,
-            "pdd": rec.pdd}
+    return {
+        "workload": workload,
+        "ok": rec.error is None,
+        "error": rec.error,
+        "ttft_ms": ms(rec.ttft_s),
+        "tpot_ms": ms(metrics.tpot_s(rec)),
+        "e2el_ms": ms(metrics.e2el_s(rec)),
+        "input_len": rec.prompt_len,
+        "output_len": len(rec.token_ids),
+        "sent_at": rec.sent_at,
+        "token_times": rec.token_times,
+        "dilation": rec.dilation,
+        "pdd": rec.pdd,
+    }
 
 
 # -- per mode ---------------------------------------------------------------------------------
 
 
-def mode_summary(records: Sequence[StreamRecord], slos: dict[str, float] | None,
-                 duration_s: float | None = None,
-                 percentiles: Sequence[float] = metrics.DEFAULT_PERCENTILES) -> dict[str, Any]:
+def mode_summary(
+    records: Sequence[StreamRecord],
+    slos: dict[str, float] | None,
+    duration_s: float | None = None,
+    percentiles: Sequence[float] = metrics.DEFAULT_PERCENTILES,
+) -> dict[str, Any]:
     """vLLM's serving metrics over `duration_s` (the run's modelled makespan) under the SLOs
     `slos` (ms by metric), then pddnet's own figures beside them (pddnet.bench.metrics)."""
-    return {**metrics.serving_metrics(records, duration_s, slos, percentiles),
-            **metrics.pdd_extras(records, percentiles)}
+    return {
+        **metrics.serving_metrics(records, duration_s, slos, percentiles),
+        **metrics.pdd_extras(records, percentiles),
+    }
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -93,9 +107,11 @@ def ttft_ratios(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, flo
     """pdd / same-dc, cross-dc / same-dc and pdd / cross-dc of every TTFT stat (median and
     the selected percentiles), keyed by the stat's name."""
     pairs = [(m, "same-dc") for m in ("pdd", "cross-dc")] + [("pdd", "cross-dc")]
-    return {f"{a}/{b}": {k: ratio(summaries[a][k], summaries[b][k])
-                         for k in ttft_keys(summaries[a])}
-            for a, b in pairs if a in summaries and b in summaries}
+    return {
+        f"{a}/{b}": {k: ratio(summaries[a][k], summaries[b][k]) for k in ttft_keys(summaries[a])}
+        for a, b in pairs
+        if a in summaries and b in summaries
+    }
 
 
 def md_wan_bytes_in(stats: dict[str, Any] | None) -> int:
@@ -105,16 +121,23 @@ def md_wan_bytes_in(stats: dict[str, Any] | None) -> int:
     return sum(int(d.get("bytes_in", 0)) for d in stats.get("lanes", {}).values())
 
 
-def md_lane_bytes(before: dict[str, Any] | None, after: dict[str, Any] | None
-                  ) -> dict[str, dict[str, int]]:
+def md_lane_bytes(
+    before: dict[str, Any] | None, after: dict[str, Any] | None
+) -> dict[str, dict[str, int]]:
     """Per lane of MD (bulk: P's KV chunks; control: P's and RLD's control messages, RLD's
     token-id HANDOFFs; events: the router), the bytes in and out between two stats()."""
+
     def lanes(stats: dict[str, Any] | None) -> dict[str, dict[str, int]]:
         return (stats or {}).get("lanes", {})
 
     b, a = lanes(before), lanes(after)
-    return {lane: {d: int(a[lane].get(d, 0)) - int(b.get(lane, {}).get(d, 0))
-                   for d in ("bytes_in", "bytes_out")} for lane in a}
+    return {
+        lane: {
+            d: int(a[lane].get(d, 0)) - int(b.get(lane, {}).get(d, 0))
+            for d in ("bytes_in", "bytes_out")
+        }
+        for lane in a
+    }
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -122,25 +145,39 @@ def md_lane_bytes(before: dict[str, Any] | None, after: dict[str, Any] | None
 
 def agent_params(args: argparse.Namespace) -> AgentWorkloadParams:
     if args.quick:
-        return AgentWorkloadParams(num_conversations=2, conversation_rate_per_s=4.0,
-                                   think_time_s=0.2, num_system_prompts=1,
-                                   system_prompt_len=(96, 160), task_len=(16, 48),
-                                   max_turns=(2, 3), small_tool_len=(4, 16),
-                                   large_tool_len=(64, 128), output_len=(4, 8))
-    return AgentWorkloadParams(num_conversations=args.conversations,
-                               conversation_rate_per_s=args.conversation_rate,
-                               think_time_s=1.0, num_system_prompts=2,
-                               system_prompt_len=(300, 800), task_len=(50, 200),
-                               max_turns=(2, 4), small_tool_len=(4, 48),
-                               large_tool_len=(200, 600), output_len=(8, 32),
-                               max_context=3000)
+        return AgentWorkloadParams(
+            num_conversations=2,
+            conversation_rate_per_s=4.0,
+            think_time_s=0.2,
+            num_system_prompts=1,
+            system_prompt_len=(96, 160),
+            task_len=(16, 48),
+            max_turns=(2, 3),
+            small_tool_len=(4, 16),
+            large_tool_len=(64, 128),
+            output_len=(4, 8),
+        )
+    return AgentWorkloadParams(
+        num_conversations=args.conversations,
+        conversation_rate_per_s=args.conversation_rate,
+        think_time_s=1.0,
+        num_system_prompts=2,
+        system_prompt_len=(300, 800),
+        task_len=(50, 200),
+        max_turns=(2, 4),
+        small_tool_len=(4, 48),
+        large_tool_len=(200, 600),
+        output_len=(8, 32),
+        max_context=3000,
+    )
 
 
 def make_workloads(args: argparse.Namespace) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     if "long" in args.workloads:
-        out["long"] = poisson_long_prompts(args.requests, args.rate, tuple(args.prompt_len),
-                                           tuple(args.max_tokens), seed=args.seed)
+        out["long"] = poisson_long_prompts(
+            args.requests, args.rate, tuple(args.prompt_len), tuple(args.max_tokens), seed=args.seed
+        )
     if "agent" in args.workloads:
         out["agent"] = generate_agent_workload(agent_params(args), seed=args.seed)
     return out
@@ -149,17 +186,27 @@ def make_workloads(args: argparse.Namespace) -> dict[str, list[Any]]:
 def cluster_overrides(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """What a cluster of `mode` is configured with (beside the emulated devices): for checking
     the device flags against every mode before any cluster starts."""
-    out = {"mode": mode, "model.name": args.model, "wan.shell": args.wan,
-           "wan.rtt_ms": args.rtt_ms, "wan.jitter_ms": args.jitter_ms,
-           "model.threads": args.threads, "policy.handoff": args.handoff}
+    out = {
+        "mode": mode,
+        "model.name": args.model,
+        "wan.shell": args.wan,
+        "wan.rtt_ms": args.rtt_ms,
+        "wan.jitter_ms": args.jitter_ms,
+        "model.threads": args.threads,
+        "policy.handoff": args.handoff,
+    }
     if args.bw_mbit is not None:
         out["wan.bw_mbit"] = args.bw_mbit
     return out
 
 
-async def run_mode(mode: str, workloads: dict[str, list[Any]], args: argparse.Namespace,
-                   show_progress: bool = True,
-                   devices: DeviceSetup | None = None) -> dict[str, Any]:
+async def run_mode(
+    mode: str,
+    workloads: dict[str, list[Any]],
+    args: argparse.Namespace,
+    show_progress: bool = True,
+    devices: DeviceSetup | None = None,
+) -> dict[str, Any]:
     """One cluster in `mode`; every workload in turn; records, makespans and daemon stats.
     `devices`: the run's emulated devices (`drive.setup_devices`); None: from `args`' flags."""
     import aiohttp
@@ -169,13 +216,24 @@ async def run_mode(mode: str, workloads: dict[str, list[Any]], args: argparse.Na
     if devices is None:
         devices = setup_devices(args, {mode: cluster_overrides(mode, args)})
     k = devices.dilation
-    overrides = {"model.threads": args.threads, "policy.handoff": args.handoff,
-                 **devices.overrides}
-    out: dict[str, Any] = {"records": {}, "makespan_s": {}, "makespan_wall_s": {},
-                           "md_wan_bytes": {}, "md_lane_bytes": {}, "stats": {}}
-    async with LocalCluster(mode=mode, model=args.model, wan=args.wan, rtt_ms=args.rtt_ms,
-                            jitter_ms=args.jitter_ms, bw_mbit=args.bw_mbit,
-                            overrides=overrides) as cluster:
+    overrides = {"model.threads": args.threads, "policy.handoff": args.handoff, **devices.overrides}
+    out: dict[str, Any] = {
+        "records": {},
+        "makespan_s": {},
+        "makespan_wall_s": {},
+        "md_wan_bytes": {},
+        "md_lane_bytes": {},
+        "stats": {},
+    }
+    async with LocalCluster(
+        mode=mode,
+        model=args.model,
+        wan=args.wan,
+        rtt_ms=args.rtt_ms,
+        jitter_ms=args.jitter_ms,
+        bw_mbit=args.bw_mbit,
+        overrides=overrides,
+    ) as cluster:
         out["wan_shell"] = cluster.wan.get("shell")
         has_md = "main_decode" in cluster.daemons
         timeout = aiohttp.ClientTimeout(total=args.request_timeout * k)
@@ -184,14 +242,15 @@ async def run_mode(mode: str, workloads: dict[str, list[Any]], args: argparse.Na
             for name, workload in workloads.items():
                 before = await cluster.stats("main_decode") if has_md else None
                 t0 = time.monotonic()
-                with progress(len(workload), f"{mode:>8} {name:<5}",
-                              enabled=show_progress) as bar:
+                with progress(len(workload), f"{mode:>8} {name:<5}", enabled=show_progress) as bar:
                     if name == "agent":
-                        recs = await drive_agent(session, cluster.url, workload, args.model, bar,
-                                                 dilation=k)
+                        recs = await drive_agent(
+                            session, cluster.url, workload, args.model, bar, dilation=k
+                        )
                     else:
-                        recs = await drive_poisson(session, cluster.url, workload, args.model,
-                                                   bar, dilation=k)
+                        recs = await drive_poisson(
+                            session, cluster.url, workload, args.model, bar, dilation=k
+                        )
                 wall = time.monotonic() - t0
                 out["makespan_wall_s"][name] = wall
                 out["makespan_s"][name] = wall / k
@@ -215,21 +274,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(256, 768), metavar=("MIN", "MAX"))
     p.add_argument("--max-tokens", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
     p.add_argument("--conversations", type=int, default=6, help="agent conversations")
-    p.add_argument("--conversation-rate", type=float, default=0.4,
-                   help="new agent conversations per second")
+    p.add_argument(
+        "--conversation-rate", type=float, default=0.4, help="new agent conversations per second"
+    )
     metrics.add_arguments(p)
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--jitter-ms", type=float, default=2.0)
-    p.add_argument("--bw-mbit", type=float, default=None,
-                   help="WAN rate per direction, in the modelled world when devices are "
-                        "emulated (default 100; --quick: 4)")
+    p.add_argument(
+        "--bw-mbit",
+        type=float,
+        default=None,
+        help="WAN rate per direction, in the modelled world when devices are "
+        "emulated (default 100; --quick: 4)",
+    )
     p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
     p.add_argument("--handoff", default="dynamic", choices=("one-shot", "streaming", "dynamic"))
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--trace", action="store_true",
-                   help="also write a Chrome/Perfetto trace per mode and workload")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also write a Chrome/Perfetto trace per mode and workload",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="results")
     device_flags.add_arguments(p)
@@ -239,7 +306,7 @@ def apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.model, args.requests, args.rate = "tiny", 6, 4.0
         args.prompt_len, args.max_tokens = (64, 256), (8, 16)
-    if args.bw_mbit is None:    # an explicit --bw-mbit wins over --quick's 4 Mbit/s
+    if args.bw_mbit is None:  # an explicit --bw-mbit wins over --quick's 4 Mbit/s
         args.bw_mbit = 4.0 if args.quick else 100.0
 
 
@@ -263,37 +330,64 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     per_mode: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
         per_mode[mode] = await run_mode(mode, workloads, args, not args.no_progress, devices)
-    summaries = {w: {m: {**mode_summary(per_mode[m]["records"][w], slos,
-                                        per_mode[m]["makespan_s"][w], args.metric_percentiles),
-                         "md_wan_bytes_received": per_mode[m]["md_wan_bytes"][w],
-                         "md_lane_bytes": per_mode[m]["md_lane_bytes"][w]}
-                     for m in args.modes} for w in workloads}
+    summaries = {
+        w: {
+            m: {
+                **mode_summary(
+                    per_mode[m]["records"][w],
+                    slos,
+                    per_mode[m]["makespan_s"][w],
+                    args.metric_percentiles,
+                ),
+                "md_wan_bytes_received": per_mode[m]["md_wan_bytes"][w],
+                "md_lane_bytes": per_mode[m]["md_lane_bytes"][w],
+            }
+            for m in args.modes
+        }
+        for w in workloads
+    }
     ratios = {w: ttft_ratios(summaries[w]) for w in workloads}
-    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
-              if k not in ("handler", "bench_spec")}
+    config = {
+        k: (list(v) if isinstance(v, tuple) else v)
+        for k, v in vars(args).items()
+        if k not in ("handler", "bench_spec")
+    }
     config["wan_shell"] = {m: per_mode[m].get("wan_shell") for m in args.modes}
     config["dilation_k"] = devices.dilation
     config["goodput_slos_ms"] = slos
-    requests = {m: [request_row(r, w) for w in workloads for r in per_mode[m]["records"][w]]
-                for m in args.modes}
+    requests = {
+        m: [request_row(r, w) for w in workloads for r in per_mode[m]["records"][w]]
+        for m in args.modes
+    }
     reports = {m: per_mode[m]["devices"] for m in args.modes}
-    path = write_result("ttft", {"config": config, "threads_per_daemon": args.threads,
-                                 "workloads": summaries, "ratios": ratios,
-                                 "modes": summaries.get("long") or summaries.get("agent"),
-                                 "emulation": devices.to_dict(), "devices": reports,
-                                 "makespan_wall_s": {m: per_mode[m]["makespan_wall_s"]
-                                                     for m in args.modes},
-                                 "daemon_stats": {m: per_mode[m]["stats"] for m in args.modes},
-                                 "requests": requests}, args.out)
+    path = write_result(
+        "ttft",
+        {
+            "config": config,
+            "threads_per_daemon": args.threads,
+            "workloads": summaries,
+            "ratios": ratios,
+            "modes": summaries.get("long") or summaries.get("agent"),
+            "emulation": devices.to_dict(),
+            "devices": reports,
+            "makespan_wall_s": {m: per_mode[m]["makespan_wall_s"] for m in args.modes},
+            "daemon_stats": {m: per_mode[m]["stats"] for m in args.modes},
+            "requests": requests,
+        },
+        args.out,
+    )
     plots = []
     for w in workloads:
-        png = cdf_plot({m: [r.ttft_s for r in per_mode[m]["records"][w] if r.ttft_s is not None]
-                        for m in args.modes},
-                       path.with_name(f"{path.stem}-{w}-ttft-cdf.png"),
-                       "TTFT (ms), measured by the client"
-                       + (f" (modelled: wall / k = {devices.dilation:g})"
-                          if devices.emulated else ""),
-                       f"TTFT CDF, {w} workload: {' vs '.join(args.modes)} (one run)")
+        png = cdf_plot(
+            {
+                m: [r.ttft_s for r in per_mode[m]["records"][w] if r.ttft_s is not None]
+                for m in args.modes
+            },
+            path.with_name(f"{path.stem}-{w}-ttft-cdf.png"),
+            "TTFT (ms), measured by the client"
+            + (f" (modelled: wall / k = {devices.dilation:g})" if devices.emulated else ""),
+            f"TTFT CDF, {w} workload: {' vs '.join(args.modes)} (one run)",
+        )
         if png:
             plots.append(str(png))
     traces = []
@@ -304,36 +398,62 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for w in workloads:
                 recs = [r for r in per_mode[m]["records"][w] if r.pdd.get("timeline")]
                 if recs:
-                    traces.append(str(write_trace(
-                        path.with_name(f"{path.stem}-{m}-{w}.trace.json"),
-                        [r.pdd for r in recs], {r.pdd["request_id"]: r.token_times
-                                                for r in recs})))
+                    traces.append(
+                        str(
+                            write_trace(
+                                path.with_name(f"{path.stem}-{m}-{w}.trace.json"),
+                                [r.pdd for r in recs],
+                                {r.pdd["request_id"]: r.token_times for r in recs},
+                            )
+                        )
+                    )
     print_table(summaries, ratios, args, path, plots + traces, devices, slos)
     warnings = print_validity(reports, "ttft")
-    return {"path": str(path), "workloads": summaries, "ratios": ratios, "plots": plots,
-            "traces": traces, "devices": reports, "warnings": warnings}
+    return {
+        "path": str(path),
+        "workloads": summaries,
+        "ratios": ratios,
+        "plots": plots,
+        "traces": traces,
+        "devices": reports,
+        "warnings": warnings,
+    }
 
 
-def print_table(summaries: dict[str, Any], ratios: dict[str, Any], args: argparse.Namespace,
-                path: Path, files: list[str], devices: DeviceSetup | None = None,
-                slos: dict[str, float] | None = None) -> None:
+def print_table(
+    summaries: dict[str, Any],
+    ratios: dict[str, Any],
+    args: argparse.Namespace,
+    path: Path,
+    files: list[str],
+    devices: DeviceSetup | None = None,
+    slos: dict[str, float] | None = None,
+) -> None:
     pct = list(args.metric_percentiles)
-    print(f"\nTTFT benchmark: model {args.model}, WAN {args.wan} shell rtt {args.rtt_ms} ms "
-          f"jitter {args.jitter_ms} ms bw {args.bw_mbit} Mbit/s, {args.threads} torch "
-          f"thread(s) per daemon; goodput SLOs (ms) {metrics.goodput_label(slos or {})}")
+    print(
+        f"\nTTFT benchmark: model {args.model}, WAN {args.wan} shell rtt {args.rtt_ms} ms "
+        f"jitter {args.jitter_ms} ms bw {args.bw_mbit} Mbit/s, {args.threads} torch "
+        f"thread(s) per daemon; goodput SLOs (ms) {metrics.goodput_label(slos or {})}"
+    )
     print((devices or UNPACED).line())
-    print("vLLM's metric names (docs/benchmarks.md, Metrics): durations in ms, request_goodput "
-          "in req/s, output_throughput in tok/s")
+    print(
+        "vLLM's metric names (docs/benchmarks.md, Metrics): durations in ms, request_goodput "
+        "in req/s, output_throughput in tok/s"
+    )
     for w, per_mode in summaries.items():
         print(f"\n[{w}]")
         metrics.print_columns(list(per_mode.items()), metrics.serving_columns(pct), indent="  ")
-        print("  pddnet's own: requests per pipeline, handoffs RLD -> MD (ms), share of output "
-              "tokens, MiB over the WAN")
-        metrics.print_columns(list(per_mode.items()),
-                              metrics.pdd_columns(per_mode.values()), indent="  ")
+        print(
+            "  pddnet's own: requests per pipeline, handoffs RLD -> MD (ms), share of output "
+            "tokens, MiB over the WAN"
+        )
+        metrics.print_columns(
+            list(per_mode.items()), metrics.pdd_columns(per_mode.values()), indent="  "
+        )
         for name, r in ratios[w].items():
-            parts = ", ".join(f"{k[:-len('_ttft_ms')]} {v:.2f}x" for k, v in r.items()
-                              if v is not None)
+            parts = ", ".join(
+                f"{k[: -len('_ttft_ms')]} {v:.2f}x" for k, v in r.items() if v is not None
+            )
             print(f"  TTFT {name}: {parts}")
     print(f"\nwrote {path}")
     for f in files:
@@ -349,4 +469,3 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     return 0
-

@@ -12,8 +12,12 @@ from __future__ import annotations
 from pddnet.lazy import lazy_exports
 
 _EXPORTS = {
-    "LocalCluster": "local", "ClusterLauncher": "launcher", "ClusterStartError": "launcher",
-    "read_run_file": "launcher", "choose_wan": "wan_setup", "WanChoice": "wan_setup",
+    "LocalCluster": "local",
+    "ClusterLauncher": "launcher",
+    "ClusterStartError": "launcher",
+    "read_run_file": "launcher",
+    "choose_wan": "wan_setup",
+    "WanChoice": "wan_setup",
     "WanUnavailable": "wan_setup",
 }
 

@@ -14,81 +14,160 @@ from typing import Any, NoReturn
 
 from pddnet.device import flags as device_flags
 
-SERVE_ROLES = {"prefill": "prefill", "relay": "relay", "main-decode": "main_decode",
-               "router": "router"}
+SERVE_ROLES = {
+    "prefill": "prefill",
+    "relay": "relay",
+    "main-decode": "main_decode",
+    "router": "router",
+}
 
 
 def register(sub: Any) -> None:
     up = sub.add_parser(
-        "up", help="start a whole local cluster (router, P, RLD, MD, the WAN between them)",
+        "up",
+        help="start a whole local cluster (router, P, RLD, MD, the WAN between them)",
         description="Start router, P, RLD (not in cross-dc) and MD as separate processes, joined "
-                    "by the emulated WAN; print the endpoint; stop everything on Ctrl-C/SIGTERM.")
-    up.add_argument("--config", default=None, metavar="FILE",
-                    help="cluster TOML; the flags below override it (default: none, built-in "
-                         "defaults)")
-    up.add_argument("--mode", choices=["pdd", "cross-dc", "same-dc"], default=None,
-                    help="PDD or one of its two baselines (default: --config's mode, else pdd)")
-    up.add_argument("--model", default=None, metavar="tiny|small|medium|PATH",
-                    help="preset (seeded random weights, byte vocabulary) or a folder in HF "
-                         "Llama layout (default: --config's [model] name, else tiny)")
-    up.add_argument("--rtt-ms", type=float, default=None,
-                    help="WAN round trip (default: --config's, else 30)")
-    up.add_argument("--jitter-ms", type=float, default=None,
-                    help="WAN jitter per direction (default: --config's, else 0)")
-    up.add_argument("--bw-mbit", type=float, default=None,
-                    help="WAN rate per direction (default: --config's, else 1000)")
-    up.add_argument("--port", type=int, default=None,
-                    help="router HTTP port (default: --config's, else 8000)")
-    up.add_argument("--wan", choices=["auto", "kernel", "packet", "proxy"], default=None,
-                    help="WAN shell (default: --config's, else auto: kernel, else packet, else "
-                         "proxy)")
-    up.add_argument("--run-dir", default=None, metavar="DIR",
-                    help="where the run file, config and logs go (default: --config's run_dir, "
-                         "else runs/<name>)")
-    up.add_argument("--threads", type=int, default=None,
-                    help="torch threads per daemon (default: --config's, else 1)")
-    up.add_argument("--intra-dc-transport", choices=["shm", "mooncake"], default=None,
-                    help="KV backend P -> RLD (default: --config's [transport] intra_dc, else "
-                         "shm)")
-    up.add_argument("--wan-transport", choices=["tcp", "mooncake"], default=None,
-                    help="KV backend P -> MD (default: --config's [transport] wan, else tcp)")
-    up.add_argument("--placement", choices=["datacenter", "hosts"], default="datacenter",
-                    help="datacenter: daemons share their datacenter's namespace; hosts: one "
-                         "namespace per daemon, as on separate machines (needs --wan packet|"
-                         "kernel)")
+        "by the emulated WAN; print the endpoint; stop everything on Ctrl-C/SIGTERM.",
+    )
+    up.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="cluster TOML; the flags below override it (default: none, built-in defaults)",
+    )
+    up.add_argument(
+        "--mode",
+        choices=["pdd", "cross-dc", "same-dc"],
+        default=None,
+        help="PDD or one of its two baselines (default: --config's mode, else pdd)",
+    )
+    up.add_argument(
+        "--model",
+        default=None,
+        metavar="tiny|small|medium|PATH",
+        help="preset (seeded random weights, byte vocabulary) or a folder in HF "
+        "Llama layout (default: --config's [model] name, else tiny)",
+    )
+    up.add_argument(
+        "--rtt-ms", type=float, default=None, help="WAN round trip (default: --config's, else 30)"
+    )
+    up.add_argument(
+        "--jitter-ms",
+        type=float,
+        default=None,
+        help="WAN jitter per direction (default: --config's, else 0)",
+    )
+    up.add_argument(
+        "--bw-mbit",
+        type=float,
+        default=None,
+        help="WAN rate per direction (default: --config's, else 1000)",
+    )
+    up.add_argument(
+        "--port", type=int, default=None, help="router HTTP port (default: --config's, else 8000)"
+    )
+    up.add_argument(
+        "--wan",
+        choices=["auto", "kernel", "packet", "proxy"],
+        default=None,
+        help="WAN shell (default: --config's, else auto: kernel, else packet, else proxy)",
+    )
+    up.add_argument(
+        "--run-dir",
+        default=None,
+        metavar="DIR",
+        help="where the run file, config and logs go (default: --config's run_dir, "
+        "else runs/<name>)",
+    )
+    up.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per daemon (default: --config's, else 1)",
+    )
+    up.add_argument(
+        "--intra-dc-transport",
+        choices=["shm", "mooncake"],
+        default=None,
+        help="KV backend P -> RLD (default: --config's [transport] intra_dc, else shm)",
+    )
+    up.add_argument(
+        "--wan-transport",
+        choices=["tcp", "mooncake"],
+        default=None,
+        help="KV backend P -> MD (default: --config's [transport] wan, else tcp)",
+    )
+    up.add_argument(
+        "--placement",
+        choices=["datacenter", "hosts"],
+        default="datacenter",
+        help="datacenter: daemons share their datacenter's namespace; hosts: one "
+        "namespace per daemon, as on separate machines (needs --wan packet|"
+        "kernel)",
+    )
     device_flags.add_arguments(up)
     up.set_defaults(handler=_up)
 
-    serve = sub.add_parser("serve", help="run one daemon (prefill|relay|main-decode|router)",
-                           description="Run one pddnet daemon until SIGTERM/SIGINT.")
+    serve = sub.add_parser(
+        "serve",
+        help="run one daemon (prefill|relay|main-decode|router)",
+        description="Run one pddnet daemon until SIGTERM/SIGINT.",
+    )
     serve.add_argument("role", choices=sorted(SERVE_ROLES), help="the daemon to run")
-    serve.add_argument("--config", required=True, metavar="FILE",
-                       help="cluster TOML (the same file on every host; docs/deploy.md)")
-    serve.add_argument("--stats-file", default=None, metavar="PATH",
-                       help="write the daemon's stats here at start, on SIGUSR1 and at exit "
-                            "(default: none)")
+    serve.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="cluster TOML (the same file on every host; docs/deploy.md)",
+    )
+    serve.add_argument(
+        "--stats-file",
+        default=None,
+        metavar="PATH",
+        help="write the daemon's stats here at start, on SIGUSR1 and at exit (default: none)",
+    )
     serve.set_defaults(handler=_serve)
 
-    status = sub.add_parser("status", help="show the daemons of a cluster (`pdd up`'s run file, or "
-                                           "any cluster from its config)")
-    status.add_argument("--run-dir", default="runs/pdd", metavar="DIR",
-                        help="the run folder `pdd up` printed (its run.json)")
-    status.add_argument("--config", default=None, metavar="FILE",
-                        help="ask the cluster this file describes (from any host that reaches "
-                             "it): the router's /health and each daemon's port (default: none, "
-                             "read --run-dir)")
+    status = sub.add_parser(
+        "status",
+        help="show the daemons of a cluster (`pdd up`'s run file, or any cluster from its config)",
+    )
+    status.add_argument(
+        "--run-dir",
+        default="runs/pdd",
+        metavar="DIR",
+        help="the run folder `pdd up` printed (its run.json)",
+    )
+    status.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="ask the cluster this file describes (from any host that reaches "
+        "it): the router's /health and each daemon's port (default: none, "
+        "read --run-dir)",
+    )
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(handler=_status)
 
 
 # -- pdd up ---------------------------------------------------------------------------------------
 
+
 def up_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {"mode": args.mode, "model.name": args.model, "wan.rtt_ms": args.rtt_ms,
-            "wan.jitter_ms": args.jitter_ms, "wan.bw_mbit": args.bw_mbit,
-            "router.port": args.port, "wan.shell": args.wan, "run_dir": args.run_dir,
-            "model.threads": args.threads, "transport.intra_dc": args.intra_dc_transport,
-            "transport.wan": args.wan_transport, **device_flags.overrides(args)}
+    return {
+        "mode": args.mode,
+        "model.name": args.model,
+        "wan.rtt_ms": args.rtt_ms,
+        "wan.jitter_ms": args.jitter_ms,
+        "wan.bw_mbit": args.bw_mbit,
+        "router.port": args.port,
+        "wan.shell": args.wan,
+        "run_dir": args.run_dir,
+        "model.threads": args.threads,
+        "transport.intra_dc": args.intra_dc_transport,
+        "transport.wan": args.wan_transport,
+        **device_flags.overrides(args),
+    }
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -139,8 +218,14 @@ async def _up_async(config: Any, placement: str = "datacenter") -> int:
         return 130
     try:
         info = start.result()
-    except (ClusterStartError, WanUnavailable, TimeoutError, OSError, ValueError,
-            RuntimeError) as exc:
+    except (
+        ClusterStartError,
+        WanUnavailable,
+        TimeoutError,
+        OSError,
+        ValueError,
+        RuntimeError,
+    ) as exc:
         print(f"pdd up: {exc}", file=sys.stderr)
         return 1
     _print_up(info)
@@ -150,11 +235,17 @@ async def _up_async(config: Any, placement: str = "datacenter") -> int:
     if report.killed:
         roles = {d.pid: r for r, d in launcher.daemons.items()}
         named = ", ".join(f"{roles.get(pid, '?')} (pid {pid})" for pid in report.killed)
-        print(f"pdd up: had to SIGKILL {named}: it did not stop within the grace period "
-              f"after SIGTERM (its log is in {launcher.run_dir})", file=sys.stderr)
+        print(
+            f"pdd up: had to SIGKILL {named}: it did not stop within the grace period "
+            f"after SIGTERM (its log is in {launcher.run_dir})",
+            file=sys.stderr,
+        )
     if report.leftover_shm:
-        print(f"pdd up: removed shared-memory segments the daemons left: "
-              f"{', '.join(report.leftover_shm)}", file=sys.stderr)
+        print(
+            f"pdd up: removed shared-memory segments the daemons left: "
+            f"{', '.join(report.leftover_shm)}",
+            file=sys.stderr,
+        )
     print("pdd up: stopped (no daemon left running)", flush=True)
     return 0
 
@@ -162,8 +253,10 @@ async def _up_async(config: Any, placement: str = "datacenter") -> int:
 def describe_emulation(emu: dict[str, Any]) -> str:
     """One line naming the device profiles and k behind every time a cluster reports."""
     devices = ", ".join(f"{r} {d}" for r, d in emu["devices"].items())
-    return (f"emulated {emu['target_model']} on {devices}; dilation k = {emu['dilation']:g} "
-            f"(times reported / k)")
+    return (
+        f"emulated {emu['target_model']} on {devices}; dilation k = {emu['dilation']:g} "
+        f"(times reported / k)"
+    )
 
 
 def _print_up(info: dict[str, Any]) -> None:
@@ -174,20 +267,30 @@ def _print_up(info: dict[str, Any]) -> None:
     transport = ", ".join(f"{path} {name}" for path, name in info.get("transport", {}).items())
     print(f"  KV transport: {transport}")
     emu = info.get("emulation")
-    print("  devices:   " + (describe_emulation(emu) if emu else
-                             "unpaced: every time is this box's own (no --target-model)"))
+    print(
+        "  devices:   "
+        + (
+            describe_emulation(emu)
+            if emu
+            else "unpaced: every time is this box's own (no --target-model)"
+        )
+    )
     if wan.get("control_url"):
-        print(f"  WAN control: {wan['control_url']}   (pdd wan show --control "
-              f"{wan['control_url']})")
+        print(
+            f"  WAN control: {wan['control_url']}   (pdd wan show --control {wan['control_url']})"
+        )
     for d in info["daemons"]:
         where = f" in netns {d['namespace']}" if d.get("namespace") else ""
-        print(f"  {d['role']:<12} pid {d['pid']:<7} port {d['port']:<6} address "
-              f"{d['address']:<22} threads {d['threads']}{where}")
+        print(
+            f"  {d['role']:<12} pid {d['pid']:<7} port {d['port']:<6} address "
+            f"{d['address']:<22} threads {d['threads']}{where}"
+        )
     print(f"  run file:  {os.path.join(info['run_dir'], 'run.json')}")
     print("Ctrl-C or SIGTERM stops everything.", flush=True)
 
 
 # -- pdd serve ------------------------------------------------------------------------------------
+
 
 def _serve(args: argparse.Namespace) -> int:
     from pddnet.config import ConfigError, load_config
@@ -231,8 +334,10 @@ def _exit_after_close(code: int) -> NoReturn:
 def _setup_logging(role: str) -> None:
     import logging
 
-    logging.basicConfig(level=os.environ.get("PDD_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PDD_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def _limit_threads(threads: int, role: str) -> None:
@@ -266,8 +371,14 @@ class StatsFile:
             stats = self.daemon.stats()
         except Exception as exc:  # a stats bug must not kill the daemon
             stats = {"error": f"{type(exc).__name__}: {exc}"}
-        body = {"role": self.role, "pid": os.getpid(), "state": state, "seq": self.seq,
-                "time": time.time(), "stats": stats}
+        body = {
+            "role": self.role,
+            "pid": os.getpid(),
+            "state": state,
+            "seq": self.seq,
+            "time": time.time(),
+            "stats": stats,
+        }
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             json.dump(body, f, default=str)
@@ -311,6 +422,7 @@ async def serve_daemon(role: str, config: Any, stats_file: str | None) -> int:
 
 # -- pdd status -----------------------------------------------------------------------------------
 
+
 def status_of(run_dir: str) -> dict[str, Any]:
     import urllib.error
     import urllib.request
@@ -319,9 +431,15 @@ def status_of(run_dir: str) -> dict[str, Any]:
     from pddnet.cluster.launcher import read_run_file
 
     info = read_run_file(run_dir)
-    out: dict[str, Any] = {"run_dir": run_dir, "state": info.get("state"), "mode": info["mode"],
-                           "router_url": info["router_url"], "wan": info["wan"], "daemons": [],
-                           "transport": info.get("transport")}
+    out: dict[str, Any] = {
+        "run_dir": run_dir,
+        "state": info.get("state"),
+        "mode": info["mode"],
+        "router_url": info["router_url"],
+        "wan": info["wan"],
+        "daemons": [],
+        "transport": info.get("transport"),
+    }
     out["emulation"] = info.get("emulation")
     for d in info["daemons"]:
         alive = pid_alive(d["pid"])
@@ -369,11 +487,12 @@ def describe_device(dev: dict[str, Any]) -> str:
     """A daemon's modelled device and how well this box kept up with it."""
     if not dev.get("emulated"):
         return "unpaced"
-    text = (f"{dev['gpus']} x {dev['chip']}: {dev['steps']} steps, {dev['overruns']} overran "
-            f"({dev['overrun_share']:.1%}), {dev['overrun_lost_s']:.3f} s lost")
+    text = (
+        f"{dev['gpus']} x {dev['chip']}: {dev['steps']} steps, {dev['overruns']} overran "
+        f"({dev['overrun_share']:.1%}), {dev['overrun_lost_s']:.3f} s lost"
+    )
     if not dev.get("valid", True):
-        text += (f" -- NOT VALID above 1%: rerun with --dilation "
-                 f"{dev['dilation_needed']:g} or more")
+        text += f" -- NOT VALID above 1%: rerun with --dilation {dev['dilation_needed']:g} or more"
     return text
 
 
@@ -387,8 +506,11 @@ def status_from_config(path: str, timeout: float = 3.0) -> dict[str, Any]:
     from pddnet.config import load_config
 
     cfg = load_config(path)
-    roles = {"pdd": ("prefill", "relay", "main_decode"), "cross-dc": ("prefill", "main_decode"),
-             "same-dc": ("prefill", "relay")}[cfg.mode.value]
+    roles = {
+        "pdd": ("prefill", "relay", "main_decode"),
+        "cross-dc": ("prefill", "main_decode"),
+        "same-dc": ("prefill", "relay"),
+    }[cfg.mode.value]
     daemons = []
     for role in roles:
         host, port = getattr(cfg, role).dial_address()
@@ -397,8 +519,14 @@ def status_from_config(path: str, timeout: float = 3.0) -> dict[str, Any]:
                 reachable, error = True, None
         except OSError as exc:
             reachable, error = False, str(exc)
-        daemons.append({"role": role, "address": f"{host}:{port}", "alive": reachable,
-                        **({"error": error} if error else {})})
+        daemons.append(
+            {
+                "role": role,
+                "address": f"{host}:{port}",
+                "alive": reachable,
+                **({"error": error} if error else {}),
+            }
+        )
     url = f"http://{cfg.router.host}:{cfg.router.port}"
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
@@ -407,12 +535,19 @@ def status_from_config(path: str, timeout: float = 3.0) -> dict[str, Any]:
         health = {**json.loads(exc.read() or b"{}"), "http_status": exc.code}
     except (OSError, ValueError) as exc:
         health = {"http_status": None, "error": str(exc)}
-    transport = {"pdd": ("intra_dc", "wan"), "cross-dc": ("wan",),
-                 "same-dc": ("intra_dc",)}[cfg.mode.value]
-    return {"config": path, "state": "reachable" if all(d["alive"] for d in daemons) else
-            "unreachable", "mode": cfg.mode.value, "router_url": url,
-            "wan": {"shell": "configured"}, "daemons": daemons, "health": health,
-            "transport": {p: cfg.transport.backend_of(p) for p in transport}}
+    transport = {"pdd": ("intra_dc", "wan"), "cross-dc": ("wan",), "same-dc": ("intra_dc",)}[
+        cfg.mode.value
+    ]
+    return {
+        "config": path,
+        "state": "reachable" if all(d["alive"] for d in daemons) else "unreachable",
+        "mode": cfg.mode.value,
+        "router_url": url,
+        "wan": {"shell": "configured"},
+        "daemons": daemons,
+        "health": health,
+        "transport": {p: cfg.transport.backend_of(p) for p in transport},
+    }
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -425,16 +560,20 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(st, indent=2))
     else:
         where = st.get("run_dir") or st.get("config")
-        print(f"cluster in {where}: {st['state']}, mode {st['mode']}, router "
-              f"{st['router_url']}, WAN {st['wan']['shell']}, KV transport "
-              f"{', '.join(f'{k} {v}' for k, v in (st.get('transport') or {}).items())}")
+        print(
+            f"cluster in {where}: {st['state']}, mode {st['mode']}, router "
+            f"{st['router_url']}, WAN {st['wan']['shell']}, KV transport "
+            f"{', '.join(f'{k} {v}' for k, v in (st.get('transport') or {}).items())}"
+        )
         if st.get("emulation"):
             print(f"  devices: {describe_emulation(st['emulation'])}")
         for d in st["daemons"]:
             device = f"  {describe_device(d['device'])}" if d.get("device") else ""
-            print(f"  {d['role']:<12} pid {d.get('pid', '-')!s:<7} "
-                  f"{('alive' if d['alive'] else 'DEAD'):<6} "
-                  f"{d['address']}{device}")
+            print(
+                f"  {d['role']:<12} pid {d.get('pid', '-')!s:<7} "
+                f"{('alive' if d['alive'] else 'DEAD'):<6} "
+                f"{d['address']}{device}"
+            )
         h = st["health"]
         brief = {k: v for k, v in h.items() if k not in ("http_status", "links", "waiting_for")}
         verdict = "ready" if h.get("http_status") == 200 else "NOT READY"

@@ -49,8 +49,12 @@ ROLES_BY_MODE: dict[ClusterMode, tuple[str, ...]] = {
     ClusterMode.SAME_DC: ("relay", "prefill", "router"),
     ClusterMode.CROSS_DC: ("main_decode", "prefill", "router"),
 }
-CLI_ROLE = {"prefill": "prefill", "relay": "relay", "main_decode": "main-decode",
-            "router": "router"}
+CLI_ROLE = {
+    "prefill": "prefill",
+    "relay": "relay",
+    "main_decode": "main-decode",
+    "router": "router",
+}
 RUN_FILE = "run.json"
 CONFIG_FILE = "cluster.toml"
 SHM_DIR = "/dev/shm"
@@ -66,24 +70,33 @@ class Daemon:
     pid: int
     host: str
     port: int
-    address: str            # how peers reach it ("HOST:PORT"; MD: through the WAN)
+    address: str  # how peers reach it ("HOST:PORT"; MD: through the WAN)
     namespace: str | None
     threads: int
     log: str
     stats_file: str
     proc: Any = field(repr=False, default=None)
-    metrics_port: int | None = None     # the router serves /metrics on its own port
+    metrics_port: int | None = None  # the router serves /metrics on its own port
 
     def describe(self) -> dict[str, Any]:
-        return {"role": self.role, "pid": self.pid, "host": self.host, "port": self.port,
-                "metrics_port": self.metrics_port, "address": self.address, "namespace": self.namespace, "threads": self.threads,
-                "log": self.log, "stats_file": self.stats_file}
+        return {
+            "role": self.role,
+            "pid": self.pid,
+            "host": self.host,
+            "port": self.port,
+            "metrics_port": self.metrics_port,
+            "address": self.address,
+            "namespace": self.namespace,
+            "threads": self.threads,
+            "log": self.log,
+            "stats_file": self.stats_file,
+        }
 
 
 @dataclass
 class StopReport:
-    killed: list[int]               # PIDs that needed SIGKILL
-    leftover_shm: list[str]         # pdd-* segments of our daemons found after they stopped
+    killed: list[int]  # PIDs that needed SIGKILL
+    leftover_shm: list[str]  # pdd-* segments of our daemons found after they stopped
     exit_codes: dict[str, int | None]
 
 
@@ -92,8 +105,9 @@ def read_run_file(run_dir: str | Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"no run file at {path}: is a cluster up with --run-dir "
-                                f"{run_dir}?") from None
+        raise FileNotFoundError(
+            f"no run file at {path}: is a cluster up with --run-dir {run_dir}?"
+        ) from None
 
 
 def shm_segments_of(pids: list[int]) -> list[str]:
@@ -108,9 +122,14 @@ def shm_segments_of(pids: list[int]) -> list[str]:
 
 
 class ClusterLauncher:
-    def __init__(self, config: ClusterConfig, run_dir: str | Path | None = None,
-                 wan: str | None = None, python: str = sys.executable,
-                 placement: str = "datacenter") -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        run_dir: str | Path | None = None,
+        wan: str | None = None,
+        python: str = sys.executable,
+        placement: str = "datacenter",
+    ) -> None:
         self.config = config
         self.placement_name = placement
         self.run_dir = Path(run_dir or config.run_dir).resolve()
@@ -122,7 +141,7 @@ class ClusterLauncher:
         self.router_url: str | None = None
         self.stop_report: StopReport | None = None
         self._stats_seq: dict[str, int] = {}
-        self._not_ready: list[str] = []   # what the router's /health last said it waits for
+        self._not_ready: list[str] = []  # what the router's /health last said it waits for
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -190,26 +209,50 @@ class ClusterLauncher:
         stats_file = str(self.run_dir / f"stats-{role}.json")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(stats_file)
-        argv = [self.python, "-m", "pddnet", "serve", CLI_ROLE[role], "--config",
-                str(self.config_file), "--stats-file", stats_file]
+        argv = [
+            self.python,
+            "-m",
+            "pddnet",
+            "serve",
+            CLI_ROLE[role],
+            "--config",
+            str(self.config_file),
+            "--stats-file",
+            stats_file,
+        ]
         log_path = str(logs / f"{role}.log")
         with open(log_path, "ab") as log:
-            proc = self.placement.spawn(role, argv, stdout=log, stderr=log,
-                                        env=child_env(cfg.model.threads), cwd=str(self.run_dir))
+            proc = self.placement.spawn(
+                role,
+                argv,
+                stdout=log,
+                stderr=log,
+                env=child_env(cfg.model.threads),
+                cwd=str(self.run_dir),
+            )
         sec = getattr(cfg, role)
         if role == "router":
             address = f"{sec.host}:{sec.port}"
         else:
             host, port = sec.dial_address()
             address = f"{host}:{port}"
-        self.daemons[role] = Daemon(role=role, pid=proc.pid, host=sec.host, port=sec.port,
-                                    address=address, namespace=self.placement.namespace(role),
-                                    threads=cfg.model.threads, log=log_path,
-                                    stats_file=stats_file, proc=proc,
-                                    metrics_port=getattr(sec, "metrics_port", None))
+        self.daemons[role] = Daemon(
+            role=role,
+            pid=proc.pid,
+            host=sec.host,
+            port=sec.port,
+            address=address,
+            namespace=self.placement.namespace(role),
+            threads=cfg.model.threads,
+            log=log_path,
+            stats_file=stats_file,
+            proc=proc,
+            metrics_port=getattr(sec, "metrics_port", None),
+        )
 
-    async def _wait_ready(self, timeout: float, roles: set[str] | None = None,
-                          health: bool = True) -> None:
+    async def _wait_ready(
+        self, timeout: float, roles: set[str] | None = None, health: bool = True
+    ) -> None:
         import aiohttp
 
         deadline = time.monotonic() + timeout
@@ -225,17 +268,21 @@ class ClusterLauncher:
                     return
                 if time.monotonic() > deadline:
                     what = ", ".join(sorted(pending)) or "; ".join(
-                        ["the router's /health", *self._not_ready])
-                    raise ClusterStartError(f"cluster not ready within {timeout:g} s (waiting "
-                                            f"for {what})\n{self._log_tails(pending or {'router'})}")
+                        ["the router's /health", *self._not_ready]
+                    )
+                    raise ClusterStartError(
+                        f"cluster not ready within {timeout:g} s (waiting "
+                        f"for {what})\n{self._log_tails(pending or {'router'})}"
+                    )
                 await asyncio.sleep(0.1)
 
     async def _healthy(self, session: Any) -> bool:
         import aiohttp
 
         try:
-            async with session.get(f"{self.router_url}/health",
-                                   timeout=aiohttp.ClientTimeout(total=3)) as r:
+            async with session.get(
+                f"{self.router_url}/health", timeout=aiohttp.ClientTimeout(total=3)
+            ) as r:
                 if r.status != 200:  # what it waits for, for the error if it never comes
                     with contextlib.suppress(ValueError, aiohttp.ClientError):
                         self._not_ready = (await r.json()).get("waiting_for") or []
@@ -248,8 +295,7 @@ class ClusterLauncher:
         dead = {r: d.proc.returncode for r, d in self.daemons.items() if d.proc.poll() is not None}
         if dead:
             which = ", ".join(f"{r} (exit code {c})" for r, c in dead.items())
-            raise ClusterStartError(f"daemon exited during start: {which}\n"
-                                    f"{self._log_tails(dead)}")
+            raise ClusterStartError(f"daemon exited during start: {which}\n{self._log_tails(dead)}")
 
     def _log_tails(self, roles: Any, chars: int = 2000) -> str:
         out = []
@@ -266,19 +312,30 @@ class ClusterLauncher:
 
     def run_info(self, state: str = "up") -> dict[str, Any]:
         assert self.placement is not None
-        return {"name": self.config.name, "mode": self.config.mode.value, "state": state,
-                "launcher_pid": os.getpid(), "started_at": time.time(),
-                "run_dir": str(self.run_dir), "config": str(self.config_file),
-                "router_url": self.router_url, "wan": self.placement.describe(),
-                "model": self.config.model.name, "transport": self.transport(),
-                "emulation": (e.describe() if (e := self.config.emulation()) else None),
-                "daemons": [d.describe() for d in self.daemons.values()]}
+        return {
+            "name": self.config.name,
+            "mode": self.config.mode.value,
+            "state": state,
+            "launcher_pid": os.getpid(),
+            "started_at": time.time(),
+            "run_dir": str(self.run_dir),
+            "config": str(self.config_file),
+            "router_url": self.router_url,
+            "wan": self.placement.describe(),
+            "model": self.config.model.name,
+            "transport": self.transport(),
+            "emulation": (e.describe() if (e := self.config.emulation()) else None),
+            "daemons": [d.describe() for d in self.daemons.values()],
+        }
 
     def transport(self) -> dict[str, str]:
         """The KV backend of each path this mode uses (P -> RLD: intra_dc, P -> MD: wan)."""
         t = self.config.transport
-        paths = {ClusterMode.PDD: ("intra_dc", "wan"), ClusterMode.SAME_DC: ("intra_dc",),
-                 ClusterMode.CROSS_DC: ("wan",)}[self.config.mode]
+        paths = {
+            ClusterMode.PDD: ("intra_dc", "wan"),
+            ClusterMode.SAME_DC: ("intra_dc",),
+            ClusterMode.CROSS_DC: ("wan",),
+        }[self.config.mode]
         return {path: t.backend_of(path) for path in paths}
 
     def _write_run_file(self, state: str) -> None:
@@ -344,14 +401,20 @@ class ClusterLauncher:
         for name in leftovers:  # the owners are dead: nobody else will ever unlink these
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, name))
-        report = StopReport(killed=killed, leftover_shm=leftovers,
-                            exit_codes={r: d.proc.returncode for r, d in self.daemons.items()})
+        report = StopReport(
+            killed=killed,
+            leftover_shm=leftovers,
+            exit_codes={r: d.proc.returncode for r, d in self.daemons.items()},
+        )
         self.stop_report = report
         if self.run_file.exists() and self.placement is not None:
             info = self.run_info(state="stopped")
             info["stopped_at"] = time.time()
-            info["stop"] = {"killed": killed, "leftover_shm": leftovers,
-                            "exit_codes": report.exit_codes}
+            info["stop"] = {
+                "killed": killed,
+                "leftover_shm": leftovers,
+                "exit_codes": report.exit_codes,
+            }
             with contextlib.suppress(OSError):
                 self.run_file.write_text(json.dumps(info, indent=2) + "\n")
         return report

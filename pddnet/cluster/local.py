@@ -27,16 +27,32 @@ from pddnet.config import ClusterConfig, load_config
 
 
 class LocalCluster:
-    def __init__(self, mode: str = "pdd", model: str = "tiny", wan: str = "proxy",
-                 rtt_ms: float = 30.0, jitter_ms: float = 0.0, bw_mbit: float | None = None,
-                 run_dir: str | Path | None = None, config: ClusterConfig | None = None,
-                 overrides: dict[str, Any] | None = None, startup_timeout: float = 120.0,
-                 keep_run_dir: bool = False, placement: str = "datacenter") -> None:
+    def __init__(
+        self,
+        mode: str = "pdd",
+        model: str = "tiny",
+        wan: str = "proxy",
+        rtt_ms: float = 30.0,
+        jitter_ms: float = 0.0,
+        bw_mbit: float | None = None,
+        run_dir: str | Path | None = None,
+        config: ClusterConfig | None = None,
+        overrides: dict[str, Any] | None = None,
+        startup_timeout: float = 120.0,
+        keep_run_dir: bool = False,
+        placement: str = "datacenter",
+    ) -> None:
         if config is None:
             base: dict[str, Any] = {
-                "mode": mode, "model.name": model, "wan.shell": wan, "wan.rtt_ms": rtt_ms,
-                "wan.jitter_ms": jitter_ms, "router.port": 0, "prefill.port": 0,
-                "relay.port": 0, "main_decode.port": 0,
+                "mode": mode,
+                "model.name": model,
+                "wan.shell": wan,
+                "wan.rtt_ms": rtt_ms,
+                "wan.jitter_ms": jitter_ms,
+                "router.port": 0,
+                "prefill.port": 0,
+                "relay.port": 0,
+                "main_decode.port": 0,
             }
             if bw_mbit is not None:
                 base["wan.bw_mbit"] = bw_mbit
@@ -47,8 +63,9 @@ class LocalCluster:
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="pdd-cluster-"))
         self.keep_run_dir = keep_run_dir
         self.startup_timeout = startup_timeout
-        self.launcher = ClusterLauncher(config, self.run_dir, wan=config.wan.shell,
-                                        placement=placement)
+        self.launcher = ClusterLauncher(
+            config, self.run_dir, wan=config.wan.shell, placement=placement
+        )
         self.info: dict[str, Any] = {}
         self.stop_report: StopReport | None = None
 
@@ -114,8 +131,10 @@ class LocalCluster:
         import aiohttp
 
         body.setdefault("model", self.config.model.name)
-        async with aiohttp.ClientSession() as s, \
-                s.post(self.url + "/v1/completions", json=body) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(self.url + "/v1/completions", json=body) as r,
+        ):
             data = await r.json()
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}: {data}")

@@ -41,7 +41,7 @@ from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.device.dilation import wallclock
 
 WAN_CHOICES = ("auto", "kernel", "packet", "proxy")
-PLACEMENTS = ("datacenter", "hosts")   # daemons share their datacenter's namespace | one each
+PLACEMENTS = ("datacenter", "hosts")  # daemons share their datacenter's namespace | one each
 LOOPBACK = "127.0.0.1"
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,7 +52,7 @@ class WanUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class WanChoice:
-    shell: str   # kernel | packet | proxy | none
+    shell: str  # kernel | packet | proxy | none
     reason: str
 
 
@@ -75,8 +75,11 @@ def choose_wan(requested: str, mode: ClusterMode) -> WanChoice:
     if requested not in WAN_CHOICES:
         raise ValueError(f"--wan must be one of {', '.join(WAN_CHOICES)}, got {requested!r}")
     if mode == ClusterMode.SAME_DC:
-        return WanChoice("none", "same-dc mode: P and the decode instance share datacenter A "
-                                 "over shared memory, there is no WAN")
+        return WanChoice(
+            "none",
+            "same-dc mode: P and the decode instance share datacenter A "
+            "over shared memory, there is no WAN",
+        )
     if requested == "proxy":
         return WanChoice("proxy", "requested --wan proxy (TCP proxy on loopback in front of MD)")
     if requested == "packet":
@@ -93,13 +96,19 @@ def choose_wan(requested: str, mode: ClusterMode) -> WanChoice:
         return WanChoice("kernel", "auto: the kernel has sch_netem")
     packet = _testbed_reason()
     if packet is None:
-        return WanChoice("packet", f"auto: no kernel shell ({netem}); root and /dev/net/tun are "
-                                   f"there, so the packet shell between namespaces")
-    return WanChoice("proxy", f"auto: no kernel shell ({netem}); no packet shell ({packet}); "
-                              f"so the proxy shell on loopback")
+        return WanChoice(
+            "packet",
+            f"auto: no kernel shell ({netem}); root and /dev/net/tun are "
+            f"there, so the packet shell between namespaces",
+        )
+    return WanChoice(
+        "proxy",
+        f"auto: no kernel shell ({netem}); no packet shell ({packet}); "
+        f"so the proxy shell on loopback",
+    )
 
 
-_HANDED_OUT: set[int] = set()   # ports this process gave out: never the same one twice
+_HANDED_OUT: set[int] = set()  # ports this process gave out: never the same one twice
 
 
 def _below_ephemeral() -> tuple[int, int] | None:
@@ -153,8 +162,13 @@ def child_env(threads: int) -> dict[str, str]:
 def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """Start a daemon: its own session (a terminal's Ctrl-C reaches only the launcher, which
     stops everything in order) and tied to the launcher's life."""
-    return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=die_with_parent(), **kwargs)
+    return subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_parent(),
+        **kwargs,
+    )
 
 
 class Placement:
@@ -193,9 +207,13 @@ class Placement:
         """Take the WAN down (after the daemons stopped)."""
 
     def describe(self) -> dict[str, Any]:
-        return {"shell": self.choice.shell, "reason": self.choice.reason,
-                "control_url": self.control_url, "testbed": self.testbed_name,
-                "emulator_pid": self.emulator_pid}
+        return {
+            "shell": self.choice.shell,
+            "reason": self.choice.reason,
+            "control_url": self.control_url,
+            "testbed": self.testbed_name,
+            "emulator_pid": self.emulator_pid,
+        }
 
 
 class ProxyPlacement(Placement):
@@ -213,24 +231,41 @@ class ProxyPlacement(Placement):
     def prepare(self, config: ClusterConfig) -> None:
         super().prepare(config)
         if config.transport.wan == "mooncake" and config.mode is not ClusterMode.SAME_DC:
-            raise WanUnavailable("transport.wan = \"mooncake\" needs --wan packet or kernel: the "
-                                 "proxy shell forwards only MD's control port, so Mooncake's own "
-                                 "connections would bypass the emulated WAN")
+            raise WanUnavailable(
+                'transport.wan = "mooncake" needs --wan packet or kernel: the '
+                "proxy shell forwards only MD's control port, so Mooncake's own "
+                "connections would bypass the emulated WAN"
+            )
         if config.wan.loss_pct:
-            raise WanUnavailable("the proxy shell carries TCP byte streams and cannot lose "
-                                 f"packets (wan.loss_pct={config.wan.loss_pct}); use --wan packet")
+            raise WanUnavailable(
+                "the proxy shell carries TCP byte streams and cannot lose "
+                f"packets (wan.loss_pct={config.wan.loss_pct}); use --wan packet"
+            )
         config.main_decode.dial = f"{LOOPBACK}:{self.listen_port}"
         config.wan.control = f"{LOOPBACK}:{self.control_port}"
         self.control_url = f"http://{LOOPBACK}:{self.control_port}"
 
     async def start(self) -> None:
-        wan = wallclock(self.config).wan   # an emulated cluster's line, dilated and byte-scaled
-        argv = [sys.executable, "-m", "pddnet", "wan", "proxy",
-                "--listen", f"{LOOPBACK}:{self.listen_port}",
-                "--upstream", f"{LOOPBACK}:{self.config.main_decode.port}",
-                "--control", f"{LOOPBACK}:{self.control_port}",
-                "--rtt-ms", repr(wan.rtt_ms), "--jitter-ms", repr(wan.jitter_ms),
-                "--seed", str(self.config.model.seed)]
+        wan = wallclock(self.config).wan  # an emulated cluster's line, dilated and byte-scaled
+        argv = [
+            sys.executable,
+            "-m",
+            "pddnet",
+            "wan",
+            "proxy",
+            "--listen",
+            f"{LOOPBACK}:{self.listen_port}",
+            "--upstream",
+            f"{LOOPBACK}:{self.config.main_decode.port}",
+            "--control",
+            f"{LOOPBACK}:{self.control_port}",
+            "--rtt-ms",
+            repr(wan.rtt_ms),
+            "--jitter-ms",
+            repr(wan.jitter_ms),
+            "--seed",
+            str(self.config.model.seed),
+        ]
         if wan.bw_mbit is not None:
             argv += ["--bw-mbit", repr(wan.bw_mbit)]
         log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - handed to the child
@@ -258,10 +293,17 @@ class TestbedPlacement(Placement):
 
         self.shell = choice.shell
         self.testbed_name = f"pdd{os.getpid()}{secrets.token_hex(2)}"
-        wan = wallclock(config).wan   # an emulated cluster's line, dilated and byte-scaled
-        self.testbed = Testbed(name=self.testbed_name, rtt_ms=wan.rtt_ms, jitter_ms=wan.jitter_ms,
-                               bw_mbit=wan.bw_mbit, loss_pct=wan.loss_pct, shell=choice.shell,
-                               seed=config.model.seed, die_with_parent=True)
+        wan = wallclock(config).wan  # an emulated cluster's line, dilated and byte-scaled
+        self.testbed = Testbed(
+            name=self.testbed_name,
+            rtt_ms=wan.rtt_ms,
+            jitter_ms=wan.jitter_ms,
+            bw_mbit=wan.bw_mbit,
+            loss_pct=wan.loss_pct,
+            shell=choice.shell,
+            seed=config.model.seed,
+            die_with_parent=True,
+        )
         self.forwarder: NamespaceForwarder | None = None
 
     def prepare(self, config: ClusterConfig) -> None:
@@ -281,8 +323,14 @@ class TestbedPlacement(Placement):
 
     def spawn(self, role: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         side = "b" if role == "main_decode" else "a"
-        return self.testbed.exec(side, list(argv), stdin=subprocess.DEVNULL,
-                                 start_new_session=True, preexec_fn=die_with_parent(), **kwargs)
+        return self.testbed.exec(
+            side,
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+            **kwargs,
+        )
 
     def router_endpoint(self) -> tuple[str, str]:
         """(namespace, address) the router listens on."""
@@ -311,13 +359,18 @@ class HostsPlacement(TestbedPlacement):
 
     __test__ = False
     LANS = {"a": "10.78.1", "b": "10.78.2"}
-    HOSTS = {"router": ("a", 10, "r"), "prefill": ("a", 11, "p"), "relay": ("a", 12, "l"),
-             "main_decode": ("b", 11, "m")}
+    HOSTS = {
+        "router": ("a", 10, "r"),
+        "prefill": ("a", 11, "p"),
+        "relay": ("a", 12, "l"),
+        "main_decode": ("b", 11, "m"),
+    }
 
     def __init__(self, choice: WanChoice, config: ClusterConfig) -> None:
         super().__init__(choice, config)
-        self.hosts = {role: f"{self.testbed_name}-{short}"
-                      for role, (_, _, short) in self.HOSTS.items()}
+        self.hosts = {
+            role: f"{self.testbed_name}-{short}" for role, (_, _, short) in self.HOSTS.items()
+        }
         self._made: list[str] = []
 
     def address(self, role: str) -> str:
@@ -350,11 +403,24 @@ class HostsPlacement(TestbedPlacement):
         for role, host_ns in self.hosts.items():
             side, _, short = self.HOSTS[role]
             gw = tb.ns(side)
-            tb.adopt_namespace(host_ns)   # recorded first: a crash from here on leaves no trace
+            tb.adopt_namespace(host_ns)  # recorded first: a crash from here on leaves no trace
             netns.create(host_ns)
             self._made.append(host_ns)
-            _ip("link", "add", "name", "eth0", "netns", host_ns, "type", "veth", "peer", "name",
-                f"h-{short}", "netns", gw)
+            _ip(
+                "link",
+                "add",
+                "name",
+                "eth0",
+                "netns",
+                host_ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"h-{short}",
+                "netns",
+                gw,
+            )
             _ip("-n", gw, "link", "set", f"h-{short}", "master", "lan0", "up")
             _ip("-n", host_ns, "addr", "add", f"{self.address(role)}/24", "dev", "eth0")
             _ip("-n", host_ns, "link", "set", "eth0", "up")
@@ -381,9 +447,14 @@ class HostsPlacement(TestbedPlacement):
         self._made.clear()
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "placement": "hosts",
-                "hosts": {role: {"namespace": ns, "address": self.address(role)}
-                          for role, ns in self.hosts.items()}}
+        return {
+            **super().describe(),
+            "placement": "hosts",
+            "hosts": {
+                role: {"namespace": ns, "address": self.address(role)}
+                for role, ns in self.hosts.items()
+            },
+        }
 
 
 def _ip(*args: str) -> None:
@@ -399,14 +470,17 @@ def _enable_forwarding() -> None:
         f.write("1")
 
 
-def make_placement(choice: WanChoice, config: ClusterConfig,
-                   placement: str = "datacenter") -> Placement:
+def make_placement(
+    choice: WanChoice, config: ClusterConfig, placement: str = "datacenter"
+) -> Placement:
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     if placement == "hosts":
         if choice.shell not in ("packet", "kernel"):
-            raise WanUnavailable(f"--placement hosts needs the testbed (--wan packet or kernel), "
-                                 f"not the {choice.shell} shell: {choice.reason}")
+            raise WanUnavailable(
+                f"--placement hosts needs the testbed (--wan packet or kernel), "
+                f"not the {choice.shell} shell: {choice.reason}"
+            )
         return HostsPlacement(choice, config)
     if choice.shell == "proxy":
         return ProxyPlacement(choice, config)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from pddnet.device.profiles import ChipProfile, ModelProfile
 
-ACTIVATION_BYTES = 2   # bf16 activations on the scale-up link
+ACTIVATION_BYTES = 2  # bf16 activations on the scale-up link
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,9 @@ class InstanceCost:
     chip: ChipProfile
     model: ModelProfile
     gpus: int = 1
-    memory_utilisation: float = 0.9   # share of HBM for weights + KV (the rest: activations)
+    memory_utilisation: float = 0.9  # share of HBM for weights + KV (the rest: activations)
     host: SharedHost | None = field(default=None, compare=False, repr=False)
-    host_member: str = ""             # this instance's name on `host`
+    host_member: str = ""  # this instance's name on `host`
     # constants of the hot path, computed once by __post_init__ (not parameters)
     _compute: float = field(init=False, repr=False, compare=False)
     _bandwidth: float = field(init=False, repr=False, compare=False)
@@ -79,31 +79,49 @@ class InstanceCost:
         if not isinstance(self.gpus, int) or self.gpus < 1:
             raise ValueError(f"gpus per instance must be an int >= 1, got {self.gpus!r}")
         if not 0 < self.memory_utilisation <= 1:
-            raise ValueError(f"memory_utilisation must be in (0, 1], got "
-                             f"{self.memory_utilisation!r}")
+            raise ValueError(
+                f"memory_utilisation must be in (0, 1], got {self.memory_utilisation!r}"
+            )
         if self.kv_capacity_bytes <= 0:
             raise ValueError(
                 f"model {self.model.name!r} ({self.model.weight_bytes / 1e9:.1f} GB of weights) "
                 f"does not fit on {self.gpus} x {self.chip.name} "
                 f"({self.gpus * self.chip.memory_gb:g} GB at {self.memory_utilisation:.0%}): "
-                f"use more gpus per instance")
+                f"use more gpus per instance"
+            )
         if self.host is not None and self.host_member not in self.host.members:
-            raise ValueError(f"host_member {self.host_member!r} has not joined the host "
-                             f"(members: {', '.join(sorted(self.host.members)) or 'none'})")
+            raise ValueError(
+                f"host_member {self.host_member!r} has not joined the host "
+                f"(members: {', '.join(sorted(self.host.members)) or 'none'})"
+            )
         m = self.model
         # Constants of the hot path, computed once.
-        object.__setattr__(self, "_compute", self.gpus * self.chip.flops_per_s(m.compute_dtype)
-                           * self.chip.compute_efficiency)
-        object.__setattr__(self, "_bandwidth", self.gpus * self.chip.memory_bw_gbs * 1e9
-                           * self.chip.bandwidth_efficiency)
+        object.__setattr__(
+            self,
+            "_compute",
+            self.gpus * self.chip.flops_per_s(m.compute_dtype) * self.chip.compute_efficiency,
+        )
+        object.__setattr__(
+            self,
+            "_bandwidth",
+            self.gpus * self.chip.memory_bw_gbs * 1e9 * self.chip.bandwidth_efficiency,
+        )
         object.__setattr__(self, "_attn", 4.0 * m.num_layers * m.num_heads * m.head_dim)
-        object.__setattr__(self, "_dense_bytes",
-                           (m.total_params - m.expert_params) * m.weight_bytes_per_param)
+        object.__setattr__(
+            self, "_dense_bytes", (m.total_params - m.expert_params) * m.weight_bytes_per_param
+        )
         object.__setattr__(self, "_expert_bytes", m.expert_params * m.weight_bytes_per_param)
         comm = 0.0
         if self.gpus > 1:
-            per_token = (2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES
-                         * 2 * (self.gpus - 1) / self.gpus)
+            per_token = (
+                2
+                * m.num_layers
+                * m.hidden_size
+                * ACTIVATION_BYTES
+                * 2
+                * (self.gpus - 1)
+                / self.gpus
+            )
             # scale_up_gbs is the datasheet's figure, both directions added (H100 NVLink: 900
             # GB/s); a ring all-reduce sends at one direction's rate, half of it
             comm = per_token / (self.chip.scale_up_gbs * 1e9 / 2)
@@ -112,7 +130,7 @@ class InstanceCost:
         object.__setattr__(self, "_per_seq", self.chip.step_per_seq_us * 1e-6)
         object.__setattr__(self, "_per_ctx", self.chip.step_per_ctx_token_ns * 1e-9)
         cv = self.chip.step_jitter_cv
-        sigma = math.sqrt(math.log1p(cv * cv))       # log-normal with mean 1 and this cv
+        sigma = math.sqrt(math.log1p(cv * cv))  # log-normal with mean 1 and this cv
         object.__setattr__(self, "_jitter", (-sigma * sigma / 2, sigma) if cv > 0 else None)
         object.__setattr__(self, "_jitter_rng", random.Random(jitter_seed(self.chip.name)))
 
@@ -120,8 +138,10 @@ class InstanceCost:
 
     @property
     def kv_capacity_bytes(self) -> float:
-        return (self.gpus * self.chip.memory_gb * 1e9 * self.memory_utilisation
-                - self.model.weight_bytes)
+        return (
+            self.gpus * self.chip.memory_gb * 1e9 * self.memory_utilisation
+            - self.model.weight_bytes
+        )
 
     def kv_capacity_tokens(self) -> int:
         return int(self.kv_capacity_bytes // self.model.kv_bytes_per_token)
@@ -144,18 +164,21 @@ class InstanceCost:
         share = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** max(tokens, 1)
         return self._dense_bytes + self._expert_bytes * share
 
-    def forward_time(self, new_tokens: int, attn_pairs: float, kv_read_tokens: float,
-                     seqs: int = 1) -> float:
+    def forward_time(
+        self, new_tokens: int, attn_pairs: float, kv_read_tokens: float, seqs: int = 1
+    ) -> float:
         """Seconds for one forward over `new_tokens` tokens of `seqs` sequences attending
         `attn_pairs` (token, context token) pairs and reading the KV of `kv_read_tokens` cached
         positions."""
         flops = 2.0 * self.model.active_params * new_tokens + self._attn * attn_pairs
-        nbytes = (self.weight_bytes_touched(new_tokens)
-                  + (kv_read_tokens + new_tokens) * self._kvpt)
-        return (self.chip.step_overhead_ms * 1e-3 + max(flops / self._compute,
-                                                        nbytes / self._bandwidth)
-                + self._comm_per_token * new_tokens + self._per_seq * seqs
-                + self._per_ctx * (kv_read_tokens + new_tokens))
+        nbytes = self.weight_bytes_touched(new_tokens) + (kv_read_tokens + new_tokens) * self._kvpt
+        return (
+            self.chip.step_overhead_ms * 1e-3
+            + max(flops / self._compute, nbytes / self._bandwidth)
+            + self._comm_per_token * new_tokens
+            + self._per_seq * seqs
+            + self._per_ctx * (kv_read_tokens + new_tokens)
+        )
 
     def prefill_chunk_time(self, start: int, end: int) -> float:
         """One prefill chunk computing positions [start, end) on top of a cached [0, start)."""
@@ -194,9 +217,16 @@ class InstanceCost:
             pos = end
         return t
 
-    def decode_step_time(self, batch: int, context_tokens: float, extend_tokens: int = 0,
-                         extend_pairs: float = 0.0, extend_seqs: int | None = None,
-                         jitter: bool = True, extend_context: float = 0.0) -> float:
+    def decode_step_time(
+        self,
+        batch: int,
+        context_tokens: float,
+        extend_tokens: int = 0,
+        extend_pairs: float = 0.0,
+        extend_seqs: int | None = None,
+        jitter: bool = True,
+        extend_context: float = 0.0,
+    ) -> float:
         """One continuous-batching step: `batch` sequences decode one token each over
         `context_tokens` cached positions in total, plus `extend_tokens` recomputed tokens
         (attending `extend_pairs` pairs) of `extend_seqs` sequences (default: one when there
@@ -211,8 +241,12 @@ class InstanceCost:
             return 0.0
         if extend_seqs is None:
             extend_seqs = 1 if extend_tokens > 0 else 0
-        t = self.forward_time(batch + extend_tokens, context_tokens + extend_pairs,
-                              context_tokens + extend_context, seqs=batch + extend_seqs)
+        t = self.forward_time(
+            batch + extend_tokens,
+            context_tokens + extend_pairs,
+            context_tokens + extend_context,
+            seqs=batch + extend_seqs,
+        )
         if jitter and self._jitter is not None:
             mu, sigma = self._jitter
             t *= self._jitter_rng.lognormvariate(mu, sigma)

@@ -26,7 +26,7 @@ from pddnet.device.emulated import Emulation
 if TYPE_CHECKING:  # pragma: no cover
     from pddnet.config import ClusterConfig, ModelSection
 
-_WALLCLOCK = "_pdd_wallclock"   # marks a config already dilated (not a field: never serialized)
+_WALLCLOCK = "_pdd_wallclock"  # marks a config already dilated (not a field: never serialized)
 
 
 def real_kv_bytes_per_token(model: ModelSection) -> int:
@@ -77,8 +77,11 @@ def rdma_bytes_per_s(config: ClusterConfig) -> float | None:
     emulation = config.emulation()
     if emulation is None:
         return None
-    return wire_rate(emulation, emulation.cost_of("prefill").rdma_bytes_per_s,
-                     real_kv_bytes_per_token(config.model))
+    return wire_rate(
+        emulation,
+        emulation.cost_of("prefill").rdma_bytes_per_s,
+        real_kv_bytes_per_token(config.model),
+    )
 
 
 def wire_rate(emulation: Emulation, target_bytes_per_s: float, real_kvpt: int) -> float:

@@ -24,9 +24,16 @@ from pddnet.device.profiles import ModelProfile, list_profiles, load_chip, load_
 if TYPE_CHECKING:  # pragma: no cover
     from pddnet.config import ClusterConfig
 
-DEVICE_ROLES = ("prefill", "relay", "main_decode")   # the roles that run a model
-ROLE_OF_FLAG = {"prefill": "prefill", "p": "prefill", "relay": "relay", "rld": "relay",
-                "main_decode": "main_decode", "main-decode": "main_decode", "md": "main_decode"}
+DEVICE_ROLES = ("prefill", "relay", "main_decode")  # the roles that run a model
+ROLE_OF_FLAG = {
+    "prefill": "prefill",
+    "p": "prefill",
+    "relay": "relay",
+    "rld": "relay",
+    "main_decode": "main_decode",
+    "main-decode": "main_decode",
+    "md": "main_decode",
+}
 
 
 class EmulationError(ValueError):
@@ -37,7 +44,7 @@ class EmulationError(ValueError):
 class Emulation:
     target: ModelProfile
     dilation: float
-    devices: dict[str, InstanceCost]    # role section name -> the modelled instance
+    devices: dict[str, InstanceCost]  # role section name -> the modelled instance
 
     @classmethod
     def from_config(cls, config: ClusterConfig) -> Emulation | None:
@@ -54,10 +61,13 @@ class Emulation:
                 raise EmulationError(
                     f"device set for {', '.join(sorted(devices))} but no target_model: name the "
                     f"model whose speed to emulate (--target-model NAME; known: "
-                    f"{', '.join(list_profiles('models'))})")
+                    f"{', '.join(list_profiles('models'))})"
+                )
             if config.dilation != 1.0:
-                raise EmulationError("dilation is set but no target_model: time dilation "
-                                     "stretches a modelled device's clock; set --target-model")
+                raise EmulationError(
+                    "dilation is set but no target_model: time dilation "
+                    "stretches a modelled device's clock; set --target-model"
+                )
             return None
         check_dilation(config.dilation)
         target = _profile(load_model, "model", config.target_model)
@@ -67,7 +77,8 @@ class Emulation:
                 f"target_model {target.name!r} is set but {', '.join(missing)} "
                 f"{'has' if len(missing) == 1 else 'have'} no device: "
                 f"give every role of mode {config.mode.value} one (--device ROLE=CHIP; chips: "
-                f"{', '.join(list_profiles('chips'))})")
+                f"{', '.join(list_profiles('chips'))})"
+            )
         costs: dict[str, InstanceCost] = {}
         for role in roles:
             sec = getattr(config, role)
@@ -84,7 +95,8 @@ class Emulation:
                     f"{sec.block_size}), {pool_tokens * target.kv_bytes_per_token / 1e9:.1f} GB "
                     f"of {target.name} KV; {sec.gpus} x {chip.name} hold {fits} tokens "
                     f"({cost.kv_capacity_bytes / 1e9:.1f} GB after the weights): set "
-                    f"{role}.num_blocks <= {fits // sec.block_size} or more gpus")
+                    f"{role}.num_blocks <= {fits // sec.block_size} or more gpus"
+                )
             costs[role] = cost
         return cls(target, float(config.dilation), costs)
 
@@ -98,30 +110,38 @@ class Emulation:
         """Real over target KV bytes per token: a link carrying real KV at rate x this takes the
         time the target model's KV would take at the rate."""
         if real_kv_bytes_per_token < 1:
-            raise EmulationError(f"real KV bytes per token must be >= 1, got "
-                                 f"{real_kv_bytes_per_token}")
+            raise EmulationError(
+                f"real KV bytes per token must be >= 1, got {real_kv_bytes_per_token}"
+            )
         return real_kv_bytes_per_token / self.target.kv_bytes_per_token
 
     def describe(self) -> dict[str, Any]:
         """What every output that shows a time says about how it was produced."""
-        return {"target_model": self.target.name, "dilation": self.dilation,
-                "target_kv_bytes_per_token": self.target.kv_bytes_per_token,
-                "devices": {r: f"{c.gpus} x {c.chip.name}" for r, c in self.devices.items()}}
+        return {
+            "target_model": self.target.name,
+            "dilation": self.dilation,
+            "target_kv_bytes_per_token": self.target.kv_bytes_per_token,
+            "devices": {r: f"{c.gpus} x {c.chip.name}" for r, c in self.devices.items()},
+        }
 
 
 def active_roles(config: ClusterConfig) -> tuple[str, ...]:
     """The model-running roles of the config's mode (same-dc's decode instance is `relay`)."""
     from pddnet.config import ClusterMode
 
-    return {ClusterMode.PDD: DEVICE_ROLES,
-            ClusterMode.SAME_DC: ("prefill", "relay"),
-            ClusterMode.CROSS_DC: ("prefill", "main_decode")}[config.mode]
+    return {
+        ClusterMode.PDD: DEVICE_ROLES,
+        ClusterMode.SAME_DC: ("prefill", "relay"),
+        ClusterMode.CROSS_DC: ("prefill", "main_decode"),
+    }[config.mode]
 
 
 def check_dilation(k: Any) -> float:
     if isinstance(k, bool) or not isinstance(k, (int, float)) or not 1 <= k < math.inf:
-        raise EmulationError(f"dilation must be a number >= 1, got {k!r} (k < 1 would ask the "
-                             f"2-core host to run faster than real time)")
+        raise EmulationError(
+            f"dilation must be a number >= 1, got {k!r} (k < 1 would ask the "
+            f"2-core host to run faster than real time)"
+        )
     return float(k)
 
 
@@ -134,11 +154,14 @@ def parse_device_flags(flags: list[str]) -> dict[str, Any]:
         key = role.strip().lower()
         chip, colon, gpus = value.strip().partition(":")
         if not sep or not chip:
-            raise EmulationError(f"--device takes ROLE=CHIP[:GPUS] (e.g. prefill=h100-sxm:8), "
-                                 f"got {flag!r}")
+            raise EmulationError(
+                f"--device takes ROLE=CHIP[:GPUS] (e.g. prefill=h100-sxm:8), got {flag!r}"
+            )
         if key not in ROLE_OF_FLAG:
-            raise EmulationError(f"--device {flag!r}: {role!r} runs no model (roles with a "
-                                 f"device: prefill, relay, main-decode)")
+            raise EmulationError(
+                f"--device {flag!r}: {role!r} runs no model (roles with a "
+                f"device: prefill, relay, main-decode)"
+            )
         section = ROLE_OF_FLAG[key]
         out[f"{section}.device"] = chip
         if colon:

@@ -14,17 +14,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group(
         "emulated accelerators (docs/emulated-devices.md)",
         "pace every forward to a target model's roofline time on a modelled chip, carry its KV "
-        "volume on the wire, and stretch time by k")
-    g.add_argument("--target-model", default=None, metavar="NAME",
-                   help="model profile whose speed and KV bytes to emulate (llama-3-70b, "
-                        "deepseek-v3, ...; default: none, the CPU's own time)")
-    g.add_argument("--device", action="append", default=[], metavar="ROLE=CHIP[:GPUS]",
-                   help="a role's modelled chip and chips per instance, e.g. prefill=h100-sxm:8 "
-                        "(roles: prefill, relay, main-decode; repeatable)")
-    g.add_argument("--dilation", default=None, metavar="K|auto",
-                   help="time dilation k >= 1 (compute and link delays x k, rates / k, reported "
-                        "times / k), or auto: the smallest k a short probe runs without "
-                        "overruns (default 1)")
+        "volume on the wire, and stretch time by k",
+    )
+    g.add_argument(
+        "--target-model",
+        default=None,
+        metavar="NAME",
+        help="model profile whose speed and KV bytes to emulate (llama-3-70b, "
+        "deepseek-v3, ...; default: none, the CPU's own time)",
+    )
+    g.add_argument(
+        "--device",
+        action="append",
+        default=[],
+        metavar="ROLE=CHIP[:GPUS]",
+        help="a role's modelled chip and chips per instance, e.g. prefill=h100-sxm:8 "
+        "(roles: prefill, relay, main-decode; repeatable)",
+    )
+    g.add_argument(
+        "--dilation",
+        default=None,
+        metavar="K|auto",
+        help="time dilation k >= 1 (compute and link delays x k, rates / k, reported "
+        "times / k), or auto: the smallest k a short probe runs without "
+        "overruns (default 1)",
+    )
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -36,7 +50,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
             out["dilation"] = float(args.dilation)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"--dilation takes a number >= 1 or auto, got {args.dilation!r}") from None
+                f"--dilation takes a number >= 1 or auto, got {args.dilation!r}"
+            ) from None
     return out
 
 

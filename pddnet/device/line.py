@@ -16,10 +16,14 @@ import math
 
 class ModelledLine:
     def __init__(self, bytes_per_s: float) -> None:
-        if isinstance(bytes_per_s, bool) or not isinstance(bytes_per_s, (int, float)) \
-                or not 0 < bytes_per_s < math.inf:
-            raise ValueError(f"a line's rate must be a finite number of bytes/s > 0, got "
-                             f"{bytes_per_s!r}")
+        if (
+            isinstance(bytes_per_s, bool)
+            or not isinstance(bytes_per_s, (int, float))
+            or not 0 < bytes_per_s < math.inf
+        ):
+            raise ValueError(
+                f"a line's rate must be a finite number of bytes/s > 0, got {bytes_per_s!r}"
+            )
         self.bytes_per_s = float(bytes_per_s)
         self.free_at = -math.inf
         self.writes = 0
@@ -43,5 +47,10 @@ class ModelledLine:
         return done - now
 
     def to_stats(self) -> dict[str, float | int]:
-        return {"bytes_per_s": self.bytes_per_s, "writes": self.writes, "bytes": self.bytes,
-                "overruns": self.overruns, "overrun_lost_s": round(self.lost_s, 6)}
+        return {
+            "bytes_per_s": self.bytes_per_s,
+            "writes": self.writes,
+            "bytes": self.bytes,
+            "overruns": self.overruns,
+            "overrun_lost_s": round(self.lost_s, 6),
+        }

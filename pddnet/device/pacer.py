@@ -25,25 +25,28 @@ from collections.abc import Sequence
 
 from pddnet.device.cost import InstanceCost
 
-VALID_OVERRUN_SHARE = 0.01   # above this share of overrun steps a run's times are not valid
-RATIO_SAMPLES = 4096         # recent steps kept to say which dilation would have been enough
+VALID_OVERRUN_SHARE = 0.01  # above this share of overrun steps a run's times are not valid
+RATIO_SAMPLES = 4096  # recent steps kept to say which dilation would have been enough
 
 
 class StepPacer:
     """Paces one engine's forwards to ``cost`` (the target model on the role's chip) x k."""
 
     def __init__(self, cost: InstanceCost, dilation: float = 1.0) -> None:
-        if isinstance(dilation, bool) or not isinstance(dilation, (int, float)) \
-                or not 1 <= dilation < math.inf:
+        if (
+            isinstance(dilation, bool)
+            or not isinstance(dilation, (int, float))
+            or not 1 <= dilation < math.inf
+        ):
             raise ValueError(f"dilation must be a number >= 1, got {dilation!r}")
         self.cost = cost
         self.dilation = float(dilation)
         self.steps = 0
         self.overruns = 0
-        self.modelled_s = 0.0      # undilated modelled time of every step: the device's busy time
-        self.real_s = 0.0          # wall time the real compute took
-        self.waited_s = 0.0        # wall time spent waiting out the model
-        self.lost_s = 0.0          # wall time by which overrun steps exceeded their paced time
+        self.modelled_s = 0.0  # undilated modelled time of every step: the device's busy time
+        self.real_s = 0.0  # wall time the real compute took
+        self.waited_s = 0.0  # wall time spent waiting out the model
+        self.lost_s = 0.0  # wall time by which overrun steps exceeded their paced time
         self.worst_ratio = 0.0
         self._ratios: deque[float] = deque(maxlen=RATIO_SAMPLES)
 
@@ -86,12 +89,19 @@ class StepPacer:
         return dilation_for(list(self._ratios))
 
     def to_stats(self) -> dict[str, float | int | bool]:
-        return {"steps": self.steps, "overruns": self.overruns,
-                "overrun_share": round(self.overrun_share, 6), "valid": self.valid,
-                "overrun_lost_s": round(self.lost_s, 6),
-                "modelled_busy_s": round(self.modelled_s, 6), "real_compute_s": round(self.real_s, 6),
-                "waited_s": round(self.waited_s, 6), "worst_ratio": round(self.worst_ratio, 3),
-                "dilation": self.dilation, "dilation_needed": self.dilation_needed()}
+        return {
+            "steps": self.steps,
+            "overruns": self.overruns,
+            "overrun_share": round(self.overrun_share, 6),
+            "valid": self.valid,
+            "overrun_lost_s": round(self.lost_s, 6),
+            "modelled_busy_s": round(self.modelled_s, 6),
+            "real_compute_s": round(self.real_s, 6),
+            "waited_s": round(self.waited_s, 6),
+            "worst_ratio": round(self.worst_ratio, 3),
+            "dilation": self.dilation,
+            "dilation_needed": self.dilation_needed(),
+        }
 
 
 def dilation_for(ratios: Sequence[float], share: float = VALID_OVERRUN_SHARE) -> float:
@@ -100,7 +110,7 @@ def dilation_for(ratios: Sequence[float], share: float = VALID_OVERRUN_SHARE) ->
     if not ratios:
         return 1.0
     xs = sorted(ratios)
-    allowed = math.floor(share * len(xs))          # steps that may still overrun
+    allowed = math.floor(share * len(xs))  # steps that may still overrun
     k = xs[len(xs) - 1 - allowed]
     if not math.isfinite(k):
         return math.inf

@@ -34,18 +34,27 @@ class ProbeResult:
     dilation: float
     context: int
     batch: int
-    host_share: float                                   # daemons per core (>= 1)
+    host_share: float  # daemons per core (>= 1)
     ratio_by_role: dict[str, float] = field(default_factory=dict)  # worst real / modelled
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dilation": self.dilation, "context": self.context, "batch": self.batch,
-                "host_share": self.host_share, "seconds": round(self.seconds, 3),
-                "ratio_by_role": {r: round(v, 3) for r, v in self.ratio_by_role.items()}}
+        return {
+            "dilation": self.dilation,
+            "context": self.context,
+            "batch": self.batch,
+            "host_share": self.host_share,
+            "seconds": round(self.seconds, 3),
+            "ratio_by_role": {r: round(v, 3) for r, v in self.ratio_by_role.items()},
+        }
 
 
-def probe_dilation(config: Any, context: int | None = None, batch: int = PROBE_BATCH,
-                   log: Callable[[str], Any] = print) -> ProbeResult:
+def probe_dilation(
+    config: Any,
+    context: int | None = None,
+    batch: int = PROBE_BATCH,
+    log: Callable[[str], Any] = print,
+) -> ProbeResult:
     """Probe the real engine and return the k the config's devices need on this box."""
     import torch
 
@@ -55,30 +64,40 @@ def probe_dilation(config: Any, context: int | None = None, batch: int = PROBE_B
 
     emulation = config.emulation()
     if emulation is None:
-        raise EmulationError("--dilation auto needs emulated devices: set --target-model and "
-                             "--device ROLE=CHIP")
+        raise EmulationError(
+            "--dilation auto needs emulated devices: set --target-model and --device ROLE=CHIP"
+        )
     t0 = time.monotonic()
     roles = active_roles(config)
     model, tokenizer = load_model(config.model.name, config.model.dtype, config.model.seed)
-    decode_pool = min(getattr(config, r).num_blocks * getattr(config, r).block_size
-                      for r in roles if r != "prefill")
+    decode_pool = min(
+        getattr(config, r).num_blocks * getattr(config, r).block_size
+        for r in roles
+        if r != "prefill"
+    )
     if context is None:
-        context = min(PROBE_MAX_CONTEXT, model.config.max_position // 2,
-                      decode_pool // (batch + 1))
+        context = min(PROBE_MAX_CONTEXT, model.config.max_position // 2, decode_pool // (batch + 1))
     context = max(16, context)
     p = config.prefill
     blocks = -(-(context + batch + PROBE_DECODE_STEPS) // p.block_size) * (batch + 1)
     torch.set_num_threads(config.model.threads)
-    log(f"pdd: probing the dilation: {config.model.name} on this box, a {context}-token "
+    log(
+        f"pdd: probing the dilation: {config.model.name} on this box, a {context}-token "
         f"prefill then {batch} sequences decoding, against {emulation.target.name} on "
-        f"{', '.join(f'{r}={c.gpus} x {c.chip.name}' for r, c in emulation.devices.items())}")
+        f"{', '.join(f'{r}={c.gpus} x {c.chip.name}' for r, c in emulation.devices.items())}"
+    )
     rng = random.Random(0)
     vocab = min(model.config.vocab_size, 256)
     base = [rng.randrange(vocab) for _ in range(context)]
     steps: list[tuple[tuple[tuple[int, int], ...], float, bool]] = []
-    with Engine(model, tokenizer, num_blocks=blocks, block_size=p.block_size,
-                max_num_batched_tokens=p.max_num_batched_tokens,
-                max_num_seqs=max(batch, 1)) as engine:
+    with Engine(
+        model,
+        tokenizer,
+        num_blocks=blocks,
+        block_size=p.block_size,
+        max_num_batched_tokens=p.max_num_batched_tokens,
+        max_num_seqs=max(batch, 1),
+    ) as engine:
         greedy = SamplingParams(temperature=0.0)
         for i in range(batch):
             engine.add_request(base + [i % vocab], PROBE_DECODE_STEPS, greedy, ignore_eos=True)
@@ -93,12 +112,17 @@ def probe_dilation(config: Any, context: int | None = None, batch: int = PROBE_B
     for role in roles:
         cost = emulation.cost_of(role)
         wants_prefill = role == "prefill"
-        rs = [real / cost.prefill_step_time(list(chunks))
-              for chunks, real, is_prefill in steps if is_prefill == wants_prefill]
+        rs = [
+            real / cost.prefill_step_time(list(chunks))
+            for chunks, real, is_prefill in steps
+            if is_prefill == wants_prefill
+        ]
         ratios[role] = dilation_for(rs, share=0.0) if rs else 1.0
     k = max(1.0, math.ceil(max(ratios.values()) * share * 10 - 1e-9) / 10)
     result = ProbeResult(k, context, batch, share, ratios, time.monotonic() - t0)
-    log(f"pdd: dilation auto -> k = {k:g} (worst real/modelled per role: "
+    log(
+        f"pdd: dilation auto -> k = {k:g} (worst real/modelled per role: "
         f"{', '.join(f'{r} {v:g}' for r, v in ratios.items())}; x {share:g} daemons per core; "
-        f"probe took {result.seconds:.1f} s)")
+        f"probe took {result.seconds:.1f} s)"
+    )
     return result

@@ -14,30 +14,47 @@ from typing import Any
 
 def register_generate(sub: Any) -> None:
     parser = sub.add_parser(
-        "generate", help="generate a completion with the colocated reference engine",
+        "generate",
+        help="generate a completion with the colocated reference engine",
         description="Tokenise the prompt (--prompt, --prompt-file or --prompt-ids: exactly one), "
-                    "run it through the reference engine (paged KV, continuous batching "
-                    "scheduler) and print the completion, its token ids and how long prefill and "
-                    "each decode step took.")
+        "run it through the reference engine (paged KV, continuous batching "
+        "scheduler) and print the completion, its token ids and how long prefill and "
+        "each decode step took.",
+    )
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", metavar="TEXT",
-                        help="prompt text (the tokenizer's BOS is put in front)")
-    prompt.add_argument("--prompt-file", metavar="PATH",
-                        help="read the prompt from a file, - for stdin, byte for byte (a final "
-                             "newline included: printf or echo -n leave it out). With a preset's "
-                             "byte vocabulary any bytes are taken as they are (NUL too); a "
-                             "checkpoint's tokenizer needs UTF-8. BOS is put in front")
-    prompt.add_argument("--prompt-ids", metavar="ID,ID,...",
-                        help="the prompt's token ids, separated by commas, used exactly as given "
-                             "(no BOS added); each must be in the model's vocabulary")
-    parser.add_argument("--model", default="small", metavar="tiny|small|medium|PATH",
-                        help="preset name (seeded random weights, byte vocabulary) or a folder in "
-                             "HF Llama layout")
+    prompt.add_argument(
+        "--prompt", metavar="TEXT", help="prompt text (the tokenizer's BOS is put in front)"
+    )
+    prompt.add_argument(
+        "--prompt-file",
+        metavar="PATH",
+        help="read the prompt from a file, - for stdin, byte for byte (a final "
+        "newline included: printf or echo -n leave it out). With a preset's "
+        "byte vocabulary any bytes are taken as they are (NUL too); a "
+        "checkpoint's tokenizer needs UTF-8. BOS is put in front",
+    )
+    prompt.add_argument(
+        "--prompt-ids",
+        metavar="ID,ID,...",
+        help="the prompt's token ids, separated by commas, used exactly as given "
+        "(no BOS added); each must be in the model's vocabulary",
+    )
+    parser.add_argument(
+        "--model",
+        default="small",
+        metavar="tiny|small|medium|PATH",
+        help="preset name (seeded random weights, byte vocabulary) or a folder in HF Llama layout",
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="sampling seed (default: a fresh one when --temperature > 0)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampling temperature; 0 = greedy")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed (default: a fresh one when --temperature > 0)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy"
+    )
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k best tokens (0 = all)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
@@ -48,7 +65,7 @@ def register_generate(sub: Any) -> None:
 
 
 def parse_prompt_ids(text: str) -> list[int]:
-    """"1, 2,3" -> [1, 2, 3]; ValueError naming the offending item."""
+    """ "1, 2,3" -> [1, 2, 3]; ValueError naming the offending item."""
     if not text.strip():
         raise ValueError("--prompt-ids: no token ids given")
     items = [item.strip() for item in text.split(",")]
@@ -59,8 +76,10 @@ def parse_prompt_ids(text: str) -> list[int]:
         try:
             value = int(item)
         except ValueError:
-            raise ValueError(f"--prompt-ids: item {n} ({item!r}) is not an integer token id; "
-                             f"expected ids separated by commas, e.g. 1,2,3") from None
+            raise ValueError(
+                f"--prompt-ids: item {n} ({item!r}) is not an integer token id; "
+                f"expected ids separated by commas, e.g. 1,2,3"
+            ) from None
         if value < 0:
             raise ValueError(f"--prompt-ids: item {n} ({value}) is negative; token ids are >= 0")
         ids.append(value)
@@ -84,9 +103,11 @@ def prompt_token_ids(args: argparse.Namespace, tokenizer: Any, vocab_size: int) 
         ids = parse_prompt_ids(args.prompt_ids)
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"--prompt-ids: {', '.join(map(str, bad[:5]))}"
-                             f"{' ...' if len(bad) > 5 else ''} outside the vocabulary of "
-                             f"{args.model} (ids 0..{vocab_size - 1})")
+            raise ValueError(
+                f"--prompt-ids: {', '.join(map(str, bad[:5]))}"
+                f"{' ...' if len(bad) > 5 else ''} outside the vocabulary of "
+                f"{args.model} (ids 0..{vocab_size - 1})"
+            )
         return ids
     if args.prompt_file is not None:
         from pddnet.model.tokenizer import ByteTokenizer
@@ -97,8 +118,10 @@ def prompt_token_ids(args: argparse.Namespace, tokenizer: Any, vocab_size: int) 
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"--prompt-file: not UTF-8 at byte {exc.start} (this model's "
-                             f"tokenizer takes text; --prompt-ids takes token ids)") from None
+            raise ValueError(
+                f"--prompt-file: not UTF-8 at byte {exc.start} (this model's "
+                f"tokenizer takes text; --prompt-ids takes token ids)"
+            ) from None
         return tokenizer.encode(text, add_bos=True)
     return tokenizer.encode(args.prompt, add_bos=True)
 
@@ -126,8 +149,9 @@ def _generate(args: argparse.Namespace) -> int:
         except ValueError as exc:
             return fail(str(exc))
     torch.set_num_threads(args.threads or 1)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              seed=args.seed)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
     t_load = time.perf_counter()
     try:
         sampling.validate()
@@ -140,8 +164,13 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     blocks = -(-(len(prompt) + args.max_tokens) // args.block_size) + 1
-    engine = Engine(model, tokenizer, num_blocks=blocks, block_size=args.block_size,
-                    max_num_batched_tokens=max(2048, args.block_size))
+    engine = Engine(
+        model,
+        tokenizer,
+        num_blocks=blocks,
+        block_size=args.block_size,
+        max_num_batched_tokens=max(2048, args.block_size),
+    )
     try:
         rid = engine.add_request(prompt, args.max_tokens, sampling, ignore_eos=args.ignore_eos)
     except ValueError as exc:
@@ -189,6 +218,8 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"prefill: {len(prompt)} tokens in {prefill_s * 1e3:.2f} ms")
     if decode_s:
         steps = " ".join(f"{s * 1e3:.2f}" for s in decode_s)
-        print(f"decode: {len(decode_s)} steps, mean {result['timings']['decode_mean_s'] * 1e3:.2f} "
-              f"ms; each (ms): {steps}")
+        print(
+            f"decode: {len(decode_s)} steps, mean {result['timings']['decode_mean_s'] * 1e3:.2f} "
+            f"ms; each (ms): {steps}"
+        )
     return 0

@@ -50,9 +50,9 @@ class StepOutput:
     """What one step did for one sequence."""
 
     request_id: str
-    new_token_ids: list[int]          # sampled this step (0 or 1 tokens)
-    output_index: int                 # index in the output of new_token_ids[0]
-    num_computed_tokens: int          # tokens with KV after this step
+    new_token_ids: list[int]  # sampled this step (0 or 1 tokens)
+    output_index: int  # index in the output of new_token_ids[0]
+    num_computed_tokens: int  # tokens with KV after this step
     num_computed_this_step: int
     finished: bool
     finish_reason: FinishReason | None
@@ -65,9 +65,9 @@ class StepStats:
     step: int
     duration_s: float
     num_seqs: int
-    num_tokens: int           # tokens forwarded
-    num_prefill_tokens: int   # in chunks longer than one token (prefill, chunked prefill, extend)
-    num_decode_tokens: int    # in one-token chunks
+    num_tokens: int  # tokens forwarded
+    num_prefill_tokens: int  # in chunks longer than one token (prefill, chunked prefill, extend)
+    num_decode_tokens: int  # in one-token chunks
     num_sampled: int
     # (start, end) positions each sequence computed: the forward's shape, which is what a
     # modelled accelerator's time depends on (pddnet.device.pacer)
@@ -79,11 +79,11 @@ class KVReservation:
     """Blocks reserved for KV that arrives from outside; see ``Engine.reserve_kv``."""
 
     reservation_id: int
-    token_ids: tuple[int, ...]   # the tokens whose KV these blocks hold (the prompt)
+    token_ids: tuple[int, ...]  # the tokens whose KV these blocks hold (the prompt)
     block_ids: list[int]
-    num_cached_tokens: int       # leading tokens whose KV is already here (prefix-cache hit)
+    num_cached_tokens: int  # leading tokens whose KV is already here (prefix-cache hit)
     max_tokens: int
-    claim: int                   # blocks still reserved for the sequence's later growth
+    claim: int  # blocks still reserved for the sequence's later growth
     hashes: list[int] = field(default_factory=list)
 
     @property
@@ -97,16 +97,25 @@ class KVReservation:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Any = None, num_blocks: int = 512,
-                 block_size: int = 16, max_num_batched_tokens: int = 2048,
-                 enable_prefix_cache: bool = True, kv_shm_name: str | None = None,
-                 max_num_seqs: int = 256, kv_dtype: str | torch.dtype | None = None,
-                 prefix_cache_kind: str = "hash") -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Any = None,
+        num_blocks: int = 512,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_cache: bool = True,
+        kv_shm_name: str | None = None,
+        max_num_seqs: int = 256,
+        kv_dtype: str | torch.dtype | None = None,
+        prefix_cache_kind: str = "hash",
+    ) -> None:
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
-        self.eos_token_id: int = (tokenizer.eos_token_id if tokenizer is not None
-                                  else self.config.eos_token_id)
+        self.eos_token_id: int = (
+            tokenizer.eos_token_id if tokenizer is not None else self.config.eos_token_id
+        )
         self.spec = KVSpec.from_model_config(self.config, block_size, kv_dtype)
         self.pool = KVPool(self.spec, num_blocks, shm_name=kv_shm_name)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache, prefix_cache_kind)
@@ -159,12 +168,21 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: Seq[int], max_tokens: int = 16,
-                    sampling: SamplingParams | None = None, request_id: str | None = None, *,
-                    ignore_eos: bool = False, output_token_ids: Seq[int] = (),
-                    kv: KVReservation | None = None, num_computed_tokens: int | None = None,
-                    hold: bool = False, max_chunk_tokens: int | None = None,
-                    keep_blocks: bool = False) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: Seq[int],
+        max_tokens: int = 16,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        ignore_eos: bool = False,
+        output_token_ids: Seq[int] = (),
+        kv: KVReservation | None = None,
+        num_computed_tokens: int | None = None,
+        hold: bool = False,
+        max_chunk_tokens: int | None = None,
+        keep_blocks: bool = False,
+    ) -> str:
         """Queue a request; returns its id.
 
         ``output_token_ids``: output tokens already known (e.g. P's first token); they are
@@ -187,21 +205,35 @@ class Engine:
         if max_chunk_tokens is not None and max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {max_chunk_tokens}")
         if len(known) >= max_tokens:
-            raise ValueError(f"{len(known)} known output tokens leave nothing to generate with "
-                             f"max_tokens={max_tokens}")
+            raise ValueError(
+                f"{len(known)} known output tokens leave nothing to generate with "
+                f"max_tokens={max_tokens}"
+            )
         if not ignore_eos and self.eos_token_id in known:
             raise ValueError("known output tokens contain EOS: the request is already complete")
         if len(prompt) + max_tokens > self.config.max_position:
-            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the "
-                             f"model's max_position {self.config.max_position}")
-        seq = Sequence(request_id=request_id, token_ids=prompt + known,
-                       num_prompt_tokens=len(prompt), sampling=sampling, max_tokens=max_tokens,
-                       eos_token_id=self.eos_token_id, ignore_eos=ignore_eos, hold=hold,
-                       max_chunk_tokens=max_chunk_tokens, keep_blocks=keep_blocks)
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the "
+                f"model's max_position {self.config.max_position}"
+            )
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=prompt + known,
+            num_prompt_tokens=len(prompt),
+            sampling=sampling,
+            max_tokens=max_tokens,
+            eos_token_id=self.eos_token_id,
+            ignore_eos=ignore_eos,
+            hold=hold,
+            max_chunk_tokens=max_chunk_tokens,
+            keep_blocks=keep_blocks,
+        )
         need = seq.max_blocks(self.block_size)
         if need > self.num_blocks:
-            raise ValueError(f"request needs up to {need} KV blocks of {self.block_size} tokens; "
-                             f"the pool has {self.num_blocks}")
+            raise ValueError(
+                f"request needs up to {need} KV blocks of {self.block_size} tokens; "
+                f"the pool has {self.num_blocks}"
+            )
         if kv is None:
             if num_computed_tokens not in (None, 0):
                 raise ValueError("num_computed_tokens needs kv= (the blocks holding that KV)")
@@ -211,20 +243,27 @@ class Engine:
         self._seqs[request_id] = seq
         return request_id
 
-    def _start_on_reservation(self, seq: Sequence, kv: KVReservation,
-                              num_computed: int | None) -> None:
+    def _start_on_reservation(
+        self, seq: Sequence, kv: KVReservation, num_computed: int | None
+    ) -> None:
         if self._reservations.get(kv.reservation_id) is not kv:
             raise ValueError(f"KV reservation {kv.reservation_id} is unknown or already used")
-        if tuple(seq.token_ids[:kv.num_tokens]) != kv.token_ids:
-            raise ValueError("the KV reservation's tokens are not a prefix of this request's tokens")
+        if tuple(seq.token_ids[: kv.num_tokens]) != kv.token_ids:
+            raise ValueError(
+                "the KV reservation's tokens are not a prefix of this request's tokens"
+            )
         total = len(kv.block_ids) + kv.claim
         if seq.max_blocks(self.block_size) > total:
-            raise ValueError(f"request may need {seq.max_blocks(self.block_size)} blocks, its KV "
-                             f"reservation covers {total} (reserve with max_tokens={seq.max_tokens})")
+            raise ValueError(
+                f"request may need {seq.max_blocks(self.block_size)} blocks, its KV "
+                f"reservation covers {total} (reserve with max_tokens={seq.max_tokens})"
+            )
         n = kv.num_tokens if num_computed is None else num_computed
         if not kv.num_cached_tokens <= n <= kv.num_tokens:
-            raise ValueError(f"num_computed_tokens {n} outside the reservation's "
-                             f"[{kv.num_cached_tokens}, {kv.num_tokens}]")
+            raise ValueError(
+                f"num_computed_tokens {n} outside the reservation's "
+                f"[{kv.num_cached_tokens}, {kv.num_tokens}]"
+            )
         # The last token must be computed here to yield logits; it lies past the cached blocks
         # (reserve_kv never matches the block holding the last reserved token).
         seq.num_computed_tokens = min(n, seq.num_tokens - 1)
@@ -236,8 +275,9 @@ class Engine:
         self.blocks.claimed -= kv.claim - seq.remaining_claim(self.block_size)
         self.scheduler.add_running(seq)
 
-    def reserve_kv(self, token_ids: Seq[int], max_tokens: int,
-                   use_prefix_cache: bool = True) -> KVReservation:
+    def reserve_kv(
+        self, token_ids: Seq[int], max_tokens: int, use_prefix_cache: bool = True
+    ) -> KVReservation:
         """Blocks for the KV of ``token_ids`` (to be written from outside), plus the claim for a
         request of ``max_tokens`` output tokens on top. Leading full blocks found in the prefix
         cache are reused (``num_cached_tokens``): only ``missing_range`` needs to be written.
@@ -250,8 +290,10 @@ class Engine:
         bs = self.block_size
         total = self.blocks.blocks_for(len(tokens) + max_tokens - 1)
         if total > self.num_blocks:
-            raise ValueError(f"{len(tokens)} tokens + max_tokens {max_tokens} need {total} "
-                             f"blocks; the pool has {self.num_blocks}")
+            raise ValueError(
+                f"{len(tokens)} tokens + max_tokens {max_tokens} need {total} "
+                f"blocks; the pool has {self.num_blocks}"
+            )
         match = self.blocks.match(tokens, (len(tokens) - 1) // bs) if use_prefix_cache else None
         cost = self.blocks.admission_cost(total, 0, match)
         if cost > self.blocks.num_unclaimed:
@@ -263,9 +305,15 @@ class Engine:
         blocks = cached + self.blocks.allocate(now)
         claim = total - len(blocks)
         self.blocks.claimed += claim
-        res = KVReservation(next(self._reservation_ids), tuple(tokens), blocks,
-                            match.num_tokens if match else 0, max_tokens, claim,
-                            list(match.hashes) if match else [])
+        res = KVReservation(
+            next(self._reservation_ids),
+            tuple(tokens),
+            blocks,
+            match.num_tokens if match else 0,
+            max_tokens,
+            claim,
+            list(match.hashes) if match else [],
+        )
         self._reservations[res.reservation_id] = res
         return res
 
@@ -284,8 +332,10 @@ class Engine:
         seq = self._live(request_id)
         tokens = self._check_tokens(token_ids, "token_ids", allow_empty=True)
         if seq.num_output_tokens + len(tokens) > seq.max_tokens:
-            raise ValueError(f"appending {len(tokens)} tokens exceeds max_tokens={seq.max_tokens} "
-                             f"({seq.num_output_tokens} already)")
+            raise ValueError(
+                f"appending {len(tokens)} tokens exceeds max_tokens={seq.max_tokens} "
+                f"({seq.num_output_tokens} already)"
+            )
         if not seq.ignore_eos and self.eos_token_id in tokens[:-1]:
             raise ValueError("appended tokens continue after EOS")
         for t in tokens:
@@ -323,7 +373,9 @@ class Engine:
         if seq is None:
             raise KeyError(f"unknown request {request_id!r}")
         if not seq.is_finished:
-            raise ValueError(f"request {request_id!r} is still {seq.status.value}; abort it instead")
+            raise ValueError(
+                f"request {request_id!r} is still {seq.status.value}; abort it instead"
+            )
         self.blocks.release(seq.block_table)
         seq.block_table = []
         del self._seqs[request_id]
@@ -374,9 +426,12 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        logits = self.runner.run([
-            Chunk(c.token_ids, c.start, c.seq.block_table, "last" if c.sample else "none")
-            for c in scheduled])
+        logits = self.runner.run(
+            [
+                Chunk(c.token_ids, c.start, c.seq.block_table, "last" if c.sample else "none")
+                for c in scheduled
+            ]
+        )
         for c in scheduled:
             c.seq.num_computed_tokens += c.num_tokens
             self.blocks.register_computed(c.seq)
@@ -386,10 +441,18 @@ class Engine:
         if sampling_chunks:
             stacked = torch.stack([lg for _, lg in sampling_chunks])
             seqs = [c.seq for c, _ in sampling_chunks]
-            histories = ([(s.prompt_token_ids, s.output_token_ids) for s in seqs]
-                         if any(s.sampling.processes_logits for s in seqs) else None)
-            tokens = sample_batch(stacked, [s.sampling for s in seqs],
-                                  [s.num_tokens for s in seqs], histories, self.eos_token_id)
+            histories = (
+                [(s.prompt_token_ids, s.output_token_ids) for s in seqs]
+                if any(s.sampling.processes_logits for s in seqs)
+                else None
+            )
+            tokens = sample_batch(
+                stacked,
+                [s.sampling for s in seqs],
+                [s.num_tokens for s in seqs],
+                histories,
+                self.eos_token_id,
+            )
             sampled = {id(c): int(t) for (c, _), t in zip(sampling_chunks, tokens, strict=True)}
             for (c, lg), t in zip(sampling_chunks, tokens, strict=True):
                 if c.seq.sampling.logprobs is not None:  # raw: the model's own logits
@@ -412,16 +475,32 @@ class Engine:
                 if reason is not None:
                     self._finish(seq, reason)
             lp = logprobs.get(id(c))
-            outputs.append(StepOutput(seq.request_id, new, index, seq.num_computed_tokens,
-                                      c.num_tokens, reason is not None, reason,
-                                      (lp,) if lp is not None and new else None))
+            outputs.append(
+                StepOutput(
+                    seq.request_id,
+                    new,
+                    index,
+                    seq.num_computed_tokens,
+                    c.num_tokens,
+                    reason is not None,
+                    reason,
+                    (lp,) if lp is not None and new else None,
+                )
+            )
         n_tokens = sum(c.num_tokens for c in scheduled)
         prefill = sum(c.num_tokens for c in scheduled if c.num_tokens > 1)
         self.num_steps += 1
         self.num_computed_tokens_total += n_tokens
-        self.last_step = StepStats(self.num_steps, time.perf_counter() - t0, len(scheduled),
-                                   n_tokens, prefill, n_tokens - prefill, len(sampled),
-                                   tuple((c.start, c.start + c.num_tokens) for c in scheduled))
+        self.last_step = StepStats(
+            self.num_steps,
+            time.perf_counter() - t0,
+            len(scheduled),
+            n_tokens,
+            prefill,
+            n_tokens - prefill,
+            len(sampled),
+            tuple((c.start, c.start + c.num_tokens) for c in scheduled),
+        )
         return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -436,15 +515,24 @@ class Engine:
 
     # -- synchronous conveniences (the colocated reference) ------------------------------------------
 
-    def generate(self, prompt_token_ids: Seq[int], max_tokens: int,
-                 sampling: SamplingParams | None = None, ignore_eos: bool = False) -> list[int]:
+    def generate(
+        self,
+        prompt_token_ids: Seq[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        ignore_eos: bool = False,
+    ) -> list[int]:
         """Run one request to completion; returns its output token ids. Other queued requests
         progress too (their tokens are on their sequences), but their StepOutputs are dropped."""
         return list(self.stream(prompt_token_ids, max_tokens, sampling, ignore_eos))
 
-    def generate_logprobs(self, prompt_token_ids: Seq[int], max_tokens: int,
-                          sampling: SamplingParams, ignore_eos: bool = False
-                          ) -> tuple[list[int], list[TokenLogprob]]:
+    def generate_logprobs(
+        self,
+        prompt_token_ids: Seq[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        ignore_eos: bool = False,
+    ) -> tuple[list[int], list[TokenLogprob]]:
         """Like ``generate``, with each token's log-probabilities (``sampling.logprobs`` top
         ones); the reference for what the daemons carry to the router."""
         rid = self.add_request(prompt_token_ids, max_tokens, sampling, ignore_eos=ignore_eos)
@@ -462,20 +550,28 @@ class Engine:
                     entries += out.logprobs or ()
         return tokens, entries
 
-    def stream(self, prompt_token_ids: Seq[int], max_tokens: int,
-               sampling: SamplingParams | None = None, ignore_eos: bool = False,
-               request_id: str | None = None) -> Iterator[int]:
+    def stream(
+        self,
+        prompt_token_ids: Seq[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+    ) -> Iterator[int]:
         """Like ``generate`` but yields each token as soon as it is sampled. Closing the iterator
         early aborts the request."""
-        rid = self.add_request(prompt_token_ids, max_tokens, sampling, request_id,
-                               ignore_eos=ignore_eos)
+        rid = self.add_request(
+            prompt_token_ids, max_tokens, sampling, request_id, ignore_eos=ignore_eos
+        )
         seq = self._seqs[rid]
         try:
             while not seq.is_finished:
                 outputs = self.step()
                 if not outputs:
-                    raise RuntimeError(f"engine made no progress on request {rid!r} "
-                                       f"(held, or the pool cannot admit it)")
+                    raise RuntimeError(
+                        f"engine made no progress on request {rid!r} "
+                        f"(held, or the pool cannot admit it)"
+                    )
                 for out in outputs:
                     if out.request_id == rid:
                         yield from out.new_token_ids

@@ -34,8 +34,8 @@ AttentionPath = Literal["paged", "gather"]
 @dataclass(frozen=True)
 class Chunk:
     token_ids: Sequence[int]
-    start: int                      # absolute position of token_ids[0] in its sequence
-    block_table: Sequence[int]      # must cover positions 0..start+len-1
+    start: int  # absolute position of token_ids[0] in its sequence
+    block_table: Sequence[int]  # must cover positions 0..start+len-1
     logits: LogitsMode = "last"
 
     def __post_init__(self) -> None:
@@ -52,17 +52,20 @@ class Chunk:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool,
-                 attention: AttentionPath = "paged") -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, attention: AttentionPath = "paged") -> None:
         if attention not in ("paged", "gather"):
             raise ValueError(f"attention must be 'paged' or 'gather', got {attention!r}")
         cfg, spec = model.config, pool.spec
         if (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) != (
-                spec.num_layers, spec.num_kv_heads, spec.head_dim):
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+        ):
             raise ValueError(
                 f"KV pool ({spec.num_layers} layers x {spec.num_kv_heads} kv heads x "
                 f"{spec.head_dim}) does not fit model {cfg.name} ({cfg.num_layers} x "
-                f"{cfg.num_kv_heads} x {cfg.head_dim})")
+                f"{cfg.num_kv_heads} x {cfg.head_dim})"
+            )
         self.model = model
         self.pool = pool
         self.attention = attention
@@ -80,8 +83,9 @@ class ModelRunner:
         logits_rows: list[int] = []
         for c in chunks:
             if c.end > max_pos:
-                raise ValueError(f"chunk reaches position {c.end - 1}, model max_position is "
-                                 f"{max_pos}")
+                raise ValueError(
+                    f"chunk reaches position {c.end - 1}, model max_position is {max_pos}"
+                )
             s = len(ids)
             ids.extend(c.token_ids)
             bounds.append((s, len(ids)))
@@ -95,12 +99,25 @@ class ModelRunner:
         pool = self.pool
         cfg = self.model.config
         # One plan per chunk and step (slot_mapping above checked its block ids), every layer.
-        plans = [plan_chunk(c.block_table, c.end, pool.spec.block_size, len(c.token_ids),
-                            cfg.num_heads, cfg.num_kv_heads)
-                 for c in chunks] if self.attention == "paged" else []
+        plans = (
+            [
+                plan_chunk(
+                    c.block_table,
+                    c.end,
+                    pool.spec.block_size,
+                    len(c.token_ids),
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                )
+                for c in chunks
+            ]
+            if self.attention == "paged"
+            else []
+        )
 
-        def attention(layer: int, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> torch.Tensor:
+        def attention(
+            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
             pool.write(layer, slot_all, k, v)
             out = torch.empty_like(q)
             k_blocks, v_blocks = pool.layer_blocks(layer)
@@ -108,8 +125,9 @@ class ModelRunner:
                 out[s:e] = paged_attention(q[s:e], k_blocks, v_blocks, plan, c.start)
             return out
 
-        def gather_attention(layer: int, q: torch.Tensor, k: torch.Tensor,
-                             v: torch.Tensor) -> torch.Tensor:
+        def gather_attention(
+            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
             pool.write(layer, slot_all, k, v)
             out = torch.empty_like(q)
             for c, (s, e) in zip(chunks, bounds, strict=True):
@@ -119,9 +137,12 @@ class ModelRunner:
 
         input_ids = torch.tensor(ids, dtype=torch.long)
         # An empty index list (no chunk wants logits) skips the head entirely.
-        logits = self.model(input_ids, torch.cat(positions),
-                            attention if self.attention == "paged" else gather_attention,
-                            torch.tensor(logits_rows, dtype=torch.long))
+        logits = self.model(
+            input_ids,
+            torch.cat(positions),
+            attention if self.attention == "paged" else gather_attention,
+            torch.tensor(logits_rows, dtype=torch.long),
+        )
         out: list[torch.Tensor | None] = []
         row = 0
         for c in chunks:
@@ -129,7 +150,7 @@ class ModelRunner:
                 out.append(logits[row])
                 row += 1
             elif c.logits == "all":
-                out.append(logits[row:row + len(c.token_ids)])
+                out.append(logits[row : row + len(c.token_ids)])
                 row += len(c.token_ids)
             else:
                 out.append(None)

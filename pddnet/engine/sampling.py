@@ -37,9 +37,9 @@ import torch
 import xxhash
 
 _U64 = 1 << 64
-MAX_LOGPROBS = 20          # most top log-probabilities a token may carry (vLLM's max_logprobs)
-LOGPROB_FLOOR = -9999.0    # what vLLM reports for -inf (JSON has no infinities)
-PENALTY_RANGE = 2.0        # presence / frequency penalties lie in [-2, 2] (OpenAI)
+MAX_LOGPROBS = 20  # most top log-probabilities a token may carry (vLLM's max_logprobs)
+LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf (JSON has no infinities)
+PENALTY_RANGE = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI)
 MAX_REPETITION_PENALTY = 100.0
 
 
@@ -68,8 +68,12 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the logits depend on the token history (penalties, min_tokens)."""
-        return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+        return bool(
+            self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     def validate(self) -> None:
         t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
@@ -86,23 +90,33 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {m!r}")
         ids = self.stop_token_ids
         if not isinstance(ids, (tuple, list)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
             raise ValueError(f"stop_token_ids must be a sequence of token ids >= 0, got {ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
-                    not -PENALTY_RANGE <= v <= PENALTY_RANGE:
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not -PENALTY_RANGE <= v <= PENALTY_RANGE
+            ):
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or \
-                not 0 < r <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
-                             f"got {r!r}")
+        if (
+            isinstance(r, bool)
+            or not isinstance(r, (int, float))
+            or not 0 < r <= MAX_REPETITION_PENALTY
+        ):
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {r!r}"
+            )
         lp = self.logprobs
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)
-                               or not 0 <= lp <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
-                             f"got {lp!r}")
+        if lp is not None and (
+            isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -124,8 +138,9 @@ def uniform_for(seed: int, position: int) -> float:
 
 def _check_logits(logits: torch.Tensor) -> None:
     if logits.dim() != 1 or logits.numel() == 0:
-        raise ValueError(f"logits must be a non-empty 1-D [vocab] tensor, got shape "
-                         f"{tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must be a non-empty 1-D [vocab] tensor, got shape {tuple(logits.shape)}"
+        )
     if torch.isnan(logits).any():
         raise ValueError("logits contain NaN")
 
@@ -135,8 +150,13 @@ def _greedy(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-                   output_ids: Sequence[int], eos_token_id: int | None = None) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    eos_token_id: int | None = None,
+) -> torch.Tensor:
     """The logits the request samples from (float64; the input when nothing applies): the
     min_tokens mask and the penalties above, from the token history alone."""
     if not params.processes_logits:
@@ -144,8 +164,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq
     out = logits.detach().to(torch.float64).clone()
     vocab = out.numel()
     if len(output_ids) < params.min_tokens:
-        stops = [t for t in (*params.stop_token_ids, eos_token_id)
-                 if t is not None and 0 <= t < vocab]
+        stops = [
+            t for t in (*params.stop_token_ids, eos_token_id) if t is not None and 0 <= t < vocab
+        ]
         if stops:
             out[torch.tensor(stops, dtype=torch.long)] = -math.inf
     if params.repetition_penalty != 1.0:
@@ -157,8 +178,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq
         hit = out[seen]
         out[seen] = torch.where(hit > 0, hit / r, hit * r)
     if (params.frequency_penalty or params.presence_penalty) and len(output_ids):
-        counts = torch.bincount(torch.as_tensor(list(output_ids), dtype=torch.long),
-                                minlength=vocab)[:vocab].to(torch.float64)
+        counts = torch.bincount(
+            torch.as_tensor(list(output_ids), dtype=torch.long), minlength=vocab
+        )[:vocab].to(torch.float64)
         out -= float(params.frequency_penalty) * counts
         out -= float(params.presence_penalty) * (counts > 0).to(torch.float64)
     return out
@@ -171,8 +193,12 @@ def token_logprob(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
     if k <= 0:
         return TokenLogprob(int(token_id), lp)
     order = torch.sort(logp, descending=True, stable=True).indices[:k]
-    return TokenLogprob(int(token_id), lp, tuple(int(i) for i in order),
-                        tuple(max(float(logp[i]), LOGPROB_FLOOR) for i in order))
+    return TokenLogprob(
+        int(token_id),
+        lp,
+        tuple(int(i) for i in order),
+        tuple(max(float(logp[i]), LOGPROB_FLOOR) for i in order),
+    )
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
@@ -185,8 +211,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
     if params.greedy:
         return _greedy(logits)
     if params.seed is None:
-        raise ValueError("temperature > 0 needs a seed; the engine resolves seed=None to a "
-                         "concrete seed when it admits the request")
+        raise ValueError(
+            "temperature > 0 needs a seed; the engine resolves seed=None to a "
+            "concrete seed when it admits the request"
+        )
     scaled = logits.detach().to(torch.float64) / params.temperature
     # Fixed order: value descending, then id ascending (stable sort), so ties cut the same way.
     order = torch.sort(scaled, descending=True, stable=True).indices
@@ -202,24 +230,34 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
     return int(order[index])
 
 
-def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
-                 positions: Sequence[int],
-                 histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
-                 eos_token_id: int | None = None) -> list[int]:
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    eos_token_id: int | None = None,
+) -> list[int]:
     """Row i of logits [B, vocab] sampled with params[i] for position positions[i].
     `histories[i]` = (prompt ids, output ids so far) of row i: needed when its params
     process the logits (penalties, min_tokens; `eos_token_id` is what min_tokens masks)."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(positions):
-        raise ValueError(f"logits [B, vocab] ({tuple(logits.shape)}), params ({len(params)}) and "
-                         f"positions ({len(positions)}) must agree on B")
+        raise ValueError(
+            f"logits [B, vocab] ({tuple(logits.shape)}), params ({len(params)}) and "
+            f"positions ({len(positions)}) must agree on B"
+        )
     if any(p.processes_logits for p in params):
         if histories is None or len(histories) != len(params):
-            raise ValueError("penalties and min_tokens need each row's token history "
-                             "(histories=[(prompt ids, output ids), ...])")
-        rows = [process_logits(row, p, h[0], h[1], eos_token_id) if p.processes_logits else row
-                for row, p, h in zip(logits, params, histories, strict=True)]
-        return [sample_token(row, p, pos) for row, p, pos in zip(rows, params, positions,
-                                                                  strict=True)]
+            raise ValueError(
+                "penalties and min_tokens need each row's token history "
+                "(histories=[(prompt ids, output ids), ...])"
+            )
+        rows = [
+            process_logits(row, p, h[0], h[1], eos_token_id) if p.processes_logits else row
+            for row, p, h in zip(logits, params, histories, strict=True)
+        ]
+        return [
+            sample_token(row, p, pos) for row, p, pos in zip(rows, params, positions, strict=True)
+        ]
     if all(p.greedy for p in params):
         for p in params:
             p.validate()
@@ -228,4 +266,6 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
         if any(pos < 0 for pos in positions):
             raise ValueError(f"positions must be >= 0, got {list(positions)}")
         return [int(t) for t in torch.argmax(logits, dim=-1)]
-    return [sample_token(row, p, pos) for row, p, pos in zip(logits, params, positions, strict=True)]
+    return [
+        sample_token(row, p, pos) for row, p, pos in zip(logits, params, positions, strict=True)
+    ]

@@ -29,8 +29,9 @@ from pddnet.kv.radix import RadixCache
 PREFIX_CACHE_KINDS = ("hash", "radix")
 
 
-def make_prefix_cache(kind: str, allocator: BlockAllocator,
-                      block_size: int) -> PrefixCache | RadixCache:
+def make_prefix_cache(
+    kind: str, allocator: BlockAllocator, block_size: int
+) -> PrefixCache | RadixCache:
     """The engine's prefix cache: "hash" (chained block hashes) or "radix" (MD's DRC)."""
     if kind == "hash":
         return PrefixCache(allocator, block_size)
@@ -42,8 +43,13 @@ def make_prefix_cache(kind: str, allocator: BlockAllocator,
 class BlockManager:
     """The engine's blocks: allocator plus optional prefix cache, and the claim ledger."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
-                 prefix_cache_kind: str = "hash") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_cache: bool = True,
+        prefix_cache_kind: str = "hash",
+    ) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache: PrefixCache | RadixCache | None = None
@@ -124,27 +130,33 @@ class BlockManager:
             return
         parent = seq.block_hashes[-1] if seq.block_hashes else 0
         seq.block_hashes += self.prefix_cache.insert(
-            seq.token_ids[:full * self.block_size], seq.block_table,
-            first_block=len(seq.block_hashes), parent_hash=parent)
+            seq.token_ids[: full * self.block_size],
+            seq.block_table,
+            first_block=len(seq.block_hashes),
+            parent_hash=parent,
+        )
 
 
 @dataclass
 class ScheduledChunk:
     seq: Sequence
-    start: int          # absolute index of the chunk's first token
+    start: int  # absolute index of the chunk's first token
     num_tokens: int
-    sample: bool        # the chunk reaches the sequence's end: sample the next token
+    sample: bool  # the chunk reaches the sequence's end: sample the next token
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_tokens]
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int,
-                 max_num_seqs: int = 256) -> None:
+    def __init__(
+        self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int = 256
+    ) -> None:
         if max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}"
+            )
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
         self.blocks = blocks
@@ -181,8 +193,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         # Decodes (one token from sampling) first: they are latency-critical and cost 1 token.
-        order = sorted((s for s in self.running if s.num_pending_tokens),
-                       key=lambda s: s.num_pending_tokens > 1)
+        order = sorted(
+            (s for s in self.running if s.num_pending_tokens),
+            key=lambda s: s.num_pending_tokens > 1,
+        )
         for seq in order:
             if budget == 0:
                 break

@@ -20,15 +20,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"      # not admitted yet: holds no claim on the pool
-    RUNNING = "running"      # admitted: its whole-life block claim is reserved
+    WAITING = "waiting"  # not admitted yet: holds no claim on the pool
+    RUNNING = "running"  # admitted: its whole-life block claim is reserved
     FINISHED = "finished"
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"            # EOS or one of the request's stop_token_ids sampled (or appended)
-    LENGTH = "length"        # max_tokens reached
-    ABORT = "abort"          # aborted by the caller
+    STOP = "stop"  # EOS or one of the request's stop_token_ids sampled (or appended)
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # aborted by the caller
 
     def __str__(self) -> str:
         return self.value
@@ -37,7 +37,7 @@ class FinishReason(str, enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     request_id: str
-    token_ids: list[int]                       # prompt followed by output
+    token_ids: list[int]  # prompt followed by output
     num_prompt_tokens: int
     sampling: SamplingParams
     max_tokens: int
@@ -56,18 +56,18 @@ class Sequence:
     # Chained hashes of the leading full blocks already indexed in the prefix cache.
     block_hashes: list[int] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0
-    num_sampled_tokens: int = 0                 # sampled here (the rest were given)
+    num_sampled_tokens: int = 0  # sampled here (the rest were given)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:

@@ -52,12 +52,18 @@ class EngineWorker:
     """Owns the only thread that touches `engine`. Create it inside a running event loop (or
     pass `loop`); the thread starts at once. `close()` stops and joins it."""
 
-    def __init__(self, engine: Engine, on_outputs: Callable[[list[StepOutput]], None],
-                 threads: int = 1, name: str = "engine", *,
-                 on_error: Callable[[BaseException], None] | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None,
-                 on_step_stats: Callable[[StepStats], None] | None = None,
-                 pacer: StepPacer | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        on_outputs: Callable[[list[StepOutput]], None],
+        threads: int = 1,
+        name: str = "engine",
+        *,
+        on_error: Callable[[BaseException], None] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        on_step_stats: Callable[[StepStats], None] | None = None,
+        pacer: StepPacer | None = None,
+    ) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         self.engine = engine
@@ -74,11 +80,12 @@ class EngineWorker:
         self.num_errors = 0
         self.last_error: BaseException | None = None
         self.in_step = False  # read by tests and /metrics: a forward is running right now
-        self._calls: collections.deque[tuple[concurrent.futures.Future, Callable, tuple, dict]] = \
+        self._calls: collections.deque[tuple[concurrent.futures.Future, Callable, tuple, dict]] = (
             collections.deque()
+        )
         self._lock = threading.Lock()  # guards _calls and _closing against close() racing call()
         self._wakeup = threading.Event()
-        self._stop = threading.Event()   # ends a paced wait at once when the worker closes
+        self._stop = threading.Event()  # ends a paced wait at once when the worker closes
         self._closing = False
         self._stalled = False  # last step made no progress or failed: wait for a call/wake
         self._exited: asyncio.Future[None] = self.loop.create_future()
@@ -171,7 +178,7 @@ class EngineWorker:
         self.num_steps += 1
         step = self.engine.last_step
         if step is not None and step.step != self._last_seen:
-            self._last_seen = step.step   # an empty step() leaves last_step as it was
+            self._last_seen = step.step  # an empty step() leaves last_step as it was
             if self.pacer is not None:
                 step = self._pace(step)
             if self.on_step_stats is not None:
@@ -196,8 +203,11 @@ class EngineWorker:
         try:
             self.loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # the loop is closed: nobody is left to tell
-            log.warning("engine worker %r: event loop closed, dropping %s", self.name,
-                        getattr(callback, "__name__", callback))
+            log.warning(
+                "engine worker %r: event loop closed, dropping %s",
+                self.name,
+                getattr(callback, "__name__", callback),
+            )
 
     def _fail_pending(self) -> None:
         with self._lock:
@@ -205,8 +215,9 @@ class EngineWorker:
             pending, self._calls = list(self._calls), collections.deque()
         for fut, *_ in pending:
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(WorkerClosed(f"engine worker {self.name!r} closed before "
-                                               "running this call"))
+                fut.set_exception(
+                    WorkerClosed(f"engine worker {self.name!r} closed before running this call")
+                )
 
     def _set_exited(self) -> None:
         if not self._exited.done():

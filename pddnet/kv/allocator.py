@@ -77,7 +77,7 @@ class BlockAllocator:
     def incref(self, block_ids: Iterable[int]) -> None:
         ids = list(block_ids)
         if self.plain_ids(ids) and self._incref_or_undo(ids):
-            return                    # fast path: ids checked at C speed, counts on the way
+            return  # fast path: ids checked at C speed, counts on the way
         for b in ids:
             self._check(b)
             if self._refcount[b] == 0:
@@ -91,7 +91,7 @@ class BlockAllocator:
         if self.plain_ids(ids):
             freed = self._decref_or_undo(ids)
             if freed is not None:
-                return freed          # fast path: ids checked at C speed, counts on the way
+                return freed  # fast path: ids checked at C speed, counts on the way
         pending: dict[int, int] = {}
         for b in ids:
             self._check(b)
@@ -134,7 +134,7 @@ class BlockAllocator:
         for k, b in enumerate(ids):
             c = rc[b] - 1
             if c < 0:
-                for u in reversed(ids[:k]):     # newest first: a freed id is the free tail
+                for u in reversed(ids[:k]):  # newest first: a freed id is the free tail
                     if not rc[u]:
                         free.pop()
                         freed.pop()
@@ -178,8 +178,9 @@ class BlockAllocator:
         caller to the per-id checks (which raise the errors, or accept int subclasses)."""
         if not ids:
             return True
-        return (all(map(isinstance, ids, repeat(int))) and min(ids) >= 0
-                and max(ids) < self.num_blocks)
+        return (
+            all(map(isinstance, ids, repeat(int))) and min(ids) >= 0 and max(ids) < self.num_blocks
+        )
 
     def _check(self, block_id: int) -> None:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:

@@ -81,11 +81,16 @@ class KVSpec:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
     @classmethod
-    def from_model_config(cls, config: ModelConfig, block_size: int = 16,
-                          dtype: str | torch.dtype | None = None) -> KVSpec:
-        return cls(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                   head_dim=config.head_dim, block_size=block_size,
-                   dtype=dtype_name(dtype if dtype is not None else config.dtype))
+    def from_model_config(
+        cls, config: ModelConfig, block_size: int = 16, dtype: str | torch.dtype | None = None
+    ) -> KVSpec:
+        return cls(
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            block_size=block_size,
+            dtype=dtype_name(dtype if dtype is not None else config.dtype),
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -126,8 +131,12 @@ class KVSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVSpec:
         try:
-            return cls(**{k: d[k] for k in ("num_layers", "num_kv_heads", "head_dim",
-                                             "block_size", "dtype")})
+            return cls(
+                **{
+                    k: d[k]
+                    for k in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+                }
+            )
         except KeyError as e:
             raise ValueError(f"KV spec is missing field {e.args[0]!r}") from None
 
@@ -168,7 +177,8 @@ class KVPool:
             if DATA_OFFSET + pool.nbytes > segment.size:
                 raise SharedMemoryError(
                     f"segment {segment.name!r} holds {segment.size} bytes, header promises "
-                    f"{DATA_OFFSET + pool.nbytes}")
+                    f"{DATA_OFFSET + pool.nbytes}"
+                )
             pool.data = _map_tensor(segment, spec, num_blocks)
             pool._segment = segment
             return pool
@@ -224,12 +234,15 @@ class KVPool:
         bs = self.spec.block_size
         needed = self.spec.num_blocks_for(end)
         if needed > len(block_table):
-            raise ValueError(f"token range [{start}, {end}) needs {needed} blocks, "
-                             f"block table has {len(block_table)}")
+            raise ValueError(
+                f"token range [{start}, {end}) needs {needed} blocks, "
+                f"block table has {len(block_table)}"
+            )
         table = torch.as_tensor(list(block_table[:needed]), dtype=torch.long)
         if needed and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
-            raise ValueError(f"block table {list(block_table[:needed])} has ids outside "
-                             f"0..{self.num_blocks - 1}")
+            raise ValueError(
+                f"block table {list(block_table[:needed])} has ids outside 0..{self.num_blocks - 1}"
+            )
         pos = torch.arange(start, end, dtype=torch.long)
         return table[pos // bs] * bs + pos % bs
 
@@ -247,8 +260,10 @@ class KVPool:
         s = self.spec
         expect = (slots.numel(), s.num_kv_heads, s.head_dim)
         if tuple(k.shape) != expect or tuple(v.shape) != expect:
-            raise ValueError(f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)} do not match "
-                             f"{expect} (slots, num_kv_heads, head_dim)")
+            raise ValueError(
+                f"k/v shapes {tuple(k.shape)}/{tuple(v.shape)} do not match "
+                f"{expect} (slots, num_kv_heads, head_dim)"
+            )
         self._flat(layer, 0).index_copy_(0, slots, k.to(s.torch_dtype))
         self._flat(layer, 1).index_copy_(0, slots, v.to(s.torch_dtype))
 
@@ -260,8 +275,13 @@ class KVPool:
             raise IndexError(f"layer {layer} out of range 0..{self.spec.num_layers - 1}")
         return data[layer, 0], data[layer, 1]
 
-    def gather(self, layer: int, block_table: Sequence[int], num_tokens: int,
-               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self,
+        layer: int,
+        block_table: Sequence[int],
+        num_tokens: int,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[num_tokens, Hkv, D]`` of tokens ``0..num_tokens-1`` of a sequence."""
         slots = self.slot_mapping(block_table, 0, num_tokens)
         k = self._flat(layer, 0).index_select(0, slots)
@@ -272,30 +292,44 @@ class KVPool:
 
     # -- whole-token access (export/import) ------------------------------------------------------
 
-    def read_tokens(self, block_table: Sequence[int], start: int, end: int,
-                    layers: Iterable[int] | None = None) -> torch.Tensor:
+    def read_tokens(
+        self, block_table: Sequence[int], start: int, end: int, layers: Iterable[int] | None = None
+    ) -> torch.Tensor:
         """KV of tokens ``start..end-1`` as one contiguous ``[layers, 2, n, Hkv, D]`` tensor."""
         slots = self.slot_mapping(block_table, start, end)
         s = self.spec
         data = self._tensor()
         layer_ids = list(range(s.num_layers) if layers is None else layers)
-        flat = data.view(s.num_layers, 2, self.num_blocks * s.block_size, s.num_kv_heads,
-                         s.head_dim)
+        flat = data.view(
+            s.num_layers, 2, self.num_blocks * s.block_size, s.num_kv_heads, s.head_dim
+        )
         # One advanced-indexing gather: [layers, 1, 1] x [1, 2, 1] x [1, 1, n] -> [layers, 2, n].
         li = torch.as_tensor(layer_ids, dtype=torch.long).view(-1, 1, 1)
         kv = torch.arange(2).view(1, 2, 1)
         return flat[li, kv, slots.view(1, 1, -1)]
 
-    def write_tokens(self, block_table: Sequence[int], start: int, kv: torch.Tensor,
-                     layers: Iterable[int] | None = None) -> None:
+    def write_tokens(
+        self,
+        block_table: Sequence[int],
+        start: int,
+        kv: torch.Tensor,
+        layers: Iterable[int] | None = None,
+    ) -> None:
         """Store ``kv`` ([layers, 2, n, Hkv, D], any float dtype) at tokens ``start..start+n-1``."""
         s = self.spec
         layer_ids = list(range(s.num_layers) if layers is None else layers)
-        expect = (len(layer_ids), 2, kv.shape[2] if kv.dim() == 5 else -1, s.num_kv_heads,
-                  s.head_dim)
+        expect = (
+            len(layer_ids),
+            2,
+            kv.shape[2] if kv.dim() == 5 else -1,
+            s.num_kv_heads,
+            s.head_dim,
+        )
         if kv.dim() != 5 or tuple(kv.shape) != expect:
-            raise ValueError(f"KV tensor shape {tuple(kv.shape)} does not fit this pool: "
-                             f"expected [{len(layer_ids)}, 2, n, {s.num_kv_heads}, {s.head_dim}]")
+            raise ValueError(
+                f"KV tensor shape {tuple(kv.shape)} does not fit this pool: "
+                f"expected [{len(layer_ids)}, 2, n, {s.num_kv_heads}, {s.head_dim}]"
+            )
         slots = self.slot_mapping(block_table, start, start + kv.shape[2])
         src = kv.to(s.torch_dtype)
         for i, layer in enumerate(layer_ids):
@@ -308,8 +342,9 @@ class KVPool:
         """The pool's data as a flat uint8 tensor sharing its memory (offsets of block_byte_ranges)."""
         return self._tensor().view(-1).view(torch.uint8)
 
-    def block_byte_ranges(self, block_ids: Sequence[int],
-                          layers: Iterable[int] | None = None) -> list[tuple[int, int]]:
+    def block_byte_ranges(
+        self, block_ids: Sequence[int], layers: Iterable[int] | None = None
+    ) -> list[tuple[int, int]]:
         from pddnet.kv.transfer import block_byte_ranges
 
         return block_byte_ranges(self.spec, self.num_blocks, block_ids, layers)
@@ -320,25 +355,27 @@ def _write_header(segment: SharedSegment, spec: KVSpec, num_blocks: int) -> None
     if _HEADER.size + len(meta) > DATA_OFFSET:
         raise SharedMemoryError("KV pool header does not fit its 4 KiB page")
     buf = segment.buffer
-    buf[:_HEADER.size] = _HEADER.pack(_MAGIC, len(meta))
-    buf[_HEADER.size:_HEADER.size + len(meta)] = meta
+    buf[: _HEADER.size] = _HEADER.pack(_MAGIC, len(meta))
+    buf[_HEADER.size : _HEADER.size + len(meta)] = meta
 
 
 def _read_header(segment: SharedSegment) -> tuple[KVSpec, int]:
     buf = segment.buffer
     if segment.size < DATA_OFFSET:
         raise SharedMemoryError(f"segment {segment.name!r} is too small to be a KV pool")
-    magic, length = _HEADER.unpack(bytes(buf[:_HEADER.size]))
+    magic, length = _HEADER.unpack(bytes(buf[: _HEADER.size]))
     if magic != _MAGIC:
         raise SharedMemoryError(f"segment {segment.name!r} is not a pddnet KV pool (bad magic)")
     if length > DATA_OFFSET - _HEADER.size:
         raise SharedMemoryError(f"segment {segment.name!r} has a corrupt KV pool header")
     try:
-        meta = json.loads(bytes(buf[_HEADER.size:_HEADER.size + length]))
+        meta = json.loads(bytes(buf[_HEADER.size : _HEADER.size + length]))
         spec = KVSpec.from_dict(meta["spec"])
         num_blocks = int(meta["num_blocks"])
     except (ValueError, KeyError, TypeError) as e:
-        raise SharedMemoryError(f"segment {segment.name!r} has a corrupt KV pool header: {e}") from e
+        raise SharedMemoryError(
+            f"segment {segment.name!r} has a corrupt KV pool header: {e}"
+        ) from e
     if num_blocks <= 0:
         raise SharedMemoryError(f"segment {segment.name!r} declares {num_blocks} blocks")
     return spec, num_blocks
@@ -346,6 +383,5 @@ def _read_header(segment: SharedSegment) -> tuple[KVSpec, int]:
 
 def _map_tensor(segment: SharedSegment, spec: KVSpec, num_blocks: int) -> torch.Tensor:
     count = math.prod(spec.shape(num_blocks))
-    flat = torch.frombuffer(segment.buffer, dtype=spec.torch_dtype, count=count,
-                            offset=DATA_OFFSET)
+    flat = torch.frombuffer(segment.buffer, dtype=spec.torch_dtype, count=count, offset=DATA_OFFSET)
     return flat.view(spec.shape(num_blocks))

@@ -39,13 +39,14 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return h.intdigest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int = 0,
-                 first_block: int = 0) -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, parent_hash: int = 0, first_block: int = 0
+) -> list[int]:
     """Chained hashes of the full blocks ``first_block..`` of ``token_ids``."""
     out = []
     h = parent_hash
     for i in range(first_block, len(token_ids) // block_size):
-        h = hash_block(h, token_ids[i * block_size:(i + 1) * block_size])
+        h = hash_block(h, token_ids[i * block_size : (i + 1) * block_size])
         out.append(h)
     return out
 
@@ -59,8 +60,9 @@ class PrefixMatch:
     block_size: int
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, block_ids: tuple[int, ...], hashes: tuple[int, ...],
-                 block_size: int) -> None:
+    def __init__(
+        self, block_ids: tuple[int, ...], hashes: tuple[int, ...], block_size: int
+    ) -> None:
         object.__setattr__(self, "block_ids", block_ids)
         object.__setattr__(self, "hashes", hashes)
         object.__setattr__(self, "block_size", block_size)
@@ -128,12 +130,14 @@ class PrefixCache:
     def match(self, token_ids: Sequence[int], max_blocks: int | None = None) -> PrefixMatch:
         """Longest cached chain of leading full blocks (no references taken, no accounting)."""
         bs = self.block_size
-        limit = len(token_ids) // bs if max_blocks is None else min(max_blocks, len(token_ids) // bs)
+        limit = (
+            len(token_ids) // bs if max_blocks is None else min(max_blocks, len(token_ids) // bs)
+        )
         blocks: list[int] = []
         hashes: list[int] = []
         parent = 0
         for i in range(limit):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block(parent, tokens)
             entry = self._by_hash.get(h)
             if entry is None or entry.tokens != tokens or entry.parent_hash != parent:
@@ -147,8 +151,9 @@ class PrefixCache:
         """How many currently available blocks taking references on ``match`` would consume."""
         return sum(1 for b in match.block_ids if b in self._evictable)
 
-    def acquire(self, token_ids: Sequence[int], max_blocks: int | None = None,
-                record: bool = True) -> PrefixMatch:
+    def acquire(
+        self, token_ids: Sequence[int], max_blocks: int | None = None, record: bool = True
+    ) -> PrefixMatch:
         """Match and take one reference per matched block (the caller releases them later).
 
         ``record`` counts the lookup in the hit statistics: ``len(token_ids)`` tokens asked,
@@ -201,8 +206,13 @@ class PrefixCache:
 
     # -- insertion and release -------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], first_block: int = 0,
-               parent_hash: int = 0) -> list[int]:
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        first_block: int = 0,
+        parent_hash: int = 0,
+    ) -> list[int]:
         """Index the full blocks ``first_block..`` of a sequence whose KV is computed.
 
         ``token_ids`` are the sequence's tokens with computed KV (only whole blocks count),
@@ -213,8 +223,10 @@ class PrefixCache:
         """
         hashes = block_hashes(token_ids, self.block_size, parent_hash, first_block)
         if first_block + len(hashes) > len(block_ids):
-            raise ValueError(f"{first_block + len(hashes)} full blocks of tokens but the block "
-                             f"table has {len(block_ids)}")
+            raise ValueError(
+                f"{first_block + len(hashes)} full blocks of tokens but the block "
+                f"table has {len(block_ids)}"
+            )
         bs = self.block_size
         parent = parent_hash
         for i, h in enumerate(hashes):
@@ -224,7 +236,7 @@ class PrefixCache:
                 if self.allocator.refcount(b) == 0:
                     raise ValueError(f"cannot cache free block {b}")
                 self.allocator.incref([b])  # the cache's own reference
-                self._by_hash[h] = _Entry(b, parent, tuple(token_ids[idx * bs:(idx + 1) * bs]))
+                self._by_hash[h] = _Entry(b, parent, tuple(token_ids[idx * bs : (idx + 1) * bs]))
                 self._hash_of_block[b] = h
             parent = h
         return hashes

@@ -49,7 +49,7 @@ from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 from pddnet.kv.prefix_cache import PrefixMatch, hash_block
 
 _PARENT = struct.Struct("<Q")
-_PARENT_TOKEN = struct.Struct("<Qq")     # (parent hash, one token): a one-token block's bytes
+_PARENT_TOKEN = struct.Struct("<Qq")  # (parent hash, one token): a one-token block's bytes
 _digest = xxhash.xxh3_64_intdigest
 
 
@@ -61,8 +61,8 @@ def chained_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int =
     if full <= 0:
         return []
     out: list[Any] = []
-    h: Any = parent_hash           # (Any: compiled, an int variable would re-box each hash)
-    if block_size == 1:            # (the simulator's units: one pack and one digest a block)
+    h: Any = parent_hash  # (Any: compiled, an int variable would re-box each hash)
+    if block_size == 1:  # (the simulator's units: one pack and one digest a block)
         pair = _PARENT_TOKEN.pack
         tokens: Sequence[Any] = token_ids
         for t in tokens:
@@ -70,18 +70,26 @@ def chained_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int =
             out.append(h)
         return out
     step = 8 * block_size
-    buf = struct.pack(f"<{full * block_size}q", *token_ids[:full * block_size])
+    buf = struct.pack(f"<{full * block_size}q", *token_ids[: full * block_size])
     pack = _PARENT.pack
     for off in range(0, full * step, step):
-        h = _digest(pack(h) + buf[off:off + step])
+        h = _digest(pack(h) + buf[off : off + step])
         out.append(h)
     return out
+
 
 # Per-request hit ratio histogram: the source report's seven intervals. The first is closed
 # [0, 20%]; the others are (lo, hi], so the top one is exactly "hit more than 95%".
 HIT_INTERVAL_EDGES: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 1.0)
-HIT_INTERVAL_LABELS: tuple[str, ...] = ("0-20%", "20-40%", "40-60%", "60-80%", "80-90%",
-                                        "90-95%", "95-100%")
+HIT_INTERVAL_LABELS: tuple[str, ...] = (
+    "0-20%",
+    "20-40%",
+    "40-60%",
+    "60-80%",
+    "80-90%",
+    "90-95%",
+    "95-100%",
+)
 
 
 def hit_interval(ratio: float) -> int:
@@ -106,14 +114,19 @@ class RadixMatch(NamedTuple):
 class InsertResult:
     """What ``insert_finished`` did with a finished request's blocks."""
 
-    hashes: tuple[int, ...]      # chained hashes of the request's full blocks
-    adopted: tuple[int, ...]     # the request's blocks the tree now owns
+    hashes: tuple[int, ...]  # chained hashes of the request's full blocks
+    adopted: tuple[int, ...]  # the request's blocks the tree now owns
     duplicates: tuple[int, ...]  # the request's blocks whose prefix the tree already held
-    freed: tuple[int, ...]       # blocks that became free (duplicates, partial tail, ...)
+    freed: tuple[int, ...]  # blocks that became free (duplicates, partial tail, ...)
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, hashes: tuple[int, ...], adopted: tuple[int, ...],
-                 duplicates: tuple[int, ...], freed: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        hashes: tuple[int, ...],
+        adopted: tuple[int, ...],
+        duplicates: tuple[int, ...],
+        freed: tuple[int, ...],
+    ) -> None:
         object.__setattr__(self, "hashes", hashes)
         object.__setattr__(self, "adopted", adopted)
         object.__setattr__(self, "duplicates", duplicates)
@@ -131,8 +144,9 @@ class CacheEventBatch:
     evicted: tuple[int, ...]
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, seq: int, block_size: int, inserted: tuple[int, ...],
-                 evicted: tuple[int, ...]) -> None:
+    def __init__(
+        self, seq: int, block_size: int, inserted: tuple[int, ...], evicted: tuple[int, ...]
+    ) -> None:
         object.__setattr__(self, "seq", seq)
         object.__setattr__(self, "block_size", block_size)
         object.__setattr__(self, "inserted", inserted)
@@ -143,22 +157,33 @@ class CacheEventBatch:
 class _Node:
     uid: int
     parent: _Node | None
-    tokens: tuple[int, ...]        # edge label: len(blocks) * block_size tokens
+    tokens: tuple[int, ...]  # edge label: len(blocks) * block_size tokens
     blocks: list[int]
-    hashes: list[int]              # chained hash of each block (names the prefix up to it)
-    children: dict[object, _Node] = field(default_factory=dict)    # keyed by _key
+    hashes: list[int]  # chained hash of each block (names the prefix up to it)
+    children: dict[object, _Node] = field(default_factory=dict)  # keyed by _key
     last_access: int = 0
-    last_locked: int = -1          # index of the deepest locked block here (-1: none)
-    locked_below: int = 0          # strict descendants holding a locked block
-    evictable: int = 0             # blocks of this node repeated leaf eviction could free
-    heap_at: int = -1              # last_access of its live eviction-heap entry (-1: none)
-    heap_epoch: int = 0            # ... in that heap generation
+    last_locked: int = -1  # index of the deepest locked block here (-1: none)
+    locked_below: int = 0  # strict descendants holding a locked block
+    evictable: int = 0  # blocks of this node repeated leaf eviction could free
+    heap_at: int = -1  # last_access of its live eviction-heap entry (-1: none)
+    heap_epoch: int = 0  # ... in that heap generation
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, uid: int, parent: _Node | None, tokens: tuple[int, ...], blocks: list[int],
-                 hashes: list[int], children: dict[object, _Node] | None = None,
-                 last_access: int = 0, last_locked: int = -1, locked_below: int = 0,
-                 evictable: int = 0, heap_at: int = -1, heap_epoch: int = 0) -> None:
+    def __init__(
+        self,
+        uid: int,
+        parent: _Node | None,
+        tokens: tuple[int, ...],
+        blocks: list[int],
+        hashes: list[int],
+        children: dict[object, _Node] | None = None,
+        last_access: int = 0,
+        last_locked: int = -1,
+        locked_below: int = 0,
+        evictable: int = 0,
+        heap_at: int = -1,
+        heap_epoch: int = 0,
+    ) -> None:
         self.uid = uid
         self.parent = parent
         self.tokens = tokens
@@ -192,8 +217,9 @@ class _LruEntry:
 class RadixCache:
     """Radix tree of cached full KV blocks on top of a BlockAllocator (see module docstring)."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int,
-                 max_pending_events: int = 1 << 16) -> None:
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, max_pending_events: int = 1 << 16
+    ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if max_pending_events < 0:
@@ -209,7 +235,7 @@ class RadixCache:
         self._leaves: set[_Node] = set()
         self._num_evictable = 0
         self._clock = 0
-        self._rc = allocator.refcounts()          # read-only fast path for owned ids
+        self._rc = allocator.refcounts()  # read-only fast path for owned ids
         # Eviction order (least recently used evictable leaf) kept incrementally: a heap of
         # (last_access, uid) entries (_LruEntry) pushed when a leaf becomes evictable or is touched,
         # validated when popped (stale ones skipped), rebuilt when stale ones pile up; so an
@@ -285,13 +311,14 @@ class RadixCache:
         """Longest cached chain of leading full blocks (no references, no accounting, no LRU)."""
         return self._match_path(token_ids, max_blocks)[0]
 
-    def _match_path(self, token_ids: Sequence[int],
-                    max_blocks: int | None) -> tuple[PrefixMatch, list[tuple[_Node, int]]]:
+    def _match_path(
+        self, token_ids: Sequence[int], max_blocks: int | None
+    ) -> tuple[PrefixMatch, list[tuple[_Node, int]]]:
         blocks: list[int] = []
         hashes: list[int] = []
         path = self._walk(tuple(token_ids), self._limit(token_ids, max_blocks))
         for node, m in path:
-            if m == len(node.blocks):      # (a whole node: no temporary slice)
+            if m == len(node.blocks):  # (a whole node: no temporary slice)
                 blocks += node.blocks
                 hashes += node.hashes
             else:
@@ -299,20 +326,20 @@ class RadixCache:
                 hashes += node.hashes[:m]
         return PrefixMatch(tuple(blocks), tuple(hashes), self.block_size), path
 
-    def match_and_lock(self, token_ids: Sequence[int],
-                       max_blocks: int | None = None) -> RadixMatch:
+    def match_and_lock(self, token_ids: Sequence[int], max_blocks: int | None = None) -> RadixMatch:
         """``match_prefix(token_ids, max_blocks, record=False)`` then ``lock`` of its handle,
         in one walk: the same effect, without re-validating a match just made."""
         m, path = self._match_path(token_ids, max_blocks)
         if path:
-            self.allocator.incref_unchecked(list(m.block_ids))   # the tree's own ids
+            self.allocator.incref_unchecked(list(m.block_ids))  # the tree's own ids
             nodes = [node for node, _ in path]
             self._touch_path(nodes[-1])
             self._relock_nodes(nodes, path=True)
         return RadixMatch(m.block_ids, m.num_tokens, m)
 
-    def match_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None,
-                     record: bool = True) -> RadixMatch:
+    def match_prefix(
+        self, token_ids: Sequence[int], max_blocks: int | None = None, record: bool = True
+    ) -> RadixMatch:
         """``match`` plus, with ``record``, the lookup counted in the hit statistics."""
         m = self.match(token_ids, max_blocks)
         if record and len(token_ids):
@@ -326,8 +353,9 @@ class RadixCache:
             cost += max(0, m - (len(node.blocks) - node.evictable))
         return cost
 
-    def acquire(self, token_ids: Sequence[int], max_blocks: int | None = None,
-                record: bool = True) -> PrefixMatch:
+    def acquire(
+        self, token_ids: Sequence[int], max_blocks: int | None = None, record: bool = True
+    ) -> PrefixMatch:
         """Match and take one reference per matched block (release them later)."""
         m = self.match(token_ids, max_blocks)
         self.take(m)
@@ -344,7 +372,8 @@ class RadixCache:
         self._touch_path(nodes[-1])
         # a match from match() is a root path: then one bottom-up pass recounts it
         path = nodes[0].parent is self._root and all(
-            b.parent is a for a, b in zip(nodes, nodes[1:], strict=False))
+            b.parent is a for a, b in zip(nodes, nodes[1:], strict=False)
+        )
         self._relock_nodes(nodes, path=path)
 
     def lock(self, handle: PrefixMatch) -> None:
@@ -377,8 +406,13 @@ class RadixCache:
 
     # -- insertion and release --------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], first_block: int = 0,
-               parent_hash: int = 0) -> list[int]:
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        first_block: int = 0,
+        parent_hash: int = 0,
+    ) -> list[int]:
         """Cache the full blocks of a sequence whose KV is computed (PrefixCache's signature).
 
         ``token_ids``: the sequence's tokens from position 0 (only whole blocks count);
@@ -397,12 +431,18 @@ class RadixCache:
         # The insertion itself is driven by the tokens (walked from the root), so it is right
         # even when this check fails; the check catches a caller whose hash chain is broken.
         if first_block and hashes[first_block - 1] != parent_hash:
-            raise ValueError(f"parent_hash {parent_hash:#x} is not the hash of block "
-                             f"{first_block - 1} of these tokens")
+            raise ValueError(
+                f"parent_hash {parent_hash:#x} is not the hash of block "
+                f"{first_block - 1} of these tokens"
+            )
         return hashes[first_block:]
 
-    def insert_finished(self, token_ids: Sequence[int], block_ids: Sequence[int],
-                        hashes: Sequence[int] | None = None) -> InsertResult:
+    def insert_finished(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        hashes: Sequence[int] | None = None,
+    ) -> InsertResult:
         """A request finished: cache its full blocks (prompt + generated tokens with KV), then
         drop its references on all of ``block_ids`` (its locked prefix included). Duplicates and
         the partial last block become free; the tree keeps what it adopted.
@@ -415,12 +455,13 @@ class RadixCache:
         tokens = tuple(token_ids)
         ids = list(block_ids)
         hashes, adopted, duplicates, owners = self._insert(tokens, ids, hashes)
-        unchecked = duplicates + ids[len(tokens) // self.block_size:]
+        unchecked = duplicates + ids[len(tokens) // self.block_size :]
         freed = self._release_inserted(ids, owners, unchecked)
         return InsertResult(tuple(hashes), tuple(adopted), tuple(duplicates), tuple(freed))
 
-    def _release_inserted(self, ids: list[int], owners: list[_Node],
-                          unchecked: list[int]) -> list[int]:
+    def _release_inserted(
+        self, ids: list[int], owners: list[_Node], unchecked: list[int]
+    ) -> list[int]:
         """``release(ids)`` right after ``_insert`` of them. That walk found the nodes holding
         any of them (``owners``, in the order ``_nodes(ids)`` gives) and checked every id but
         the duplicates and the partial tail (``unchecked``), so only those are checked here.
@@ -458,36 +499,36 @@ class RadixCache:
             entry = heapq.heappop(heap)
             at, node = entry.at, entry.node
             if at == node.heap_at and node.heap_epoch == self._lru_epoch:
-                node.heap_at = -1                    # its live entry is used up
-            if (at != node.last_access or node.children or not node.evictable
-                    or node.parent is None):
+                node.heap_at = -1  # its live entry is used up
+            if at != node.last_access or node.children or not node.evictable or node.parent is None:
                 continue  # a stale entry: touched since, no longer a leaf or not evictable
             key = self._key(node.tokens)
             k = min(n - len(freed), node.evictable)
             # the node's k tail blocks, tail first (the order they are noted and freed in)
-            if k == len(node.blocks):        # all of them: reversed in place, not copied
+            if k == len(node.blocks):  # all of them: reversed in place, not copied
                 gone, hashes = node.blocks, node.hashes
                 gone.reverse()
                 hashes.reverse()
                 node.blocks, node.hashes = [], []
             else:
-                gone, hashes = node.blocks[:-k - 1:-1], node.hashes[:-k - 1:-1]
+                gone, hashes = node.blocks[: -k - 1 : -1], node.hashes[: -k - 1 : -1]
                 del node.blocks[-k:], node.hashes[-k:]
             node_of = self._node_of
             for b in gone:
                 node_of[b] = None
             self._num_cached -= len(gone)
             self._note_all(hashes, False)
-            got = self.allocator.decref_unchecked(gone)     # the tree's own ids
+            got = self.allocator.decref_unchecked(gone)  # the tree's own ids
             if got != gone:
-                raise AssertionError(f"evicted blocks {sorted(set(gone) - set(got))} were "
-                                     f"still referenced")
+                raise AssertionError(
+                    f"evicted blocks {sorted(set(gone) - set(got))} were still referenced"
+                )
             freed += gone
             if node.blocks:
-                node.tokens = node.tokens[:len(node.blocks) * self.block_size]
+                node.tokens = node.tokens[: len(node.blocks) * self.block_size]
             else:
                 node.tokens = ()
-            self._refresh(node)                      # re-enters the heap if still evictable
+            self._refresh(node)  # re-enters the heap if still evictable
             if not node.blocks:
                 self._offer_leaf(self._detach(node, key))
         self.num_evicted += len(freed)
@@ -531,8 +572,12 @@ class RadixCache:
         seq = self._event_seq
         self._event_seq += 1
         # (C-level selection: the hash objects themselves, not re-boxed copies)
-        return CacheEventBatch(seq, self.block_size, tuple(compress(hashes, flags)),
-                               tuple(compress(hashes, map(operator.not_, flags))))
+        return CacheEventBatch(
+            seq,
+            self.block_size,
+            tuple(compress(hashes, flags)),
+            tuple(compress(hashes, map(operator.not_, flags))),
+        )
 
     @property
     def next_event_seq(self) -> int:
@@ -553,10 +598,10 @@ class RadixCache:
         """Log that these prefixes were inserted (``present``) or evicted, in order."""
         pending, cap = self._pending, self.max_pending_events
         if not cap:
-            return                 # no log kept (see __init__)
-        objs: list[Any] = hashes   # (Any: compiled, an int variable would re-box each hash)
+            return  # no log kept (see __init__)
+        objs: list[Any] = hashes  # (Any: compiled, an int variable would re-box each hash)
         for h in objs:
-            pending.pop(h, None)   # re-append: drain order follows the latest change
+            pending.pop(h, None)  # re-append: drain order follows the latest change
             pending[h] = present
             if len(pending) > cap:
                 # Nobody drains: forget the log and skip a notice number, so the receiver sees
@@ -587,7 +632,7 @@ class RadixCache:
                 for i, b in enumerate(child.blocks):
                     assert b not in seen, f"block {b} owned by two nodes"
                     seen[b] = child
-                    h = hash_block(h, child.tokens[i * bs:(i + 1) * bs])
+                    h = hash_block(h, child.tokens[i * bs : (i + 1) * bs])
                     assert child.hashes[i] == h, "stored hash is not the chained hash"
                     assert self.allocator.refcount(b) >= 1, f"owned block {b} is free"
                 locked = [i for i, b in enumerate(child.blocks) if self._locked(b)]
@@ -603,8 +648,9 @@ class RadixCache:
             return locked_below
 
         visit(self._root, 0)
-        assert seen == {b: n for b, n in enumerate(self._node_of) if n is not None}, \
+        assert seen == {b: n for b, n in enumerate(self._node_of) if n is not None}, (
             "block -> node index is stale"
+        )
         assert self._num_cached == len(seen), "cached block count is stale"
         assert total_evictable == self._num_evictable, "evictable total is stale"
         assert leaves == self._leaves, "leaf set is stale"
@@ -622,20 +668,23 @@ class RadixCache:
         path: list[tuple[_Node, int]] = []
         node, i = self._root, 0
         while i < limit:
-            child = node.children.get(tokens[i] if bs == 1 else tokens[i * bs:(i + 1) * bs])
+            child = node.children.get(tokens[i] if bs == 1 else tokens[i * bs : (i + 1) * bs])
             if child is None:
                 break
             nb = len(child.blocks)
             n = nb if nb <= limit - i else limit - i
-            if n == 1 or (child.tokens if n == nb else child.tokens[:n * bs]) \
-                    == tokens[i * bs:(i + n) * bs]:
-                m = n                      # (the first block matched: it is the key)
+            if (
+                n == 1
+                or (child.tokens if n == nb else child.tokens[: n * bs])
+                == tokens[i * bs : (i + n) * bs]
+            ):
+                m = n  # (the first block matched: it is the key)
             else:
                 # the longest matching run of blocks, 1 <= m < n: bisect on equal prefixes
                 lo, hi = 1, n
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
-                    if child.tokens[:mid * bs] == tokens[i * bs:(i + mid) * bs]:
+                    if child.tokens[: mid * bs] == tokens[i * bs : (i + mid) * bs]:
                         lo = mid
                     else:
                         hi = mid
@@ -647,17 +696,18 @@ class RadixCache:
             node = child
         return path
 
-    def _insert(self, tokens: tuple[int, ...], block_ids: Sequence[int],
-                known: Sequence[int] | None = None
-                ) -> tuple[list[int], list[int], list[int], list[_Node]]:
+    def _insert(
+        self, tokens: tuple[int, ...], block_ids: Sequence[int], known: Sequence[int] | None = None
+    ) -> tuple[list[int], list[int], list[int], list[_Node]]:
         """Insert the full blocks of ``tokens``; returns their hashes, the ids adopted, the
         duplicates (ids whose prefix the tree held under other ids) and the nodes now holding
         any of ``block_ids`` (matched ones and the new leaf, in table order)."""
         bs = self.block_size
         full = len(tokens) // bs
         if full > len(block_ids):
-            raise ValueError(f"{full} full blocks of tokens but the block table has "
-                             f"{len(block_ids)}")
+            raise ValueError(
+                f"{full} full blocks of tokens but the block table has {len(block_ids)}"
+            )
         if known is not None and len(known) < full:
             raise ValueError(f"{len(known)} hashes for {full} full blocks of tokens")
         path = self._walk(tokens, full)
@@ -668,35 +718,35 @@ class RadixCache:
         i = 0
         for node, m in path:
             hashes += node.hashes if m == len(node.hashes) else node.hashes[:m]
-            mine = ids[i:i + m]
+            mine = ids[i : i + m]
             if mine == (node.blocks if m == len(node.blocks) else node.blocks[:m]):
                 owners.append(node)
             else:
                 dup = [b for b, own in zip(mine, node.blocks, strict=False) if b != own]
                 if len(dup) < m:
-                    owners.append(node)      # holds the ones that are not duplicates
+                    owners.append(node)  # holds the ones that are not duplicates
                 duplicates += dup
             i += m
         new = ids[i:full]
         if set(map(type, new)) - {int}:
-            new = [int(b) for b in new]          # int subclasses stored as plain ints
+            new = [int(b) for b in new]  # int subclasses stored as plain ints
         if not new:
             if path:
                 self._touch_path(path[-1][0])
             return hashes, [], duplicates, owners
         if known is None:
-            new_hashes = chained_hashes(tokens[i * bs:full * bs], bs, hashes[-1] if hashes else 0)
+            new_hashes = chained_hashes(tokens[i * bs : full * bs], bs, hashes[-1] if hashes else 0)
         else:
             new_hashes = list(known[i:full])
             before = known[full - 2] if full > 1 else 0
-            if chained_hashes(tokens[(full - 1) * bs:full * bs], bs, before) != new_hashes[-1:]:
+            if chained_hashes(tokens[(full - 1) * bs : full * bs], bs, before) != new_hashes[-1:]:
                 raise ValueError("the given hashes are not the chained hashes of these tokens")
         # Check each new id (in range, not cached, referenced, not repeated) in one pass,
         # marking it as seen; any failure undoes the marks and raises the precise error.
         rc = self._rc
         node_of = self._node_of
         n = len(rc)
-        marker = self._root            # owns no block: marks the ids this pass has seen
+        marker = self._root  # owns no block: marks the ids this pass has seen
         for k, b in enumerate(new):
             if b < 0 or b >= n or node_of[b] is not None or rc[b] == 0:
                 for u in new[:k]:
@@ -710,11 +760,11 @@ class RadixCache:
             if m < len(last.blocks):
                 parent = self._split(last, m)
                 if owners and owners[-1] is last:
-                    owners[-1] = parent          # the matched blocks moved up into it
+                    owners[-1] = parent  # the matched blocks moved up into it
             else:
                 parent = last
         self.allocator.incref_unchecked(new)  # the tree's own reference (checked above)
-        leaf = _Node(next(self._uids), parent, tokens[i * bs:full * bs], new, new_hashes)
+        leaf = _Node(next(self._uids), parent, tokens[i * bs : full * bs], new, new_hashes)
         parent.children[self._key(leaf.tokens)] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
@@ -724,7 +774,7 @@ class RadixCache:
         self._note_all(new_hashes, True)
         self.num_inserted += len(new)
         self._touch_path(leaf)
-        self._recount(leaf)          # after the touch: its heap entry gets the new mark
+        self._recount(leaf)  # after the touch: its heap entry gets the new mark
         hashes += new_hashes
         owners.append(leaf)
         return hashes, new, duplicates, owners
@@ -734,7 +784,7 @@ class RadixCache:
         if len(set(new)) != len(new):
             raise ValueError(f"block table repeats a block id: {new}")
         for b in new:
-            count = self.allocator.refcount(b)      # (raises for an id out of range)
+            count = self.allocator.refcount(b)  # (raises for an id out of range)
             if self._node_of[b] is not None:
                 raise ValueError(f"block {b} is already cached for another prefix")
             if count == 0:
@@ -746,10 +796,20 @@ class RadixCache:
         bs = self.block_size
         parent = node.parent
         assert parent is not None and 0 < m < len(node.blocks)
-        upper = _Node(next(self._uids), parent, node.tokens[:m * bs], node.blocks[:m],
-                      node.hashes[:m], last_access=node.last_access)
+        upper = _Node(
+            next(self._uids),
+            parent,
+            node.tokens[: m * bs],
+            node.blocks[:m],
+            node.hashes[:m],
+            last_access=node.last_access,
+        )
         parent.children[self._key(upper.tokens)] = upper
-        node.tokens, node.blocks, node.hashes = node.tokens[m * bs:], node.blocks[m:], node.hashes[m:]
+        node.tokens, node.blocks, node.hashes = (
+            node.tokens[m * bs :],
+            node.blocks[m:],
+            node.hashes[m:],
+        )
         node.parent = upper
         upper.children[self._key(node.tokens)] = node
         for b in upper.blocks:
@@ -774,7 +834,7 @@ class RadixCache:
     def _key(self, tokens: tuple[int, ...]) -> object:
         """A child's key in its parent: its first block's tokens (the token itself for
         one-token blocks: an int key hashes and compares without a tuple around it)."""
-        return tokens[0] if self.block_size == 1 else tokens[:self.block_size]
+        return tokens[0] if self.block_size == 1 else tokens[: self.block_size]
 
     def _detach(self, node: _Node, key: object) -> _Node:
         """Remove an emptied leaf (``key``: its first block's tokens); returns its parent, which
@@ -803,9 +863,13 @@ class RadixCache:
         locks whole paths, so this usually stops at once). Owned ids are valid: unchecked."""
         blocks, rc, pins = node.blocks, self._rc, self._pins
         last = len(blocks) - 1
-        if last >= 0 and rc[blocks[last]] <= 1 and not pins and \
-                max(map(rc.__getitem__, blocks)) <= 1:
-            node.last_locked = -1          # nothing locked (a request just let go): C speed
+        if (
+            last >= 0
+            and rc[blocks[last]] <= 1
+            and not pins
+            and max(map(rc.__getitem__, blocks)) <= 1
+        ):
+            node.last_locked = -1  # nothing locked (a request just let go): C speed
             return
         if pins:
             while last >= 0 and rc[blocks[last]] <= 1 and pins.get(blocks[last], 0) <= 0:
@@ -825,8 +889,12 @@ class RadixCache:
     def _offer_leaf(self, node: _Node) -> None:
         """Give an evictable leaf its entry in the eviction heap at its current last_access
         (unless it has that entry already)."""
-        if (node.children or not node.evictable or node.parent is None
-                or (node.heap_at == node.last_access and node.heap_epoch == self._lru_epoch)):
+        if (
+            node.children
+            or not node.evictable
+            or node.parent is None
+            or (node.heap_at == node.last_access and node.heap_epoch == self._lru_epoch)
+        ):
             return
         heap = self._lru
         if len(heap) > 2 * len(self._leaves) + 64:
@@ -864,8 +932,7 @@ class RadixCache:
     def _nodes(self, block_ids: Iterable[int]) -> list[_Node]:
         """The distinct nodes owning the given (cached) blocks, in first-seen order."""
         # a node's blocks come in runs: group at C speed, then dedupe the (few) runs
-        runs = [x for x, _ in groupby(map(self._node_of.__getitem__, block_ids))
-                if x is not None]
+        runs = [x for x, _ in groupby(map(self._node_of.__getitem__, block_ids)) if x is not None]
         return list(dict.fromkeys(runs)) if len(runs) > 1 else runs
 
     def _chain(self, node: _Node) -> list[_Node]:
@@ -877,8 +944,9 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
         return chain
 
-    def _relock_nodes(self, nodes: list[_Node], path: bool = False,
-                      chain: list[_Node] | None = None) -> None:
+    def _relock_nodes(
+        self, nodes: list[_Node], path: bool = False, chain: list[_Node] | None = None
+    ) -> None:
         """Recount nodes whose blocks' lock state may have changed. When they all lie on one
         root path (a request's blocks: the usual case; ``path``: known to be the whole chain
         of the last) this is one bottom-up pass carrying the change in ``locked_below``,
@@ -888,7 +956,7 @@ class RadixCache:
             chain = self._chain(nodes[-1])
         todo = set(nodes)
         if not path and len(todo) > 1 and not todo.issubset(chain):
-            for node in nodes:    # not one path: each recount propagates its own delta
+            for node in nodes:  # not one path: each recount propagates its own delta
                 self._recount(node)
             return
         carry, left = 0, len(todo)
@@ -949,8 +1017,9 @@ class RadixCache:
     def _check_valid(self, match: PrefixMatch) -> list[_Node]:
         """Raise unless the match still names cached blocks; returns the nodes it covers."""
         if match.block_size != self.block_size:
-            raise ValueError(f"match at block size {match.block_size}, cache uses "
-                             f"{self.block_size}")
+            raise ValueError(
+                f"match at block size {match.block_size}, cache uses {self.block_size}"
+            )
         ids, hashes = list(match.block_ids), list(match.hashes)
         if len(ids) != len(hashes):
             raise ValueError("prefix match has different numbers of blocks and hashes")
@@ -960,11 +1029,14 @@ class RadixCache:
         while i < len(ids):
             node = self._owner(ids[i])
             k = min(len(node.blocks), len(ids) - i) if node is not None else 0
-            if (node is None or node.blocks[:k] != ids[i:i + k]
-                    or node.hashes[:k] != hashes[i:i + k]):
-                raise ValueError(f"prefix match is stale: block {ids[i]} is no longer cached "
-                                 f"for that prefix")
+            if (
+                node is None
+                or node.blocks[:k] != ids[i : i + k]
+                or node.hashes[:k] != hashes[i : i + k]
+            ):
+                raise ValueError(
+                    f"prefix match is stale: block {ids[i]} is no longer cached for that prefix"
+                )
             nodes.append(node)
             i += k
         return nodes
-

@@ -36,7 +36,8 @@ def segment_name(name: str) -> str:
     """Normalise a user-given name: validated, and prefixed with ``pdd-`` unless it already is."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise SharedMemoryError(
-            f"bad shared-memory name {name!r}: use 1-200 characters from [A-Za-z0-9._-], no '/'")
+            f"bad shared-memory name {name!r}: use 1-200 characters from [A-Za-z0-9._-], no '/'"
+        )
     return name if name.startswith(NAME_PREFIX) else NAME_PREFIX + name
 
 
@@ -65,7 +66,9 @@ class SharedSegment:
         self.owner = owner
         self._mmap: mmap.mmap | None = mm
         # The finalizer holds only the path, never self, so it does not keep the segment alive.
-        self._finalizer = weakref.finalize(self, _unlink_quietly, segment_path(name)) if owner else None
+        self._finalizer = (
+            weakref.finalize(self, _unlink_quietly, segment_path(name)) if owner else None
+        )
 
     @classmethod
     def create(cls, name: str, size: int) -> SharedSegment:
@@ -86,8 +89,9 @@ class SharedSegment:
                 # instead of a SIGBUS on some later write (a registered region is pinned anyway).
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                raise SharedMemoryError(f"cannot reserve {size} bytes for {full!r} in "
-                                        f"{SHM_DIR}: {e.strerror}") from None
+                raise SharedMemoryError(
+                    f"cannot reserve {size} bytes for {full!r} in {SHM_DIR}: {e.strerror}"
+                ) from None
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             _unlink_quietly(path)

@@ -37,12 +37,16 @@ class KVExportMeta:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "shape", tuple(int(x) for x in self.shape))
         if len(self.shape) != 5 or self.shape[1] != 2:
-            raise ValueError(f"KV export shape must be [layers, 2, n, heads, dim], got {self.shape}")
+            raise ValueError(
+                f"KV export shape must be [layers, 2, n, heads, dim], got {self.shape}"
+            )
         if any(x < 0 for x in self.shape) or self.shape[0] == 0:
             raise ValueError(f"KV export shape has bad dimensions: {self.shape}")
         if self.token_end - self.token_start != self.shape[2] or self.token_start < 0:
-            raise ValueError(f"token range [{self.token_start}, {self.token_end}) does not match "
-                             f"{self.shape[2]} tokens in the shape")
+            raise ValueError(
+                f"token range [{self.token_start}, {self.token_end}) does not match "
+                f"{self.shape[2]} tokens in the shape"
+            )
         if self.layer_start < 0 or self.block_size <= 0:
             raise ValueError("layer_start must be >= 0 and block_size > 0")
 
@@ -59,16 +63,26 @@ class KVExportMeta:
         return math.prod(self.shape) * torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "token_start": self.token_start,
-                "token_end": self.token_end, "block_size": self.block_size,
-                "layer_start": self.layer_start}
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "token_start": self.token_start,
+            "token_end": self.token_end,
+            "block_size": self.block_size,
+            "layer_start": self.layer_start,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVExportMeta:
         try:
-            return cls(dtype=d["dtype"], shape=tuple(d["shape"]), token_start=int(d["token_start"]),
-                       token_end=int(d["token_end"]), block_size=int(d["block_size"]),
-                       layer_start=int(d.get("layer_start", 0)))
+            return cls(
+                dtype=d["dtype"],
+                shape=tuple(d["shape"]),
+                token_start=int(d["token_start"]),
+                token_end=int(d["token_end"]),
+                block_size=int(d["block_size"]),
+                layer_start=int(d.get("layer_start", 0)),
+            )
         except KeyError as e:
             raise ValueError(f"KV export metadata is missing {e.args[0]!r}") from None
         except TypeError as e:
@@ -86,12 +100,16 @@ class ExportedKV:
         return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
     @classmethod
-    def from_payload(cls, meta: KVExportMeta, payload: bytes | bytearray | memoryview) -> ExportedKV:
+    def from_payload(
+        cls, meta: KVExportMeta, payload: bytes | bytearray | memoryview
+    ) -> ExportedKV:
         """Rebuild from bytes received elsewhere; the length must match the metadata exactly."""
         mv = memoryview(payload).cast("B")
         if mv.nbytes != meta.nbytes:
-            raise ValueError(f"KV payload has {mv.nbytes} bytes, metadata {meta.shape} "
-                             f"{meta.dtype} needs {meta.nbytes}")
+            raise ValueError(
+                f"KV payload has {mv.nbytes} bytes, metadata {meta.shape} "
+                f"{meta.dtype} needs {meta.nbytes}"
+            )
         if mv.readonly:
             mv = memoryview(bytearray(mv))
         if mv.nbytes == 0:
@@ -101,32 +119,49 @@ class ExportedKV:
         return cls(kv, meta)
 
 
-def export_kv(pool: KVPool, block_table: Sequence[int], start: int, end: int,
-              layer_start: int = 0, layer_end: int | None = None) -> ExportedKV:
+def export_kv(
+    pool: KVPool,
+    block_table: Sequence[int],
+    start: int,
+    end: int,
+    layer_start: int = 0,
+    layer_end: int | None = None,
+) -> ExportedKV:
     """KV of tokens ``start..end-1`` (layers ``layer_start..layer_end-1``) of one sequence."""
     spec = pool.spec
     layer_end = spec.num_layers if layer_end is None else layer_end
     if not 0 <= layer_start < layer_end <= spec.num_layers:
-        raise ValueError(f"bad layer range [{layer_start}, {layer_end}) for "
-                         f"{spec.num_layers} layers")
+        raise ValueError(
+            f"bad layer range [{layer_start}, {layer_end}) for {spec.num_layers} layers"
+        )
     kv = pool.read_tokens(block_table, start, end, range(layer_start, layer_end))
-    meta = KVExportMeta(dtype=spec.dtype, shape=tuple(kv.shape), token_start=start,
-                        token_end=end, block_size=spec.block_size, layer_start=layer_start)
+    meta = KVExportMeta(
+        dtype=spec.dtype,
+        shape=tuple(kv.shape),
+        token_start=start,
+        token_end=end,
+        block_size=spec.block_size,
+        layer_start=layer_start,
+    )
     return ExportedKV(kv, meta)
 
 
-def import_kv(pool: KVPool, exported: ExportedKV, block_table: Sequence[int],
-              dest_start: int | None = None) -> None:
+def import_kv(
+    pool: KVPool, exported: ExportedKV, block_table: Sequence[int], dest_start: int | None = None
+) -> None:
     """Write an export into ``pool`` at tokens ``dest_start..`` (default: the same token range)
     of a sequence with ``block_table`` in that pool, converting dtype and re-blocking."""
     meta, spec = exported.meta, pool.spec
     layers, _, _, heads, dim = meta.shape
     if (heads, dim) != (spec.num_kv_heads, spec.head_dim):
-        raise ValueError(f"KV export has {heads} kv heads x {dim} dims, pool expects "
-                         f"{spec.num_kv_heads} x {spec.head_dim}")
+        raise ValueError(
+            f"KV export has {heads} kv heads x {dim} dims, pool expects "
+            f"{spec.num_kv_heads} x {spec.head_dim}"
+        )
     if meta.layer_end > spec.num_layers:
-        raise ValueError(f"KV export covers layers up to {meta.layer_end}, pool has "
-                         f"{spec.num_layers}")
+        raise ValueError(
+            f"KV export covers layers up to {meta.layer_end}, pool has {spec.num_layers}"
+        )
     if tuple(exported.kv.shape) != meta.shape:
         raise ValueError(f"KV tensor shape {tuple(exported.kv.shape)} != metadata {meta.shape}")
     start = meta.token_start if dest_start is None else dest_start
@@ -136,8 +171,9 @@ def import_kv(pool: KVPool, exported: ExportedKV, block_table: Sequence[int],
 # -- raw byte ranges for one-sided writes ------------------------------------------------------
 
 
-def block_byte_ranges(spec: KVSpec, num_blocks: int, block_ids: Sequence[int],
-                      layers: Iterable[int] | None = None) -> list[tuple[int, int]]:
+def block_byte_ranges(
+    spec: KVSpec, num_blocks: int, block_ids: Sequence[int], layers: Iterable[int] | None = None
+) -> list[tuple[int, int]]:
     """(offset, length) byte runs, relative to the pool's data, covering ``block_ids``.
 
     Order: layer, then K before V, then the blocks in the given order (runs of consecutive ids
@@ -167,11 +203,12 @@ def block_byte_ranges(spec: KVSpec, num_blocks: int, block_ids: Sequence[int],
 def read_byte_ranges(pool: KVPool, ranges: Sequence[tuple[int, int]]) -> bytes:
     raw = pool.raw_bytes()
     _check_ranges(raw.numel(), ranges)
-    return b"".join(raw[o:o + n].numpy().tobytes() for o, n in ranges)
+    return b"".join(raw[o : o + n].numpy().tobytes() for o, n in ranges)
 
 
-def write_byte_ranges(pool: KVPool, ranges: Sequence[tuple[int, int]],
-                      data: bytes | bytearray | memoryview) -> None:
+def write_byte_ranges(
+    pool: KVPool, ranges: Sequence[tuple[int, int]], data: bytes | bytearray | memoryview
+) -> None:
     """Copy ``data`` into the pool's bytes at ``ranges`` (in order): the one-sided write."""
     raw = pool.raw_bytes()
     _check_ranges(raw.numel(), ranges)
@@ -184,12 +221,17 @@ def write_byte_ranges(pool: KVPool, ranges: Sequence[tuple[int, int]],
     src = torch.frombuffer(mv, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
     pos = 0
     for o, n in ranges:
-        raw[o:o + n].copy_(src[pos:pos + n])
+        raw[o : o + n].copy_(src[pos : pos + n])
         pos += n
 
 
-def copy_blocks_between(src: KVPool, src_blocks: Sequence[int], dst: KVPool,
-                        dst_blocks: Sequence[int], layers: Iterable[int] | None = None) -> int:
+def copy_blocks_between(
+    src: KVPool,
+    src_blocks: Sequence[int],
+    dst: KVPool,
+    dst_blocks: Sequence[int],
+    layers: Iterable[int] | None = None,
+) -> int:
     """Block-for-block byte copy between two pools of equal spec; returns bytes copied."""
     if src.spec != dst.spec:
         raise ValueError(f"byte copy needs equal specs: {src.spec} vs {dst.spec}")
@@ -209,7 +251,7 @@ def copy_blocks_between(src: KVPool, src_blocks: Sequence[int], dst: KVPool,
             d_base = (layer * 2 + kv) * dst.num_blocks * per_block
             for sb, db in zip(src_blocks, dst_blocks, strict=True):
                 so, do = s_base + sb * per_block, d_base + db * per_block
-                dst_raw[do:do + per_block].copy_(src_raw[so:so + per_block])
+                dst_raw[do : do + per_block].copy_(src_raw[so : so + per_block])
                 total += per_block
     return total
 

@@ -9,13 +9,19 @@ from __future__ import annotations
 from pddnet.lazy import lazy_exports
 
 _EXPORTS = {
-    "ModelConfig": "config", "PRESETS": "config",
-    "LlamaModel": "llama", "AttentionFn": "llama",
+    "ModelConfig": "config",
+    "PRESETS": "config",
+    "LlamaModel": "llama",
+    "AttentionFn": "llama",
     "causal_attention": "attention",
-    "init_random": "weights", "save_hf": "weights", "load_hf": "weights",
+    "init_random": "weights",
+    "save_hf": "weights",
+    "load_hf": "weights",
     "CheckpointError": "weights",
     "load_model": "loader",
-    "Tokenizer": "tokenizer", "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "ByteTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
     "load_tokenizer": "tokenizer",
 }
 

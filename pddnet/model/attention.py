@@ -12,33 +12,43 @@ import math
 import torch
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     q_offset: int) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int
+) -> torch.Tensor:
     """Attention of queries at positions q_offset.. over keys/values at positions 0..n-1.
 
     q [t, Hq, D]; k, v [n, Hkv, D] with n >= q_offset + t; query i sees keys 0..q_offset+i.
     Returns [t, Hq, D] in q's dtype (low-precision inputs are computed in float32).
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, head_dim]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     t, num_heads, head_dim = q.shape
     n, num_kv_heads, _ = k.shape
     if k.shape != v.shape or k.shape[2] != head_dim:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match, with "
-                         f"head_dim {head_dim}")
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must match, with head_dim {head_dim}"
+        )
     if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads "
-                         f"({num_kv_heads})")
+        raise ValueError(
+            f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
+        )
     if q_offset < 0 or n < q_offset + t:
-        raise ValueError(f"{n} keys cannot cover queries at positions {q_offset}.."
-                         f"{q_offset + t - 1}")
+        raise ValueError(
+            f"{n} keys cannot cover queries at positions {q_offset}..{q_offset + t - 1}"
+        )
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     group = num_heads // num_kv_heads
     # Fold each kv head's query group into the rows of one batched matmul: [Hkv, group*t, D].
     # (Broadcasting K across the group instead makes torch copy K once per query head.)
-    qf = (q.to(compute).reshape(t, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-          .reshape(num_kv_heads, group * t, head_dim))
+    qf = (
+        q.to(compute)
+        .reshape(t, num_kv_heads, group, head_dim)
+        .permute(1, 2, 0, 3)
+        .reshape(num_kv_heads, group * t, head_dim)
+    )
     kf = k.to(compute).permute(1, 2, 0)  # [Hkv, D, n]
     vf = v.to(compute).permute(1, 0, 2)  # [Hkv, n, D]
     scores = torch.bmm(qf, kf).mul_(1.0 / math.sqrt(head_dim))

@@ -42,8 +42,15 @@ FALLBACK_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
-                      "cls_token", "mask_token")
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "sep_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class ChatTemplateError(ValueError):
@@ -60,11 +67,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # transformers' filter: non-ASCII text stays as it is (Jinja's own tojson escapes it)
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -77,8 +90,9 @@ def compile_template(source: str) -> Any:
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -91,10 +105,10 @@ class ChatTemplate:
     the rendered text (the fallback only)."""
 
     source: str
-    origin: str                      # the file it came from, or "fallback"
+    origin: str  # the file it came from, or "fallback"
     special_tokens: dict[str, str] = field(default_factory=dict)
     add_bos: bool = False
-    error: str | None = None         # why the checkpoint's template is unusable
+    error: str | None = None  # why the checkpoint's template is unusable
     _compiled: Any = None
 
     def __post_init__(self) -> None:
@@ -108,15 +122,20 @@ class ChatTemplate:
     def is_fallback(self) -> bool:
         return self.origin == "fallback"
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               **kwargs: Any) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """The prompt text for `messages` (each {"role", "content", ...})."""
         import jinja2
 
         if self._compiled is None:
             raise ChatTemplateUnavailable(self.error or "no chat template")
-        context = {**self.special_tokens, **kwargs, "messages": messages,
-                   "add_generation_prompt": add_generation_prompt}
+        context = {
+            **self.special_tokens,
+            **kwargs,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
         context.setdefault("tools", None)
         context.setdefault("documents", None)
         try:
@@ -124,8 +143,9 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
         except Exception as exc:  # e.g. a template indexing a field the messages lack
-            raise ChatTemplateError(f"the chat template failed on the messages: "
-                                    f"{type(exc).__name__}: {exc}") from None
+            raise ChatTemplateError(
+                f"the chat template failed on the messages: {type(exc).__name__}: {exc}"
+            ) from None
 
 
 def _token_text(value: Any) -> str | None:
@@ -163,9 +183,12 @@ def _pick(value: Any, where: str) -> str:
             return named["default"]
         raise ChatTemplateUnavailable(
             f"{where}: the model has several chat templates ({', '.join(map(str, named))}) "
-            f"and none named 'default'")
-    raise ChatTemplateUnavailable(f"{where}: chat_template must be a string or a list of "
-                                  f"{{name, template}}, got {type(value).__name__}")
+            f"and none named 'default'"
+        )
+    raise ChatTemplateUnavailable(
+        f"{where}: chat_template must be a string or a list of "
+        f"{{name, template}}, got {type(value).__name__}"
+    )
 
 
 def load_chat_template(folder: str | Path | None, tokenizer: Any = None) -> ChatTemplate:
@@ -183,7 +206,9 @@ def load_chat_template(folder: str | Path | None, tokenizer: Any = None) -> Chat
                 source = (path / "chat_template.jinja").read_text()
             elif "chat_template" in read_json_object(path / "chat_template.json"):
                 origin = str(path / "chat_template.json")
-                source = _pick(read_json_object(path / "chat_template.json")["chat_template"], origin)
+                source = _pick(
+                    read_json_object(path / "chat_template.json")["chat_template"], origin
+                )
             elif config.get("chat_template") is not None:
                 origin = str(path / "tokenizer_config.json")
                 source = _pick(config["chat_template"], origin)

@@ -12,23 +12,37 @@ from typing import Any
 
 DTYPE_CHOICES = ("float64", "float32", "bfloat16")
 # Tokenizer files travel with the weights when exporting from a folder.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def register_model(sub: Any) -> None:
     parser = sub.add_parser("model", help="model utilities (export a preset as an HF folder)")
     model_sub = parser.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     export = model_sub.add_parser(
-        "export", help="write a model as a Hugging Face Llama folder",
+        "export",
+        help="write a model as a Hugging Face Llama folder",
         description="Write config.json + model.safetensors (HF Llama tensor names) for a preset's "
-                    "seeded random weights, or re-save a model folder (e.g. in another dtype).")
-    export.add_argument("--model", required=True, metavar="tiny|small|medium|DIR",
-                        help="preset name or a folder in HF Llama layout")
+        "seeded random weights, or re-save a model folder (e.g. in another dtype).",
+    )
+    export.add_argument(
+        "--model",
+        required=True,
+        metavar="tiny|small|medium|DIR",
+        help="preset name or a folder in HF Llama layout",
+    )
     export.add_argument("--out", required=True, metavar="DIR", help="folder to write (created)")
     export.add_argument("--seed", type=int, default=0, help="weight seed for presets")
-    export.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
-                        help="dtype of the written weights (default: the model's own)")
+    export.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=None,
+        help="dtype of the written weights (default: the model's own)",
+    )
     export.set_defaults(handler=_export)
 
 
@@ -55,8 +69,10 @@ def _export(args: argparse.Namespace) -> int:
                 shutil.copyfile(source / name, out / name)
                 written.append(name)
     cfg = model.config
-    print(f"exported {cfg.name} ({cfg.num_parameters:,} parameters, {cfg.dtype}, "
-          f"{cfg.kv_bytes_per_token} KV bytes/token) to {out}")
+    print(
+        f"exported {cfg.name} ({cfg.num_parameters:,} parameters, {cfg.dtype}, "
+        f"{cfg.kv_bytes_per_token} KV bytes/token) to {out}"
+    )
     for name in written:
         print(f"  {out / name}  {(out / name).stat().st_size:,} bytes")
     return 0

@@ -51,30 +51,42 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                    "num_heads", "num_kv_heads", "head_dim", "max_position")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position",
+        )
         for field in positive:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         for field in ("bos_token_id", "eos_token_id"):
             value = getattr(self, field)
             if not 0 <= value < self.vocab_size:
-                raise ValueError(f"{field} {value} is outside the vocabulary "
-                                 f"(vocab_size {self.vocab_size})")
+                raise ValueError(
+                    f"{field} {value} is outside the vocabulary (vocab_size {self.vocab_size})"
+                )
 
     @classmethod
     def preset(cls, name: str, dtype: str | None = None) -> ModelConfig:
         try:
             config = PRESETS[name]
         except KeyError:
-            raise ValueError(f"unknown model preset {name!r}; presets: "
-                             f"{', '.join(PRESETS)}") from None
+            raise ValueError(
+                f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}"
+            ) from None
         return config if dtype is None else config.with_dtype(dtype)
 
     def with_dtype(self, dtype: str) -> ModelConfig:
@@ -106,8 +118,13 @@ class ModelConfig:
 
 def _byte_vocab_config(name: str, **fields: object) -> ModelConfig:
     base: dict[str, object] = dict(
-        name=name, vocab_size=BYTE_VOCAB_SIZE, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_embeddings=False, bos_token_id=BYTE_BOS_ID, eos_token_id=BYTE_EOS_ID,
+        name=name,
+        vocab_size=BYTE_VOCAB_SIZE,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=False,
+        bos_token_id=BYTE_BOS_ID,
+        eos_token_id=BYTE_EOS_ID,
     )
     base.update(fields)
     return ModelConfig(**base)  # type: ignore[arg-type]
@@ -116,21 +133,54 @@ def _byte_vocab_config(name: str, **fields: object) -> ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # 1 KiB of KV per token; float64 so decode, extend and full forwards agree to ~1e-12.
     "tiny": _byte_vocab_config(
-        "tiny", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, max_position=4096, dtype="float64"),
+        "tiny",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position=4096,
+        dtype="float64",
+    ),
     # Long context (128K positions, Llama 3's rope_theta) at the least compute a Llama-style
     # model can have: 2 layers, GQA with 2 query heads on 1 kv head, head_dim 8; 256 bytes of
     # KV per token, ~32K parameters. float64, so it is token-exact like `tiny`. At 64K tokens
     # attention is nearly all of its work, so its step time is the paged attention's.
     "tiny-long": _byte_vocab_config(
-        "tiny-long", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-        num_kv_heads=1, head_dim=8, max_position=131072, rope_theta=500000.0, dtype="float64"),
+        "tiny-long",
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position=131072,
+        rope_theta=500000.0,
+        dtype="float64",
+    ),
     # 8 layers x 2 (K,V) x 4 kv heads x 64 x 4 bytes = 16 KiB per token; ~19M parameters.
     "small": _byte_vocab_config(
-        "small", hidden_size=512, intermediate_size=1024, num_layers=8, num_heads=8,
-        num_kv_heads=4, head_dim=64, max_position=16384, dtype="float32"),
+        "small",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        max_position=16384,
+        dtype="float32",
+    ),
     # 16 layers x 2 x 4 x 64 x 4 bytes = 32 KiB per token; ~38M parameters.
     "medium": _byte_vocab_config(
-        "medium", hidden_size=512, intermediate_size=1024, num_layers=16, num_heads=8,
-        num_kv_heads=4, head_dim=64, max_position=16384, dtype="float32"),
+        "medium",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_layers=16,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        max_position=16384,
+        dtype="float32",
+    ),
 }

@@ -68,14 +68,23 @@ class SelfAttention(nn.Module):
         super().__init__()
         h, d, dt = config.hidden_size, config.head_dim, config.torch_dtype
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads, config.num_kv_heads, d)
+            config.num_heads,
+            config.num_kv_heads,
+            d,
+        )
         self.q_proj = Linear(h, config.num_heads * d, dt)
         self.k_proj = Linear(h, config.num_kv_heads * d, dt)
         self.v_proj = Linear(h, config.num_kv_heads * d, dt)
         self.o_proj = Linear(config.num_heads * d, h, dt)
 
-    def forward(self, layer_index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionFn) -> torch.Tensor:
+    def forward(
+        self,
+        layer_index: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+    ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -83,8 +92,9 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(layer_index, q, k, v)
         if out.shape != q.shape:
-            raise ValueError(f"attention callback returned shape {tuple(out.shape)}, "
-                             f"expected {tuple(q.shape)}")
+            raise ValueError(
+                f"attention callback returned shape {tuple(out.shape)}, expected {tuple(q.shape)}"
+            )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -109,8 +119,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
         self.mlp = MLP(config)
 
-    def forward(self, layer_index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionFn) -> torch.Tensor:
+    def forward(
+        self,
+        layer_index: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+    ) -> torch.Tensor:
         h = h + self.self_attn(layer_index, self.input_layernorm(h), cos, sin, attention)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -133,27 +149,39 @@ class LlamaModel(nn.Module):
         self.model = LlamaBackbone(config)
         self.rotary = RotaryEmbedding(config)
         # Tied: the head reuses the embedding matrix (no lm_head parameter at all).
-        self.lm_head = (None if config.tie_embeddings else
-                        Linear(config.hidden_size, config.vocab_size, config.torch_dtype))
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else Linear(config.hidden_size, config.vocab_size, config.torch_dtype)
+        )
 
     @property
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [len(logits_indices) or T, vocab]: float64 for a float64 model, else float32.
 
         input_ids, positions: 1-D int64 [T], the tokens of every sequence in the batch, flattened.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(f"input_ids and positions must be 1-D and equally long; got "
-                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+            raise ValueError(
+                f"input_ids and positions must be 1-D and equally long; got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
         vocab = self.config.vocab_size
         if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < vocab):
-            raise ValueError(f"token ids must be in [0, {vocab}); got "
-                             f"{int(input_ids.min())}..{int(input_ids.max())}")
+            raise ValueError(
+                f"token ids must be in [0, {vocab}); got "
+                f"{int(input_ids.min())}..{int(input_ids.max())}"
+            )
         cos, sin = self.rotary(positions)
         h = self.model.embed_tokens(input_ids)
         for index, layer in enumerate(self.model.layers):

@@ -31,7 +31,7 @@ import torch
 # tiles -- 16K keys: a decode at 64K context is 4 tiles per layer, ~25% faster than 8 tiles of
 # 8K --, a prefill chunk short ones (512 keys for 256 tokens x 2 query heads).
 SCORE_TILE_ELEMENTS = 1 << 18
-QUERY_TILE_ROWS = 512          # query rows (tokens x group) per query tile and kv head
+QUERY_TILE_ROWS = 512  # query rows (tokens x group) per query tile and kv head
 MIN_TILE_KEYS = 256
 MAX_TILE_KEYS = 16384
 # A run of consecutive block ids at least this share of a tile long is read in place; shorter
@@ -60,19 +60,26 @@ class ChunkPlan:
     tiles: tuple[KeyTile, ...]
     query_tile: int
     num_keys: int
-    max_block: int     # the largest block id read, checked against the pool once per call
+    max_block: int  # the largest block id read, checked against the pool once per call
 
 
-def plan_chunk(block_table: Sequence[int], num_keys: int, block_size: int, num_queries: int,
-               num_heads: int, num_kv_heads: int) -> ChunkPlan:
+def plan_chunk(
+    block_table: Sequence[int],
+    num_keys: int,
+    block_size: int,
+    num_queries: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> ChunkPlan:
     """Plan the attention of ``num_queries`` queries over keys ``0..num_keys-1`` stored in
     ``block_table`` (computed once per chunk and step, used by every layer)."""
     if num_keys <= 0 or num_queries <= 0:
         raise ValueError(f"need keys and queries, got {num_keys} keys, {num_queries} queries")
     needed = -(-num_keys // block_size)
     if needed > len(block_table):
-        raise ValueError(f"{num_keys} keys need {needed} blocks, block table has "
-                         f"{len(block_table)}")
+        raise ValueError(
+            f"{num_keys} keys need {needed} blocks, block table has {len(block_table)}"
+        )
     group = num_heads // num_kv_heads
     query_tile = max(1, QUERY_TILE_ROWS // group)
     rows = min(num_queries, query_tile) * group * num_kv_heads
@@ -85,8 +92,7 @@ def plan_chunk(block_table: Sequence[int], num_keys: int, block_size: int, num_q
     return ChunkPlan(tuple(tiles), query_tile, num_keys, max(ids))
 
 
-def _key_tiles(ids: list[int], num_keys: int, block_size: int,
-               tile_blocks: int) -> list[KeyTile]:
+def _key_tiles(ids: list[int], num_keys: int, block_size: int, tile_blocks: int) -> list[KeyTile]:
     """Runs of consecutive ids become views (split at ``tile_blocks``); short runs are packed
     into gathered tiles of at most ``tile_blocks`` blocks. A table that is one run is all views,
     however short."""
@@ -97,15 +103,22 @@ def _key_tiles(ids: list[int], num_keys: int, block_size: int,
     ends = [*breaks, len(ids)]
     min_view = max(1, tile_blocks // MIN_VIEW_SHARE) if len(starts) > 1 else 1
     tiles: list[KeyTile] = []
-    pending: list[int] = []        # table indices of short runs waiting to fill a gather tile
+    pending: list[int] = []  # table indices of short runs waiting to fill a gather tile
 
     def add(first: int, count: int, index: torch.Tensor | None) -> None:
-        tiles.append(KeyTile(first * block_size, min(num_keys, (first + count) * block_size),
-                             ids[first], count, index))
+        tiles.append(
+            KeyTile(
+                first * block_size,
+                min(num_keys, (first + count) * block_size),
+                ids[first],
+                count,
+                index,
+            )
+        )
 
     def flush() -> None:
         if pending:
-            add(pending[0], len(pending), table[pending[0]:pending[0] + len(pending)].clone())
+            add(pending[0], len(pending), table[pending[0] : pending[0] + len(pending)].clone())
             pending.clear()
 
     for s, e in zip(starts, ends, strict=True):
@@ -126,14 +139,15 @@ def _tile_kv(blocks: torch.Tensor, tile: KeyTile, num_keys: int) -> torch.Tensor
     """The tile's first ``num_keys`` keys (or values) as ``[num_keys, Hkv, D]``."""
     count = -(-num_keys // blocks.shape[1])
     if tile.index is None:
-        x = blocks[tile.first_block:tile.first_block + count]
+        x = blocks[tile.first_block : tile.first_block + count]
     else:
         x = blocks.index_select(0, tile.index[:count])
     return x.flatten(0, 1)[:num_keys]
 
 
-def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-                    plan: ChunkPlan, q_offset: int) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, plan: ChunkPlan, q_offset: int
+) -> torch.Tensor:
     """Attention of queries at positions ``q_offset..`` over the plan's keys ``0..n-1``.
 
     q [t, Hq, D]; k_blocks, v_blocks [num_blocks, block_size, Hkv, D] in the pool's dtype;
@@ -145,24 +159,33 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     t, num_heads, head_dim = q.shape
     num_kv_heads = k_blocks.shape[2]
     if k_blocks.shape != v_blocks.shape or k_blocks.dim() != 4 or k_blocks.shape[3] != head_dim:
-        raise ValueError(f"k/v blocks {tuple(k_blocks.shape)}/{tuple(v_blocks.shape)} must be "
-                         f"[num_blocks, block_size, kv_heads, {head_dim}] alike")
+        raise ValueError(
+            f"k/v blocks {tuple(k_blocks.shape)}/{tuple(v_blocks.shape)} must be "
+            f"[num_blocks, block_size, kv_heads, {head_dim}] alike"
+        )
     if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads "
-                         f"({num_kv_heads})")
+        raise ValueError(
+            f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
+        )
     if q_offset < 0 or plan.num_keys != q_offset + t:
-        raise ValueError(f"plan covers {plan.num_keys} keys, queries at positions {q_offset}.."
-                         f"{q_offset + t - 1} need {q_offset + t}")
+        raise ValueError(
+            f"plan covers {plan.num_keys} keys, queries at positions {q_offset}.."
+            f"{q_offset + t - 1} need {q_offset + t}"
+        )
     if plan.max_block >= k_blocks.shape[0]:
-        raise ValueError(f"plan reads block {plan.max_block}, outside the pool's "
-                         f"{k_blocks.shape[0]} blocks")
+        raise ValueError(
+            f"plan reads block {plan.max_block}, outside the pool's {k_blocks.shape[0]} blocks"
+        )
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     group = num_heads // num_kv_heads
     # Rows ordered (token, group) inside each kv head, so a query tile is a contiguous range of
     # rows; the scale is folded into q once instead of into every tile of scores.
-    qf = ((q.to(compute) * (1.0 / math.sqrt(head_dim)))
-          .view(t, num_kv_heads, group, head_dim).transpose(0, 1)
-          .reshape(num_kv_heads, t * group, head_dim))
+    qf = (
+        (q.to(compute) * (1.0 / math.sqrt(head_dim)))
+        .view(t, num_kv_heads, group, head_dim)
+        .transpose(0, 1)
+        .reshape(num_kv_heads, t * group, head_dim)
+    )
     bounds = [(q0, min(t, q0 + plan.query_tile)) for q0 in range(0, t, plan.query_tile)]
     # Per query tile: running max, running sum, unnormalised output (None until its first tile).
     state: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(bounds)
@@ -180,15 +203,18 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
             k, v = k.to(compute), v.to(compute)
         for i in range(first, last):
             q0, q1 = bounds[i]
-            p0, p1 = q_offset + q0, q_offset + q1   # positions of this query tile
-            nk = min(tile.end, p1) - tile.start      # keys after p1-1 are in every query's future
+            p0, p1 = q_offset + q0, q_offset + q1  # positions of this query tile
+            nk = min(tile.end, p1) - tile.start  # keys after p1-1 are in every query's future
             kt, vt = k[:nk].permute(1, 2, 0), v[:nk].permute(1, 0, 2)  # [Hkv, D, nk], [Hkv, nk, D]
-            s = torch.bmm(qf[:, q0 * group:q1 * group], kt)           # [Hkv, rows, nk]
+            s = torch.bmm(qf[:, q0 * group : q1 * group], kt)  # [Hkv, rows, nk]
             if tile.start + nk - 1 > p0:  # some key is in some query's future
-                future = (torch.arange(tile.start, tile.start + nk)[None, :]
-                          > torch.arange(p0, p1)[:, None])
+                future = (
+                    torch.arange(tile.start, tile.start + nk)[None, :]
+                    > torch.arange(p0, p1)[:, None]
+                )
                 s.view(num_kv_heads, q1 - q0, group, nk).masked_fill_(
-                    future[None, :, None, :], float("-inf"))
+                    future[None, :, None, :], float("-inf")
+                )
             tile_max = s.amax(-1)
             prev = state[i]
             if prev is None:  # the first tile holds key 0, visible to every query: max finite
@@ -206,6 +232,10 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     for (q0, q1), st in zip(bounds, state, strict=True):
         assert st is not None  # every query sees key 0, in the first tile
         _, total, acc = st
-        out[:, q0 * group:q1 * group] = acc.div_(total.unsqueeze(-1))
-    return (out.view(num_kv_heads, t, group, head_dim).transpose(0, 1)
-            .reshape(t, num_heads, head_dim).to(q.dtype))
+        out[:, q0 * group : q1 * group] = acc.div_(total.unsqueeze(-1))
+    return (
+        out.view(num_kv_heads, t, group, head_dim)
+        .transpose(0, 1)
+        .reshape(t, num_heads, head_dim)
+        .to(q.dtype)
+    )

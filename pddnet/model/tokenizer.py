@@ -54,8 +54,9 @@ class ByteTokenizer:
                 run.append(tid)
                 continue
             if tid not in self._SPECIAL_TEXT:
-                raise ValueError(f"token id {tid} is outside the byte vocabulary "
-                                 f"(0..{BYTE_VOCAB_SIZE - 1})")
+                raise ValueError(
+                    f"token id {tid} is outside the byte vocabulary (0..{BYTE_VOCAB_SIZE - 1})"
+                )
             if not skip_special:
                 parts.append(run.decode("utf-8", errors="replace"))
                 run.clear()
@@ -86,9 +87,11 @@ class HFTokenizer:
         bos = _special_id(folder, backend, "bos")
         eos = _special_id(folder, backend, "eos")
         if bos is None or eos is None:
-            raise ValueError(f"{folder}: cannot tell the BOS/EOS token ids (set bos_token_id and "
-                             f"eos_token_id in config.json, or bos_token/eos_token in "
-                             f"tokenizer_config.json)")
+            raise ValueError(
+                f"{folder}: cannot tell the BOS/EOS token ids (set bos_token_id and "
+                f"eos_token_id in config.json, or bos_token/eos_token in "
+                f"tokenizer_config.json)"
+            )
         return cls(backend, bos, eos)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
@@ -129,8 +132,11 @@ def load_tokenizer(folder: str | Path | None) -> Tokenizer:
         try:
             import tokenizers  # noqa: F401
         except ImportError:
-            warnings.warn(f"{folder}: tokenizer.json ignored because the `tokenizers` package "
-                          f"is not installed; using the byte tokenizer", stacklevel=2)
+            warnings.warn(
+                f"{folder}: tokenizer.json ignored because the `tokenizers` package "
+                f"is not installed; using the byte tokenizer",
+                stacklevel=2,
+            )
         else:
             return HFTokenizer.from_folder(Path(folder))
     return ByteTokenizer()

@@ -71,17 +71,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for n in range(config.num_layers):
         p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (config.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (config.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": (config.num_kv_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, config.num_heads * d),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (config.num_heads * d, h),
+                p + "self_attn.k_proj.weight": (config.num_kv_heads * d, h),
+                p + "self_attn.v_proj.weight": (config.num_kv_heads * d, h),
+                p + "self_attn.o_proj.weight": (h, config.num_heads * d),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
     shapes["model.norm.weight"] = (h,)
     if not config.tie_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
@@ -89,6 +91,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 # ---- config.json ----------------------------------------------------------------------------
+
 
 def config_to_hf(config: ModelConfig) -> dict[str, object]:
     return {
@@ -116,8 +119,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, object]:
     }
 
 
-_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "vocab_size")
+_REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
 
 
 def config_from_hf(hf: dict[str, object], name: str, dtype: str | None = None) -> ModelConfig:
@@ -127,7 +135,8 @@ def config_from_hf(hf: dict[str, object], name: str, dtype: str | None = None) -
     if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:  # type: ignore[operator]
         raise CheckpointError(
             f"{where}: architecture {archs or '?'} (model_type {hf.get('model_type')!r}) is not "
-            f"supported; pddnet loads LlamaForCausalLM checkpoints")
+            f"supported; pddnet loads LlamaForCausalLM checkpoints"
+        )
     missing = [k for k in _REQUIRED if k not in hf]
     if missing:
         raise CheckpointError(f"{where}: missing required fields {', '.join(missing)}")
@@ -174,6 +183,7 @@ def config_from_hf(hf: dict[str, object], name: str, dtype: str | None = None) -
 
 # ---- folder save / load -----------------------------------------------------------------------
 
+
 def save_hf(model: LlamaModel, folder: str | Path) -> None:
     """Write config.json + model.safetensors (HF Llama names) into `folder` (created)."""
     from safetensors.torch import save_file
@@ -212,12 +222,15 @@ def _weight_files(path: Path) -> list[Path]:
             raise CheckpointError(f"{path / INDEX_FILE}: malformed index: {exc}") from None
         absent = [s for s in shards if not (path / s).is_file()]
         if absent:
-            raise CheckpointError(f"{path}: shards named by {INDEX_FILE} are missing: "
-                                  f"{', '.join(absent)}")
+            raise CheckpointError(
+                f"{path}: shards named by {INDEX_FILE} are missing: {', '.join(absent)}"
+            )
         return [path / s for s in shards]
     if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        raise CheckpointError(f"{path}: only safetensors weights are loaded (found pickle-based "
-                              f".bin/.pt files, which pddnet never unpickles)")
+        raise CheckpointError(
+            f"{path}: only safetensors weights are loaded (found pickle-based "
+            f".bin/.pt files, which pddnet never unpickles)"
+        )
     raise CheckpointError(f"{path}: no {WEIGHTS_FILE} (or {INDEX_FILE})")
 
 
@@ -254,16 +267,21 @@ def load_hf(folder: str | Path, dtype: str | None = None) -> LlamaModel:
         raise CheckpointError(f"{path}: missing tensors {_summary(missing)}")
     extra = sorted(n for n in tensors if n not in shapes)
     if extra:
-        raise CheckpointError(f"{path}: unexpected tensors {_summary(extra)} (not a plain "
-                              f"Llama checkpoint matching its config.json?)")
+        raise CheckpointError(
+            f"{path}: unexpected tensors {_summary(extra)} (not a plain "
+            f"Llama checkpoint matching its config.json?)"
+        )
     for name, shape in shapes.items():
         got = tuple(tensors[name].shape)
         if got != shape:
-            raise CheckpointError(f"{path}: tensor {name} has shape {got}, config.json "
-                                  f"implies {shape}")
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {got}, config.json implies {shape}"
+            )
         if not tensors[name].is_floating_point():
-            raise CheckpointError(f"{path}: tensor {name} has dtype {tensors[name].dtype}; "
-                                  f"quantised checkpoints are not supported")
+            raise CheckpointError(
+                f"{path}: tensor {name} has dtype {tensors[name].dtype}; "
+                f"quantised checkpoints are not supported"
+            )
     model = LlamaModel(config)
     for name, param in _named_weights(model).items():
         param.copy_(tensors[name])

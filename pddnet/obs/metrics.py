@@ -48,12 +48,42 @@ from prometheus_client.core import (
 
 log = logging.getLogger("pddnet.obs.metrics")
 
-DEFAULT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                     10.0, 30.0)
+DEFAULT_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 _DRC_COUNTERS = ("lookups", "hits", "hit_tokens", "lookup_tokens", "evicted_blocks")
-_HANDLED = {"role", "instance", "instance_id", "port", "requests", "active_phases", "pipelines",
-            "kv_blocks", "lanes", "wan_bytes", "handoffs", "max_extend_tokens", "drc", "queues",
-            "histograms", "counters", "device"}
+_HANDLED = {
+    "role",
+    "instance",
+    "instance_id",
+    "port",
+    "requests",
+    "active_phases",
+    "pipelines",
+    "kv_blocks",
+    "lanes",
+    "wan_bytes",
+    "handoffs",
+    "max_extend_tokens",
+    "drc",
+    "queues",
+    "histograms",
+    "counters",
+    "device",
+}
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -74,7 +104,7 @@ class LatencyHistogram:
         if not edges or sorted(edges) != edges or len(set(edges)) != len(edges) or edges[0] <= 0:
             raise ValueError(f"histogram buckets must be increasing positive seconds, got {edges}")
         self.buckets = edges
-        self.counts = [0] * (len(edges) + 1)   # the last one is +Inf
+        self.counts = [0] * (len(edges) + 1)  # the last one is +Inf
         self.sum = 0.0
         self.count = 0
 
@@ -101,29 +131,34 @@ class StatsCollector:
         self._role = role
 
     def describe(self) -> list[Metric]:
-        return []   # unchecked collector: the metric set follows the stats dict
+        return []  # unchecked collector: the metric set follows the stats dict
 
     def collect(self) -> Iterator[Metric]:
         try:
             stats = self._collect()
         except Exception as exc:  # a scrape must not take the daemon's HTTP server down
             log.exception("stats() failed during a /metrics scrape")
-            g = GaugeMetricFamily("pdd_scrape_ok", "1 when stats() answered this scrape",
-                                  labels=["error"])
+            g = GaugeMetricFamily(
+                "pdd_scrape_ok", "1 when stats() answered this scrape", labels=["error"]
+            )
             g.add_metric([f"{type(exc).__name__}: {exc}"[:200]], 0)
             yield g
             return
-        base = {"role": str(stats.get("role", self._role or "unknown")),
-                "instance": str(stats.get("instance", stats.get("instance_id", "")))}
-        ok = GaugeMetricFamily("pdd_scrape_ok", "1 when stats() answered this scrape",
-                               labels=list(base))
+        base = {
+            "role": str(stats.get("role", self._role or "unknown")),
+            "instance": str(stats.get("instance", stats.get("instance_id", ""))),
+        }
+        ok = GaugeMetricFamily(
+            "pdd_scrape_ok", "1 when stats() answered this scrape", labels=list(base)
+        )
         ok.add_metric(list(base.values()), 1)
         yield ok
         yield from _translate(stats, base)
 
 
-def _family(kind: type, name: str, doc: str, base: Mapping[str, str], extra: Sequence[str] = ()
-            ) -> Any:
+def _family(
+    kind: type, name: str, doc: str, base: Mapping[str, str], extra: Sequence[str] = ()
+) -> Any:
     return kind(name, doc, labels=[*base, *extra])
 
 
@@ -132,8 +167,9 @@ def _translate(stats: Mapping[str, Any], base: Mapping[str, str]) -> Iterator[Me
     reqs = stats.get("requests")
     if isinstance(reqs, Mapping):
         active = _family(GaugeMetricFamily, "pdd_requests_active", "requests in flight here", base)
-        total = _family(CounterMetricFamily, "pdd_requests", "requests by how they ended here",
-                        base, ["state"])
+        total = _family(
+            CounterMetricFamily, "pdd_requests", "requests by how they ended here", base, ["state"]
+        )
         for k, v in reqs.items():
             if _number(v):
                 if k == "active":
@@ -144,16 +180,27 @@ def _translate(stats: Mapping[str, Any], base: Mapping[str, str]) -> Iterator[Me
         yield total
     phases = stats.get("active_phases")
     if isinstance(phases, Mapping):
-        g = _family(GaugeMetricFamily, "pdd_requests_in_phase",
-                    "live requests by protocol phase (first few)", base, ["phase"])
+        g = _family(
+            GaugeMetricFamily,
+            "pdd_requests_in_phase",
+            "live requests by protocol phase (first few)",
+            base,
+            ["phase"],
+        )
         counts: dict[str, int] = {}
         for phase in phases.values():
             counts[str(phase)] = counts.get(str(phase), 0) + 1
         for phase, n in sorted(counts.items()):
             g.add_metric([*bl, phase], n)
         yield g
-    yield from _labelled(stats.get("pipelines"), CounterMetricFamily,
-                         "pdd_requests_by_pipeline", "requests by pipeline", base, "pipeline")
+    yield from _labelled(
+        stats.get("pipelines"),
+        CounterMetricFamily,
+        "pdd_requests_by_pipeline",
+        "requests by pipeline",
+        base,
+        "pipeline",
+    )
     blocks = stats.get("kv_blocks")
     if isinstance(blocks, Mapping) and blocks:
         g = _family(GaugeMetricFamily, "pdd_kv_blocks", "KV blocks in use / free", base, ["state"])
@@ -161,16 +208,23 @@ def _translate(stats: Mapping[str, Any], base: Mapping[str, str]) -> Iterator[Me
             if _number(blocks.get(state)):
                 g.add_metric([*bl, state], blocks[state])
         yield g
-        for key, name, doc in (("total", "pdd_kv_blocks_capacity", "KV blocks in the pool"),
-                               ("block_size", "pdd_kv_block_size_tokens", "tokens per block")):
+        for key, name, doc in (
+            ("total", "pdd_kv_blocks_capacity", "KV blocks in the pool"),
+            ("block_size", "pdd_kv_block_size_tokens", "tokens per block"),
+        ):
             if _number(blocks.get(key)):
                 f = _family(GaugeMetricFamily, name, doc, base)
                 f.add_metric(bl, blocks[key])
                 yield f
     lanes = stats.get("lanes")
     if isinstance(lanes, Mapping):
-        b = _family(CounterMetricFamily, "pdd_lane_bytes", "bytes on this daemon's connections, "
-                    "by lane kind", base, ["lane", "direction"])
+        b = _family(
+            CounterMetricFamily,
+            "pdd_lane_bytes",
+            "bytes on this daemon's connections, by lane kind",
+            base,
+            ["lane", "direction"],
+        )
         chunks = _family(CounterMetricFamily, "pdd_lane_chunks", "KV chunks sent", base, ["lane"])
         for lane, d in lanes.items():
             if not isinstance(d, Mapping):
@@ -183,25 +237,47 @@ def _translate(stats: Mapping[str, Any], base: Mapping[str, str]) -> Iterator[Me
         yield b
         yield chunks
     yield from _wan_bytes(stats, base)
-    yield from _labelled(stats.get("handoffs"), CounterMetricFamily, "pdd_handoffs",
-                         "handoffs by mode", base, "mode")
-    yield from _labelled(stats.get("max_extend_tokens"), GaugeMetricFamily,
-                         "pdd_max_extend_tokens", "most tokens one step extended after a "
-                         "handoff, by mode", base, "mode")
+    yield from _labelled(
+        stats.get("handoffs"), CounterMetricFamily, "pdd_handoffs", "handoffs by mode", base, "mode"
+    )
+    yield from _labelled(
+        stats.get("max_extend_tokens"),
+        GaugeMetricFamily,
+        "pdd_max_extend_tokens",
+        "most tokens one step extended after a handoff, by mode",
+        base,
+        "mode",
+    )
     yield from _drc(stats.get("drc"), base)
     yield from _device(stats.get("device"), base)
-    yield from _labelled(stats.get("queues"), GaugeMetricFamily, "pdd_queue_depth",
-                         "items waiting, by queue", base, "queue")
+    yield from _labelled(
+        stats.get("queues"),
+        GaugeMetricFamily,
+        "pdd_queue_depth",
+        "items waiting, by queue",
+        base,
+        "queue",
+    )
     hists = stats.get("histograms")
     if isinstance(hists, Mapping):
         for name, h in hists.items():
             if isinstance(h, Mapping) and "buckets" in h:
-                f = _family(HistogramMetricFamily, f"pdd_{_metric_name(str(name))}",
-                            f"{name} (seconds)", base)
+                f = _family(
+                    HistogramMetricFamily,
+                    f"pdd_{_metric_name(str(name))}",
+                    f"{name} (seconds)",
+                    base,
+                )
                 f.add_metric(bl, [(str(le), c) for le, c in h["buckets"]], sum_value=h["sum"])
                 yield f
-    yield from _labelled(stats.get("counters"), CounterMetricFamily, "pdd_events",
-                         "daemon counters by event", base, "event")
+    yield from _labelled(
+        stats.get("counters"),
+        CounterMetricFamily,
+        "pdd_events",
+        "daemon counters by event",
+        base,
+        "event",
+    )
     for key, v in stats.items():
         if key in _HANDLED:
             continue
@@ -214,8 +290,9 @@ def _translate(stats: Mapping[str, Any], base: Mapping[str, str]) -> Iterator[Me
             yield from _labelled(v, GaugeMetricFamily, name, f"stats()['{key}']", base, "key")
 
 
-def _labelled(d: Any, kind: type, name: str, doc: str, base: Mapping[str, str],
-              label: str) -> Iterator[Metric]:
+def _labelled(
+    d: Any, kind: type, name: str, doc: str, base: Mapping[str, str], label: str
+) -> Iterator[Metric]:
     if not isinstance(d, Mapping):
         return
     f = _family(kind, name, doc, base, [label])
@@ -231,11 +308,17 @@ def _wan_bytes(stats: Mapping[str, Any], base: Mapping[str, str]) -> Iterator[Me
         lanes = stats.get("lanes")
         if base["role"] != "main_decode" or not isinstance(lanes, Mapping):
             return
-        wan = {"in": {k: d.get("bytes_in", 0) for k, d in lanes.items() if isinstance(d, Mapping)},
-               "out": {k: d.get("bytes_out", 0) for k, d in lanes.items()
-                       if isinstance(d, Mapping)}}
-    f = _family(CounterMetricFamily, "pdd_wan_bytes", "bytes over the WAN by direction and kind",
-                base, ["direction", "kind"])
+        wan = {
+            "in": {k: d.get("bytes_in", 0) for k, d in lanes.items() if isinstance(d, Mapping)},
+            "out": {k: d.get("bytes_out", 0) for k, d in lanes.items() if isinstance(d, Mapping)},
+        }
+    f = _family(
+        CounterMetricFamily,
+        "pdd_wan_bytes",
+        "bytes over the WAN by direction and kind",
+        base,
+        ["direction", "kind"],
+    )
     for direction, kinds in wan.items():
         if isinstance(kinds, Mapping):
             for kind, n in kinds.items():
@@ -250,12 +333,22 @@ def _drc(drc: Any, base: Mapping[str, str]) -> Iterator[Metric]:
     bl = list(base.values())
     for key, v in drc.items():
         if key == "hit_intervals":
-            yield from _labelled(v, CounterMetricFamily, "pdd_drc_requests_by_hit",
-                                 "DRC lookups by prefix-hit interval", base, "interval")
+            yield from _labelled(
+                v,
+                CounterMetricFamily,
+                "pdd_drc_requests_by_hit",
+                "DRC lookups by prefix-hit interval",
+                base,
+                "interval",
+            )
         elif _number(v):
             counter = key in _DRC_COUNTERS
-            f = _family(CounterMetricFamily if counter else GaugeMetricFamily,
-                        f"pdd_drc_{_metric_name(str(key))}", f"decode-side RadixCache {key}", base)
+            f = _family(
+                CounterMetricFamily if counter else GaugeMetricFamily,
+                f"pdd_drc_{_metric_name(str(key))}",
+                f"decode-side RadixCache {key}",
+                base,
+            )
             f.add_metric(bl, v)
             yield f
 
@@ -263,15 +356,24 @@ def _drc(drc: Any, base: Mapping[str, str]) -> Iterator[Metric]:
 # An emulated device's counters (pddnet.device.pacer): name, kind, help
 _DEVICE_METRICS = (
     ("steps", CounterMetricFamily, "forwards paced to the modelled device"),
-    ("overruns", CounterMetricFamily, "forwards whose real compute outlasted the modelled "
-     "time x k (the box could not keep up)"),
-    ("overrun_lost_s", CounterMetricFamily, "wall seconds by which overrun forwards exceeded "
-     "their paced time"),
+    (
+        "overruns",
+        CounterMetricFamily,
+        "forwards whose real compute outlasted the modelled time x k (the box could not keep up)",
+    ),
+    (
+        "overrun_lost_s",
+        CounterMetricFamily,
+        "wall seconds by which overrun forwards exceeded their paced time",
+    ),
     ("modelled_busy_s", CounterMetricFamily, "modelled device seconds of every forward"),
     ("overrun_share", GaugeMetricFamily, "share of forwards that overran (valid: <= 1%)"),
     ("dilation", GaugeMetricFamily, "time dilation k this daemon runs at"),
-    ("dilation_needed", GaugeMetricFamily, "smallest k at which <= 1% of recent forwards "
-     "would overrun"),
+    (
+        "dilation_needed",
+        GaugeMetricFamily,
+        "smallest k at which <= 1% of recent forwards would overrun",
+    ),
 )
 
 
@@ -286,8 +388,9 @@ def _device(dev: Any, base: Mapping[str, str]) -> Iterator[Metric]:
             yield f
 
 
-def registry_for(collect: Callable[[], Mapping[str, Any]], role: str | None = None
-                 ) -> CollectorRegistry:
+def registry_for(
+    collect: Callable[[], Mapping[str, Any]], role: str | None = None
+) -> CollectorRegistry:
     """A registry of its own holding one StatsCollector (no process-global default metrics)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(collect, role))  # type: ignore[arg-type]
@@ -302,8 +405,13 @@ def render(registry: CollectorRegistry) -> tuple[bytes, str]:
 class MetricsServer:
     """`GET /metrics` on host:port (0 = any free port; `.port` tells which)."""
 
-    def __init__(self, host: str, port: int, collect: Callable[[], Mapping[str, Any]],
-                 role: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        collect: Callable[[], Mapping[str, Any]],
+        role: str | None = None,
+    ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"metrics port must be in 0..65535, got {port}")
         self.host, self.requested_port = host, port
@@ -346,8 +454,9 @@ class MetricsServer:
         await self.close()
 
 
-async def start_metrics_server(host: str, port: int, collect: Callable[[], Mapping[str, Any]],
-                               role: str | None = None) -> MetricsServer:
+async def start_metrics_server(
+    host: str, port: int, collect: Callable[[], Mapping[str, Any]], role: str | None = None
+) -> MetricsServer:
     """Start serving /metrics now; `await server.close()` (or `async with`) stops it."""
     server = MetricsServer(host, port, collect, role)
     await server.start()

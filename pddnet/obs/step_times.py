@@ -17,7 +17,7 @@ from pddnet.engine.engine import StepStats
 from pddnet.obs.metrics import LatencyHistogram
 
 STEP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
-BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128)   # a bucket holds batches in [edge, next edge)
+BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128)  # a bucket holds batches in [edge, next edge)
 
 
 def batch_bucket(batch: int) -> str:
@@ -37,10 +37,10 @@ class StepTimes:
         # durations are multiplied by this: 1 / dilation on a paced daemon, so that they are
         # the modelled device's seconds (pddnet.device.dilation)
         self.scale = scale
-        self.decode = LatencyHistogram(STEP_BUCKETS_S)    # steps of one-token chunks only
-        self.prefill = LatencyHistogram(STEP_BUCKETS_S)   # steps with a prefill/extend chunk
+        self.decode = LatencyHistogram(STEP_BUCKETS_S)  # steps of one-token chunks only
+        self.prefill = LatencyHistogram(STEP_BUCKETS_S)  # steps with a prefill/extend chunk
         self.prefill_tokens = 0
-        self._by_batch: dict[str, list[float]] = {}       # label -> [steps, seconds, seqs]
+        self._by_batch: dict[str, list[float]] = {}  # label -> [steps, seconds, seqs]
 
     def observe(self, step: StepStats) -> None:
         seconds = step.duration_s * self.scale
@@ -57,14 +57,18 @@ class StepTimes:
         acc[2] += step.num_seqs
 
     def to_stats(self) -> dict[str, Any]:
-        by_batch = {label: {"steps": int(n), "seconds": s, "mean_batch": seqs / n,
-                            "mean_ms": s / n * 1e3}
-                    for label, (n, s, seqs) in sorted(self._by_batch.items(),
-                                                     key=lambda kv: int(kv[0].split("-")[0]
-                                                                        .rstrip("+")))
-                    if n}
-        return {"histograms": {"engine_decode_step_s": self.decode.to_stats(),
-                               "engine_prefill_step_s": self.prefill.to_stats()},
-                "decode_step_ms_by_batch": {k: v["mean_ms"] for k, v in by_batch.items()},
-                "engine_steps": {"decode_by_batch": by_batch,
-                                 "prefill_tokens": self.prefill_tokens}}
+        by_batch = {
+            label: {"steps": int(n), "seconds": s, "mean_batch": seqs / n, "mean_ms": s / n * 1e3}
+            for label, (n, s, seqs) in sorted(
+                self._by_batch.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+"))
+            )
+            if n
+        }
+        return {
+            "histograms": {
+                "engine_decode_step_s": self.decode.to_stats(),
+                "engine_prefill_step_s": self.prefill.to_stats(),
+            },
+            "decode_step_ms_by_batch": {k: v["mean_ms"] for k, v in by_batch.items()},
+            "engine_steps": {"decode_by_batch": by_batch, "prefill_tokens": self.prefill_tokens},
+        }

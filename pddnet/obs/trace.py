@@ -44,50 +44,90 @@ def _check(pdd: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
         raise ValueError(f"request {pdd.get('request_id')!r}: its `pdd` object has no timeline")
     for i, e in enumerate(timeline):
         if not isinstance(e, Mapping) or not {"event", "time", "producer"} <= set(e):
-            raise ValueError(f"request {pdd.get('request_id')!r}: timeline entry {i} lacks "
-                             f"event/time/producer: {e!r}")
+            raise ValueError(
+                f"request {pdd.get('request_id')!r}: timeline entry {i} lacks "
+                f"event/time/producer: {e!r}"
+            )
     return sorted(timeline, key=lambda e: e["time"])
 
 
-def _spans(pdd: Mapping[str, Any], ev: Mapping[str, Mapping[str, Any]],
-           last_relay_token_at: float | None) -> Iterator[tuple[str, str, float, float, dict]]:
+def _spans(
+    pdd: Mapping[str, Any], ev: Mapping[str, Mapping[str, Any]], last_relay_token_at: float | None
+) -> Iterator[tuple[str, str, float, float, dict]]:
     """(track, name, start, end, args) of the phases the milestones delimit."""
+
     def t(name: str) -> float | None:
         e = ev.get(name)
         return None if e is None else float(e["time"])
 
-    def span(track: str, name: str, start: float | None, end: float | None,
-             args: dict | None = None) -> Iterator[tuple[str, str, float, float, dict]]:
+    def span(
+        track: str, name: str, start: float | None, end: float | None, args: dict | None = None
+    ) -> Iterator[tuple[str, str, float, float, dict]]:
         if start is not None and end is not None and end >= start:
             yield track, name, start, end, args or {}
 
     done_by = ev.get("request_done", {}).get("producer")
-    yield from span("router", f"request ({pdd.get('finish_reason')})", t("arrival"), t("done"),
-                    {"mode": pdd.get("mode"), "pipeline": pdd.get("pipeline"),
-                     "ttft_s": pdd.get("ttft_s")})
+    yield from span(
+        "router",
+        f"request ({pdd.get('finish_reason')})",
+        t("arrival"),
+        t("done"),
+        {"mode": pdd.get("mode"), "pipeline": pdd.get("pipeline"), "ttft_s": pdd.get("ttft_s")},
+    )
     yield from span("P", "prefill", t("prefill_start"), t("prefill_end"))
     wan_end = t("md_kv_complete")
-    yield from span("WAN", "KV copy to MD", t("prefill_start"), wan_end,
-                    {"wan_kv_bytes": pdd.get("wan_kv_bytes")})
+    yield from span(
+        "WAN",
+        "KV copy to MD",
+        t("prefill_start"),
+        wan_end,
+        {"wan_kv_bytes": pdd.get("wan_kv_bytes")},
+    )
     rld_end = last_relay_token_at
     if rld_end is None:
-        rld_end = t("handoff_end") if t("handoff_end") is not None else (
-            t("request_done") if done_by == "relay" else None)
-    yield from span("RLD", "relay decode", t("rld_kv_complete"), rld_end,
-                    {"relay_tokens": pdd.get("relay_tokens")})
-    yield from span("RLD", f"handoff ({pdd.get('handoff_mode')})", t("handoff_start"),
-                    t("handoff_end"), {"handoff_bytes": pdd.get("handoff_bytes")})
-    yield from span("WAN", "token-id handoff", t("handoff_start"), t("handoff_end"),
-                    {"handoff_bytes": pdd.get("handoff_bytes")})
-    md_start = t("handoff_end") if t("handoff_end") is not None else (
-        wan_end if pdd.get("main_tokens") else None)
-    yield from span("MD", "extend + decode" if t("handoff_end") is not None else "decode",
-                    md_start, t("request_done") if done_by == "main_decode" else None,
-                    {"main_tokens": pdd.get("main_tokens")})
+        rld_end = (
+            t("handoff_end")
+            if t("handoff_end") is not None
+            else (t("request_done") if done_by == "relay" else None)
+        )
+    yield from span(
+        "RLD",
+        "relay decode",
+        t("rld_kv_complete"),
+        rld_end,
+        {"relay_tokens": pdd.get("relay_tokens")},
+    )
+    yield from span(
+        "RLD",
+        f"handoff ({pdd.get('handoff_mode')})",
+        t("handoff_start"),
+        t("handoff_end"),
+        {"handoff_bytes": pdd.get("handoff_bytes")},
+    )
+    yield from span(
+        "WAN",
+        "token-id handoff",
+        t("handoff_start"),
+        t("handoff_end"),
+        {"handoff_bytes": pdd.get("handoff_bytes")},
+    )
+    md_start = (
+        t("handoff_end")
+        if t("handoff_end") is not None
+        else (wan_end if pdd.get("main_tokens") else None)
+    )
+    yield from span(
+        "MD",
+        "extend + decode" if t("handoff_end") is not None else "decode",
+        md_start,
+        t("request_done") if done_by == "main_decode" else None,
+        {"main_tokens": pdd.get("main_tokens")},
+    )
 
 
-def request_trace_events(pdd: Mapping[str, Any], pid: int, origin: float,
-                         token_times: Sequence[float] | None = None) -> list[dict[str, Any]]:
+def request_trace_events(
+    pdd: Mapping[str, Any], pid: int, origin: float, token_times: Sequence[float] | None = None
+) -> list[dict[str, Any]]:
     """Trace events of one request (process `pid`); times in µs after `origin` (seconds)."""
     timeline = _check(pdd)
     ev = _events_by_name(timeline)
@@ -99,36 +139,87 @@ def request_trace_events(pdd: Mapping[str, Any], pid: int, origin: float,
         return round((t - origin) / k * 1e6, 3)
 
     out: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": pid,
-         "args": {"name": f"{rid} [{pdd.get('mode')}, {pdd.get('pipeline')}]"}},
-        {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}}]
+        {
+            "ph": "M",
+            "name": "process_name",
+            "pid": pid,
+            "args": {"name": f"{rid} [{pdd.get('mode')}, {pdd.get('pipeline')}]"},
+        },
+        {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}},
+    ]
     used = {"router", "P", "RLD", "WAN", "MD"} | ({"client"} if token_times else set())
     relay_name = "D (decode in A)" if pdd.get("mode") == "same-dc" else "RLD"
     for track in TRACKS:
         if track in used:
-            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _TID[track],
-                        "args": {"name": relay_name if track == "RLD" else track}})
-            out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": _TID[track],
-                        "args": {"sort_index": _TID[track]}})
+            out.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": pid,
+                    "tid": _TID[track],
+                    "args": {"name": relay_name if track == "RLD" else track},
+                }
+            )
+            out.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": pid,
+                    "tid": _TID[track],
+                    "args": {"sort_index": _TID[track]},
+                }
+            )
     relay_tokens = int(pdd.get("relay_tokens") or 0)
-    last_relay = (token_times[relay_tokens - 1]
-                  if token_times and 0 < relay_tokens <= len(token_times) else None)
+    last_relay = (
+        token_times[relay_tokens - 1]
+        if token_times and 0 < relay_tokens <= len(token_times)
+        else None
+    )
     for track, name, start, end, args in _spans(pdd, ev, last_relay):
-        out.append({"ph": "X", "name": name, "cat": track, "pid": pid, "tid": _TID[track],
-                    "ts": us(start), "dur": round((end - start) / k * 1e6, 3), "args": args})
+        out.append(
+            {
+                "ph": "X",
+                "name": name,
+                "cat": track,
+                "pid": pid,
+                "tid": _TID[track],
+                "ts": us(start),
+                "dur": round((end - start) / k * 1e6, 3),
+                "args": args,
+            }
+        )
     for e in timeline:
         track = _TRACK_OF_PRODUCER.get(str(e["producer"]), "router")
-        out.append({"ph": "i", "s": "t", "name": e["event"], "cat": "milestone", "pid": pid,
-                    "tid": _TID[track], "ts": us(float(e["time"])),
-                    "args": {"detail": e.get("detail"), "producer": e["producer"]}})
+        out.append(
+            {
+                "ph": "i",
+                "s": "t",
+                "name": e["event"],
+                "cat": "milestone",
+                "pid": pid,
+                "tid": _TID[track],
+                "ts": us(float(e["time"])),
+                "args": {"detail": e.get("detail"), "producer": e["producer"]},
+            }
+        )
     for i, t in enumerate(token_times or ()):
-        out.append({"ph": "C", "name": "tokens received", "pid": pid, "tid": _TID["client"],
-                    "ts": us(t), "args": {"tokens": i + 1}})
+        out.append(
+            {
+                "ph": "C",
+                "name": "tokens received",
+                "pid": pid,
+                "tid": _TID["client"],
+                "ts": us(t),
+                "args": {"tokens": i + 1},
+            }
+        )
     return out
 
 
-def chrome_trace(requests: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-                 token_times: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+def chrome_trace(
+    requests: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    token_times: Mapping[str, Sequence[float]] | None = None,
+) -> dict[str, Any]:
     """A trace document for one `pdd` object or several (one trace process each), on one
     clock whose zero is the earliest milestone; `token_times` maps request_id -> the client's
     token arrival times (`time.time()`), shown as the client track."""
@@ -145,13 +236,23 @@ def chrome_trace(requests: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     clock = "time.time() of the box every daemon runs on"
     if emulations:
         clock += "; on emulated devices, divided by each request's dilation k"
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"origin_unix_s": origin, "requests": len(pdds), "clock": clock,
-                          "emulation": [json.loads(e) for e in sorted(emulations)]}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "origin_unix_s": origin,
+            "requests": len(pdds),
+            "clock": clock,
+            "emulation": [json.loads(e) for e in sorted(emulations)],
+        },
+    }
 
 
-def write_trace(path: str | Path, requests: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-                token_times: Mapping[str, Sequence[float]] | None = None) -> Path:
+def write_trace(
+    path: str | Path,
+    requests: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    token_times: Mapping[str, Sequence[float]] | None = None,
+) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(requests, token_times)))

@@ -29,9 +29,9 @@ class AdmissionDecision:
 
 @dataclass
 class RelayAdmission:
-    max_running_tokens: int      # prompt + output tokens of every admitted request, summed
-    max_blocks: int              # KV blocks RLD may hold for admitted requests
-    max_requests: int = 64       # admitted requests at once (RLD's "queue" never grows past it)
+    max_running_tokens: int  # prompt + output tokens of every admitted request, summed
+    max_blocks: int  # KV blocks RLD may hold for admitted requests
+    max_requests: int = 64  # admitted requests at once (RLD's "queue" never grows past it)
     singular_share: float = 0.5  # of each limit, for requests RLD finishes alone
     _held: dict[str, tuple[int, int]] = field(default_factory=dict, init=False)
     _tokens: int = field(default=0, init=False)
@@ -41,7 +41,7 @@ class RelayAdmission:
     _singular_blocks: int = field(default=0, init=False)
     refused: int = field(default=0, init=False)
     admitted: int = field(default=0, init=False)
-    peak_requests: int = field(default=0, init=False)   # high-water marks: what a test checks
+    peak_requests: int = field(default=0, init=False)  # high-water marks: what a test checks
     peak_tokens: int = field(default=0, init=False)
     peak_blocks: int = field(default=0, init=False)
 
@@ -67,8 +67,9 @@ class RelayAdmission:
     def num_requests(self) -> int:
         return len(self._held)
 
-    def try_admit(self, request_id: str, tokens: int, blocks: int,
-                  singular: bool = False) -> AdmissionDecision:
+    def try_admit(
+        self, request_id: str, tokens: int, blocks: int, singular: bool = False
+    ) -> AdmissionDecision:
         """Admit a request holding `tokens` (prompt + output) and `blocks`; `singular`: RLD is
         to finish it alone (P->RLD), which only ``singular_share`` of the pool may serve."""
         if request_id in self._held:
@@ -85,14 +86,20 @@ class RelayAdmission:
         elif singular:
             share = self.singular_share
             if len(self._singular) + 1 > share * self.max_requests:
-                reason = (f"RLD already finishes {len(self._singular)} requests alone "
-                          f"(singular share {share:g} of {self.max_requests})")
+                reason = (
+                    f"RLD already finishes {len(self._singular)} requests alone "
+                    f"(singular share {share:g} of {self.max_requests})"
+                )
             elif self._singular_tokens + tokens > share * self.max_running_tokens:
-                reason = (f"singular traffic would hold {self._singular_tokens + tokens} tokens "
-                          f"> {share:g} x {self.max_running_tokens}")
+                reason = (
+                    f"singular traffic would hold {self._singular_tokens + tokens} tokens "
+                    f"> {share:g} x {self.max_running_tokens}"
+                )
             elif self._singular_blocks + blocks > share * self.max_blocks:
-                reason = (f"singular traffic would hold {self._singular_blocks + blocks} blocks "
-                          f"> {share:g} x {self.max_blocks}")
+                reason = (
+                    f"singular traffic would hold {self._singular_blocks + blocks} blocks "
+                    f"> {share:g} x {self.max_blocks}"
+                )
         if reason:
             self.refused += 1
             return AdmissionDecision(False, reason)
@@ -110,12 +117,21 @@ class RelayAdmission:
         return AdmissionDecision(True, "admitted")
 
     def counters(self) -> dict[str, int | float]:
-        return {"requests": len(self._held), "tokens": self._tokens, "blocks": self._blocks,
-                "load": round(self.load, 6), "admitted": self.admitted, "refused": self.refused,
-                "peak_requests": self.peak_requests, "peak_tokens": self.peak_tokens,
-                "peak_blocks": self.peak_blocks, "singular_requests": len(self._singular),
-                "max_requests": self.max_requests,
-                "max_running_tokens": self.max_running_tokens, "max_blocks": self.max_blocks}
+        return {
+            "requests": len(self._held),
+            "tokens": self._tokens,
+            "blocks": self._blocks,
+            "load": round(self.load, 6),
+            "admitted": self.admitted,
+            "refused": self.refused,
+            "peak_requests": self.peak_requests,
+            "peak_tokens": self.peak_tokens,
+            "peak_blocks": self.peak_blocks,
+            "singular_requests": len(self._singular),
+            "max_requests": self.max_requests,
+            "max_running_tokens": self.max_running_tokens,
+            "max_blocks": self.max_blocks,
+        }
 
     def release(self, request_id: str) -> bool:
         held = self._held.pop(request_id, None)

@@ -60,13 +60,19 @@ class HitPrediction:
 
     num_tokens: int
     hit_tokens: int
-    hashes: tuple[int, ...]      # the prompt's chained hashes up to the match limit
+    hashes: tuple[int, ...]  # the prompt's chained hashes up to the match limit
     block_size: int
-    stale: bool                  # the view had missed notices when it predicted
+    stale: bool  # the view had missed notices when it predicted
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, num_tokens: int, hit_tokens: int, hashes: tuple[int, ...], block_size: int,
-                 stale: bool) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        hit_tokens: int,
+        hashes: tuple[int, ...],
+        block_size: int,
+        stale: bool,
+    ) -> None:
         object.__setattr__(self, "num_tokens", num_tokens)
         object.__setattr__(self, "hit_tokens", hit_tokens)
         object.__setattr__(self, "hashes", hashes)
@@ -104,10 +110,10 @@ class DecodeCacheView:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_hashes < 1:
             raise ValueError(f"max_hashes must be >= 1, got {max_hashes}")
-        self.block_size = block_size         # MD's; None until its first notice or answer
+        self.block_size = block_size  # MD's; None until its first notice or answer
         self.max_hashes = max_hashes
-        self._hashes: dict[int, int] = {}     # hash -> its use stamp (larger: more recent)
-        self._clock = 0                      # the last stamp given
+        self._hashes: dict[int, int] = {}  # hash -> its use stamp (larger: more recent)
+        self._clock = 0  # the last stamp given
         # (stamp, -position, hash) of entries, the next to drop first, as of when it was built:
         # see _drop_oldest
         self._oldest: list[tuple[int, int, int]] = []
@@ -120,9 +126,9 @@ class DecodeCacheView:
         self.dropped_by_cap = 0
         self.predictions = 0
         self.wrong = 0
-        self.over_predicted = 0      # P expected more than MD had (MD evicted it)
-        self.under_predicted = 0     # MD had more than P knew (missed / capped notices)
-        self.error_tokens = 0        # sum of |predicted - actual|
+        self.over_predicted = 0  # P expected more than MD had (MD evicted it)
+        self.under_predicted = 0  # MD had more than P knew (missed / capped notices)
+        self.error_tokens = 0  # sum of |predicted - actual|
         self.max_error_tokens = 0
 
     # -- what MD says it did -----------------------------------------------------------------------
@@ -163,8 +169,9 @@ class DecodeCacheView:
 
     # -- prediction and repair ------------------------------------------------------------------
 
-    def predict(self, prompt_token_ids: Sequence[int],
-                max_blocks: int | None = None) -> HitPrediction:
+    def predict(
+        self, prompt_token_ids: Sequence[int], max_blocks: int | None = None
+    ) -> HitPrediction:
         """Estimated MD hit for a prompt: its longest leading chain of known hashes. A pure
         query: the view does not change (``observe`` with MD's answer marks what MD touched).
 
@@ -175,10 +182,11 @@ class DecodeCacheView:
             return HitPrediction(n, 0, (), self.block_size or 0, self.stale)
         bs = self.block_size
         limit = (n - 1) // bs if max_blocks is None else max(0, min(max_blocks, n // bs))
-        return self._predict(n, tuple(chained_hashes(prompt_token_ids[:limit * bs], bs)))
+        return self._predict(n, tuple(chained_hashes(prompt_token_ids[: limit * bs], bs)))
 
-    def predict_from_hashes(self, num_tokens: int, hashes: Sequence[int], block_size: int,
-                            max_blocks: int | None = None) -> HitPrediction:
+    def predict_from_hashes(
+        self, num_tokens: int, hashes: Sequence[int], block_size: int, max_blocks: int | None = None
+    ) -> HitPrediction:
         """``predict`` for a prompt of ``num_tokens`` tokens whose chained block hashes the
         caller already has (at least its full blocks up to the match limit, at ``block_size``,
         e.g. kept per conversation and extended turn by turn): the same prediction, without
@@ -187,13 +195,14 @@ class DecodeCacheView:
         if self.block_size is None or n == 0:
             return HitPrediction(n, 0, (), self.block_size or 0, self.stale)
         if block_size != self.block_size:
-            raise ValueError(f"hashes at block size {block_size}, the view's is "
-                             f"{self.block_size}")
+            raise ValueError(f"hashes at block size {block_size}, the view's is {self.block_size}")
         bs = self.block_size
         limit = (n - 1) // bs if max_blocks is None else max(0, min(max_blocks, n // bs))
         if len(hashes) < limit:
-            raise ValueError(f"{len(hashes)} hashes for a {n}-token prompt: the prediction "
-                             f"needs its first {limit}")
+            raise ValueError(
+                f"{len(hashes)} hashes for a {n}-token prompt: the prediction "
+                f"needs its first {limit}"
+            )
         return self._predict(n, tuple(hashes[:limit]))
 
     def _predict(self, n: int, hashes: tuple[int, ...]) -> HitPrediction:
@@ -203,8 +212,9 @@ class DecodeCacheView:
         hit = len(list(takewhile(self._hashes.__contains__, hashes)))
         return HitPrediction(n, hit * bs, hashes, bs, self.stale)
 
-    def observe(self, prediction: HitPrediction, actual_hit_tokens: int,
-                block_size: int | None = None) -> Observation:
+    def observe(
+        self, prediction: HitPrediction, actual_hit_tokens: int, block_size: int | None = None
+    ) -> Observation:
         """MD's authoritative answer for a predicted prompt: count, then repair the view."""
         if block_size is not None and block_size != prediction.block_size:
             # MD's block size differs from what the prediction was made with: nothing to
@@ -230,13 +240,21 @@ class DecodeCacheView:
         return self.wrong / self.predictions if self.predictions else 0.0
 
     def counters(self) -> dict[str, int | float | bool]:
-        return {"hashes": len(self._hashes), "stale": self.stale, "notices": self.notices,
-                "gaps": self.gaps, "duplicates": self.duplicates,
-                "dropped_by_cap": self.dropped_by_cap, "predictions": self.predictions,
-                "wrong": self.wrong, "over_predicted": self.over_predicted,
-                "under_predicted": self.under_predicted, "error_tokens": self.error_tokens,
-                "max_error_tokens": self.max_error_tokens,
-                "mispredict_rate": round(self.mispredict_rate, 6)}
+        return {
+            "hashes": len(self._hashes),
+            "stale": self.stale,
+            "notices": self.notices,
+            "gaps": self.gaps,
+            "duplicates": self.duplicates,
+            "dropped_by_cap": self.dropped_by_cap,
+            "predictions": self.predictions,
+            "wrong": self.wrong,
+            "over_predicted": self.over_predicted,
+            "under_predicted": self.under_predicted,
+            "error_tokens": self.error_tokens,
+            "max_error_tokens": self.max_error_tokens,
+            "mispredict_rate": round(self.mispredict_rate, 6),
+        }
 
     # -- internals ------------------------------------------------------------------------------
 

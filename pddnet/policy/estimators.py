@@ -26,7 +26,7 @@ class BandwidthEstimator:
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
         self._estimate = float(self.initial_bps)
-        self.samples = 0      # (init=False fields: mypyc's compiled __init__ leaves them unset)
+        self.samples = 0  # (init=False fields: mypyc's compiled __init__ leaves them unset)
 
     @property
     def bytes_per_s(self) -> float:
@@ -49,7 +49,7 @@ class RttEstimator:
     """RFC 6298 style smoothed RTT and variance (seconds)."""
 
     initial_s: float = 0.03
-    window: int = 16               # samples the minimum is taken over
+    window: int = 16  # samples the minimum is taken over
     srtt: float = field(default=0.0, init=False)
     rttvar: float = field(default=0.0, init=False)
     samples: int = field(default=0, init=False)
@@ -60,7 +60,7 @@ class RttEstimator:
             raise ValueError(f"initial_s must be > 0, got {self.initial_s}")
         self.srtt = self.initial_s
         self.rttvar = self.initial_s / 2
-        self.samples = 0      # (init=False fields: mypyc's compiled __init__ leaves them unset)
+        self.samples = 0  # (init=False fields: mypyc's compiled __init__ leaves them unset)
         self._recent = deque()
 
     def observe(self, rtt_s: float) -> None:

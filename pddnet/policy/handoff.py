@@ -71,9 +71,13 @@ class HandoffPolicy:
         if self.mode is HandoffMode.STREAMING:
             return HandoffDecision(HandoffMode.STREAMING, "configured streaming", self.chunk)
         if backlog_tokens <= self.threshold_tokens:
-            return _with_reason(one_shot, f"backlog {backlog_tokens} <= threshold {self.threshold_tokens}")
+            return _with_reason(
+                one_shot, f"backlog {backlog_tokens} <= threshold {self.threshold_tokens}"
+            )
         if rld_load > self.rld_load_limit:
-            return _with_reason(one_shot, f"RLD load {rld_load:.2f} > limit {self.rld_load_limit:.2f}")
+            return _with_reason(
+                one_shot, f"RLD load {rld_load:.2f} > limit {self.rld_load_limit:.2f}"
+            )
         return HandoffDecision(
             HandoffMode.STREAMING,
             f"backlog {backlog_tokens} > threshold {self.threshold_tokens}",

@@ -41,21 +41,30 @@ _WIRE = {Pipeline.P_MD: "p_md", Pipeline.P_RLD_MD: "p_rld_md", Pipeline.RLD_ONLY
 @dataclass(frozen=True)
 class PipelineInputs:
     prompt_tokens: int
-    hit_tokens: int               # P's view of MD's prefix hit (MD's answer wins later)
+    hit_tokens: int  # P's view of MD's prefix hit (MD's answer wins later)
     max_tokens: int
     kv_bytes_per_token: int
-    bandwidth_bps: float          # estimated WAN goodput, bytes/s
-    rtt_s: float                  # estimated WAN round trip
-    rld_s_per_token: float        # RLD's estimated time per output token under its load
-    rld_admits: bool              # RLD's admission answer (or P's view of it)
+    bandwidth_bps: float  # estimated WAN goodput, bytes/s
+    rtt_s: float  # estimated WAN round trip
+    rld_s_per_token: float  # RLD's estimated time per output token under its load
+    rld_admits: bool  # RLD's admission answer (or P's view of it)
     # P's own KV bytes towards MD not yet acknowledged by MD (other requests'): they cross
     # before this request's, so its KV arrives after them (pddnet.policy.estimators.WanBacklog)
     wan_backlog_bytes: int = 0
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, prompt_tokens: int, hit_tokens: int, max_tokens: int,
-                 kv_bytes_per_token: int, bandwidth_bps: float, rtt_s: float,
-                 rld_s_per_token: float, rld_admits: bool, wan_backlog_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        prompt_tokens: int,
+        hit_tokens: int,
+        max_tokens: int,
+        kv_bytes_per_token: int,
+        bandwidth_bps: float,
+        rtt_s: float,
+        rld_s_per_token: float,
+        rld_admits: bool,
+        wan_backlog_bytes: int = 0,
+    ) -> None:
         object.__setattr__(self, "prompt_tokens", prompt_tokens)
         object.__setattr__(self, "hit_tokens", hit_tokens)
         object.__setattr__(self, "max_tokens", max_tokens)
@@ -72,8 +81,7 @@ class PipelineInputs:
     def wan_transfer_s(self) -> float:
         """When MD would have this request's KV: the allocation round trip, then the bytes
         queued ahead of it and its own uncached KV at the estimated goodput."""
-        return self.rtt_s + (self.wan_backlog_bytes + self.incremental_bytes()) \
-            / self.bandwidth_bps
+        return self.rtt_s + (self.wan_backlog_bytes + self.incremental_bytes()) / self.bandwidth_bps
 
     def own_transfer_s(self) -> float:
         """``wan_transfer_s`` on an idle line: this request's bytes alone."""
@@ -88,8 +96,9 @@ class PipelineDecision:
     incremental_bytes: int
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, pipeline: Pipeline, reason: str, wan_transfer_s: float,
-                 incremental_bytes: int) -> None:
+    def __init__(
+        self, pipeline: Pipeline, reason: str, wan_transfer_s: float, incremental_bytes: int
+    ) -> None:
         object.__setattr__(self, "pipeline", pipeline)
         object.__setattr__(self, "reason", reason)
         object.__setattr__(self, "wan_transfer_s", wan_transfer_s)
@@ -97,17 +106,21 @@ class PipelineDecision:
 
     def record(self, inputs: PipelineInputs) -> dict:
         """The decision and its inputs, for the request's `pdd` object."""
-        return {"pipeline": self.pipeline.wire, "reason": self.reason,
-                "estimated_wan_transfer_s": round(self.wan_transfer_s, 6),
-                "incremental_kv_bytes": self.incremental_bytes,
-                "wan_backlog_bytes": inputs.wan_backlog_bytes, "inputs": asdict(inputs)}
+        return {
+            "pipeline": self.pipeline.wire,
+            "reason": self.reason,
+            "estimated_wan_transfer_s": round(self.wan_transfer_s, 6),
+            "incremental_kv_bytes": self.incremental_bytes,
+            "wan_backlog_bytes": inputs.wan_backlog_bytes,
+            "inputs": asdict(inputs),
+        }
 
 
 @dataclass(frozen=True)
 class PipelinePolicy:
-    direct_budget_s: float = 0.2      # P->MD when the KV crosses faster than this
+    direct_budget_s: float = 0.2  # P->MD when the KV crosses faster than this
     singular_filter: bool = True
-    singular_margin: float = 1.0      # RLD alone if output_time * margin <= transfer time
+    singular_margin: float = 1.0  # RLD alone if output_time * margin <= transfer time
 
     def __post_init__(self) -> None:
         if self.direct_budget_s < 0:
@@ -129,8 +142,11 @@ class PipelinePolicy:
 
         behind = f" behind {x.wan_backlog_bytes / 1e6:.1f} MB" if x.wan_backlog_bytes else ""
         if t_wan <= self.direct_budget_s:
-            return out(Pipeline.P_MD, f"KV crosses in {t_wan * 1e3:.0f} ms{behind} <= budget "
-                                      f"{self.direct_budget_s * 1e3:.0f} ms")
+            return out(
+                Pipeline.P_MD,
+                f"KV crosses in {t_wan * 1e3:.0f} ms{behind} <= budget "
+                f"{self.direct_budget_s * 1e3:.0f} ms",
+            )
         if not x.rld_admits:
             return out(Pipeline.P_MD, "RLD refused admission: wait for the KV on MD")
         rld_output_s = x.max_tokens * x.rld_s_per_token
@@ -142,7 +158,10 @@ class PipelinePolicy:
         # (docs/simulator.md, "Session 4: where the simulator differed from the daemons").
         t_own = x.own_transfer_s()
         if self.singular_filter and rld_output_s * self.singular_margin <= t_own:
-            return out(Pipeline.RLD_ONLY, f"RLD finishes {x.max_tokens} tokens in "
-                                          f"{rld_output_s * 1e3:.0f} ms before the KV crosses "
-                                          f"({t_own * 1e3:.0f} ms)")
+            return out(
+                Pipeline.RLD_ONLY,
+                f"RLD finishes {x.max_tokens} tokens in "
+                f"{rld_output_s * 1e3:.0f} ms before the KV crosses "
+                f"({t_own * 1e3:.0f} ms)",
+            )
         return out(Pipeline.P_RLD_MD, f"KV needs {t_wan * 1e3:.0f} ms{behind}: RLD hides it")

@@ -34,8 +34,9 @@ class Plan:
     prediction: HitPrediction
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, decision: PipelineDecision, inputs: PipelineInputs,
-                 prediction: HitPrediction) -> None:
+    def __init__(
+        self, decision: PipelineDecision, inputs: PipelineInputs, prediction: HitPrediction
+    ) -> None:
         object.__setattr__(self, "decision", decision)
         object.__setattr__(self, "inputs", inputs)
         object.__setattr__(self, "prediction", prediction)
@@ -56,19 +57,28 @@ class PipelinePlanner:
     objects (the simulator shares its line's estimators among the planners of one P, or of all
     Ps); by default the planner makes its own."""
 
-    def __init__(self, policy: PipelinePolicy, kv_bytes_per_token: int, bandwidth_bps: float,
-                 rtt_s: float = 0.03, rld_step_s: float = 0.02,
-                 view: DecodeCacheView | None = None, *,
-                 bandwidth: BandwidthEstimator | None = None, rtt: RttEstimator | None = None,
-                 backlog: WanBacklog | None = None) -> None:
+    def __init__(
+        self,
+        policy: PipelinePolicy,
+        kv_bytes_per_token: int,
+        bandwidth_bps: float,
+        rtt_s: float = 0.03,
+        rld_step_s: float = 0.02,
+        view: DecodeCacheView | None = None,
+        *,
+        bandwidth: BandwidthEstimator | None = None,
+        rtt: RttEstimator | None = None,
+        backlog: WanBacklog | None = None,
+    ) -> None:
         if kv_bytes_per_token < 1:
             raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
         if rld_step_s <= 0:
             raise ValueError(f"rld_step_s must be > 0, got {rld_step_s}")
         self.policy = policy
         self.kv_bytes_per_token = kv_bytes_per_token
-        self.bandwidth = bandwidth if bandwidth is not None \
-            else BandwidthEstimator(initial_bps=bandwidth_bps)
+        self.bandwidth = (
+            bandwidth if bandwidth is not None else BandwidthEstimator(initial_bps=bandwidth_bps)
+        )
         self.rtt = rtt if rtt is not None else RttEstimator(initial_s=rtt_s)
         self.backlog = backlog if backlog is not None else WanBacklog()
         self.rld_step_s = rld_step_s
@@ -80,34 +90,61 @@ class PipelinePlanner:
         """A new connection to MD: what P knew of MD's cache no longer holds."""
         self.view = DecodeCacheView(max_hashes=self.view.max_hashes)
 
-    def plan(self, prompt_token_ids: Sequence[int], max_tokens: int,
-             rld_admits: bool = True, force: Pipeline | None = None,
-             why: str | None = None) -> Plan:
+    def plan(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        rld_admits: bool = True,
+        force: Pipeline | None = None,
+        why: str | None = None,
+    ) -> Plan:
         """Decide a new request's pipeline. ``force``: a pipeline imposed from outside, recorded
         with ``why`` (by default: configured in policy.pipeline)."""
-        return self.plan_predicted(len(prompt_token_ids), self.view.predict(prompt_token_ids),
-                                   max_tokens, rld_admits=rld_admits, force=force, why=why)
+        return self.plan_predicted(
+            len(prompt_token_ids),
+            self.view.predict(prompt_token_ids),
+            max_tokens,
+            rld_admits=rld_admits,
+            force=force,
+            why=why,
+        )
 
-    def plan_predicted(self, prompt_tokens: int, prediction: HitPrediction, max_tokens: int,
-                       hit_tokens: int | None = None, rld_admits: bool = True,
-                       force: Pipeline | None = None, why: str | None = None) -> Plan:
+    def plan_predicted(
+        self,
+        prompt_tokens: int,
+        prediction: HitPrediction,
+        max_tokens: int,
+        hit_tokens: int | None = None,
+        rld_admits: bool = True,
+        force: Pipeline | None = None,
+        why: str | None = None,
+    ) -> Plan:
         """``plan`` with the view's prediction already made (the simulator predicts from the
         block hashes it keeps per conversation: ``DecodeCacheView.predict_from_hashes``).
         ``hit_tokens``: the predicted hit in tokens when the view counts in other units (the
         simulator's are units of several tokens); by default the prediction's."""
         hit = prediction.hit_tokens if hit_tokens is None else hit_tokens
         inputs = PipelineInputs(
-            prompt_tokens=prompt_tokens, hit_tokens=hit,
-            max_tokens=max_tokens, kv_bytes_per_token=self.kv_bytes_per_token,
+            prompt_tokens=prompt_tokens,
+            hit_tokens=hit,
+            max_tokens=max_tokens,
+            kv_bytes_per_token=self.kv_bytes_per_token,
             # the propagation RTT: queueing behind other transfers is not this request's, and
             # P's own share of that queue is counted in bytes (the backlog)
-            bandwidth_bps=self.bandwidth.bytes_per_s, rtt_s=self.rtt.min_s,
-            rld_s_per_token=self.rld_step_s, rld_admits=rld_admits,
-            wan_backlog_bytes=self.backlog.bytes)
+            bandwidth_bps=self.bandwidth.bytes_per_s,
+            rtt_s=self.rtt.min_s,
+            rld_s_per_token=self.rld_step_s,
+            rld_admits=rld_admits,
+            wan_backlog_bytes=self.backlog.bytes,
+        )
         decision = self.policy.decide(inputs)
         if force is not None:
-            decision = PipelineDecision(force, why or "configured (policy.pipeline)",
-                                        decision.wan_transfer_s, decision.incremental_bytes)
+            decision = PipelineDecision(
+                force,
+                why or "configured (policy.pipeline)",
+                decision.wan_transfer_s,
+                decision.incremental_bytes,
+            )
         plan = Plan(decision, inputs, prediction)
         self.chosen[plan.pipeline.wire] += 1
         return plan
@@ -150,11 +187,16 @@ class PipelinePlanner:
             self.rld_step_s = seconds_per_token
 
     def counters(self) -> dict[str, Any]:
-        return {"chosen": dict(self.chosen), "changed_after_answer": self.changed_after_answer,
-                "bandwidth_bps": round(self.bandwidth.bytes_per_s, 1),
-                "bandwidth_samples": self.bandwidth.samples, "srtt_s": round(self.rtt.srtt, 6),
-                "min_rtt_s": round(self.rtt.min_s, 6),
-                "wan_backlog_bytes": self.backlog.bytes,
-                "wan_backlog_requests": self.backlog.pending,
-                "rtt_samples": self.rtt.samples, "rld_step_s": round(self.rld_step_s, 6),
-                "view": self.view.counters()}
+        return {
+            "chosen": dict(self.chosen),
+            "changed_after_answer": self.changed_after_answer,
+            "bandwidth_bps": round(self.bandwidth.bytes_per_s, 1),
+            "bandwidth_samples": self.bandwidth.samples,
+            "srtt_s": round(self.rtt.srtt, 6),
+            "min_rtt_s": round(self.rtt.min_s, 6),
+            "wan_backlog_bytes": self.backlog.bytes,
+            "wan_backlog_requests": self.backlog.pending,
+            "rtt_samples": self.rtt.samples,
+            "rld_step_s": round(self.rld_step_s, 6),
+            "view": self.view.counters(),
+        }

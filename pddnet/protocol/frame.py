@@ -79,11 +79,15 @@ class Limits:
         # Field names are msgpack strings and every field is a map entry: limits below what
         # the schema itself needs would reject every valid message of some type.
         if self.max_str_len < _LONGEST_FIELD_NAME:
-            raise ValueError(f"Limits.max_str_len must be >= {_LONGEST_FIELD_NAME} (the longest "
-                             f"field name), got {self.max_str_len}")
+            raise ValueError(
+                f"Limits.max_str_len must be >= {_LONGEST_FIELD_NAME} (the longest "
+                f"field name), got {self.max_str_len}"
+            )
         if self.max_map_len < _MOST_FIELDS:
-            raise ValueError(f"Limits.max_map_len must be >= {_MOST_FIELDS} (the most fields of "
-                             f"a message), got {self.max_map_len}")
+            raise ValueError(
+                f"Limits.max_map_len must be >= {_MOST_FIELDS} (the most fields of "
+                f"a message), got {self.max_map_len}"
+            )
 
     @property
     def max_frame_bytes(self) -> int:
@@ -110,13 +114,17 @@ def _check_prefix(head: bytes | bytearray) -> None:
     """Magic and version, checked on as few bytes as have arrived (garbage fails at byte 0)."""
     n = min(len(head), 4)
     if head[:n] != MAGIC[:n]:
-        raise FrameError(f"bad magic {bytes(head[:n])!r}: expected {MAGIC!r} (not a pddnet peer, "
-                         "or the stream is misaligned)")
+        raise FrameError(
+            f"bad magic {bytes(head[:n])!r}: expected {MAGIC!r} (not a pddnet peer, "
+            "or the stream is misaligned)"
+        )
     if len(head) > 4 and head[4] != VERSION:
         raise FrameError(f"unsupported protocol version {head[4]}: this peer speaks {VERSION}")
 
 
-def parse_header(head: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> FrameHeader:
+def parse_header(
+    head: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> FrameHeader:
     """Parse and check a 32-byte header against `limits`; raise ProtocolError naming the fault."""
     head = bytes(head[:HEADER_SIZE])
     if len(head) < HEADER_SIZE:
@@ -125,8 +133,10 @@ def parse_header(head: bytes | bytearray | memoryview, limits: Limits = DEFAULT_
     _, _, code, flags, meta_len, payload_len, payload_hash, crc = HEADER.unpack(head)
     actual = zlib.crc32(head[:_CRC_SPAN])
     if crc != actual:
-        raise FrameError(f"header checksum mismatch (0x{crc:08x} != 0x{actual:08x}): corrupt or "
-                         "misaligned stream")
+        raise FrameError(
+            f"header checksum mismatch (0x{crc:08x} != 0x{actual:08x}): corrupt or "
+            "misaligned stream"
+        )
     cls = MESSAGE_CLASSES.get(code)
     if cls is None:
         raise FrameError(f"unknown message type {code}")
@@ -138,11 +148,15 @@ def parse_header(head: bytes | bytearray | memoryview, limits: Limits = DEFAULT_
     if meta_len == 0:
         raise FrameError(f"{name} frame has no metadata: every frame carries a msgpack map")
     if meta_len > limits.max_metadata_bytes:
-        raise LimitExceeded(f"{name} metadata of {meta_len} bytes exceeds this connection's "
-                            f"limit of {limits.max_metadata_bytes}")
+        raise LimitExceeded(
+            f"{name} metadata of {meta_len} bytes exceeds this connection's "
+            f"limit of {limits.max_metadata_bytes}"
+        )
     if payload_len > limits.max_payload_bytes:
-        raise LimitExceeded(f"{name} payload of {payload_len} bytes exceeds this connection's "
-                            f"limit of {limits.max_payload_bytes}")
+        raise LimitExceeded(
+            f"{name} payload of {payload_len} bytes exceeds this connection's "
+            f"limit of {limits.max_payload_bytes}"
+        )
     if payload_len and not cls.HAS_PAYLOAD:
         raise FrameError(f"{name} carries no payload but the header declares {payload_len} bytes")
     return FrameHeader(cls.TYPE, flags, meta_len, payload_len, payload_hash)
@@ -153,8 +167,9 @@ def parse_header(head: bytes | bytearray | memoryview, limits: Limits = DEFAULT_
 # ---------------------------------------------------------------------------------------------
 
 
-def encode(msg: Message, *, checksum: bool = False,
-           limits: Limits = DEFAULT_LIMITS) -> list[bytes | memoryview]:
+def encode(
+    msg: Message, *, checksum: bool = False, limits: Limits = DEFAULT_LIMITS
+) -> list[bytes | memoryview]:
     """The frame as buffers: [header + metadata] and, for KV_CHUNK, the payload view (not copied).
 
     The sender applies the same limits a receiver would, so an oversize frame fails here with a
@@ -165,27 +180,29 @@ def encode(msg: Message, *, checksum: bool = False,
     meta = msgpack.packb(msg.to_metadata(), use_bin_type=True)
     name = msg.TYPE.name
     if len(meta) > limits.max_metadata_bytes:
-        raise LimitExceeded(f"{name} metadata of {len(meta)} bytes exceeds the limit of "
-                            f"{limits.max_metadata_bytes}")
+        raise LimitExceeded(
+            f"{name} metadata of {len(meta)} bytes exceeds the limit of {limits.max_metadata_bytes}"
+        )
     payload: memoryview | None = msg.payload if msg.HAS_PAYLOAD else None  # type: ignore[attr-defined]
     payload_len = payload.nbytes if payload is not None else 0
     if payload_len > limits.max_payload_bytes:
-        raise LimitExceeded(f"{name} payload of {payload_len} bytes exceeds the limit of "
-                            f"{limits.max_payload_bytes}")
+        raise LimitExceeded(
+            f"{name} payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}"
+        )
     flags, payload_hash = 0, 0
     if checksum and payload_len:
         flags |= Flag.PAYLOAD_CHECKSUM
         payload_hash = xxhash.xxh3_64_intdigest(payload)
-    head = HEADER.pack(MAGIC, VERSION, int(msg.TYPE), flags, len(meta), payload_len,
-                       payload_hash, 0)
+    head = HEADER.pack(
+        MAGIC, VERSION, int(msg.TYPE), flags, len(meta), payload_len, payload_hash, 0
+    )
     head = head[:_CRC_SPAN] + struct.pack("!I", zlib.crc32(head[:_CRC_SPAN]))
     if payload_len:
         return [head + meta, payload]  # type: ignore[list-item]
     return [head + meta]
 
 
-def encode_bytes(msg: Message, *, checksum: bool = False,
-                 limits: Limits = DEFAULT_LIMITS) -> bytes:
+def encode_bytes(msg: Message, *, checksum: bool = False, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """The whole frame as one bytes object (copies the payload; for tests and small messages)."""
     return b"".join(encode(msg, checksum=checksum, limits=limits))
 
@@ -212,16 +229,24 @@ def unpack_metadata(name: str, data: bytes | bytearray, limits: Limits = DEFAULT
     """msgpack -> dict with strict limits: no ext types, no pickle, str keys, no duplicates."""
     try:
         meta = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len,
-            max_array_len=limits.max_array_len, max_map_len=limits.max_map_len,
-            max_ext_len=0, ext_hook=_reject_ext, object_pairs_hook=_map_without_duplicates,
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=limits.max_str_len,
+            max_bin_len=limits.max_bin_len,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=0,
+            ext_hook=_reject_ext,
+            object_pairs_hook=_map_without_duplicates,
         )
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, ExtraData...
-        raise SchemaError(f"{name} metadata is not valid msgpack within limits: "
-                          f"{type(exc).__name__}: {exc}") from None
+        raise SchemaError(
+            f"{name} metadata is not valid msgpack within limits: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(meta, dict):
         raise SchemaError(f"{name} metadata must be a map, got {type(meta).__name__}")
     return meta
@@ -294,7 +319,7 @@ class Decoder:
             while True:
                 if self._header is None:
                     take = min(HEADER_SIZE - len(self._head), end - pos)
-                    self._head += view[pos:pos + take]
+                    self._head += view[pos : pos + take]
                     pos += take
                     _check_prefix(self._head)
                     if len(self._head) < HEADER_SIZE:
@@ -304,7 +329,7 @@ class Decoder:
                 if self._values is None:
                     frame_head = HEADER_SIZE + header.metadata_len
                     take = min(frame_head - len(self._head), end - pos)
-                    self._head += view[pos:pos + take]
+                    self._head += view[pos : pos + take]
                     pos += take
                     if len(self._head) < frame_head:
                         break
@@ -315,7 +340,7 @@ class Decoder:
                     self._payload = bytearray(header.payload_len)
                 assert self._payload is not None
                 take = min(len(self._payload) - self._filled, end - pos)
-                self._payload[self._filled:self._filled + take] = view[pos:pos + take]
+                self._payload[self._filled : self._filled + take] = view[pos : pos + take]
                 self._filled += take
                 pos += take
                 if self._filled < len(self._payload):
@@ -335,12 +360,14 @@ class Decoder:
         header = self._header
         if header is None:
             exc: ProtocolError = TruncatedFrame(
-                f"stream ended inside a frame header ({len(self._head)} of {HEADER_SIZE} bytes)")
+                f"stream ended inside a frame header ({len(self._head)} of {HEADER_SIZE} bytes)"
+            )
         else:
             exc = TruncatedFrame(
                 f"stream ended inside a {header.msg_type.name} frame: {self.buffered_bytes} of "
                 f"{header.frame_len} bytes received (metadata {header.metadata_len}, payload "
-                f"{header.payload_len})")
+                f"{header.payload_len})"
+            )
         self._error = exc
         raise exc
 
@@ -359,8 +386,14 @@ class Decoder:
         if cls.HAS_PAYLOAD:
             need = cls.expected_payload_len(values)
             if need != header.payload_len:
-                raise PayloadError(payload_mismatch(header.payload_len, values["dtype"],  # type: ignore[arg-type]
-                                                    values["shape"], need))  # type: ignore[arg-type]
+                raise PayloadError(
+                    payload_mismatch(
+                        header.payload_len,
+                        values["dtype"],  # type: ignore[arg-type]
+                        values["shape"],
+                        need,
+                    )
+                )  # type: ignore[arg-type]
         return values
 
     def _finish(self, payload: bytearray | None) -> Message:
@@ -371,7 +404,8 @@ class Decoder:
             if actual != header.payload_hash:
                 raise PayloadError(
                     f"{header.msg_type.name} payload checksum mismatch (0x{actual:016x} != "
-                    f"0x{header.payload_hash:016x}): payload corrupted in transit")
+                    f"0x{header.payload_hash:016x}): payload corrupted in transit"
+                )
         cls = MESSAGE_CLASSES[header.msg_type]
         msg = cls._from_checked(values, memoryview(payload) if payload is not None else None)
         self._head = bytearray()

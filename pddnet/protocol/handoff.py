@@ -63,7 +63,7 @@ class StopSequence:
 class FinishRequest:
     """This instance produced the request's last token: REQUEST_DONE to the router."""
 
-    reason: str               # eos | length | stop
+    reason: str  # eos | length | stop
     num_output_tokens: int
 
 
@@ -141,19 +141,32 @@ class FirstMainToken:
     index: int
 
 
-Action = (EmitTokens | SendHandoff | StopSequence | FinishRequest | CancelPeer | HandoffStarted
-          | StartSequence | SendTakeover | AppendTokens | SetChunk | ReleaseHold | HandoffEnded
-          | FirstMainToken | HandoffAbandoned)
+Action = (
+    EmitTokens
+    | SendHandoff
+    | StopSequence
+    | FinishRequest
+    | CancelPeer
+    | HandoffStarted
+    | StartSequence
+    | SendTakeover
+    | AppendTokens
+    | SetChunk
+    | ReleaseHold
+    | HandoffEnded
+    | FirstMainToken
+    | HandoffAbandoned
+)
 
 
 # -- RLD side -------------------------------------------------------------------------------------
 
 
 class RelayPhase(enum.Enum):
-    DECODING = "decoding"     # emitting tokens; MD has not asked yet (or never will)
-    STREAMING = "streaming"   # streaming handoff under way: every new token is forwarded
-    CUT = "cut"               # final HANDOFF sent: RLD produces nothing more
-    FINISHED = "finished"     # RLD finished the request itself, or it was cancelled
+    DECODING = "decoding"  # emitting tokens; MD has not asked yet (or never will)
+    STREAMING = "streaming"  # streaming handoff under way: every new token is forwarded
+    CUT = "cut"  # final HANDOFF sent: RLD produces nothing more
+    FINISHED = "finished"  # RLD finished the request itself, or it was cancelled
 
 
 class RelayHandoff:
@@ -168,11 +181,11 @@ class RelayHandoff:
         self.tokens: list[int] = []
         self.phase = RelayPhase.DECODING
         self.mode: HandoffMode | None = None
-        self.sent = 0                 # tokens already put into HANDOFF messages
+        self.sent = 0  # tokens already put into HANDOFF messages
         self.chunk = 1
         self.md_position = 0
         self._pending_takeover: tuple[int, int, float] | None = None
-        self._boundaries: set[int] = set()   # token counts MD holds after each HANDOFF
+        self._boundaries: set[int] = set()  # token counts MD holds after each HANDOFF
 
     @property
     def num_tokens(self) -> int:
@@ -191,7 +204,9 @@ class RelayHandoff:
             self.phase = RelayPhase.FINISHED
             actions.append(FinishRequest(finish_reason, len(self.tokens)))
             if self.hands_off:
-                why = "relay finished the request" + (" during a streaming handoff" if streaming else "")
+                why = "relay finished the request" + (
+                    " during a streaming handoff" if streaming else ""
+                )
                 actions.append(CancelPeer(why))
             return actions
         if self.phase is RelayPhase.STREAMING:
@@ -222,7 +237,9 @@ class RelayHandoff:
         self.mode = decision.mode
         self.chunk = chunk_tokens
         self.md_position = ready_position
-        actions: list[Action] = [HandoffStarted(decision.mode.value, len(self.tokens), decision.reason)]
+        actions: list[Action] = [
+            HandoffStarted(decision.mode.value, len(self.tokens), decision.reason)
+        ]
         if decision.mode is HandoffMode.ONE_SHOT or self._caught_up(len(self.tokens)):
             return actions + self._cut()
         self.phase = RelayPhase.STREAMING
@@ -239,7 +256,7 @@ class RelayHandoff:
         # during the round trip go with the final HANDOFF; MD digests them at most `chunk`
         # per step. Waiting for a report "within one step of RLD" instead would never end when
         # the round trip is longer than `chunk` decode steps.
-        digested = self.md_position - self.prompt_len + 1   # tokens MD holds, the last uncomputed
+        digested = self.md_position - self.prompt_len + 1  # tokens MD holds, the last uncomputed
         if digested in self._boundaries or self._caught_up(len(self.tokens)):
             return self._cut()
         return []
@@ -254,8 +271,11 @@ class RelayHandoff:
         self.hands_off = False
         self.phase = RelayPhase.DECODING
         self._pending_takeover = None
-        return [HandoffAbandoned("main decode lost" + (" during a streaming handoff"
-                                                        if was_streaming else ""))]
+        return [
+            HandoffAbandoned(
+                "main decode lost" + (" during a streaming handoff" if was_streaming else "")
+            )
+        ]
 
     def cancel(self) -> list[Action]:
         """Router cancel, or MD dropped the request: stop decoding."""
@@ -273,7 +293,7 @@ class RelayHandoff:
         """Non-final HANDOFFs for every token not handed over yet, `chunk` tokens each."""
         out: list[Action] = []
         for start in range(self.sent, len(self.tokens), self.chunk):
-            piece = tuple(self.tokens[start:start + self.chunk])
+            piece = tuple(self.tokens[start : start + self.chunk])
             out.append(SendHandoff(start, piece, False, HandoffMode.STREAMING.value))
             self._boundaries.add(start + len(piece))
         self.sent = len(self.tokens)
@@ -287,10 +307,12 @@ class RelayHandoff:
         if mode is HandoffMode.STREAMING:
             starts = list(range(self.sent, len(self.tokens), self.chunk)) or [self.sent]
             for k, start in enumerate(starts):
-                piece = tuple(self.tokens[start:start + self.chunk])
+                piece = tuple(self.tokens[start : start + self.chunk])
                 actions.append(SendHandoff(start, piece, k == len(starts) - 1, mode.value))
         else:
-            actions.append(SendHandoff(self.sent, tuple(self.tokens[self.sent:]), True, mode.value))
+            actions.append(
+                SendHandoff(self.sent, tuple(self.tokens[self.sent :]), True, mode.value)
+            )
         self.sent = len(self.tokens)
         self.phase = RelayPhase.CUT
         return actions
@@ -300,9 +322,9 @@ class RelayHandoff:
 
 
 class MainPhase(enum.Enum):
-    RECEIVING_KV = "receiving_kv"   # the WAN copy is still arriving
-    WAITING_CUT = "waiting_cut"     # TAKEOVER sent; held until the final HANDOFF
-    DECODING = "decoding"           # emitting tokens from the cut (or from index 0)
+    RECEIVING_KV = "receiving_kv"  # the WAN copy is still arriving
+    WAITING_CUT = "waiting_cut"  # TAKEOVER sent; held until the final HANDOFF
+    DECODING = "decoding"  # emitting tokens from the cut (or from index 0)
     DONE = "done"
 
 
@@ -316,10 +338,10 @@ class MainHandoff:
         self.chunk_tokens = chunk_tokens
         self.with_relay = with_relay
         self.phase = MainPhase.RECEIVING_KV
-        self.known: list[int] = []        # output tokens MD has (given or sampled)
+        self.known: list[int] = []  # output tokens MD has (given or sampled)
         self.mode: str | None = None
-        self.next_index = 0               # first index MD emits (the cut)
-        self.position = 0                 # positions with KV on MD
+        self.next_index = 0  # first index MD emits (the cut)
+        self.position = 0  # positions with KV on MD
         self._reported = 0
         self._first_emitted = False
 
@@ -332,30 +354,40 @@ class MainHandoff:
         if not self.with_relay:
             self.phase = MainPhase.DECODING
             self._first_emitted = True
-            return [StartSequence((first_token,), hold=False), EmitTokens(0, (first_token,)),
-                    FirstMainToken(0)]
+            return [
+                StartSequence((first_token,), hold=False),
+                EmitTokens(0, (first_token,)),
+                FirstMainToken(0),
+            ]
         self.phase = MainPhase.WAITING_CUT
-        return [StartSequence((first_token,), hold=True),
-                SendTakeover(self.prompt_len, self.chunk_tokens)]
+        return [
+            StartSequence((first_token,), hold=True),
+            SendTakeover(self.prompt_len, self.chunk_tokens),
+        ]
 
-    def handoff(self, start_index: int, token_ids: Sequence[int], final: bool,
-                mode: str) -> list[Action]:
+    def handoff(
+        self, start_index: int, token_ids: Sequence[int], final: bool, mode: str
+    ) -> list[Action]:
         """RLD's HANDOFF arrived."""
         if self.phase is not MainPhase.WAITING_CUT:
             if self.phase is MainPhase.DONE:
                 return []  # cancelled meanwhile
             raise HandoffError(f"HANDOFF in phase {self.phase.value}")
         if start_index > len(self.known):
-            raise HandoffError(f"HANDOFF starts at index {start_index} but MD has only "
-                               f"{len(self.known)} tokens: a gap")
-        overlap = list(token_ids[:len(self.known) - start_index])
-        if overlap != self.known[start_index:start_index + len(overlap)]:
+            raise HandoffError(
+                f"HANDOFF starts at index {start_index} but MD has only "
+                f"{len(self.known)} tokens: a gap"
+            )
+        overlap = list(token_ids[: len(self.known) - start_index])
+        if overlap != self.known[start_index : start_index + len(overlap)]:
             raise HandoffError(f"HANDOFF tokens at {start_index} contradict the tokens MD holds")
-        new = tuple(token_ids[len(overlap):])
+        new = tuple(token_ids[len(overlap) :])
         actions: list[Action] = []
         if self.mode is None:
             self.mode = mode
-            actions.append(SetChunk(self.chunk_tokens if mode == HandoffMode.STREAMING.value else None))
+            actions.append(
+                SetChunk(self.chunk_tokens if mode == HandoffMode.STREAMING.value else None)
+            )
         if new:
             self.known += new
             actions.append(AppendTokens(new))
@@ -365,8 +397,13 @@ class MainHandoff:
             actions += [ReleaseHold(), HandoffEnded(mode, self.next_index)]
         return actions
 
-    def md_step(self, num_computed: int, output_index: int, new_tokens: Sequence[int],
-                finish_reason: str | None = None) -> list[Action]:
+    def md_step(
+        self,
+        num_computed: int,
+        output_index: int,
+        new_tokens: Sequence[int],
+        finish_reason: str | None = None,
+    ) -> list[Action]:
         """MD's engine ran a step for this request."""
         if self.phase is MainPhase.DONE:
             return []
@@ -374,7 +411,9 @@ class MainHandoff:
         actions: list[Action] = []
         if self.phase is MainPhase.WAITING_CUT:
             if new_tokens:
-                raise HandoffError("MD sampled before the final HANDOFF (its sequence must be held)")
+                raise HandoffError(
+                    "MD sampled before the final HANDOFF (its sequence must be held)"
+                )
             # Report only once every token held is digested (the last stays uncomputed while
             # held): RLD reads such a report as "MD keeps pace" and cuts.
             idle = self.position >= self.prompt_len + len(self.known) - 1
@@ -407,8 +446,24 @@ class MainHandoff:
 
 
 __all__ = [
-    "HandoffError", "Action", "EmitTokens", "SendHandoff", "StopSequence", "FinishRequest",
-    "CancelPeer", "HandoffStarted", "StartSequence", "SendTakeover", "AppendTokens", "SetChunk",
-    "ReleaseHold", "HandoffEnded", "FirstMainToken", "RelayPhase", "RelayHandoff", "MainPhase",
-    "MainHandoff", "HandoffAbandoned",
+    "HandoffError",
+    "Action",
+    "EmitTokens",
+    "SendHandoff",
+    "StopSequence",
+    "FinishRequest",
+    "CancelPeer",
+    "HandoffStarted",
+    "StartSequence",
+    "SendTakeover",
+    "AppendTokens",
+    "SetChunk",
+    "ReleaseHold",
+    "HandoffEnded",
+    "FirstMainToken",
+    "RelayPhase",
+    "RelayHandoff",
+    "MainPhase",
+    "MainHandoff",
+    "HandoffAbandoned",
 ]

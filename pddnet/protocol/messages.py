@@ -41,9 +41,9 @@ TOKEN_ID_MAX = 2**31 - 1  # token ids must fit an int32 tensor
 MAX_TOKEN_LIST = 1 << 20  # longest token id list a message may carry (prompts, handoffs)
 MAX_BLOCK_LIST = 1 << 20
 MAX_TEXT = 4096
-MAX_TOP_LOGPROBS = 20        # top log-probabilities per token (pddnet.engine.sampling)
-MAX_LOGPROB_TOKENS = 4096    # tokens of one TOKEN_EVENT that carries log-probabilities
-LOGPROB_MIN = -9999.0        # -inf is reported as this (as vLLM does)
+MAX_TOP_LOGPROBS = 20  # top log-probabilities per token (pddnet.engine.sampling)
+MAX_LOGPROB_TOKENS = 4096  # tokens of one TOKEN_EVENT that carries log-probabilities
+LOGPROB_MIN = -9999.0  # -inf is reported as this (as vLLM does)
 
 
 def _describe_value(value: object) -> str:
@@ -97,12 +97,15 @@ class UInt(Spec):
 class Float(Spec):
     lo: float = -math.inf
     hi: float = math.inf
-    lo_open: bool = False   # the lower bound itself is excluded: (lo, hi]
+    lo_open: bool = False  # the lower bound itself is excluded: (lo, hi]
 
     def ok(self, value: object) -> bool:
-        return (type(value) is float and math.isfinite(value)  # type: ignore[arg-type]
-                and (self.lo < value if self.lo_open else self.lo <= value)  # type: ignore[operator]
-                and value <= self.hi)  # type: ignore[operator]
+        return (
+            type(value) is float
+            and math.isfinite(value)  # type: ignore[arg-type]
+            and (self.lo < value if self.lo_open else self.lo <= value)  # type: ignore[operator]
+            and value <= self.hi
+        )  # type: ignore[operator]
 
     def check(self, where: str, value: object) -> float:
         # An int is accepted for a float field (a sender writing `0` for a time is not wrong);
@@ -136,14 +139,14 @@ class FloatList(Spec):
             if _is_int(item):
                 item = float(item)
             if not item_spec.ok(item):
-                raise SchemaError(f"{where}[{i}] must be {item_spec.describe()}, got "
-                                  f"{_describe_value(item)}")
+                raise SchemaError(
+                    f"{where}[{i}] must be {item_spec.describe()}, got {_describe_value(item)}"
+                )
             out.append(item)
         return tuple(out)
 
     def describe(self) -> str:
-        return (f"a list of 0..{_bound(self.max_len)} finite floats in "
-                f"[{self.lo}, {self.hi}]")
+        return f"a list of 0..{_bound(self.max_len)} finite floats in [{self.lo}, {self.hi}]"
 
 
 @dataclass(frozen=True)
@@ -216,8 +219,11 @@ class UIntList(Spec):
         return tuple(value)  # type: ignore[arg-type]
 
     def describe(self) -> str:
-        count = (str(self.min_len) if self.min_len == self.max_len
-                 else f"{self.min_len}..{_bound(self.max_len)}")
+        count = (
+            str(self.min_len)
+            if self.min_len == self.max_len
+            else f"{self.min_len}..{_bound(self.max_len)}"
+        )
         return f"a list of {count} ints in [0, {_bound(self.hi)}]"
 
 
@@ -352,7 +358,8 @@ class Message:
         cached = _SCHEMAS.get(cls)
         if cached is None:  # per-class cache: schema() runs on every construction
             cached = _SCHEMAS[cls] = tuple(
-                f for f in dataclasses.fields(cls) if "spec" in f.metadata)
+                f for f in dataclasses.fields(cls) if "spec" in f.metadata
+            )
         return cached
 
     def to_metadata(self) -> dict[str, object]:
@@ -391,7 +398,9 @@ class Message:
         return 0
 
     @classmethod
-    def _from_checked(cls, values: Mapping[str, object], payload: memoryview | None = None) -> Message:
+    def _from_checked(
+        cls, values: Mapping[str, object], payload: memoryview | None = None
+    ) -> Message:
         """Build from values check_metadata() already validated, without validating twice
         (a 64K-token prompt list is worth checking once). The decoder's only constructor."""
         msg = object.__new__(cls)
@@ -424,8 +433,11 @@ class Hello(Message):
     role: str = field(Str(max_len=16, choices=ROLES), doc="sender's role")
     instance_id: str = field(INSTANCE_ID, doc="sender's instance name, unique in the cluster")
     nonce: bytes = field(NONCE, doc="fresh random bytes from the sender (16..64)")
-    lane: str = field(Str(max_len=16, choices=LANES), default="control",
-                      doc="what the connection carries: events, control or bulk (KV_CHUNK only)")
+    lane: str = field(
+        Str(max_len=16, choices=LANES),
+        default="control",
+        doc="what the connection carries: events, control or bulk (KV_CHUNK only)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -495,10 +507,10 @@ class LinkState(Message):
     the router's /health says ready only when every daemon has all its links up."""
 
     TYPE = MessageType.LINK_STATE
-    link: str = field(Str(max_len=64), doc="which link, e.g. \"main-decode control\"")
+    link: str = field(Str(max_len=64), doc='which link, e.g. "main-decode control"')
     up: bool = field(Bool(), doc="the link is up now")
     since: float = field(TIME, doc="when it went up or down (sender's clock)")
-    detail: str = field(REASON, default="", doc="why it is down (its last loss), or \"\"")
+    detail: str = field(REASON, default="", doc='why it is down (its last loss), or ""')
     ready: bool = field(Bool(), doc="every link the sender needs is up, this one included")
 
 
@@ -523,21 +535,34 @@ class SamplingFields:
         UIntList(hi=TOKEN_ID_MAX, max_len=256), default=(), doc="extra stop tokens besides EOS"
     )
     ignore_eos: bool = field(Bool(), default=False, doc="do not stop on EOS")
-    min_tokens: int = field(UInt(0, MAX_TOKEN_LIST), default=0,
-                            doc="EOS and stop_token_ids masked until this many outputs")
-    presence_penalty: float = field(Float(-2.0, 2.0), default=0.0,
-                                    doc="minus this once per token present in the output")
-    frequency_penalty: float = field(Float(-2.0, 2.0), default=0.0,
-                                     doc="minus this per occurrence in the output")
-    repetition_penalty: float = field(Float(0.0, 100.0, lo_open=True), default=1.0,
-                                      doc="prompt + output tokens: logit / it (> 0) or x it; 1 = off")
-    logprobs: int | None = field(Nullable(UInt(0, MAX_TOP_LOGPROBS)), default=None,
-                                 doc="return each token's logprob and this many top ones")
+    min_tokens: int = field(
+        UInt(0, MAX_TOKEN_LIST),
+        default=0,
+        doc="EOS and stop_token_ids masked until this many outputs",
+    )
+    presence_penalty: float = field(
+        Float(-2.0, 2.0), default=0.0, doc="minus this once per token present in the output"
+    )
+    frequency_penalty: float = field(
+        Float(-2.0, 2.0), default=0.0, doc="minus this per occurrence in the output"
+    )
+    repetition_penalty: float = field(
+        Float(0.0, 100.0, lo_open=True),
+        default=1.0,
+        doc="prompt + output tokens: logit / it (> 0) or x it; 1 = off",
+    )
+    logprobs: int | None = field(
+        Nullable(UInt(0, MAX_TOP_LOGPROBS)),
+        default=None,
+        doc="return each token's logprob and this many top ones",
+    )
 
 
 def _check_sampling(name: str, v: Mapping[str, Any]) -> None:
-    _require(v["min_tokens"] <= v["max_tokens"],
-             f"{name} min_tokens {v['min_tokens']} exceeds max_tokens {v['max_tokens']}")
+    _require(
+        v["min_tokens"] <= v["max_tokens"],
+        f"{name} min_tokens {v['min_tokens']} exceeds max_tokens {v['max_tokens']}",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -551,7 +576,8 @@ class Submit(SamplingFields, Message):
     prompt_token_ids: tuple[int, ...] = field(UIntList(hi=TOKEN_ID_MAX, min_len=1), doc="prompt")
     output_token_ids: tuple[int, ...] = field(TOKEN_IDS, default=(), doc="already streamed")
     handoff_mode: str | None = field(
-        Nullable(Str(max_len=16, choices=(*HANDOFF_MODES, "dynamic"))), default=None,
+        Nullable(Str(max_len=16, choices=(*HANDOFF_MODES, "dynamic"))),
+        default=None,
         doc="override the cluster's handoff policy for this request",
     )
 
@@ -583,31 +609,42 @@ class TokenEvent(Message):
     TYPE = MessageType.TOKEN_EVENT
     request_id: str = field(REQUEST_ID, doc="the router's request id")
     index: int = field(COUNT, doc="output index of token_ids[0]")
-    token_ids: tuple[int, ...] = field(UIntList(hi=TOKEN_ID_MAX, min_len=1),
-                                       doc="the tokens, in index order")
+    token_ids: tuple[int, ...] = field(
+        UIntList(hi=TOKEN_ID_MAX, min_len=1), doc="the tokens, in index order"
+    )
     producer: str = field(Str(max_len=16, choices=PRODUCERS), doc="who computed the tokens")
     time: float = field(TIME, doc="when they were produced (producer's clock)")
     logprobs: tuple[float, ...] = field(
-        FloatList(LOGPROB_MIN, 0.0, MAX_LOGPROB_TOKENS), default=(),
-        doc="per token its raw logprob ([] = not requested)")
+        FloatList(LOGPROB_MIN, 0.0, MAX_LOGPROB_TOKENS),
+        default=(),
+        doc="per token its raw logprob ([] = not requested)",
+    )
     top_logprob_ids: tuple[int, ...] = field(
-        UIntList(hi=TOKEN_ID_MAX, max_len=MAX_TOP_LOGPROBS * MAX_LOGPROB_TOKENS), default=(),
-        doc="k per token, token after token: the top-k ids")
+        UIntList(hi=TOKEN_ID_MAX, max_len=MAX_TOP_LOGPROBS * MAX_LOGPROB_TOKENS),
+        default=(),
+        doc="k per token, token after token: the top-k ids",
+    )
     top_logprobs: tuple[float, ...] = field(
-        FloatList(LOGPROB_MIN, 0.0, MAX_TOP_LOGPROBS * MAX_LOGPROB_TOKENS), default=(),
-        doc="their logprobs, same layout")
+        FloatList(LOGPROB_MIN, 0.0, MAX_TOP_LOGPROBS * MAX_LOGPROB_TOKENS),
+        default=(),
+        doc="their logprobs, same layout",
+    )
 
     @classmethod
     def _cross_check(cls, v: Mapping[str, Any]) -> None:
         n, lps, top = len(v["token_ids"]), v["logprobs"], v["top_logprob_ids"]
-        _require(not lps or len(lps) == n,
-                 f"TOKEN_EVENT carries {len(lps)} logprobs for {n} tokens")
-        _require(len(v["top_logprobs"]) == len(top),
-                 f"TOKEN_EVENT has {len(top)} top_logprob_ids but {len(v['top_logprobs'])} "
-                 f"top_logprobs")
-        _require(not top or (lps and len(top) % n == 0 and len(top) // n <= MAX_TOP_LOGPROBS),
-                 f"TOKEN_EVENT top logprobs ({len(top)}) must be k per token (k <= "
-                 f"{MAX_TOP_LOGPROBS}) for its {n} tokens, with their logprobs")
+        _require(
+            not lps or len(lps) == n, f"TOKEN_EVENT carries {len(lps)} logprobs for {n} tokens"
+        )
+        _require(
+            len(v["top_logprobs"]) == len(top),
+            f"TOKEN_EVENT has {len(top)} top_logprob_ids but {len(v['top_logprobs'])} top_logprobs",
+        )
+        _require(
+            not top or (lps and len(top) % n == 0 and len(top) // n <= MAX_TOP_LOGPROBS),
+            f"TOKEN_EVENT top logprobs ({len(top)}) must be k per token (k <= "
+            f"{MAX_TOP_LOGPROBS}) for its {n} tokens, with their logprobs",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -636,10 +673,14 @@ class Timeline(Message):
     event: str = field(Str(max_len=64, pattern=CODE_PATTERN), doc="snake_case milestone name")
     time: float = field(TIME, doc="when it happened (sender's clock)")
     producer: str = field(Str(max_len=16, choices=PRODUCERS), doc="who reports it")
-    detail_int: int | None = field(Nullable(UInt(0, U64_MAX)), default=None,
-                                   doc="a count or size, e.g. bytes or tokens")
-    detail_str: str = field(Str(max_len=2048), default="",
-                            doc="a label, e.g. the handoff mode, or a JSON record (pipeline)")
+    detail_int: int | None = field(
+        Nullable(UInt(0, U64_MAX)), default=None, doc="a count or size, e.g. bytes or tokens"
+    )
+    detail_str: str = field(
+        Str(max_len=2048),
+        default="",
+        doc="a label, e.g. the handoff mode, or a JSON record (pipeline)",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,8 +698,10 @@ class KvAllocRequest(SamplingFields, Message):
 
     TYPE = MessageType.KV_ALLOC_REQUEST
     request_id: str = field(REQUEST_ID, doc="the router's request id")
-    prompt_token_ids: tuple[int, ...] = field(UIntList(hi=TOKEN_ID_MAX, min_len=1),
-                                              doc="the whole prompt (the receiver matches its cache)")
+    prompt_token_ids: tuple[int, ...] = field(
+        UIntList(hi=TOKEN_ID_MAX, min_len=1),
+        doc="the whole prompt (the receiver matches its cache)",
+    )
     num_tokens: int = field(UInt(1, MAX_TOKEN_LIST), doc="KV positions P will deliver (= prompt)")
     block_size: int = field(UInt(1, 1 << 16), doc="P's block size (receiver may differ)")
     dtype: str = field(DTYPE, doc="dtype of the KV P sends")
@@ -666,10 +709,14 @@ class KvAllocRequest(SamplingFields, Message):
     num_kv_heads: int = field(UInt(1, 1024), doc="model shape")
     head_dim: int = field(UInt(1, 1 << 14), doc="model shape")
     expected_hit_tokens: int = field(COUNT, doc="P's view of the receiver's prefix hit")
-    pipeline: str = field(Str(max_len=32, pattern=PIPELINE_PATTERN), default="pdd",
-                          doc="P's pipeline choice, e.g. p_md, p_rld_md (recorded only)")
+    pipeline: str = field(
+        Str(max_len=32, pattern=PIPELINE_PATTERN),
+        default="pdd",
+        doc="P's pipeline choice, e.g. p_md, p_rld_md (recorded only)",
+    )
     handoff_mode: str | None = field(
-        Nullable(Str(max_len=16, choices=(*HANDOFF_MODES, "dynamic"))), default=None,
+        Nullable(Str(max_len=16, choices=(*HANDOFF_MODES, "dynamic"))),
+        default=None,
         doc="the request's handoff-policy override (from SUBMIT); null = the cluster's policy",
     )
 
@@ -677,11 +724,15 @@ class KvAllocRequest(SamplingFields, Message):
     def _cross_check(cls, v: Mapping[str, Any]) -> None:
         _check_sampling("KV_ALLOC_REQUEST", v)
         n = len(v["prompt_token_ids"])
-        _require(v["num_tokens"] == n,
-                 f"KV_ALLOC_REQUEST num_tokens is {v['num_tokens']} but prompt_token_ids has {n}")
-        _require(v["expected_hit_tokens"] <= n,
-                 f"KV_ALLOC_REQUEST expected_hit_tokens {v['expected_hit_tokens']} exceeds the "
-                 f"{n} prompt tokens")
+        _require(
+            v["num_tokens"] == n,
+            f"KV_ALLOC_REQUEST num_tokens is {v['num_tokens']} but prompt_token_ids has {n}",
+        )
+        _require(
+            v["expected_hit_tokens"] <= n,
+            f"KV_ALLOC_REQUEST expected_hit_tokens {v['expected_hit_tokens']} exceeds the "
+            f"{n} prompt tokens",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -697,23 +748,33 @@ class KvAllocResponse(Message):
     request_id: str = field(REQUEST_ID, doc="the router's request id")
     accepted: bool = field(Bool(), doc="false: no blocks reserved, see error")
     hit_tokens: int = field(COUNT, doc="prefix tokens the receiver already holds (pinned)")
-    block_ids: tuple[int, ...] = field(UIntList(hi=U32_MAX, max_len=MAX_BLOCK_LIST),
-                                       doc="receiver's block table for [0, num_tokens)")
+    block_ids: tuple[int, ...] = field(
+        UIntList(hi=U32_MAX, max_len=MAX_BLOCK_LIST),
+        doc="receiver's block table for [0, num_tokens)",
+    )
     block_size: int = field(UInt(1, 1 << 16), doc="receiver's block size")
     dtype: str = field(DTYPE, doc="receiver's KV dtype (it converts on arrival)")
-    region: str = field(Str(max_len=128), default="",
-                        doc="RLD: its shared-memory pool name for one-sided writes; MD: ''")
+    region: str = field(
+        Str(max_len=128),
+        default="",
+        doc="RLD: its shared-memory pool name for one-sided writes; MD: ''",
+    )
     error: str = field(REASON, default="", doc="why not accepted ('' when accepted)")
-    step_s: float = field(Float(0.0, 3600.0), default=0.0,
-                          doc="receiver's recent decode seconds per output token (0 = unknown)")
+    step_s: float = field(
+        Float(0.0, 3600.0),
+        default=0.0,
+        doc="receiver's recent decode seconds per output token (0 = unknown)",
+    )
 
     @classmethod
     def _cross_check(cls, v: Mapping[str, Any]) -> None:
         if v["accepted"]:
             _require(v["error"] == "", "KV_ALLOC_RESPONSE is accepted but carries an error")
-            _require(v["hit_tokens"] <= len(v["block_ids"]) * v["block_size"],
-                     f"KV_ALLOC_RESPONSE hit_tokens {v['hit_tokens']} exceeds its "
-                     f"{len(v['block_ids'])} blocks of {v['block_size']}")
+            _require(
+                v["hit_tokens"] <= len(v["block_ids"]) * v["block_size"],
+                f"KV_ALLOC_RESPONSE hit_tokens {v['hit_tokens']} exceeds its "
+                f"{len(v['block_ids'])} blocks of {v['block_size']}",
+            )
         else:
             _require(v["error"] != "", "KV_ALLOC_RESPONSE refuses without an error")
             _require(not v["block_ids"], "KV_ALLOC_RESPONSE refuses but lists block_ids")
@@ -737,11 +798,15 @@ class KvChunk(Message):
     token_end: int = field(COUNT, doc="one past the last position")
     layer_start: int = field(UInt(0, 1024), doc="first layer carried")
     layer_end: int = field(UInt(1, 1024), doc="one past the last layer")
-    block_ids: tuple[int, ...] = field(UIntList(hi=U32_MAX, max_len=MAX_BLOCK_LIST), default=(),
-                                       doc="receiver blocks touched (for its bounds check)")
+    block_ids: tuple[int, ...] = field(
+        UIntList(hi=U32_MAX, max_len=MAX_BLOCK_LIST),
+        default=(),
+        doc="receiver blocks touched (for its bounds check)",
+    )
     dtype: str = field(DTYPE, doc="element type of the payload")
-    shape: tuple[int, ...] = field(UIntList(hi=U32_MAX, min_len=5, max_len=5),
-                                   doc="[layers, 2, tokens, kv_heads, head_dim]")
+    shape: tuple[int, ...] = field(
+        UIntList(hi=U32_MAX, min_len=5, max_len=5), doc="[layers, 2, tokens, kv_heads, head_dim]"
+    )
     payload: memoryview = dataclasses.field(compare=True)  # bytes-like; kept as a flat view
 
     def __post_init__(self) -> None:
@@ -753,10 +818,14 @@ class KvChunk(Message):
 
     @classmethod
     def _cross_check(cls, v: Mapping[str, Any]) -> None:
-        _require(v["token_end"] > v["token_start"],
-                 f"KV_CHUNK token range [{v['token_start']}, {v['token_end']}) is empty")
-        _require(v["layer_end"] > v["layer_start"],
-                 f"KV_CHUNK layer range [{v['layer_start']}, {v['layer_end']}) is empty")
+        _require(
+            v["token_end"] > v["token_start"],
+            f"KV_CHUNK token range [{v['token_start']}, {v['token_end']}) is empty",
+        )
+        _require(
+            v["layer_end"] > v["layer_start"],
+            f"KV_CHUNK layer range [{v['layer_start']}, {v['layer_end']}) is empty",
+        )
         layers, kv, tokens, heads, dim = v["shape"]
         want = (v["layer_end"] - v["layer_start"], 2, v["token_end"] - v["token_start"])
         _require(
@@ -794,21 +863,32 @@ class KvDone(Message):
     num_bytes: int = field(UInt(0, U64_MAX), doc="KV payload bytes sent or written")
     first_token_id: int = field(UInt(0, TOKEN_ID_MAX), doc="output index 0, sampled by P")
     time: float = field(TIME, doc="when P finished sending")
-    first_logprob: float | None = field(Nullable(Float(LOGPROB_MIN, 0.0)), default=None,
-                                        doc="its raw logprob, when the request asks for them")
-    first_top_ids: tuple[int, ...] = field(UIntList(hi=TOKEN_ID_MAX, max_len=MAX_TOP_LOGPROBS),
-                                           default=(), doc="the top-k token ids at index 0")
+    first_logprob: float | None = field(
+        Nullable(Float(LOGPROB_MIN, 0.0)),
+        default=None,
+        doc="its raw logprob, when the request asks for them",
+    )
+    first_top_ids: tuple[int, ...] = field(
+        UIntList(hi=TOKEN_ID_MAX, max_len=MAX_TOP_LOGPROBS),
+        default=(),
+        doc="the top-k token ids at index 0",
+    )
     first_top_logprobs: tuple[float, ...] = field(
-        FloatList(LOGPROB_MIN, 0.0, MAX_TOP_LOGPROBS), default=(), doc="their logprobs")
+        FloatList(LOGPROB_MIN, 0.0, MAX_TOP_LOGPROBS), default=(), doc="their logprobs"
+    )
 
     @classmethod
     def _cross_check(cls, v: Mapping[str, Any]) -> None:
         top = v["first_top_ids"]
-        _require(len(v["first_top_logprobs"]) == len(top),
-                 f"KV_DONE has {len(top)} first_top_ids but {len(v['first_top_logprobs'])} "
-                 f"first_top_logprobs")
-        _require(not top or v["first_logprob"] is not None,
-                 "KV_DONE carries top logprobs without first_logprob")
+        _require(
+            len(v["first_top_logprobs"]) == len(top),
+            f"KV_DONE has {len(top)} first_top_ids but {len(v['first_top_logprobs'])} "
+            f"first_top_logprobs",
+        )
+        _require(
+            not top or v["first_logprob"] is not None,
+            "KV_DONE carries top logprobs without first_logprob",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -830,12 +910,17 @@ class CacheEvents(Message):
     TYPE = MessageType.CACHE_EVENTS
     seq: int = field(UInt(0, U64_MAX), doc="notice number, +1 each time")
     block_size: int = field(UInt(1, 1 << 16), doc="MD's block size (hash granularity)")
-    inserted: tuple[int, ...] = field(UIntList(hi=U64_MAX, max_len=MAX_BLOCK_LIST),
-                                      doc="chained block hashes now cached")
-    evicted: tuple[int, ...] = field(UIntList(hi=U64_MAX, max_len=MAX_BLOCK_LIST),
-                                     doc="chained block hashes dropped")
-    reset: bool = field(Bool(), default=False,
-                        doc="true: `inserted` is MD's whole cache (a snapshot); P replaces its view")
+    inserted: tuple[int, ...] = field(
+        UIntList(hi=U64_MAX, max_len=MAX_BLOCK_LIST), doc="chained block hashes now cached"
+    )
+    evicted: tuple[int, ...] = field(
+        UIntList(hi=U64_MAX, max_len=MAX_BLOCK_LIST), doc="chained block hashes dropped"
+    )
+    reset: bool = field(
+        Bool(),
+        default=False,
+        doc="true: `inserted` is MD's whole cache (a snapshot); P replaces its view",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -867,8 +952,9 @@ class RelayTokens(Message):
     TYPE = MessageType.RELAY_TOKENS
     request_id: str = field(REQUEST_ID, doc="the router's request id")
     start_index: int = field(COUNT, doc="output index of token_ids[0]")
-    token_ids: tuple[int, ...] = field(UIntList(hi=TOKEN_ID_MAX, min_len=1),
-                                       doc="tokens RLD produced, in index order")
+    token_ids: tuple[int, ...] = field(
+        UIntList(hi=TOKEN_ID_MAX, min_len=1), doc="tokens RLD produced, in index order"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -891,16 +977,24 @@ class Handoff(Message):
     TYPE = MessageType.HANDOFF
     request_id: str = field(REQUEST_ID, doc="the router's request id")
     start_index: int = field(COUNT, doc="output index of token_ids[0]")
-    token_ids: tuple[int, ...] = field(TOKEN_IDS, doc="RLD's tokens MD must extend (may be empty if final)")
+    token_ids: tuple[int, ...] = field(
+        TOKEN_IDS, doc="RLD's tokens MD must extend (may be empty if final)"
+    )
     final: bool = field(Bool(), doc="the cut: RLD stops after this")
-    mode: str = field(Str(max_len=16, choices=HANDOFF_MODES), doc="RLD's handoff mode for the request")
+    mode: str = field(
+        Str(max_len=16, choices=HANDOFF_MODES), doc="RLD's handoff mode for the request"
+    )
 
     @classmethod
     def _cross_check(cls, v: Mapping[str, Any]) -> None:
-        _require(v["final"] or len(v["token_ids"]) > 0,
-                 "HANDOFF that is not final must carry at least one token")
-        _require(v["final"] or v["mode"] == "streaming",
-                 "one-shot HANDOFF must be a single final message")
+        _require(
+            v["final"] or len(v["token_ids"]) > 0,
+            "HANDOFF that is not final must carry at least one token",
+        )
+        _require(
+            v["final"] or v["mode"] == "streaming",
+            "one-shot HANDOFF must be a single final message",
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -910,10 +1004,29 @@ class Handoff(Message):
 MESSAGE_CLASSES: dict[int, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
-        Hello, Auth, AuthOk, AuthFail, Ping, Pong, ErrorMessage, LinkState,
-        Submit, Cancel, TokenEvent, RequestDone, Timeline,
-        KvAllocRequest, KvAllocResponse, KvChunk, KvDone, KvAbort, CacheEvents, KvReceived,
-        RelayTokens, Takeover, Handoff,
+        Hello,
+        Auth,
+        AuthOk,
+        AuthFail,
+        Ping,
+        Pong,
+        ErrorMessage,
+        LinkState,
+        Submit,
+        Cancel,
+        TokenEvent,
+        RequestDone,
+        Timeline,
+        KvAllocRequest,
+        KvAllocResponse,
+        KvChunk,
+        KvDone,
+        KvAbort,
+        CacheEvents,
+        KvReceived,
+        RelayTokens,
+        Takeover,
+        Handoff,
     )
 }
 assert set(MESSAGE_CLASSES) == {t.value for t in MessageType}, "every type code needs a class"
@@ -924,8 +1037,7 @@ def message_class(code: int) -> type[Message] | None:
 
 
 def payload_mismatch(got: int, dtype: str, shape: tuple[int, ...], need: int) -> str:
-    return (f"KV_CHUNK payload is {got} bytes but dtype {dtype} shape {list(shape)} "
-            f"needs {need}")
+    return f"KV_CHUNK payload is {got} bytes but dtype {dtype} shape {list(shape)} needs {need}"
 
 
 def as_payload(obj: object) -> memoryview:
@@ -985,11 +1097,37 @@ def tensor_from_payload(payload: memoryview | bytes, dtype: str, shape: tuple[in
 
 
 __all__ = [
-    "DTYPES", "MESSAGE_CLASSES", "MessageType", "Message", "SamplingFields",
-    "Hello", "Auth", "AuthOk", "AuthFail", "Ping", "Pong", "ErrorMessage",
-    "Submit", "Cancel", "TokenEvent", "RequestDone", "Timeline",
-    "KvAllocRequest", "KvAllocResponse", "KvChunk", "KvDone", "KvAbort", "CacheEvents",
-    "RelayTokens", "Takeover", "Handoff",
-    "message_class", "dtype_itemsize", "as_payload", "payload_from_array", "payload_from_tensor",
-    "array_from_payload", "tensor_from_payload",
+    "DTYPES",
+    "MESSAGE_CLASSES",
+    "MessageType",
+    "Message",
+    "SamplingFields",
+    "Hello",
+    "Auth",
+    "AuthOk",
+    "AuthFail",
+    "Ping",
+    "Pong",
+    "ErrorMessage",
+    "Submit",
+    "Cancel",
+    "TokenEvent",
+    "RequestDone",
+    "Timeline",
+    "KvAllocRequest",
+    "KvAllocResponse",
+    "KvChunk",
+    "KvDone",
+    "KvAbort",
+    "CacheEvents",
+    "RelayTokens",
+    "Takeover",
+    "Handoff",
+    "message_class",
+    "dtype_itemsize",
+    "as_payload",
+    "payload_from_array",
+    "payload_from_tensor",
+    "array_from_payload",
+    "tensor_from_payload",
 ]

@@ -58,8 +58,8 @@ FlowAction = Transfer | SendKvDone | AbortTarget | ReleaseBlocks | FailRequest
 
 @dataclass
 class _Target:
-    hit: int | None = None       # None: allocation not answered yet
-    sent: int = 0                # positions [0, sent) are out (or cached there)
+    hit: int | None = None  # None: allocation not answered yet
+    sent: int = 0  # positions [0, sent) are out (or cached there)
     done_queued: bool = False
     finished: bool = False
 
@@ -74,7 +74,7 @@ class PrefillFlow:
         self.targets = {t: _Target() for t in targets}
         self.computed = 0
         self.first_token: int | None = None
-        self.over = False           # failed, cancelled or released
+        self.over = False  # failed, cancelled or released
 
     def allocated(self, target: str, hit_tokens: int) -> list[FlowAction]:
         t = self._target(target)
@@ -98,8 +98,11 @@ class PrefillFlow:
             return self.drop(target, "")
         self.over = True
         actions: list[FlowAction] = [FailRequest("kv_alloc_refused", f"{target} refused: {error}")]
-        actions += [AbortTarget(name, f"{target} refused the request")
-                    for name, t in self.targets.items() if name != target and not t.finished]
+        actions += [
+            AbortTarget(name, f"{target} refused the request")
+            for name, t in self.targets.items()
+            if name != target and not t.finished
+        ]
         return actions + [ReleaseBlocks()]
 
     def drop(self, target: str, reason: str) -> list[FlowAction]:
@@ -112,25 +115,29 @@ class PrefillFlow:
         allocated = t.hit is not None
         if t.hit is None:
             t.hit = 0
-        t.done_queued = t.finished = True   # nothing (more) will go there
+        t.done_queued = t.finished = True  # nothing (more) will go there
         actions: list[FlowAction] = [AbortTarget(target, reason)] if allocated and reason else []
         if len(self.targets) == 1:  # dropping the only target leaves nobody to serve it
             self.over = True
-            return actions + [FailRequest("no_target", f"{target} dropped: {reason}"),
-                              ReleaseBlocks()]
+            return actions + [
+                FailRequest("no_target", f"{target} dropped: {reason}"),
+                ReleaseBlocks(),
+            ]
         return actions + self._pump() + self._release_if_done()
 
     def computed_upto(self, num_computed: int) -> list[FlowAction]:
         if num_computed < self.computed or num_computed > self.num_tokens:
-            raise ValueError(f"prefill progress {num_computed} after {self.computed} "
-                             f"(prompt {self.num_tokens})")
+            raise ValueError(
+                f"prefill progress {num_computed} after {self.computed} (prompt {self.num_tokens})"
+            )
         self.computed = num_computed
         return self._pump()
 
     def first_token_sampled(self, token: int) -> list[FlowAction]:
         if self.computed != self.num_tokens:
-            raise ValueError(f"first token sampled with {self.computed}/{self.num_tokens} "
-                             "positions computed")
+            raise ValueError(
+                f"first token sampled with {self.computed}/{self.num_tokens} positions computed"
+            )
         self.first_token = token
         return self._pump()
 
@@ -151,8 +158,9 @@ class PrefillFlow:
         if self.over:
             return []
         self.over = True
-        return [AbortTarget(name, reason) for name, t in self.targets.items()
-                if not t.finished] + [ReleaseBlocks()]
+        return [AbortTarget(name, reason) for name, t in self.targets.items() if not t.finished] + [
+            ReleaseBlocks()
+        ]
 
     def _pump(self) -> list[FlowAction]:
         if self.over:
@@ -173,9 +181,17 @@ class PrefillFlow:
         try:
             return self.targets[target]
         except KeyError:
-            raise ValueError(f"{target!r} is not a target of this request "
-                             f"({', '.join(self.targets)})") from None
+            raise ValueError(
+                f"{target!r} is not a target of this request ({', '.join(self.targets)})"
+            ) from None
 
 
-__all__ = ["PrefillFlow", "FlowAction", "Transfer", "SendKvDone", "AbortTarget", "ReleaseBlocks",
-           "FailRequest"]
+__all__ = [
+    "PrefillFlow",
+    "FlowAction",
+    "Transfer",
+    "SendKvDone",
+    "AbortTarget",
+    "ReleaseBlocks",
+    "FailRequest",
+]

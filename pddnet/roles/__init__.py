@@ -17,8 +17,13 @@ if TYPE_CHECKING:  # imports stay lazy: `pdd --help` must not load torch
     from pddnet.config import ClusterConfig
     from pddnet.roles.common import Daemon
 
-ROLE_NAMES = {"prefill": "prefill", "relay": "relay", "main-decode": "main_decode",
-              "main_decode": "main_decode", "router": "router"}
+ROLE_NAMES = {
+    "prefill": "prefill",
+    "relay": "relay",
+    "main-decode": "main_decode",
+    "main_decode": "main_decode",
+    "router": "router",
+}
 
 
 def make_daemon(role: str, config: ClusterConfig) -> Daemon:
@@ -29,11 +34,14 @@ def make_daemon(role: str, config: ClusterConfig) -> Daemon:
         raise ValueError(f"unknown daemon role {role!r}; expected one of {choices}")
     if name == "prefill":
         from pddnet.roles.prefill import PrefillDaemon
+
         return PrefillDaemon(config)
     if name == "relay":
         from pddnet.roles.relay import RelayDaemon
+
         return RelayDaemon(config)
     from pddnet.roles.main_decode import MainDecodeDaemon
+
     return MainDecodeDaemon(config)
 
 
@@ -42,10 +50,12 @@ async def run_role(role: str, config: ClusterConfig) -> None:
     socket, thread or shared-memory segment left)."""
     name = ROLE_NAMES.get(role)
     if name is None:
-        raise ValueError(f"unknown role {role!r}; expected one of prefill, relay, main-decode, "
-                         "router")
+        raise ValueError(
+            f"unknown role {role!r}; expected one of prefill, relay, main-decode, router"
+        )
     if name == "router":
         from pddnet.roles.router import run_router
+
         await run_router(config)
         return
     daemon = make_daemon(name, config)

@@ -39,19 +39,19 @@ class StreamAssembler:
     ignore_eos: bool = False
     strict: bool = True
 
-    tokens: list[int] = field(default_factory=list)        # released, in index order
-    producers: list[str] = field(default_factory=list)     # who made each released token
+    tokens: list[int] = field(default_factory=list)  # released, in index order
+    producers: list[str] = field(default_factory=list)  # who made each released token
     finish_reason: str | None = None
     error: str | None = None
     duplicates: int = 0
-    late_events: int = 0                                   # events after the stream ended
-    first_token_time: float | None = None                  # caller's clock when index 0 arrived
-    done_reason: str | None = None                         # REQUEST_DONE seen (its reason)
-    warnings: list[str] = field(default_factory=list)      # inconsistencies after the end
+    late_events: int = 0  # events after the stream ended
+    first_token_time: float | None = None  # caller's clock when index 0 arrived
+    done_reason: str | None = None  # REQUEST_DONE seen (its reason)
+    warnings: list[str] = field(default_factory=list)  # inconsistencies after the end
     _pending: dict[int, tuple[int, str]] = field(default_factory=dict)
-    _expected_total: int | None = None                     # from REQUEST_DONE
+    _expected_total: int | None = None  # from REQUEST_DONE
     _total_reason: str = "eos"
-    stopped_by_caller: bool = False                        # see stop_at
+    stopped_by_caller: bool = False  # see stop_at
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -80,8 +80,9 @@ class StreamAssembler:
 
     # -- inputs ----------------------------------------------------------------------------------
 
-    def feed_tokens(self, index: int, token_ids: Sequence[int], producer: str,
-                    now: float | None = None) -> Released | None:
+    def feed_tokens(
+        self, index: int, token_ids: Sequence[int], producer: str, now: float | None = None
+    ) -> Released | None:
         """A TOKEN_EVENT: tokens index, index+1, ... from `producer`. Returns what became
         releasable in order (None if nothing did). After the stream ended, events are counted
         as late and ignored. An inconsistency ends the stream with reason 'error'."""
@@ -105,10 +106,16 @@ class StreamAssembler:
         self.done_reason = reason
         if self.finished:
             # The client's stream is already complete; a disagreement is worth a note only.
-            if reason not in ("cancel", "error") and self.finish_reason not in ("cancel", "error") \
-                    and num_output_tokens != len(self.tokens) and not self.stopped_by_caller:
-                self.warnings.append(f"REQUEST_DONE from {producer} says {num_output_tokens} "
-                                     f"tokens; the stream ended after {len(self.tokens)}")
+            if (
+                reason not in ("cancel", "error")
+                and self.finish_reason not in ("cancel", "error")
+                and num_output_tokens != len(self.tokens)
+                and not self.stopped_by_caller
+            ):
+                self.warnings.append(
+                    f"REQUEST_DONE from {producer} says {num_output_tokens} "
+                    f"tokens; the stream ended after {len(self.tokens)}"
+                )
             return
         if reason in ("cancel", "error"):
             self._end(reason)
@@ -116,13 +123,17 @@ class StreamAssembler:
                 self.error = f"{producer} ended the request with an error"
             return
         if num_output_tokens < len(self.tokens) or num_output_tokens > self.max_tokens:
-            self._fail(f"REQUEST_DONE from {producer} says {num_output_tokens} tokens but "
-                       f"{len(self.tokens)} were already released (max_tokens {self.max_tokens})")
+            self._fail(
+                f"REQUEST_DONE from {producer} says {num_output_tokens} tokens but "
+                f"{len(self.tokens)} were already released (max_tokens {self.max_tokens})"
+            )
             return
         beyond = [i for i in self._pending if i >= num_output_tokens]
         if beyond:
-            self._fail(f"REQUEST_DONE from {producer} says {num_output_tokens} tokens but index "
-                       f"{min(beyond)} was produced")
+            self._fail(
+                f"REQUEST_DONE from {producer} says {num_output_tokens} tokens but index "
+                f"{min(beyond)} was produced"
+            )
             return
         self._expected_total = num_output_tokens
         self._total_reason = reason
@@ -139,8 +150,9 @@ class StreamAssembler:
         if self.finished:
             return
         if not 0 < num_tokens <= len(self.tokens):
-            raise ValueError(f"stop_at({num_tokens}) outside the {len(self.tokens)} released "
-                             f"tokens")
+            raise ValueError(
+                f"stop_at({num_tokens}) outside the {len(self.tokens)} released tokens"
+            )
         del self.tokens[num_tokens:]
         del self.producers[num_tokens:]
         self._pending.clear()
@@ -160,11 +172,14 @@ class StreamAssembler:
             raise AssemblyError(f"empty token event at index {index} from {producer}")
         end = index + len(token_ids)
         if end > self.max_tokens:
-            raise AssemblyError(f"{producer} produced index {end - 1} but max_tokens is "
-                                f"{self.max_tokens}")
+            raise AssemblyError(
+                f"{producer} produced index {end - 1} but max_tokens is {self.max_tokens}"
+            )
         if self._expected_total is not None and end > self._expected_total:
-            raise AssemblyError(f"{producer} produced index {end - 1} after REQUEST_DONE said "
-                                f"{self._expected_total} tokens")
+            raise AssemblyError(
+                f"{producer} produced index {end - 1} after REQUEST_DONE said "
+                f"{self._expected_total} tokens"
+            )
         # Check the whole event before placing any of it: an event is accepted or refused whole.
         for offset, tok in enumerate(token_ids):
             i = index + offset
@@ -173,11 +188,14 @@ class StreamAssembler:
                 continue
             old_tok, old_producer = seen
             if old_tok != tok:
-                raise AssemblyError(f"conflict at token index {i}: {old_producer} produced "
-                                    f"{old_tok}, {producer} produced {tok}")
+                raise AssemblyError(
+                    f"conflict at token index {i}: {old_producer} produced "
+                    f"{old_tok}, {producer} produced {tok}"
+                )
             if self.strict:
-                raise AssemblyError(f"token index {i} produced twice ({old_producer}, then "
-                                    f"{producer})")
+                raise AssemblyError(
+                    f"token index {i} produced twice ({old_producer}, then {producer})"
+                )
         for offset, tok in enumerate(token_ids):
             i = index + offset
             if self._seen(i) is not None:
@@ -207,8 +225,10 @@ class StreamAssembler:
                 self._end(reason)
         if self.finished and self._pending:
             # Produced past the end (a producer ignored EOS / a stop token): never released.
-            self.warnings.append(f"token index {min(self._pending)} was produced after the "
-                                 f"stream ended ({self.finish_reason})")
+            self.warnings.append(
+                f"token index {min(self._pending)} was produced after the "
+                f"stream ended ({self.finish_reason})"
+            )
             self._pending.clear()
         if not out_t:
             return None

@@ -49,8 +49,8 @@ log = logging.getLogger("pddnet.roles")
 
 # How a finished engine sequence ends on the wire (REQUEST_DONE.reason).
 DONE_REASON = {FinishReason.STOP: "eos", FinishReason.LENGTH: "length"}
-CANCELLED_MEMORY = 4096   # recently ended request ids, so a late message cannot resurrect one
-INBOX_LIMIT = 4096        # messages read ahead of the handler on one connection
+CANCELLED_MEMORY = 4096  # recently ended request ids, so a late message cannot resurrect one
+INBOX_LIMIT = 4096  # messages read ahead of the handler on one connection
 
 
 def now() -> float:
@@ -66,13 +66,18 @@ def instance_id(config: ClusterConfig, role: str) -> str:
 def sampling_of(fields: SamplingFields) -> SamplingParams:
     """The engine's sampling parameters for a request's wire fields (SUBMIT, KV_ALLOC_REQUEST):
     every tier builds the same ones, so every tier samples alike."""
-    return SamplingParams(temperature=fields.temperature, top_p=fields.top_p,
-                          top_k=fields.top_k, seed=fields.seed, min_tokens=fields.min_tokens,
-                          stop_token_ids=tuple(fields.stop_token_ids),
-                          presence_penalty=fields.presence_penalty,
-                          frequency_penalty=fields.frequency_penalty,
-                          repetition_penalty=fields.repetition_penalty,
-                          logprobs=fields.logprobs)
+    return SamplingParams(
+        temperature=fields.temperature,
+        top_p=fields.top_p,
+        top_k=fields.top_k,
+        seed=fields.seed,
+        min_tokens=fields.min_tokens,
+        stop_token_ids=tuple(fields.stop_token_ids),
+        presence_penalty=fields.presence_penalty,
+        frequency_penalty=fields.frequency_penalty,
+        repetition_penalty=fields.repetition_penalty,
+        logprobs=fields.logprobs,
+    )
 
 
 SAMPLING_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingFields))
@@ -83,21 +88,25 @@ def sampling_fields(msg: SamplingFields) -> dict[str, Any]:
     return {name: getattr(msg, name) for name in SAMPLING_FIELD_NAMES}
 
 
-def event_logprobs(entries: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None,
-                   n: int) -> dict[str, Any]:
+def event_logprobs(
+    entries: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None, n: int
+) -> dict[str, Any]:
     """TOKEN_EVENT's logprob fields for `n` tokens ({} when none are carried). Every token
     needs its entry and all the same k; otherwise nothing is carried (the router then reports
     the gap)."""
     present = [e for e in entries or () if e is not None]
     if not present or len(present) != n or len({len(e.top_ids) for e in present}) != 1:
         return {}
-    return {"logprobs": tuple(e.logprob for e in present),
-            "top_logprob_ids": tuple(i for e in present for i in e.top_ids),
-            "top_logprobs": tuple(x for e in present for x in e.top_logprobs)}
+    return {
+        "logprobs": tuple(e.logprob for e in present),
+        "top_logprob_ids": tuple(i for e in present for i in e.top_ids),
+        "top_logprobs": tuple(x for e in present for x in e.top_logprobs),
+    }
 
 
-def take_logprobs(store: dict[int, TokenLogprob], fields: SamplingFields, index: int,
-                  n: int) -> list[TokenLogprob | None] | None:
+def take_logprobs(
+    store: dict[int, TokenLogprob], fields: SamplingFields, index: int, n: int
+) -> list[TokenLogprob | None] | None:
     """The logprob entries of output indices [index, index + n) for a TOKEN_EVENT, taken out
     of a request's store (index -> entry, filled as the engine samples); None when the request
     does not ask for logprobs."""
@@ -110,16 +119,23 @@ def kv_done_logprob(entry: TokenLogprob | None) -> dict[str, Any]:
     """KV_DONE's fields for the first token's logprobs (P samples it)."""
     if entry is None:
         return {}
-    return {"first_logprob": entry.logprob, "first_top_ids": entry.top_ids,
-            "first_top_logprobs": entry.top_logprobs}
+    return {
+        "first_logprob": entry.logprob,
+        "first_top_ids": entry.top_ids,
+        "first_top_logprobs": entry.top_logprobs,
+    }
 
 
 def first_token_logprob(done: Any) -> TokenLogprob | None:
     """The first token's logprobs as KV_DONE carries them (None: not requested)."""
     if done.first_logprob is None:
         return None
-    return TokenLogprob(done.first_token_id, done.first_logprob, tuple(done.first_top_ids),
-                        tuple(done.first_top_logprobs))
+    return TokenLogprob(
+        done.first_token_id,
+        done.first_logprob,
+        tuple(done.first_top_ids),
+        tuple(done.first_top_logprobs),
+    )
 
 
 def first_token_ends(token: int, fields: SamplingFields, eos: int | None) -> str | None:
@@ -144,7 +160,7 @@ def step_end_reasons(out: StepOutput, stop_token_ids: tuple[int, ...]) -> list[s
     for i, tok in enumerate(out.new_token_ids):
         if tok in stop_token_ids:
             reasons[i] = "stop"
-            return reasons[:i + 1]
+            return reasons[: i + 1]
     if out.finished and reasons:
         reasons[-1] = DONE_REASON[out.finish_reason]
     return reasons
@@ -252,11 +268,13 @@ class Daemon:
 
     def __init__(self, config: ClusterConfig) -> None:
         config.validate()
-        self.emulation = config.emulation()   # the modelled accelerator (None: unpaced)
-        config = wallclock(config)            # timeouts, heartbeats, rates on this box's clock
+        self.emulation = config.emulation()  # the modelled accelerator (None: unpaced)
+        config = wallclock(config)  # timeouts, heartbeats, rates on this box's clock
         if not config.secret:
-            raise ValueError("config.secret is empty: daemons authenticate every connection "
-                             "with the cluster secret (pdd up generates one)")
+            raise ValueError(
+                "config.secret is empty: daemons authenticate every connection "
+                "with the cluster secret (pdd up generates one)"
+            )
         self.config = config
         self.section: DaemonSection = getattr(config, self.section_name)
         self.instance_id = instance_id(config, self.role)
@@ -268,18 +286,24 @@ class Daemon:
         self.counters: Counter[str] = Counter()
         self.dilation = self.emulation.dilation if self.emulation else 1.0
         # real / target KV bytes per token: real KV bytes on a wire stand for real / this
-        self.wire_scale = (self.emulation.wire_scale(real_kv_bytes_per_token(config.model))
-                           if self.emulation else 1.0)
-        self.pacer = (StepPacer(self.emulation.cost_of(self.section_name), self.dilation)
-                      if self.emulation else None)
+        self.wire_scale = (
+            self.emulation.wire_scale(real_kv_bytes_per_token(config.model))
+            if self.emulation
+            else 1.0
+        )
+        self.pacer = (
+            StepPacer(self.emulation.cost_of(self.section_name), self.dilation)
+            if self.emulation
+            else None
+        )
         # every engine step's time as measured here (paced, in the modelled world's seconds)
         self.step_times = StepTimes(scale=1.0 / self.dilation)
         self.ended = RecentIds()
-        self._router: list[Outbox] = []   # events lanes, most recent last
+        self._router: list[Outbox] = []  # events lanes, most recent last
         self._outboxes: list[Outbox] = []
         self.peers: list[Peer] = []
-        self.metrics: Any = None              # pddnet.obs.metrics.MetricsServer, when enabled
-        self.replays: dict[str, Submit] = {}   # decode tiers: requests replayed by token ids
+        self.metrics: Any = None  # pddnet.obs.metrics.MetricsServer, when enabled
+        self.replays: dict[str, Submit] = {}  # decode tiers: requests replayed by token ids
         self._tasks: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
         self._closing = False
@@ -294,26 +318,45 @@ class Daemon:
     async def start(self) -> None:
         """Load the model, start the engine thread, listen, then dial peers (retrying)."""
         model_cfg = self.config.model
-        model, tokenizer = await asyncio.to_thread(load_model, model_cfg.name, model_cfg.dtype,
-                                                   model_cfg.seed)
+        model, tokenizer = await asyncio.to_thread(
+            load_model, model_cfg.name, model_cfg.dtype, model_cfg.seed
+        )
         sec = self.section
-        self.engine = Engine(model, tokenizer, num_blocks=sec.num_blocks,
-                             block_size=sec.block_size,
-                             max_num_batched_tokens=sec.max_num_batched_tokens,
-                             max_num_seqs=sec.max_num_seqs, kv_shm_name=self.kv_shm_name(),
-                             enable_prefix_cache=sec.prefix_cache != "off",
-                             prefix_cache_kind="radix" if sec.prefix_cache == "radix" else "hash")
-        self.worker = EngineWorker(self.engine, self._on_outputs, threads=model_cfg.threads,
-                                   name=f"{self.role}-engine", on_error=self._on_engine_error,
-                                   on_step_stats=self.step_times.observe, pacer=self.pacer)
-        self.server = Server(sec.host, sec.port, role=self.role, instance_id=self.instance_id,
-                             secret=self.secret, on_connection=self._on_connection)
+        self.engine = Engine(
+            model,
+            tokenizer,
+            num_blocks=sec.num_blocks,
+            block_size=sec.block_size,
+            max_num_batched_tokens=sec.max_num_batched_tokens,
+            max_num_seqs=sec.max_num_seqs,
+            kv_shm_name=self.kv_shm_name(),
+            enable_prefix_cache=sec.prefix_cache != "off",
+            prefix_cache_kind="radix" if sec.prefix_cache == "radix" else "hash",
+        )
+        self.worker = EngineWorker(
+            self.engine,
+            self._on_outputs,
+            threads=model_cfg.threads,
+            name=f"{self.role}-engine",
+            on_error=self._on_engine_error,
+            on_step_stats=self.step_times.observe,
+            pacer=self.pacer,
+        )
+        self.server = Server(
+            sec.host,
+            sec.port,
+            role=self.role,
+            instance_id=self.instance_id,
+            secret=self.secret,
+            on_connection=self._on_connection,
+        )
         self.port = await self.server.start()
         if sec.metrics_port is not None:
             from pddnet.obs.metrics import start_metrics_server
 
-            self.metrics = await start_metrics_server(sec.host, sec.metrics_port, self.stats,
-                                                      self.role)
+            self.metrics = await start_metrics_server(
+                sec.host, sec.metrics_port, self.stats, self.role
+            )
         try:
             await self.dial_peers()
         except BaseException:
@@ -361,14 +404,23 @@ class Daemon:
 
     async def dial(self, address: tuple[str, int], lane: str) -> Connection:
         host, port = address
-        return await dial_with_retry(host, port, role=self.role, instance_id=self.instance_id,
-                                     lane=lane, secret=self.secret, attempts=150, delay=0.2)
+        return await dial_with_retry(
+            host,
+            port,
+            role=self.role,
+            instance_id=self.instance_id,
+            lane=lane,
+            secret=self.secret,
+            attempts=150,
+            delay=0.2,
+        )
 
     async def dial_once(self, address: tuple[str, int], lane: str) -> Connection:
         """One attempt (a Peer's redial loop does its own backoff)."""
         host, port = address
-        return await dial(host, port, role=self.role, instance_id=self.instance_id, lane=lane,
-                          secret=self.secret)
+        return await dial(
+            host, port, role=self.role, instance_id=self.instance_id, lane=lane, secret=self.secret
+        )
 
     def outbox(self, conn: Connection, name: str) -> Outbox:
         box = Outbox(conn, f"{self.instance_id} -> {name}")
@@ -381,12 +433,22 @@ class Daemon:
             self._outboxes.remove(box)
             self.spawn(box.close(), f"close {box.name}")
 
-    def peer(self, address: tuple[str, int], name: str,
-             on_up: Callable[[Connection], Awaitable[None]] | None = None) -> Peer:
+    def peer(
+        self,
+        address: tuple[str, int],
+        name: str,
+        on_up: Callable[[Connection], Awaitable[None]] | None = None,
+    ) -> Peer:
         """A control lane this daemon dials and keeps up (heartbeats, redial)."""
         wan = self.config.wan
-        p = Peer(self, address, name, heartbeat_s=wan.heartbeat_s,
-                 deadline_s=wan.heartbeat_deadline_s, on_up=on_up)
+        p = Peer(
+            self,
+            address,
+            name,
+            heartbeat_s=wan.heartbeat_s,
+            deadline_s=wan.heartbeat_deadline_s,
+            on_up=on_up,
+        )
         self.peers.append(p)
         return p
 
@@ -399,8 +461,9 @@ class Daemon:
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("%s: task %s failed", self.instance_id, task.get_name(),
-                      exc_info=task.exception())
+            log.error(
+                "%s: task %s failed", self.instance_id, task.get_name(), exc_info=task.exception()
+            )
 
     async def _on_connection(self, conn: Connection) -> None:
         if conn.lane == "events":
@@ -414,9 +477,10 @@ class Daemon:
         everything else is handled in order by a second task, so a handler waiting for the
         engine (an allocation behind a long step) never delays a PONG past its deadline."""
         inbox: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=INBOX_LIMIT)
-        worker = asyncio.get_running_loop().create_task(self._handle_in_order(conn, inbox),
-                                                        name=f"{self.instance_id} handles "
-                                                             f"{conn.peer_role} {conn.lane}")
+        worker = asyncio.get_running_loop().create_task(
+            self._handle_in_order(conn, inbox),
+            name=f"{self.instance_id} handles {conn.peer_role} {conn.lane}",
+        )
         try:
             async for msg in conn:
                 if isinstance(msg, Ping):  # heartbeats are answered at once, on any lane
@@ -425,7 +489,7 @@ class Daemon:
                 elif isinstance(msg, Pong):
                     self.on_pong(conn, msg)
                 else:
-                    await inbox.put(msg)   # a full inbox stops reading: backpressure
+                    await inbox.put(msg)  # a full inbox stops reading: backpressure
             await inbox.put(None)
             await worker
         finally:
@@ -450,8 +514,12 @@ class Daemon:
                 await self.handle(conn, msg)
             except Exception as exc:  # one bad request must not end the connection
                 rid = getattr(msg, "request_id", None)
-                log.exception("%s: handling %s from %s failed", self.instance_id,
-                              msg.TYPE.name, conn.peer_role)
+                log.exception(
+                    "%s: handling %s from %s failed",
+                    self.instance_id,
+                    msg.TYPE.name,
+                    conn.peer_role,
+                )
                 self.counters["errors"] += 1
                 self.error(rid, "internal", f"{self.role} failed on {msg.TYPE.name}: {exc}")
 
@@ -508,30 +576,57 @@ class Daemon:
         self.counters["router_messages_dropped"] += 1
         log.warning("%s: no router connected; dropped %s", self.instance_id, msg.TYPE.name)
 
-    def emit_tokens(self, rid: str, index: int, tokens: tuple[int, ...] | list[int],
-                    logprobs: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None = None,
-                    ) -> None:
+    def emit_tokens(
+        self,
+        rid: str,
+        index: int,
+        tokens: tuple[int, ...] | list[int],
+        logprobs: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None = None,
+    ) -> None:
         """TOKEN_EVENT(s) to the router; with `logprobs` (one entry per token, for a request
         that asks for them) at most MAX_LOGPROB_TOKENS tokens per event."""
         self.counters["tokens_emitted"] += len(tokens)
         tokens = tuple(tokens)
         step = MAX_LOGPROB_TOKENS if logprobs else max(1, len(tokens))
         for start in range(0, len(tokens), step):
-            part = tokens[start:start + step]
-            extra = event_logprobs(logprobs[start:start + step], len(part)) if logprobs else {}
-            self.to_router(TokenEvent(request_id=rid, index=index + start, token_ids=part,
-                                      producer=self.role, time=now(), **extra))
+            part = tokens[start : start + step]
+            extra = event_logprobs(logprobs[start : start + step], len(part)) if logprobs else {}
+            self.to_router(
+                TokenEvent(
+                    request_id=rid,
+                    index=index + start,
+                    token_ids=part,
+                    producer=self.role,
+                    time=now(),
+                    **extra,
+                )
+            )
 
     def request_done(self, rid: str, reason: str, num_prompt: int, num_output: int) -> RequestDone:
-        msg = RequestDone(request_id=rid, reason=reason, num_prompt_tokens=num_prompt,
-                          num_output_tokens=num_output, producer=self.role, time=now())
+        msg = RequestDone(
+            request_id=rid,
+            reason=reason,
+            num_prompt_tokens=num_prompt,
+            num_output_tokens=num_output,
+            producer=self.role,
+            time=now(),
+        )
         self.to_router(msg)
         return msg
 
-    def timeline(self, rid: str, event: str, detail_int: int | None = None,
-                 detail_str: str = "") -> None:
-        self.to_router(Timeline(request_id=rid, event=event, time=now(), producer=self.role,
-                                detail_int=detail_int, detail_str=detail_str))
+    def timeline(
+        self, rid: str, event: str, detail_int: int | None = None, detail_str: str = ""
+    ) -> None:
+        self.to_router(
+            Timeline(
+                request_id=rid,
+                event=event,
+                time=now(),
+                producer=self.role,
+                detail_int=detail_int,
+                detail_str=detail_str,
+            )
+        )
 
     def error(self, rid: str | None, code: str, message: str) -> None:
         self.to_router(ErrorMessage(request_id=rid, code=code, message=message[:4096]))
@@ -558,9 +653,15 @@ class Daemon:
         if self.replays.get(rid) is not sub:
             return  # cancelled meanwhile
         try:
-            await self.compute(self.engine.add_request, sub.prompt_token_ids, sub.max_tokens,
-                               sampling_of(sub), rid, ignore_eos=sub.ignore_eos,
-                               output_token_ids=list(sub.output_token_ids))
+            await self.compute(
+                self.engine.add_request,
+                sub.prompt_token_ids,
+                sub.max_tokens,
+                sampling_of(sub),
+                rid,
+                ignore_eos=sub.ignore_eos,
+                output_token_ids=list(sub.output_token_ids),
+            )
         except ValueError as exc:
             self.replays.pop(rid, None)
             self.error(rid, "replay_refused", f"{self.role} cannot replay the request: {exc}")
@@ -575,16 +676,21 @@ class Daemon:
         reasons = step_end_reasons(out, sub.stop_token_ids)
         if reasons is None:
             return True  # our own abort
-        new = out.new_token_ids[:len(reasons)]
+        new = out.new_token_ids[: len(reasons)]
         if new:
-            self.emit_tokens(out.request_id, out.output_index, new,
-                             out.logprobs[:len(new)] if out.logprobs else None)
+            self.emit_tokens(
+                out.request_id,
+                out.output_index,
+                new,
+                out.logprobs[: len(new)] if out.logprobs else None,
+            )
         reason = reasons[-1] if reasons else None
         if reason is not None:
             del self.replays[out.request_id]
             self.ended.add(out.request_id)
-            self.request_done(out.request_id, reason, len(sub.prompt_token_ids),
-                              out.output_index + len(new))
+            self.request_done(
+                out.request_id, reason, len(sub.prompt_token_ids), out.output_index + len(new)
+            )
             if not out.finished:  # an extra stop token: the engine does not know it
                 self.spawn(self.compute(self.engine.abort, out.request_id), "replay stop")
         return True
@@ -609,13 +715,26 @@ class Daemon:
         engine = self.engine
         assert engine is not None
         self.counters["refused"] += 1
-        p.post(KvAllocResponse(request_id=rid, accepted=False, hit_tokens=0, block_ids=(),
-                               block_size=engine.block_size, dtype=engine.spec.dtype,
-                               error=error[:4096]))
+        p.post(
+            KvAllocResponse(
+                request_id=rid,
+                accepted=False,
+                hit_tokens=0,
+                block_ids=(),
+                block_size=engine.block_size,
+                dtype=engine.spec.dtype,
+                error=error[:4096],
+            )
+        )
 
-    async def reserve_for(self, p: Outbox, msg: KvAllocRequest, known: Container[str],
-                          on_refuse: Callable[[], None] | None = None,
-                          on_short: Callable[[], None] | None = None) -> KVReservation | None:
+    async def reserve_for(
+        self,
+        p: Outbox,
+        msg: KvAllocRequest,
+        known: Container[str],
+        on_refuse: Callable[[], None] | None = None,
+        on_short: Callable[[], None] | None = None,
+    ) -> KVReservation | None:
         """What RLD and MD both do on KV_ALLOC_REQUEST: check the id and the model shape, reserve
         blocks (reusing the prefix cache), and recheck for a cancel that came meanwhile. Returns
         the reservation, or None after sending P the refusal (`on_refuse` runs first). With
@@ -636,8 +755,10 @@ class Daemon:
             return None
         shape = (msg.num_layers, msg.num_kv_heads, msg.head_dim)
         if shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
-            refuse(f"model shape {shape} (layers, kv heads, head dim) does not match this "
-                   f"{self.role}'s {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}")
+            refuse(
+                f"model shape {shape} (layers, kv heads, head dim) does not match this "
+                f"{self.role}'s {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}"
+            )
             return None
         try:
             res = await self.compute(self.reserve_in_engine, msg.prompt_token_ids, msg.max_tokens)
@@ -707,8 +828,12 @@ class Daemon:
         blocks: dict[str, int] = {}
         if engine is not None:
             free = engine.num_available_blocks
-            blocks = {"total": engine.num_blocks, "free": free, "used": engine.num_blocks - free,
-                      "block_size": engine.block_size}
+            blocks = {
+                "total": engine.num_blocks,
+                "free": free,
+                "used": engine.num_blocks - free,
+                "block_size": engine.block_size,
+            }
         lanes: dict[str, dict[str, int]] = {}
         conns = list(self.server.connections) if self.server is not None else []
         conns += [box.conn for box in self._outboxes if box.conn not in conns]
@@ -718,34 +843,51 @@ class Daemon:
             lane["bytes_out"] += sum(conn.stats["bytes_out"].values())
         queues: dict[str, int] = {}
         if engine is not None:
-            queues = {"engine_waiting": len(engine.scheduler.waiting),
-                      "engine_running": len(engine.scheduler.running)}
-        return {"role": self.role, "instance": self.instance_id, "port": self.port,
-                "metrics_url": self.metrics.url if self.metrics is not None else None,
-                "requests": self.request_stats(), "kv_blocks": blocks, "lanes": lanes,
-                "queues": queues, "counters": dict(self.counters),
-                "threads": self.config.model.threads, **self.step_times.to_stats(),
-                "tasks": len(asyncio.all_tasks()),
-                "peers": {p.name: p.stats() for p in self.peers},
-                "ready": self.ready,
-                "device": self.device_stats()}
+            queues = {
+                "engine_waiting": len(engine.scheduler.waiting),
+                "engine_running": len(engine.scheduler.running),
+            }
+        return {
+            "role": self.role,
+            "instance": self.instance_id,
+            "port": self.port,
+            "metrics_url": self.metrics.url if self.metrics is not None else None,
+            "requests": self.request_stats(),
+            "kv_blocks": blocks,
+            "lanes": lanes,
+            "queues": queues,
+            "counters": dict(self.counters),
+            "threads": self.config.model.threads,
+            **self.step_times.to_stats(),
+            "tasks": len(asyncio.all_tasks()),
+            "peers": {p.name: p.stats() for p in self.peers},
+            "ready": self.ready,
+            "device": self.device_stats(),
+        }
 
     def device_stats(self) -> dict[str, Any]:
         """The modelled accelerator this daemon runs on and how well the box kept up with it."""
         if self.emulation is None or self.pacer is None:
             return {"emulated": False}
         cost = self.pacer.cost
-        return {"emulated": True, "chip": cost.chip.name, "gpus": cost.gpus,
-                "target_model": self.emulation.target.name, "wire_scale": self.wire_scale,
-                **self.pacer.to_stats()}
+        return {
+            "emulated": True,
+            "chip": cost.chip.name,
+            "gpus": cost.gpus,
+            "target_model": self.emulation.target.name,
+            "wire_scale": self.wire_scale,
+            **self.pacer.to_stats(),
+        }
 
     def request_stats(self) -> dict[str, int]:  # pragma: no cover
         raise NotImplementedError
 
     def decode_request_stats(self, requests: dict[str, Any], *counters: str) -> dict[str, int]:
         """RLD's and MD's request counts: live ones plus the named counters."""
-        return {"active": len(requests) + len(self.replays),
-                **{name: self.counters[name] for name in counters}}
+        return {
+            "active": len(requests) + len(self.replays),
+            **{name: self.counters[name] for name in counters},
+        }
 
     @staticmethod
     def active_phases(requests: dict[str, Any], limit: int = 16) -> dict[str, str]:

@@ -29,13 +29,14 @@ class KvReceiver(Daemon):
         super().__init__(config)
         self.kv_paths: KVPaths | None = None
         self.sink: KVSink | None = None
-        self._sink_ready = asyncio.Event()   # P may ask for blocks while the pool registers
+        self._sink_ready = asyncio.Event()  # P may ask for blocks while the pool registers
         # Reservations of dropped requests whose one-sided writes may still land (`fence`)
         self.fenced: dict[str, KVReservation] = {}
 
     async def start(self) -> None:
-        self.kv_paths = await KVPaths.create(self.config, self.section, self.section_name,
-                                             (self.kv_path,))
+        self.kv_paths = await KVPaths.create(
+            self.config, self.section, self.section_name, (self.kv_path,)
+        )
         try:
             await super().start()
         except BaseException:
@@ -64,8 +65,7 @@ class KvReceiver(Daemon):
         that have not ended (no KV_DONE / KV_ABORT yet). shm writes are local copies bounded by
         P's engine thread; Mooncake's cross the network and may land late."""
         sink = self.sink
-        return (not writes_stopped and sink is not None and sink.one_sided
-                and sink.backend != "shm")
+        return not writes_stopped and sink is not None and sink.one_sided and sink.backend != "shm"
 
     def fence(self, rid: str, res: KVReservation) -> None:
         """Keep a dropped request's blocks out of reuse until P confirms its writes have ended
@@ -73,8 +73,9 @@ class KvReceiver(Daemon):
         self.fenced[rid] = res
         self.counters["fenced"] += 1
         t = self.config.transport
-        bound = t.deadline_s + (t.abort_grace_s if t.abort_grace_s is not None
-                                else 2 * t.progress_timeout_s + 1)
+        bound = t.deadline_s + (
+            t.abort_grace_s if t.abort_grace_s is not None else 2 * t.progress_timeout_s + 1
+        )
         self.spawn(self._unfence_later(rid, res, bound), f"fence {rid}")
 
     async def _unfence_later(self, rid: str, res: KVReservation, after_s: float) -> None:

@@ -118,12 +118,12 @@ class _Request:
     bytes_in: int = 0
     imports_pending: int = 0
     done: KvDone | None = None
-    started: bool = False            # the engine sequence exists (or is being added)
+    started: bool = False  # the engine sequence exists (or is being added)
     handoff_bytes: int = 0
-    first_chunk_at: float | None = None   # monotonic arrival times, for P's goodput estimate
+    first_chunk_at: float | None = None  # monotonic arrival times, for P's goodput estimate
     last_chunk_at: float = 0.0
     first_chunk_bytes: int = 0
-    writes_stopped: bool = False     # P's KV_ABORT came: no one-sided write is in flight
+    writes_stopped: bool = False  # P's KV_ABORT came: no one-sided write is in flight
     # output index -> logprobs of a token sampled for it, until emitted (requests asking them)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
@@ -185,8 +185,13 @@ class MainDecodeDaemon(KvReceiver):
         (events still pending are in the snapshot already and harmless to apply again)."""
         radix = self.radix
         assert radix is not None
-        return CacheEvents(seq=radix.next_event_seq, block_size=radix.block_size,
-                           inserted=tuple(radix.snapshot_hashes()), evicted=(), reset=True)
+        return CacheEvents(
+            seq=radix.next_event_seq,
+            block_size=radix.block_size,
+            inserted=tuple(radix.snapshot_hashes()),
+            evicted=(),
+            reset=True,
+        )
 
     def _drain_cache_events(self) -> None:
         """In the engine thread, inside a call MD makes anyway: queue what the tree did."""
@@ -194,9 +199,14 @@ class MainDecodeDaemon(KvReceiver):
         if radix is None:
             return
         while (batch := radix.drain_events()) is not None:
-            self._cache_notices.append(CacheEvents(seq=batch.seq, block_size=batch.block_size,
-                                                   inserted=batch.inserted,
-                                                   evicted=batch.evicted))
+            self._cache_notices.append(
+                CacheEvents(
+                    seq=batch.seq,
+                    block_size=batch.block_size,
+                    inserted=batch.inserted,
+                    evicted=batch.evicted,
+                )
+            )
 
     def _post_cache_events(self) -> None:
         """Piggy-back the queued notices on the frame MD is about to send to P."""
@@ -223,8 +233,9 @@ class MainDecodeDaemon(KvReceiver):
                 # ... and tell P, which may still be copying KV for it: the replay recomputes
                 # what it needs, and P's KV_DONE would now be ignored here (a stale message),
                 # leaving P holding the request and its blocks for good.
-                old.p_conn.post(KvAbort(request_id=old.rid,
-                                        reason="replayed on main decode by the router"))
+                old.p_conn.post(
+                    KvAbort(request_id=old.rid, reason="replayed on main decode by the router")
+                )
                 old.fsm.cancel()
                 self._stop(old)
             self.replay(msg, old.serial if old is not None else None)
@@ -247,18 +258,20 @@ class MainDecodeDaemon(KvReceiver):
         elif isinstance(msg, RequestDone):
             self._drop(msg.request_id)
         else:
-            log.warning("%s: unexpected %s from %s", self.instance_id, msg.TYPE.name,
-                        conn.peer_role)
+            log.warning(
+                "%s: unexpected %s from %s", self.instance_id, msg.TYPE.name, conn.peer_role
+            )
 
     async def _alloc(self, p: Outbox, msg: KvAllocRequest) -> None:
         assert self.engine is not None
         await self._sink_ready.wait()  # P may ask while the pool is being registered
         assert self.sink is not None
-        if self._waiting_allocs:    # strict FIFO: no overtaking a request already waiting
+        if self._waiting_allocs:  # strict FIFO: no overtaking a request already waiting
             self._wait_for_room(p, msg)
             return
-        res = await self.reserve_for(p, msg, self.requests,
-                                     on_short=lambda: self._wait_for_room(p, msg))
+        res = await self.reserve_for(
+            p, msg, self.requests, on_short=lambda: self._wait_for_room(p, msg)
+        )
         if res is not None:
             self._accept(p, msg, res)
 
@@ -269,7 +282,7 @@ class MainDecodeDaemon(KvReceiver):
         if not self._telling_router:
             self._telling_router = True
             self.spawn(self._still_waiting(), "KV allocations waiting for room")
-        self._kick_waiting()      # blocks may have been freed while it was being reserved
+        self._kick_waiting()  # blocks may have been freed while it was being reserved
 
     async def _still_waiting(self) -> None:
         """While allocations wait, say so to the router (their queue position) at a third of
@@ -309,7 +322,7 @@ class MainDecodeDaemon(KvReceiver):
                 res = await self.reserve_for(p, msg, self.requests, on_short=still_short)
                 if short and self._waiting_allocs and self._waiting_allocs[0] is head:
                     if self._retry_again:
-                        continue          # something was freed meanwhile: try once more
+                        continue  # something was freed meanwhile: try once more
                     return
                 if self._waiting_allocs and self._waiting_allocs[0] is head:
                     self._waiting_allocs.popleft()
@@ -323,22 +336,34 @@ class MainDecodeDaemon(KvReceiver):
         engine = self.engine
         assert engine is not None and self.sink is not None
         spec = engine.spec
-        fsm = MainHandoff(msg.num_tokens, self.chunk_tokens,
-                          with_relay=msg.pipeline in WITH_RELAY_PIPELINES)
+        fsm = MainHandoff(
+            msg.num_tokens, self.chunk_tokens, with_relay=msg.pipeline in WITH_RELAY_PIPELINES
+        )
         self.requests[rid] = _Request(msg, res, fsm, Serial(f"main {rid}", self._tasks), p)
         self.counters["allocated"] += 1
         self._post_cache_events()
-        p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
-                               block_ids=tuple(res.block_ids), block_size=engine.block_size,
-                               dtype=spec.dtype, region=self.sink.descriptor))
+        p.post(
+            KvAllocResponse(
+                request_id=rid,
+                accepted=True,
+                hit_tokens=res.num_cached_tokens,
+                block_ids=tuple(res.block_ids),
+                block_size=engine.block_size,
+                dtype=spec.dtype,
+                region=self.sink.descriptor,
+            )
+        )
 
     async def _chunk(self, msg: KvChunk) -> None:
         req = self.requests.get(msg.request_id)
         if req is None or req.fsm.phase is not MainPhase.RECEIVING_KV:
             return  # cancelled or unknown: the bytes are simply dropped
         if self.one_sided:
-            self._abort(req, f"KV_CHUNK {msg.chunk_index} on a {self.sink.backend} path (P writes "
-                        "into the pool itself): P and MD disagree on [transport] wan")
+            self._abort(
+                req,
+                f"KV_CHUNK {msg.chunk_index} on a {self.sink.backend} path (P writes "
+                "into the pool itself): P and MD disagree on [transport] wan",
+            )
             return
         res = req.reservation
         assert res is not None
@@ -354,8 +379,10 @@ class MainDecodeDaemon(KvReceiver):
             req.first_chunk_at, req.first_chunk_bytes = arrived, msg.payload.nbytes
         req.last_chunk_at = arrived
         if self.kv_arrival_delay_s:
-            self.spawn(self._import_later(req, res, exported, msg.payload.nbytes),
-                       f"delayed import {msg.request_id}")
+            self.spawn(
+                self._import_later(req, res, exported, msg.payload.nbytes),
+                f"delayed import {msg.request_id}",
+            )
         else:
             await self._import(req, res, exported, msg.payload.nbytes)
 
@@ -364,30 +391,43 @@ class MainDecodeDaemon(KvReceiver):
         if msg.chunk_index in req.chunks:
             raise ValueError("duplicate chunk index")
         if not res.num_cached_tokens <= msg.token_start < msg.token_end <= alloc.num_tokens:
-            raise ValueError(f"positions [{msg.token_start}, {msg.token_end}) outside the "
-                             f"uncached range [{res.num_cached_tokens}, {alloc.num_tokens})")
+            raise ValueError(
+                f"positions [{msg.token_start}, {msg.token_end}) outside the "
+                f"uncached range [{res.num_cached_tokens}, {alloc.num_tokens})"
+            )
         bs = self.engine.block_size
-        touched = res.block_ids[msg.token_start // bs:(msg.token_end - 1) // bs + 1]
+        touched = res.block_ids[msg.token_start // bs : (msg.token_end - 1) // bs + 1]
         if msg.block_ids and list(msg.block_ids) != touched:
-            raise ValueError(f"names blocks {list(msg.block_ids)[:8]} but the positions lie in "
-                             f"this request's blocks {touched[:8]}")
-        meta = KVExportMeta(dtype=msg.dtype, shape=msg.shape, token_start=msg.token_start,
-                            token_end=msg.token_end, block_size=alloc.block_size,
-                            layer_start=msg.layer_start)
+            raise ValueError(
+                f"names blocks {list(msg.block_ids)[:8]} but the positions lie in "
+                f"this request's blocks {touched[:8]}"
+            )
+        meta = KVExportMeta(
+            dtype=msg.dtype,
+            shape=msg.shape,
+            token_start=msg.token_start,
+            token_end=msg.token_end,
+            block_size=alloc.block_size,
+            layer_start=msg.layer_start,
+        )
         spec = self.engine.spec
         if meta.layer_end > spec.num_layers or meta.shape[3:] != (spec.num_kv_heads, spec.head_dim):
-            raise ValueError(f"shape {list(msg.shape)} from layer {msg.layer_start} does not fit "
-                             f"the model ({spec.num_layers} layers, {spec.num_kv_heads} kv heads "
-                             f"x {spec.head_dim})")
+            raise ValueError(
+                f"shape {list(msg.shape)} from layer {msg.layer_start} does not fit "
+                f"the model ({spec.num_layers} layers, {spec.num_kv_heads} kv heads "
+                f"x {spec.head_dim})"
+            )
         return ExportedKV.from_payload(meta, msg.payload)
 
-    async def _import_later(self, req: _Request, res: KVReservation, exported: ExportedKV,
-                            nbytes: int) -> None:
+    async def _import_later(
+        self, req: _Request, res: KVReservation, exported: ExportedKV, nbytes: int
+    ) -> None:
         await asyncio.sleep(self.kv_arrival_delay_s)
         await self._import(req, res, exported, nbytes)
 
-    async def _import(self, req: _Request, res: KVReservation, exported: ExportedKV,
-                      nbytes: int) -> None:
+    async def _import(
+        self, req: _Request, res: KVReservation, exported: ExportedKV, nbytes: int
+    ) -> None:
         if req.reservation is not res:  # dropped meanwhile
             return
         await self.compute(self._import_in_engine, exported, res.block_ids)
@@ -400,12 +440,18 @@ class MainDecodeDaemon(KvReceiver):
         if req is None or req.fsm.phase is not MainPhase.RECEIVING_KV:
             return
         if req.done is not None or msg.num_tokens != req.alloc.num_tokens:
-            self._abort(req, f"bad KV_DONE: {msg.num_tokens} positions (expected "
-                        f"{req.alloc.num_tokens}), repeated={req.done is not None}")
+            self._abort(
+                req,
+                f"bad KV_DONE: {msg.num_tokens} positions (expected "
+                f"{req.alloc.num_tokens}), repeated={req.done is not None}",
+            )
             return
         if self.one_sided and msg.num_chunks:
-            self._abort(req, f"KV_DONE counts {msg.num_chunks} KV_CHUNK frames on a "
-                        f"{self.sink.backend} path: P and MD disagree on [transport] wan")
+            self._abort(
+                req,
+                f"KV_DONE counts {msg.num_chunks} KV_CHUNK frames on a "
+                f"{self.sink.backend} path: P and MD disagree on [transport] wan",
+            )
             return
         req.done = msg
         if self.one_sided:
@@ -431,17 +477,25 @@ class MainDecodeDaemon(KvReceiver):
         if self.one_sided:
             pass  # KV_DONE alone says the copy is in (no chunks to count)
         elif len(req.chunks) > done.num_chunks or req.bytes_in > done.num_bytes:
-            self._abort(req, f"received {len(req.chunks)} chunks / {req.bytes_in} bytes, more "
-                        f"than KV_DONE's {done.num_chunks} / {done.num_bytes}")
+            self._abort(
+                req,
+                f"received {len(req.chunks)} chunks / {req.bytes_in} bytes, more "
+                f"than KV_DONE's {done.num_chunks} / {done.num_bytes}",
+            )
             return
         elif len(req.chunks) < done.num_chunks or req.bytes_in < done.num_bytes:
             return  # KV_DONE overtook chunks still on the bulk lanes
         self.timeline(req.rid, "md_kv_complete", req.bytes_in)
         self._post_cache_events()
         span = req.last_chunk_at - req.first_chunk_at if req.first_chunk_at is not None else 0.0
-        req.p_conn.post(KvReceived(request_id=req.rid, num_bytes=req.bytes_in,
-                                   span_bytes=max(0, req.bytes_in - req.first_chunk_bytes),
-                                   span_s=max(0.0, span)))
+        req.p_conn.post(
+            KvReceived(
+                request_id=req.rid,
+                num_bytes=req.bytes_in,
+                span_bytes=max(0, req.bytes_in - req.first_chunk_bytes),
+                span_s=max(0.0, span),
+            )
+        )
         alloc = req.alloc
         first = done.first_token_id
         entry = first_token_logprob(done)
@@ -473,7 +527,7 @@ class MainDecodeDaemon(KvReceiver):
             return
         self.ended.add(rid)
         for entry in self._waiting_allocs:
-            if entry[1].request_id == rid:    # it never got blocks: nothing else to free
+            if entry[1].request_id == rid:  # it never got blocks: nothing else to free
                 self._waiting_allocs.remove(entry)
                 self.counters["cancelled"] += 1
                 return
@@ -483,8 +537,9 @@ class MainDecodeDaemon(KvReceiver):
             req.fsm.cancel()
             self._stop(req)
 
-    def _abort(self, req: _Request, reason: str, code: str = "main_decode_failed",
-               tell_router: bool = True) -> None:
+    def _abort(
+        self, req: _Request, reason: str, code: str = "main_decode_failed", tell_router: bool = True
+    ) -> None:
         log.warning("%s: %s: %s", self.instance_id, req.rid, reason)
         if tell_router:
             self.error(req.rid, code, reason)
@@ -500,7 +555,7 @@ class MainDecodeDaemon(KvReceiver):
 
     def on_step(self, outputs: list[StepOutput]) -> None:
         if any(out.finished for out in outputs):
-            self.blocks_freed()       # (the waiting allocations are asked after this step)
+            self.blocks_freed()  # (the waiting allocations are asked after this step)
         for out in outputs:
             if self.replay_step(out):
                 continue
@@ -510,7 +565,7 @@ class MainDecodeDaemon(KvReceiver):
             reasons = step_end_reasons(out, req.alloc.stop_token_ids)
             if reasons is None:
                 continue  # our own abort
-            new_tokens = out.new_token_ids[:len(reasons)]
+            new_tokens = out.new_token_ids[: len(reasons)]
             reason = reasons[-1] if reasons else None
             for i, entry in enumerate(out.logprobs or ()):
                 req.logprobs[out.output_index + i] = entry
@@ -518,11 +573,13 @@ class MainDecodeDaemon(KvReceiver):
                 req.started = False  # the engine freed the blocks itself
             if req.fsm.mode is not None:
                 mode = req.fsm.mode
-                self.max_extend_tokens[mode] = max(self.max_extend_tokens.get(mode, 0),
-                                                   out.num_computed_this_step)
+                self.max_extend_tokens[mode] = max(
+                    self.max_extend_tokens.get(mode, 0), out.num_computed_this_step
+                )
             try:
-                actions = req.fsm.md_step(out.num_computed_tokens, out.output_index,
-                                          new_tokens, reason)
+                actions = req.fsm.md_step(
+                    out.num_computed_tokens, out.output_index, new_tokens, reason
+                )
             except HandoffError as exc:
                 self._abort(req, str(exc))
                 continue
@@ -537,7 +594,7 @@ class MainDecodeDaemon(KvReceiver):
 
     def _apply(self, req: _Request, actions: list[Action]) -> None:
         rid = req.rid
-        edits: list[SequenceEdit] = []   # this event's changes to the engine sequence
+        edits: list[SequenceEdit] = []  # this event's changes to the engine sequence
         for a in actions:
             if isinstance(a, (AppendTokens, SetChunk, ReleaseHold)):
                 edits.append(a)
@@ -549,11 +606,18 @@ class MainDecodeDaemon(KvReceiver):
                 if self.rld is None or not self.rld.alive:
                     self._abort(req, "no relay connected to hand over from")
                     return
-                self.rld.post(Takeover(request_id=rid, ready_position=a.ready_position,
-                                       chunk_tokens=a.chunk_tokens))
+                self.rld.post(
+                    Takeover(
+                        request_id=rid, ready_position=a.ready_position, chunk_tokens=a.chunk_tokens
+                    )
+                )
             elif isinstance(a, EmitTokens):
-                self.emit_tokens(rid, a.index, a.token_ids,
-                                 take_logprobs(req.logprobs, req.alloc, a.index, len(a.token_ids)))
+                self.emit_tokens(
+                    rid,
+                    a.index,
+                    a.token_ids,
+                    take_logprobs(req.logprobs, req.alloc, a.index, len(a.token_ids)),
+                )
             elif isinstance(a, FirstMainToken):
                 self.timeline(rid, "first_md_token", a.index)
             elif isinstance(a, HandoffEnded):
@@ -587,9 +651,17 @@ class MainDecodeDaemon(KvReceiver):
         alloc = req.alloc
         req.started = True  # before the call: the engine may step (and fail) before we resume
         try:
-            await self.compute(self.engine.add_request, alloc.prompt_token_ids, alloc.max_tokens,
-                               sampling_of(alloc), alloc.request_id, ignore_eos=alloc.ignore_eos,
-                               output_token_ids=list(a.output_token_ids), kv=res, hold=a.hold)
+            await self.compute(
+                self.engine.add_request,
+                alloc.prompt_token_ids,
+                alloc.max_tokens,
+                sampling_of(alloc),
+                alloc.request_id,
+                ignore_eos=alloc.ignore_eos,
+                output_token_ids=list(a.output_token_ids),
+                kv=res,
+                hold=a.hold,
+            )
         except ValueError as exc:
             req.started = False
             await self.compute(self.engine.free_reservation, res)
@@ -636,6 +708,7 @@ class MainDecodeDaemon(KvReceiver):
                 await self.compute(self._drain_cache_events)
                 self._post_cache_events()
             self.blocks_freed()
+
         req.serial.submit(stop)
 
     def blocks_freed(self) -> None:
@@ -645,9 +718,12 @@ class MainDecodeDaemon(KvReceiver):
         box = self._p_boxes.pop(conn, None)
         if box is not None:
             for entry in [e for e in self._waiting_allocs if e[0] is box]:
-                self._waiting_allocs.remove(entry)    # nobody left to answer
-            for req in [r for r in self.requests.values()
-                        if r.p_conn is box and r.fsm.phase is MainPhase.RECEIVING_KV]:
+                self._waiting_allocs.remove(entry)  # nobody left to answer
+            for req in [
+                r
+                for r in self.requests.values()
+                if r.p_conn is box and r.fsm.phase is MainPhase.RECEIVING_KV
+            ]:
                 self._abort(req, "prefill control connection closed before the KV was complete")
         if self.rld is not None and conn is self.rld.conn:
             self.rld = None
@@ -657,16 +733,28 @@ class MainDecodeDaemon(KvReceiver):
             # A request past its final HANDOFF (decoding) no longer needs RLD: MD carries it
             # and the router counts MD as its producer; dropping it here left it with none, and
             # only the router's 30 s stall timer revived it (SIGKILL RLD after the handoff).
-            for req in [r for r in self.requests.values() if r.fsm.with_relay
-                        and r.fsm.phase in (MainPhase.RECEIVING_KV, MainPhase.WAITING_CUT)]:
-                self._abort(req, "relay connection closed before the final handoff",
-                            tell_router=False)
+            for req in [
+                r
+                for r in self.requests.values()
+                if r.fsm.with_relay
+                and r.fsm.phase in (MainPhase.RECEIVING_KV, MainPhase.WAITING_CUT)
+            ]:
+                self._abort(
+                    req, "relay connection closed before the final handoff", tell_router=False
+                )
 
     # -- stats ---------------------------------------------------------------------------------------
 
     def request_stats(self) -> dict[str, int]:
-        out = self.decode_request_stats(self.requests, "allocated", "finished_here", "handoffs",
-                                        "cancelled", "refused", "alloc_waits")
+        out = self.decode_request_stats(
+            self.requests,
+            "allocated",
+            "finished_here",
+            "handoffs",
+            "cancelled",
+            "refused",
+            "alloc_waits",
+        )
         out["waiting_for_room"] = len(self._waiting_allocs)
         out["active"] += len(self._waiting_allocs)
         return out
@@ -678,18 +766,26 @@ class MainDecodeDaemon(KvReceiver):
         out["handoffs"] = dict(self.handoffs_by_mode)
         out["active_phases"] = self.active_phases(self.requests)
         if self.kv_paths is not None:
-            out["transport"] = {"wan": {**self.kv_paths.stats()["wan"],
-                                        "descriptor": self.sink.descriptor if self.sink else None,
-                                        "fenced_reservations": len(self.fenced)}}
+            out["transport"] = {
+                "wan": {
+                    **self.kv_paths.stats()["wan"],
+                    "descriptor": self.sink.descriptor if self.sink else None,
+                    "fenced_reservations": len(self.fenced),
+                }
+            }
         radix = self.radix
         if radix is not None:
-            out["drc"] = {"lookups": radix.num_requests, "lookup_tokens": radix.tokens_asked,
-                          "hit_tokens": radix.tokens_hit, "hit_rate": round(radix.hit_rate, 6),
-                          "cached_blocks": radix.num_cached_blocks,
-                          "evictable_blocks": radix.num_evictable,
-                          "inserted_blocks": radix.num_inserted,
-                          "evicted_blocks": radix.num_evicted,
-                          "hit_intervals": dict(zip(HIT_INTERVAL_LABELS, radix.hit_histogram,
-                                                    strict=True)),
-                          "notices_sent": radix.next_event_seq, "events_dropped": radix.events_dropped}
+            out["drc"] = {
+                "lookups": radix.num_requests,
+                "lookup_tokens": radix.tokens_asked,
+                "hit_tokens": radix.tokens_hit,
+                "hit_rate": round(radix.hit_rate, 6),
+                "cached_blocks": radix.num_cached_blocks,
+                "evictable_blocks": radix.num_evictable,
+                "inserted_blocks": radix.num_inserted,
+                "evicted_blocks": radix.num_evicted,
+                "hit_intervals": dict(zip(HIT_INTERVAL_LABELS, radix.hit_histogram, strict=True)),
+                "notices_sent": radix.next_event_seq,
+                "events_dropped": radix.events_dropped,
+            }
         return out

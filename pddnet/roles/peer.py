@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from .common import Daemon, Outbox
 
 
-async def silent_past_deadline(last_pong: Callable[[], float], unanswered: Callable[[], int],
-                               deadline_s: float) -> float | None:
+async def silent_past_deadline(
+    last_pong: Callable[[], float], unanswered: Callable[[], int], deadline_s: float
+) -> float | None:
     """How long a peer has been silent, when that makes it lost (else None): no PONG for
     `deadline_s` and two PINGs unanswered (a stall of our own event loop is not the peer's),
     judged again after the readers had a turn (PONGs that arrived during such a stall may still
@@ -44,9 +45,16 @@ async def silent_past_deadline(last_pong: Callable[[], float], unanswered: Calla
 
 
 class Peer:
-    def __init__(self, daemon: Daemon, address: tuple[str, int], name: str, *,
-                 heartbeat_s: float, deadline_s: float,
-                 on_up: Callable[[Connection], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        address: tuple[str, int],
+        name: str,
+        *,
+        heartbeat_s: float,
+        deadline_s: float,
+        on_up: Callable[[Connection], Awaitable[None]] | None = None,
+    ) -> None:
         if heartbeat_s <= 0 or deadline_s <= heartbeat_s:
             raise ValueError(f"need 0 < heartbeat_s < deadline_s, got {heartbeat_s}, {deadline_s}")
         self.daemon = daemon
@@ -57,11 +65,11 @@ class Peer:
         self.on_up = on_up
         self.box: Outbox | None = None
         self.up = asyncio.Event()
-        self.changed_at = time.time()   # when `up` last changed (wall clock, for readiness)
+        self.changed_at = time.time()  # when `up` last changed (wall clock, for readiness)
         self.connects = 0
         self.losses = 0
         self.last_loss = ""
-        self.dropped = 0                 # messages posted while down
+        self.dropped = 0  # messages posted while down
         self._last_pong = 0.0
         self._nonce = 0
         self._unanswered = 0
@@ -93,8 +101,9 @@ class Peer:
         """The first connection (retrying while the peer starts), then keep it up."""
         conn = await self.daemon.dial(self.address, lane)
         await self._adopt(conn)
-        self._task = self.daemon.spawn(self._keep(conn), f"{self.daemon.instance_id} keeps "
-                                                          f"{self.name}")
+        self._task = self.daemon.spawn(
+            self._keep(conn), f"{self.daemon.instance_id} keeps {self.name}"
+        )
         return conn
 
     def link(self) -> Link:
@@ -104,9 +113,14 @@ class Peer:
         return Link(up, self.changed_at, detail)
 
     def stats(self) -> dict[str, object]:
-        return {"up": self.up.is_set(), "address": f"{self.address[0]}:{self.address[1]}",
-                "connects": self.connects, "losses": self.losses, "last_loss": self.last_loss,
-                "dropped_while_down": self.dropped}
+        return {
+            "up": self.up.is_set(),
+            "address": f"{self.address[0]}:{self.address[1]}",
+            "connects": self.connects,
+            "losses": self.losses,
+            "last_loss": self.last_loss,
+            "dropped_while_down": self.dropped,
+        }
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -128,7 +142,7 @@ class Peer:
         while True:
             beat = asyncio.get_running_loop().create_task(self._heartbeat(conn))
             try:
-                await self.daemon._serve(conn)   # returns when the connection closed
+                await self.daemon._serve(conn)  # returns when the connection closed
             finally:
                 beat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -152,8 +166,9 @@ class Peer:
             except DialError as exc:
                 self.last_loss = f"redial: {exc}"
             except Exception as exc:  # whatever it was: a keeper that dies leaves the link down
-                log.exception("%s: redialling %s failed unexpectedly", self.daemon.instance_id,
-                              self.name)
+                log.exception(
+                    "%s: redialling %s failed unexpectedly", self.daemon.instance_id, self.name
+                )
                 self.last_loss = f"redial: {type(exc).__name__}: {exc}"
             else:
                 try:
@@ -170,12 +185,15 @@ class Peer:
     async def _heartbeat(self, conn: Connection) -> None:
         while not conn.closed:
             await asyncio.sleep(self.heartbeat_s)
-            silent = await silent_past_deadline(lambda: self._last_pong,
-                                                lambda: self._unanswered, self.deadline_s)
+            silent = await silent_past_deadline(
+                lambda: self._last_pong, lambda: self._unanswered, self.deadline_s
+            )
             if silent is not None:
                 self.daemon.counters["heartbeat_deadlines"] += 1
-                await conn.close(f"heartbeat deadline: no PONG from {self.name} for "
-                                 f"{silent:.1f} s (deadline {self.deadline_s:g} s)")
+                await conn.close(
+                    f"heartbeat deadline: no PONG from {self.name} for "
+                    f"{silent:.1f} s (deadline {self.deadline_s:g} s)"
+                )
                 return
             self._nonce += 1
             self._unanswered += 1

@@ -76,12 +76,15 @@ from .peer import Peer
 from .readiness import Link
 
 RELAY, MAIN = "relay", "main_decode"
-BULK_LINK = "main-decode bulk"   # the WAN stripes that carry KV_CHUNK to MD (tcp backend)
+BULK_LINK = "main-decode bulk"  # the WAN stripes that carry KV_CHUNK to MD (tcp backend)
 FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pipeline.RLD_ONLY}
 # Who serves a pipeline, in the order P asks them (MD waits for RLD's admission answer).
-TARGETS = {Pipeline.P_MD: (MAIN,), Pipeline.P_RLD_MD: (RELAY, MAIN),
-           Pipeline.RLD_ONLY: (RELAY, MAIN)}
-PATH_OF = {RELAY: "intra_dc", MAIN: "wan"}   # the KV path (and [transport] key) of a target
+TARGETS = {
+    Pipeline.P_MD: (MAIN,),
+    Pipeline.P_RLD_MD: (RELAY, MAIN),
+    Pipeline.RLD_ONLY: (RELAY, MAIN),
+}
+PATH_OF = {RELAY: "intra_dc", MAIN: "wan"}  # the KV path (and [transport] key) of a target
 
 
 @dataclass
@@ -92,25 +95,25 @@ class _Alloc:
     block_size: int
     hit: int
     region: str = ""
-    target: WriteTarget | None = None       # where the request's KV goes in the target's pool
+    target: WriteTarget | None = None  # where the request's KV goes in the target's pool
 
 
 @dataclass
 class _Request:
     submit: Submit
     flow: PrefillFlow
-    serial: dict[str, Serial]               # per target, plus "engine"
+    serial: dict[str, Serial]  # per target, plus "engine"
     allocs: dict[str, _Alloc] = field(default_factory=dict)
-    xfers: dict[str, KVTransfer] = field(default_factory=dict)   # per target, once writing
+    xfers: dict[str, KVTransfer] = field(default_factory=dict)  # per target, once writing
     wan_bytes: int = 0
-    wan_started: float | None = None        # when MD's allocation answer reached P (monotonic)
-    started: bool = False                   # add_request sent to the engine
+    wan_started: float | None = None  # when MD's allocation answer reached P (monotonic)
+    started: bool = False  # add_request sent to the engine
     pipeline: Pipeline = Pipeline.P_RLD_MD  # current (may change once, see _relay_answered)
-    plan: Plan | None = None                # pdd mode: the planner's decision and inputs
-    asked: set[str] = field(default_factory=set)   # targets sent KV_ALLOC_REQUEST
-    exporting: int = 0                      # exports reading this sequence's blocks right now
+    plan: Plan | None = None  # pdd mode: the planner's decision and inputs
+    asked: set[str] = field(default_factory=set)  # targets sent KV_ALLOC_REQUEST
+    exporting: int = 0  # exports reading this sequence's blocks right now
     exports_idle: asyncio.Event = field(default_factory=asyncio.Event)
-    first_logprob: TokenLogprob | None = None   # index 0's, when the request asks for them
+    first_logprob: TokenLogprob | None = None  # index 0's, when the request asks for them
 
 
 class PrefillDaemon(Daemon):
@@ -120,10 +123,13 @@ class PrefillDaemon(Daemon):
     def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)
         mode = config.mode
-        self.targets: tuple[str, ...] = {ClusterMode.PDD: (RELAY, MAIN), ClusterMode.CROSS_DC: (MAIN,),
-                                         ClusterMode.SAME_DC: (RELAY,)}[mode]
+        self.targets: tuple[str, ...] = {
+            ClusterMode.PDD: (RELAY, MAIN),
+            ClusterMode.CROSS_DC: (MAIN,),
+            ClusterMode.SAME_DC: (RELAY,),
+        }[mode]
         self.control: dict[str, Peer] = {}
-        self.planner: PipelinePlanner | None = None   # pdd mode, once the engine exists
+        self.planner: PipelinePlanner | None = None  # pdd mode, once the engine exists
         self.stripes: StripedSender | None = None
         self.kv_paths: KVPaths | None = None
         # per target: the receiver's region descriptor and our writer to it (one at a time)
@@ -147,12 +153,18 @@ class PrefillDaemon(Daemon):
     def _make_planner(self) -> PipelinePlanner:
         cfg, pol = self.config, self.config.policy
         mbit = pol.wan_bw_mbit or cfg.wan.bw_mbit or 1000.0
-        policy = PipelinePolicy(direct_budget_s=pol.direct_budget_s,
-                                singular_filter=pol.singular_filter,
-                                singular_margin=pol.singular_margin)
-        return PipelinePlanner(policy, self.engine.pool.spec.bytes_per_token,
-                               bandwidth_bps=mbit * 1e6 / 8, rtt_s=max(cfg.wan.rtt_ms, 1.0) / 1e3,
-                               rld_step_s=pol.rld_step_s)
+        policy = PipelinePolicy(
+            direct_budget_s=pol.direct_budget_s,
+            singular_filter=pol.singular_filter,
+            singular_margin=pol.singular_margin,
+        )
+        return PipelinePlanner(
+            policy,
+            self.engine.pool.spec.bytes_per_token,
+            bandwidth_bps=mbit * 1e6 / 8,
+            rtt_s=max(cfg.wan.rtt_ms, 1.0) / 1e3,
+            rld_step_s=pol.rld_step_s,
+        )
 
     async def dial_peers(self) -> None:
         if self.config.mode is ClusterMode.PDD:
@@ -161,8 +173,9 @@ class PrefillDaemon(Daemon):
             self.control[RELAY] = self.peer(self.config.relay.dial_address(), "relay control")
             await self.control[RELAY].connect_first()
         if MAIN in self.targets:
-            self.control[MAIN] = self.peer(self.config.main_decode.dial_address(),
-                                           "main-decode control", on_up=self._main_up)
+            self.control[MAIN] = self.peer(
+                self.config.main_decode.dial_address(), "main-decode control", on_up=self._main_up
+            )
             await self.control[MAIN].connect_first()
 
     async def _main_up(self, conn: Connection) -> None:
@@ -199,7 +212,7 @@ class PrefillDaemon(Daemon):
             self.planner.observe_rtt(rtt_s)
 
     async def close_extra(self) -> None:
-        self._exporter.stop()   # after the exports already queued (each a bounded copy)
+        self._exporter.stop()  # after the exports already queued (each a bounded copy)
         await asyncio.to_thread(self._exporter.join, 5.0)
         self.writers.clear()
         if self.kv_paths is not None:
@@ -221,13 +234,15 @@ class PrefillDaemon(Daemon):
         elif isinstance(msg, (Cancel, KvAbort)):
             self._cancel(msg.request_id, msg.reason, conn.peer_role)
         elif isinstance(msg, ErrorMessage):
-            log.warning("%s: ERROR from %s: %s %s", self.instance_id, conn.peer_role, msg.code,
-                        msg.message)
+            log.warning(
+                "%s: ERROR from %s: %s %s", self.instance_id, conn.peer_role, msg.code, msg.message
+            )
             if msg.request_id is not None and msg.request_id in self.requests:
                 self._fail(msg.request_id, msg.code, f"{conn.peer_role}: {msg.message}")
         else:
-            log.warning("%s: unexpected %s from %s", self.instance_id, msg.TYPE.name,
-                        conn.peer_role)
+            log.warning(
+                "%s: unexpected %s from %s", self.instance_id, msg.TYPE.name, conn.peer_role
+            )
 
     def _target_of(self, conn: Connection) -> str:
         if conn.peer_role not in (RELAY, MAIN):
@@ -240,8 +255,12 @@ class PrefillDaemon(Daemon):
             self.error(rid, "duplicate_request", f"request id {rid!r} is already in use")
             return
         if sub.output_token_ids:
-            self.error(rid, "bad_request", "P prefills new requests only; a replay with "
-                       "output_token_ids goes to a decode instance")
+            self.error(
+                rid,
+                "bad_request",
+                "P prefills new requests only; a replay with "
+                "output_token_ids goes to a decode instance",
+            )
             return
         assert self.engine is not None
         if sub.temperature > 0 and sub.seed is None:
@@ -252,17 +271,20 @@ class PrefillDaemon(Daemon):
         down = [t for t in self.targets if not self.control[t].alive]
         if self.planner is None:
             if down:  # a baseline has nobody else to send it to
-                self.error(rid, f"{down[0]}_lost", f"{down[0]} is unreachable: "
-                           f"{self.control[down[0]].last_loss}")
+                self.error(
+                    rid,
+                    f"{down[0]}_lost",
+                    f"{down[0]} is unreachable: {self.control[down[0]].last_loss}",
+                )
                 return
             pipeline = FIXED_PIPELINES[self.config.mode]
         else:
             forced = self.config.policy.pipeline
             force = None if forced == "auto" else Pipeline.from_wire(forced)
             why = None
-            if down == [MAIN]:      # RLD is the fallback while MD is unreachable
+            if down == [MAIN]:  # RLD is the fallback while MD is unreachable
                 force = Pipeline.RLD_ONLY
-            elif down == [RELAY]:   # and MD while RLD is
+            elif down == [RELAY]:  # and MD while RLD is
                 force = Pipeline.P_MD
             elif down:
                 self.error(rid, "no_decode_tier", "neither relay nor main decode is reachable")
@@ -270,15 +292,18 @@ class PrefillDaemon(Daemon):
             if down:
                 link = self.control[down[0]].link()
                 why = f"{down[0]} unreachable: {link.describe(self.control[down[0]].name)}"[:300]
-            plan = self.planner.plan(sub.prompt_token_ids, sub.max_tokens, force=force,
-                                     why=why)
+            plan = self.planner.plan(sub.prompt_token_ids, sub.max_tokens, force=force, why=why)
             if down:
                 self.counters[f"{down[0]}_down_rerouted"] += 1
             pipeline = plan.pipeline
         targets = TARGETS[pipeline] if self.planner is not None else self.targets
-        req = _Request(sub, PrefillFlow(n, targets),
-                       {name: Serial(f"{rid} -> {name}", self._tasks)
-                        for name in (*targets, "engine")}, pipeline=pipeline, plan=plan)
+        req = _Request(
+            sub,
+            PrefillFlow(n, targets),
+            {name: Serial(f"{rid} -> {name}", self._tasks) for name in (*targets, "engine")},
+            pipeline=pipeline,
+            plan=plan,
+        )
         self.requests[rid] = req
         self.counters["submitted"] += 1
         self.counters[f"pipeline_{pipeline.wire}"] += 1
@@ -294,8 +319,15 @@ class PrefillDaemon(Daemon):
         # Set before the call: the engine may step (and fail) before this coroutine resumes.
         req.started = True
         try:
-            await self.compute(self.engine.add_request, sub.prompt_token_ids, 1, sampling_of(sub),
-                               sub.request_id, ignore_eos=True, keep_blocks=True)
+            await self.compute(
+                self.engine.add_request,
+                sub.prompt_token_ids,
+                1,
+                sampling_of(sub),
+                sub.request_id,
+                ignore_eos=True,
+                keep_blocks=True,
+            )
         except ValueError as exc:
             req.started = False
             self._fail(sub.request_id, "bad_request", f"prefill refused: {exc}")
@@ -308,27 +340,41 @@ class PrefillDaemon(Daemon):
         sub, spec = req.submit, self.engine.spec
         req.asked.add(target)
         hit = req.plan.prediction.hit_tokens if req.plan is not None and target == MAIN else 0
-        self.control[target].post(KvAllocRequest(
-            request_id=sub.request_id, prompt_token_ids=sub.prompt_token_ids,
-            num_tokens=req.flow.num_tokens, block_size=spec.block_size, dtype=spec.dtype,
-            num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            expected_hit_tokens=hit, pipeline=req.pipeline.wire, handoff_mode=sub.handoff_mode,
-            **sampling_fields(sub)))
+        self.control[target].post(
+            KvAllocRequest(
+                request_id=sub.request_id,
+                prompt_token_ids=sub.prompt_token_ids,
+                num_tokens=req.flow.num_tokens,
+                block_size=spec.block_size,
+                dtype=spec.dtype,
+                num_layers=spec.num_layers,
+                num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                expected_hit_tokens=hit,
+                pipeline=req.pipeline.wire,
+                handoff_mode=sub.handoff_mode,
+                **sampling_fields(sub),
+            )
+        )
 
     def _change_pipeline(self, req: _Request, pipeline: Pipeline, reason: str) -> None:
         rid = req.submit.request_id
         self.counters[f"pipeline_{req.pipeline.wire}_to_{pipeline.wire}"] += 1
         req.pipeline = pipeline
-        self.timeline(rid, "pipeline_change", None,
-                      json.dumps({"pipeline": pipeline.wire, "reason": reason[:512]},
-                                 separators=(",", ":")))
+        self.timeline(
+            rid,
+            "pipeline_change",
+            None,
+            json.dumps({"pipeline": pipeline.wire, "reason": reason[:512]}, separators=(",", ":")),
+        )
 
     def _allocated(self, target: str, msg: KvAllocResponse) -> None:
         req = self.requests.get(msg.request_id)
         if req is None:
             if msg.accepted:  # the request ended meanwhile: give the blocks back
-                self.control[target].post(KvAbort(request_id=msg.request_id,
-                                                  reason="request no longer active"))
+                self.control[target].post(
+                    KvAbort(request_id=msg.request_id, reason="request no longer active")
+                )
             return
         if target == RELAY and msg.step_s and self.planner is not None:
             self.planner.observe_rld_step(msg.step_s)
@@ -347,17 +393,20 @@ class PrefillDaemon(Daemon):
             except (BadRegion, ValueError) as exc:
                 unusable = str(exc)
         if unusable:  # it did reserve: give that back, then treat the answer as a refusal
-            self.control[target].post(KvAbort(request_id=msg.request_id,
-                                              reason=f"unusable allocation: {unusable}"))
+            self.control[target].post(
+                KvAbort(request_id=msg.request_id, reason=f"unusable allocation: {unusable}")
+            )
             self._refused(req, target, f"unusable allocation: {unusable}")
             return
-        req.allocs[target] = _Alloc(msg.block_ids, msg.block_size, msg.hit_tokens, msg.region,
-                                    write_target)
+        req.allocs[target] = _Alloc(
+            msg.block_ids, msg.block_size, msg.hit_tokens, msg.region, write_target
+        )
         if target == MAIN and self.planner is not None and not req.flow.over:
             # MD's hit fixes what will cross: queued ahead of later requests' KV until MD
             # acknowledges it (released by _run once MD's copy is finished, dropped or over)
-            self.planner.wan_committed(msg.request_id, max(n - msg.hit_tokens, 0)
-                                       * self.planner.kv_bytes_per_token)
+            self.planner.wan_committed(
+                msg.request_id, max(n - msg.hit_tokens, 0) * self.planner.kv_bytes_per_token
+            )
             req.wan_started = time.monotonic()
         self._run(req, req.flow.allocated(target, msg.hit_tokens))
         if target == RELAY:
@@ -403,8 +452,12 @@ class PrefillDaemon(Daemon):
         seen = self.planner.md_answered(req.plan, msg.hit_tokens, msg.block_size)
         if seen.wrong:
             self.counters["md_view_wrong"] += 1
-            self.timeline(rid, "md_view_wrong", seen.predicted_tokens,
-                          f"predicted {seen.predicted_tokens}, MD holds {seen.actual_tokens}")
+            self.timeline(
+                rid,
+                "md_view_wrong",
+                seen.predicted_tokens,
+                f"predicted {seen.predicted_tokens}, MD holds {seen.actual_tokens}",
+            )
         new = self.planner.recheck(req.plan, msg.hit_tokens)
         if new is not None and req.pipeline is Pipeline.P_RLD_MD:
             req.plan = new
@@ -427,8 +480,12 @@ class PrefillDaemon(Daemon):
             self.ended.add(rid)
             return
         relay = req.flow.targets.get(RELAY)
-        if by == MAIN and req.pipeline is Pipeline.P_RLD_MD and relay is not None \
-                and RELAY in req.allocs:
+        if (
+            by == MAIN
+            and req.pipeline is Pipeline.P_RLD_MD
+            and relay is not None
+            and RELAY in req.allocs
+        ):
             # MD dropped its copy (e.g. it lost the relay lane): RLD still serves the request.
             self._change_pipeline(req, Pipeline.RLD_ONLY, f"main decode dropped it: {reason}")
             self._run(req, req.flow.drop(MAIN, ""))
@@ -579,9 +636,14 @@ class PrefillDaemon(Daemon):
         async def abort() -> None:
             if not await xfer.abort(reason):
                 self.counters["abort_not_quiescent"] += 1
-                log.warning("%s: %s: a write to %s is still stuck in the engine after the abort "
-                            "grace", self.instance_id, req.submit.request_id, target)
+                log.warning(
+                    "%s: %s: a write to %s is still stuck in the engine after the abort grace",
+                    self.instance_id,
+                    req.submit.request_id,
+                    target,
+                )
             self.control[target].post(msg)
+
         self.spawn(abort(), f"abort {req.submit.request_id} -> {target}")
 
     async def _export(self, req: _Request, start: int, end: int) -> ExportedKV:
@@ -599,7 +661,8 @@ class PrefillDaemon(Daemon):
         req.exports_idle.clear()
         try:
             return await asyncio.wrap_future(
-                self._exporter.submit(export_kv, self.engine.pool, table, start, end))
+                self._exporter.submit(export_kv, self.engine.pool, table, start, end)
+            )
         finally:
             req.exporting -= 1
             if not req.exporting:
@@ -612,9 +675,15 @@ class PrefillDaemon(Daemon):
         n = req.flow.num_tokens
         xfer = req.xfers.get(a.target)
         c = xfer.completion() if xfer is not None else None  # None: all of it was cached there
-        done = KvDone(request_id=rid, num_tokens=n, num_chunks=c.num_chunks if c else 0,
-                      num_bytes=c.num_bytes if c else 0, first_token_id=a.first_token,
-                      time=now(), **kv_done_logprob(req.first_logprob))
+        done = KvDone(
+            request_id=rid,
+            num_tokens=n,
+            num_chunks=c.num_chunks if c else 0,
+            num_bytes=c.num_bytes if c else 0,
+            first_token_id=a.first_token,
+            time=now(),
+            **kv_done_logprob(req.first_logprob),
+        )
         if a.target == MAIN:
             self.timeline(rid, "wan_kv_sent", done.num_bytes)
         self.control[a.target].post(done)
@@ -685,29 +754,39 @@ class PrefillDaemon(Daemon):
     # -- stats ---------------------------------------------------------------------------------------
 
     def request_stats(self) -> dict[str, int]:
-        return {"active": len(self.requests), "submitted": self.counters["submitted"],
-                "completed": self.counters["completed"], "cancelled": self.counters["cancelled"],
-                "failed": self.counters["failed"]}
+        return {
+            "active": len(self.requests),
+            "submitted": self.counters["submitted"],
+            "completed": self.counters["completed"],
+            "cancelled": self.counters["cancelled"],
+            "failed": self.counters["failed"],
+        }
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         if self.planner is not None:
             out["planner"] = self.planner.counters()
-        out["pipelines"] = {k[len("pipeline_"):]: v for k, v in self.counters.items()
-                            if k.startswith("pipeline_") and "_to_" not in k}
+        out["pipelines"] = {
+            k[len("pipeline_") :]: v
+            for k, v in self.counters.items()
+            if k.startswith("pipeline_") and "_to_" not in k
+        }
         bulk = out["lanes"].get("bulk", {}).get("bytes_out", 0)
-        out["wan_bytes"] = {"out": {"kv": bulk, "control": out["lanes"].get("control", {})
-                                    .get("bytes_out", 0)}}
+        out["wan_bytes"] = {
+            "out": {"kv": bulk, "control": out["lanes"].get("control", {}).get("bytes_out", 0)}
+        }
         if self.kv_paths is not None:
-            out["transport"] = {path: {**st, "target": target,
-                                       "writer_open": target in self.writers}
-                                for target, path in PATH_OF.items()
-                                if (st := self.kv_paths.stats().get(path)) is not None}
+            out["transport"] = {
+                path: {**st, "target": target, "writer_open": target in self.writers}
+                for target, path in PATH_OF.items()
+                if (st := self.kv_paths.stats().get(path)) is not None
+            }
         if self.stripes is not None:
-            out["lanes"]["bulk"] = {"bytes_out": sum(sum(c.stats["bytes_out"].values())
-                                                     for c in self.stripes.lanes),
-                                    "chunks": sum(self.stripes.chunks_sent)}
-        if self.emulation is not None:   # what the target model's KV bytes would have been
+            out["lanes"]["bulk"] = {
+                "bytes_out": sum(sum(c.stats["bytes_out"].values()) for c in self.stripes.lanes),
+                "chunks": sum(self.stripes.chunks_sent),
+            }
+        if self.emulation is not None:  # what the target model's KV bytes would have been
             kv = out["lanes"].get("bulk", {}).get("bytes_out", 0)
             out["wan_bytes"]["out"]["kv_target"] = round(kv / self.wire_scale)
         return out

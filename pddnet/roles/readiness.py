@@ -15,7 +15,7 @@ from typing import Any
 
 from pddnet.protocol.messages import LinkState
 
-STARTED = "started"   # the daemon's own link: it has loaded its model and dialled its peers
+STARTED = "started"  # the daemon's own link: it has loaded its model and dialled its peers
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,9 @@ class Link:
     detail: str = ""
 
     def message(self, name: str, ready: bool) -> LinkState:
-        return LinkState(link=name, up=self.up, since=self.since, detail=self.detail[:4096],
-                         ready=ready)
+        return LinkState(
+            link=name, up=self.up, since=self.since, detail=self.detail[:4096], ready=ready
+        )
 
     def describe(self, name: str) -> str:
         """E.g. "main-decode control down since 12:00:01.25 (heartbeat deadline ...)"."""
@@ -67,14 +68,22 @@ class DaemonLinks:
         """What keeps the daemon from being ready, one line per link."""
         if not self.links:
             return [f"{role}: has not reported its links yet"]
-        down = [f"{role}: {link.describe(name)}" for name, link in self.links.items()
-                if not link.up]
+        down = [
+            f"{role}: {link.describe(name)}" for name, link in self.links.items() if not link.up
+        ]
         if not down and not self.ready:  # a link we have not heard of yet
             down = [f"{role}: not ready (links still being reported)"]
         return down
 
     def to_json(self) -> dict[str, Any]:
-        return {"ready": self.ready,
-                "links": {name: {"up": link.up, "since": link.since,
-                                 **({"detail": link.detail} if link.detail else {})}
-                          for name, link in self.links.items()}}
+        return {
+            "ready": self.ready,
+            "links": {
+                name: {
+                    "up": link.up,
+                    "since": link.since,
+                    **({"detail": link.detail} if link.detail else {}),
+                }
+                for name, link in self.links.items()
+            },
+        }

@@ -91,9 +91,9 @@ class _Request:
     reservation: KVReservation | None
     fsm: RelayHandoff
     serial: Serial
-    p_conn: Outbox                   # P's control lane (KV_ABORT on failure)
-    decoding: bool = False           # the engine sequence exists
-    kv_done: bool = False            # P's KV_DONE came: none of its writes is in flight
+    p_conn: Outbox  # P's control lane (KV_ABORT on failure)
+    decoding: bool = False  # the engine sequence exists
+    kv_done: bool = False  # P's KV_DONE came: none of its writes is in flight
     handoff_bytes: int = 0
     # output index -> logprobs of a token sampled for it, until emitted (requests asking them)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
@@ -111,8 +111,12 @@ class RelayDaemon(KvReceiver):
     def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)
         pol = config.policy
-        self.policy = HandoffPolicy(mode=pol.handoff, threshold_tokens=pol.handoff_threshold_tokens,
-                                    chunk=pol.handoff_chunk, rld_load_limit=pol.rld_load_limit)
+        self.policy = HandoffPolicy(
+            mode=pol.handoff,
+            threshold_tokens=pol.handoff_threshold_tokens,
+            chunk=pol.handoff_chunk,
+            rld_load_limit=pol.rld_load_limit,
+        )
         self.hands_off = config.mode is ClusterMode.PDD
         sec = config.relay
         # Admission control only where a refusal has somewhere else to go (MD, in pdd mode).
@@ -120,8 +124,10 @@ class RelayDaemon(KvReceiver):
         if self.hands_off:
             self.admission = RelayAdmission(
                 max_running_tokens=pol.rld_max_running_tokens or sec.num_blocks * sec.block_size,
-                max_blocks=sec.num_blocks, max_requests=pol.rld_max_requests)
-        self.step_s = 0.0        # EWMA of decode step time = seconds per token of a request
+                max_blocks=sec.num_blocks,
+                max_requests=pol.rld_max_requests,
+            )
+        self.step_s = 0.0  # EWMA of decode step time = seconds per token of a request
         self.md: Peer | None = None
         self.requests: dict[str, _Request] = {}
         self._p_boxes: dict[Connection, Outbox] = {}
@@ -129,9 +135,10 @@ class RelayDaemon(KvReceiver):
         # connections, and P's allocation may still wait for this engine): applied once the
         # request is allocated here, or answered with CANCEL when it is refused or ends first.
         self._early_takeovers: OrderedDict[str, Takeover] = OrderedDict()
-        self._early_since: dict[str, float] = {}   # when each was parked (monotonic)
+        self._early_since: dict[str, float] = {}  # when each was parked (monotonic)
         self._shm_name = segment_name(
-            f"{instance_id_safe(config.name)}-relay-{os.getpid()}-{secrets.token_hex(3)}")
+            f"{instance_id_safe(config.name)}-relay-{os.getpid()}-{secrets.token_hex(3)}"
+        )
 
     def kv_shm_name(self) -> str | None:
         return self._shm_name if self.config.transport.intra_dc == "shm" else None
@@ -168,8 +175,9 @@ class RelayDaemon(KvReceiver):
         elif isinstance(msg, RequestDone):
             self._drop(msg.request_id, f"{msg.producer} finished the request")
         else:
-            log.warning("%s: unexpected %s from %s", self.instance_id, msg.TYPE.name,
-                        conn.peer_role)
+            log.warning(
+                "%s: unexpected %s from %s", self.instance_id, msg.TYPE.name, conn.peer_role
+            )
 
     def _p_outbox(self, conn: Connection) -> Outbox:
         box = self._p_boxes.get(conn)
@@ -186,8 +194,9 @@ class RelayDaemon(KvReceiver):
         if self.admission is not None and rid not in self.requests:
             total = msg.num_tokens + msg.max_tokens
             # P->RLD requests stay here to the end: only their share of RLD (never flooded)
-            verdict = self.admission.try_admit(rid, total, -(-(total - 1) // engine.block_size),
-                                               singular=msg.pipeline == "p_rld")
+            verdict = self.admission.try_admit(
+                rid, total, -(-(total - 1) // engine.block_size), singular=msg.pipeline == "p_rld"
+            )
             if not verdict.admitted:
                 self._release_early_takeover(rid, "relay refused the request")
                 self.refuse_alloc(p, rid, f"admission: {verdict.reason}")
@@ -197,6 +206,7 @@ class RelayDaemon(KvReceiver):
             self._release_early_takeover(rid, "relay refused the request")
             if self.admission is not None and rid not in self.requests:
                 self.admission.release(rid)
+
         res = await self.reserve_for(p, msg, self.requests, on_refuse=refused)
         if res is None:
             return
@@ -204,14 +214,27 @@ class RelayDaemon(KvReceiver):
         policy = self.policy
         if msg.handoff_mode is not None:  # the request's own override, carried from SUBMIT
             policy = dataclasses.replace(policy, mode=HandoffMode.parse(msg.handoff_mode))
-        req = _Request(msg, res, RelayHandoff(msg.num_tokens, policy, pipeline_hands_off),
-                       Serial(f"relay {rid}", self._tasks), p)
+        req = _Request(
+            msg,
+            res,
+            RelayHandoff(msg.num_tokens, policy, pipeline_hands_off),
+            Serial(f"relay {rid}", self._tasks),
+            p,
+        )
         self.requests[rid] = req
         self.counters["allocated"] += 1
-        p.post(KvAllocResponse(request_id=rid, accepted=True, hit_tokens=res.num_cached_tokens,
-                               block_ids=tuple(res.block_ids), block_size=engine.block_size,
-                               dtype=engine.spec.dtype, region=self.sink.descriptor,
-                               step_s=round(self.step_s, 6)))
+        p.post(
+            KvAllocResponse(
+                request_id=rid,
+                accepted=True,
+                hit_tokens=res.num_cached_tokens,
+                block_ids=tuple(res.block_ids),
+                block_size=engine.block_size,
+                dtype=engine.spec.dtype,
+                region=self.sink.descriptor,
+                step_s=round(self.step_s, 6),
+            )
+        )
         early = self._early_takeovers.pop(rid, None)
         self._early_since.pop(rid, None)
         if early is not None:  # MD's copy was complete before this allocation was made
@@ -225,8 +248,9 @@ class RelayDaemon(KvReceiver):
         req.kv_done = True
         alloc = req.alloc
         if msg.num_tokens != alloc.num_tokens:
-            self._abort(req, f"KV_DONE covers {msg.num_tokens} positions, expected "
-                        f"{alloc.num_tokens}")
+            self._abort(
+                req, f"KV_DONE covers {msg.num_tokens} positions, expected {alloc.num_tokens}"
+            )
             return
         self.timeline(req.rid, "rld_kv_complete", msg.num_bytes)
         first = msg.first_token_id
@@ -245,9 +269,16 @@ class RelayDaemon(KvReceiver):
             return
         res, req.reservation = req.reservation, None
         try:
-            await self.compute(self.engine.add_request, alloc.prompt_token_ids, alloc.max_tokens,
-                               sampling_of(alloc), alloc.request_id, ignore_eos=alloc.ignore_eos,
-                               output_token_ids=[first], kv=res)
+            await self.compute(
+                self.engine.add_request,
+                alloc.prompt_token_ids,
+                alloc.max_tokens,
+                sampling_of(alloc),
+                alloc.request_id,
+                ignore_eos=alloc.ignore_eos,
+                output_token_ids=[first],
+                kv=res,
+            )
         except ValueError as exc:
             await self.compute(self.engine.free_reservation, res)
             req.decoding = False
@@ -272,11 +303,13 @@ class RelayDaemon(KvReceiver):
             self._early_since[rid] = now_s
             # An allocation comes within a round trip or never: each parked TAKEOVER has its
             # own timer, so a lone one goes too (it was swept only by a later one before).
-            asyncio.get_running_loop().call_later(EARLY_TAKEOVER_TTL_S * self.dilation,
-                                                  self._expire_early, rid, now_s)
+            asyncio.get_running_loop().call_later(
+                EARLY_TAKEOVER_TTL_S * self.dilation, self._expire_early, rid, now_s
+            )
             while len(self._early_takeovers) > CANCELLED_MEMORY:
-                self._release_early_takeover(next(iter(self._early_takeovers)),
-                                             "relay never received the request")
+                self._release_early_takeover(
+                    next(iter(self._early_takeovers)), "relay never received the request"
+                )
             return
         try:
             actions = req.fsm.takeover(msg.ready_position, msg.chunk_tokens, self.load())
@@ -288,8 +321,9 @@ class RelayDaemon(KvReceiver):
     def load(self) -> float:
         """Running tokens / capacity: how full RLD is (the dynamic policy's load signal)."""
         engine = self.engine
-        tokens = sum(r.alloc.num_tokens + r.fsm.num_tokens for r in self.requests.values()
-                     if r.decoding)
+        tokens = sum(
+            r.alloc.num_tokens + r.fsm.num_tokens for r in self.requests.values() if r.decoding
+        )
         return min(1.0, tokens / (engine.num_blocks * engine.block_size))
 
     def _expire_early(self, rid: str, parked_at: float) -> None:
@@ -331,8 +365,9 @@ class RelayDaemon(KvReceiver):
         last = self.engine.last_step
         if last is not None and last.num_decode_tokens and not last.num_prefill_tokens:
             # A pure decode step: what one more output token of a request costs right now.
-            self.step_s = last.duration_s if not self.step_s else (
-                0.8 * self.step_s + 0.2 * last.duration_s)
+            self.step_s = (
+                last.duration_s if not self.step_s else (0.8 * self.step_s + 0.2 * last.duration_s)
+            )
         for out in outputs:
             req = self.requests.get(out.request_id)
             if req is None:
@@ -358,11 +393,20 @@ class RelayDaemon(KvReceiver):
         rid = req.rid
         for a in actions:
             if isinstance(a, EmitTokens):
-                self.emit_tokens(rid, a.index, a.token_ids,
-                                 take_logprobs(req.logprobs, req.alloc, a.index, len(a.token_ids)))
+                self.emit_tokens(
+                    rid,
+                    a.index,
+                    a.token_ids,
+                    take_logprobs(req.logprobs, req.alloc, a.index, len(a.token_ids)),
+                )
             elif isinstance(a, SendHandoff):
-                msg = Handoff(request_id=rid, start_index=a.start_index, token_ids=a.token_ids,
-                              final=a.final, mode=a.mode)
+                msg = Handoff(
+                    request_id=rid,
+                    start_index=a.start_index,
+                    token_ids=a.token_ids,
+                    final=a.final,
+                    mode=a.mode,
+                )
                 req.handoff_bytes += len(encode_bytes(msg))
                 assert self.md is not None
                 self.md.post(msg)
@@ -403,6 +447,7 @@ class RelayDaemon(KvReceiver):
             if req.decoding:
                 req.decoding = False
                 await self.compute(self.engine.abort, req.rid)
+
         req.serial.submit(stop)
 
     def _forget(self, req: _Request) -> None:
@@ -429,16 +474,24 @@ class RelayDaemon(KvReceiver):
     # -- stats ---------------------------------------------------------------------------------------
 
     def request_stats(self) -> dict[str, int]:
-        return self.decode_request_stats(self.requests, "allocated", "finished_here", "handed_off",
-                                         "cancelled", "refused")
+        return self.decode_request_stats(
+            self.requests, "allocated", "finished_here", "handed_off", "cancelled", "refused"
+        )
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out["shm_region"] = self.kv_shm_name()
-        out["transport"] = {"intra_dc": {**self.kv_paths.stats()["intra_dc"],
-                                         "descriptor": self.sink.descriptor if self.sink else None,
-                                         "fenced_reservations": len(self.fenced)}} \
-            if self.kv_paths is not None else {}
+        out["transport"] = (
+            {
+                "intra_dc": {
+                    **self.kv_paths.stats()["intra_dc"],
+                    "descriptor": self.sink.descriptor if self.sink else None,
+                    "fenced_reservations": len(self.fenced),
+                }
+            }
+            if self.kv_paths is not None
+            else {}
+        )
         out["load"] = self.load() if self.engine is not None else 0.0
         out["active_phases"] = self.active_phases(self.requests)
         out["early_takeovers_waiting"] = len(self._early_takeovers)

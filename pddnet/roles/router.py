@@ -63,9 +63,12 @@ PEERS_BY_MODE: dict[ClusterMode, tuple[str, ...]] = {
     ClusterMode.SAME_DC: ("prefill", "relay"),
     ClusterMode.CROSS_DC: ("prefill", "main_decode"),
 }
-DEFAULT_PIPELINE = {ClusterMode.PDD: "p_rld_md", ClusterMode.SAME_DC: "same_dc",
-                    ClusterMode.CROSS_DC: "p_md"}
-DONE_GRACE_S = 2.0   # after the last token, how long to wait for REQUEST_DONE / last TIMELINEs
+DEFAULT_PIPELINE = {
+    ClusterMode.PDD: "p_rld_md",
+    ClusterMode.SAME_DC: "same_dc",
+    ClusterMode.CROSS_DC: "p_md",
+}
+DONE_GRACE_S = 2.0  # after the last token, how long to wait for REQUEST_DONE / last TIMELINEs
 
 
 def model_info_and_tokenizer(spec: str) -> tuple[ModelInfo, Any]:
@@ -79,15 +82,22 @@ def model_info_and_tokenizer(spec: str) -> tuple[ModelInfo, Any]:
     else:
         path = Path(spec)
         if not path.is_dir():
-            raise ValueError(f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}) "
-                             f"or a folder in Hugging Face Llama layout")
+            raise ValueError(
+                f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}) "
+                f"or a folder in Hugging Face Llama layout"
+            )
         from pddnet.model.weights import config_from_hf, read_hf_config
 
         cfg = config_from_hf(read_hf_config(path), path.name)
         tok = load_tokenizer(path)
     aliases = (Path(spec).name,) if Path(spec).name != spec else ()
-    info = ModelInfo(name=spec, vocab_size=cfg.vocab_size, max_position=cfg.max_position,
-                     eos_token_id=tok.eos_token_id, aliases=aliases)
+    info = ModelInfo(
+        name=spec,
+        vocab_size=cfg.vocab_size,
+        max_position=cfg.max_position,
+        eos_token_id=tok.eos_token_id,
+        aliases=aliases,
+    )
     return info, tok
 
 
@@ -120,17 +130,17 @@ class RequestState:
     # Which daemon is producing the request now (prefill until a decode tier has its KV):
     # when that one is lost, the router replays the request by token ids elsewhere.
     owner: str = "prefill"
-    last_release: float | None = None     # when the client last got tokens (inter-token gaps)
+    last_release: float | None = None  # when the client last got tokens (inter-token gaps)
     replays: int = 0
     replay_target: str | None = None
-    handoff_started: bool = False          # RLD began handing it to MD (it may have cut)
-    index: int = 0                         # the choice's index (n > 1: one state per choice)
-    text: ChoiceText | None = None         # its text, ended at a stop string
-    logprobs: dict[int, LogprobEntry] = field(default_factory=dict)   # by output index
+    handoff_started: bool = False  # RLD began handing it to MD (it may have cut)
+    index: int = 0  # the choice's index (n > 1: one state per choice)
+    text: ChoiceText | None = None  # its text, ended at a stop string
+    logprobs: dict[int, LogprobEntry] = field(default_factory=dict)  # by output index
     last_change: float = field(default_factory=time.monotonic)
-    router_stopped: bool = False           # a stop string ended it (the daemons don't know)
+    router_stopped: bool = False  # a stop string ended it (the daemons don't know)
     cancel_sent: bool = False
-    stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def carriers(self) -> set[str]:
         """The daemons whose loss leaves the request with no producer: its owner (or replay
@@ -166,7 +176,7 @@ class PeerLink:
         self.last_pong = 0.0
         self.unanswered = 0
         self.heartbeat_deadlines = 0
-        self.links = DaemonLinks()   # the daemon's readiness, from its LINK_STATE messages
+        self.links = DaemonLinks()  # the daemon's readiness, from its LINK_STATE messages
         # Checked by the redial loop: Python 3.11's wait_for can swallow the cancel that close()
         # sends (when the awaited close of a lost lane finishes in the same step), and the loop
         # then redialled a stopped daemon for ever, so the router never exited on SIGTERM.
@@ -182,9 +192,14 @@ class PeerLink:
         backoff = 0.05
         while not self.closing:
             try:
-                conn = await dial(self.address[0], self.address[1], role="router",
-                                  instance_id=self.router.instance_id, lane="events",
-                                  secret=cfg.secret.encode())
+                conn = await dial(
+                    self.address[0],
+                    self.address[1],
+                    role="router",
+                    instance_id=self.router.instance_id,
+                    lane="events",
+                    secret=cfg.secret.encode(),
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # not up yet, or refused: retry
@@ -231,8 +246,9 @@ class PeerLink:
         self.unanswered = 0
         while not conn.closed:
             await asyncio.sleep(wan.heartbeat_s)
-            silent = await silent_past_deadline(lambda: self.last_pong, lambda: self.unanswered,
-                                                wan.heartbeat_deadline_s)
+            silent = await silent_past_deadline(
+                lambda: self.last_pong, lambda: self.unanswered, wan.heartbeat_deadline_s
+            )
             if silent is not None:
                 self.heartbeat_deadlines += 1
                 await conn.close(f"heartbeat deadline: {self.role} silent for {silent:.1f} s")
@@ -264,10 +280,13 @@ class Router:
 
     def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.time) -> None:
         config.validate()
-        self.emulation = config.emulation()   # reported times are the modelled world's (/ k)
+        self.emulation = config.emulation()  # reported times are the modelled world's (/ k)
         self.dilation = self.emulation.dilation if self.emulation else 1.0
-        self.wire_scale = (self.emulation.wire_scale(real_kv_bytes_per_token(config.model))
-                           if self.emulation else 1.0)
+        self.wire_scale = (
+            self.emulation.wire_scale(real_kv_bytes_per_token(config.model))
+            if self.emulation
+            else 1.0
+        )
         self.config = config = wallclock(config)
         self.clock = clock
         self.instance_id = f"router-{uuid.uuid4().hex[:8]}"
@@ -278,10 +297,16 @@ class Router:
         self.requests: dict[str, RequestState] = {}
         self.port: int | None = None
         self.created = int(time.time())
-        self.counters: dict[str, int] = {"requests": 0, "completed": 0, "errors": 0,
-                                         "cancelled": 0, "rejected_overload": 0,
-                                         "bad_requests": 0, "unknown_request_events": 0,
-                                         "tokens": 0}
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "completed": 0,
+            "errors": 0,
+            "cancelled": 0,
+            "rejected_overload": 0,
+            "bad_requests": 0,
+            "unknown_request_events": 0,
+            "tokens": 0,
+        }
         self.tokens_by_producer: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
         self._stop = asyncio.Event()
@@ -297,8 +322,9 @@ class Router:
         # handler_cancellation: a client that disconnects cancels its handler, which then sends
         # CANCEL to every daemon holding the request.
         # shutdown_timeout: at close, give in-flight handlers (already failed) 2 s, not 60
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=2.0)
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.router.host, self.config.router.port)
         await site.start()
@@ -310,8 +336,9 @@ class Router:
         return f"http://{self.config.router.host}:{self.port}"
 
     async def wait_connected(self, timeout: float | None = None) -> None:
-        await asyncio.wait_for(asyncio.gather(*(p.connected.wait() for p in self.peers.values())),
-                               timeout)
+        await asyncio.wait_for(
+            asyncio.gather(*(p.connected.wait() for p in self.peers.values())), timeout
+        )
 
     async def serve_forever(self) -> None:
         await self._stop.wait()
@@ -331,13 +358,25 @@ class Router:
         await asyncio.gather(*(peer.close() for peer in self.peers.values()))
 
     def stats(self) -> dict[str, Any]:
-        return {"role": "router", "instance_id": self.instance_id, "mode": self.config.mode.value,
-                "model": self.model.name, "port": self.port,
-                "active_requests": len(self.requests), **self.counters,
-                "tokens_by_producer": dict(self.tokens_by_producer),
-                "peers": {r: {"connected": p.conn is not None, "address": f"{p.address[0]}:{p.address[1]}",
-                              "connects": p.connects, "last_error": p.last_error}
-                          for r, p in self.peers.items()}}
+        return {
+            "role": "router",
+            "instance_id": self.instance_id,
+            "mode": self.config.mode.value,
+            "model": self.model.name,
+            "port": self.port,
+            "active_requests": len(self.requests),
+            **self.counters,
+            "tokens_by_producer": dict(self.tokens_by_producer),
+            "peers": {
+                r: {
+                    "connected": p.conn is not None,
+                    "address": f"{p.address[0]}:{p.address[1]}",
+                    "connects": p.connects,
+                    "last_error": p.last_error,
+                }
+                for r, p in self.peers.items()
+            },
+        }
 
     # -- messages from daemons ------------------------------------------------------------------
 
@@ -369,9 +408,14 @@ class Router:
             if msg.logprobs:
                 k = len(msg.top_logprob_ids) // len(msg.token_ids)
                 for j, lp in enumerate(msg.logprobs):
-                    state.logprobs.setdefault(msg.index + j, (
-                        lp, msg.top_logprob_ids[j * k:(j + 1) * k],
-                        msg.top_logprobs[j * k:(j + 1) * k]))
+                    state.logprobs.setdefault(
+                        msg.index + j,
+                        (
+                            lp,
+                            msg.top_logprob_ids[j * k : (j + 1) * k],
+                            msg.top_logprobs[j * k : (j + 1) * k],
+                        ),
+                    )
             was = len(state.assembler.tokens)
             released = state.assembler.feed_tokens(msg.index, msg.token_ids, msg.producer, now)
             if released is not None:
@@ -393,8 +437,9 @@ class Router:
             state.add_event("error", now, peer.role, f"{msg.code}: {msg.message}")
             if state.replay_target is not None and peer.role != state.replay_target:
                 pass  # about the lost attempt: the replay elsewhere carries the request now
-            elif msg.code.endswith("_lost") and await self._replay(state, msg.code[:-5],
-                                                                   msg.message):
+            elif msg.code.endswith("_lost") and await self._replay(
+                state, msg.code[:-5], msg.message
+            ):
                 pass
             else:
                 self._fail(state, peer.role, msg.code, msg.message)
@@ -436,8 +481,11 @@ class Router:
         asm = state.assembler
         if asm.finished or state.replays >= 1:
             return False
-        targets = [r for r in ("relay", "main_decode")
-                   if r in self.peers and r != lost and self.peers[r].conn is not None]
+        targets = [
+            r
+            for r in ("relay", "main_decode")
+            if r in self.peers and r != lost and self.peers[r].conn is not None
+        ]
         if not targets:
             return False
         target = targets[0]
@@ -450,15 +498,24 @@ class Router:
         # delivered twice is no longer a broken cut; a *different* token is still a conflict.
         asm.strict = False
         self.counters["replays"] = self.counters.get("replays", 0) + 1
-        state.add_event("replay", self.clock(), "router",
-                        f"{lost} lost ({why[:200]}): replayed on {target} from index {len(known)}")
+        state.add_event(
+            "replay",
+            self.clock(),
+            "router",
+            f"{lost} lost ({why[:200]}): replayed on {target} from index {len(known)}",
+        )
         try:
-            await self.peers[target].send(m.Submit(
-                request_id=state.request_id, prompt_token_ids=req.prompt_token_ids,
-                seed=state.seed, output_token_ids=known, **req.sampling_fields()))
+            await self.peers[target].send(
+                m.Submit(
+                    request_id=state.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    seed=state.seed,
+                    output_token_ids=known,
+                    **req.sampling_fields(),
+                )
+            )
         except Exception as exc:
-            self._fail(state, "router", f"{lost}_lost",
-                       f"{why}; replay on {target} failed: {exc}")
+            self._fail(state, "router", f"{lost}_lost", f"{why}; replay on {target} failed: {exc}")
             return True
         return True
 
@@ -473,20 +530,22 @@ class Router:
         if state.replay_target is None:
             carried_by = state.carriers()
             # Who carries the request now: the decode tier that holds its KV; MD after a cut.
-            if msg.event == "rld_kv_complete" or (msg.event == "md_kv_complete"
-                                                   and d.get("pipeline") == "p_md"):
+            if msg.event == "rld_kv_complete" or (
+                msg.event == "md_kv_complete" and d.get("pipeline") == "p_md"
+            ):
                 state.owner = msg.producer or peer.role
             elif msg.event == "handoff_end":
                 state.owner = "main_decode"
             elif msg.event == "handoff_start":  # RLD may cut from here on: MD carries it too
                 state.handoff_started = True
-            elif state.owner == "prefill" and (msg.event == "rld_kv_sent" or (
-                    msg.event == "wan_kv_acked" and d.get("pipeline") == "p_md")):
+            elif state.owner == "prefill" and (
+                msg.event == "rld_kv_sent"
+                or (msg.event == "wan_kv_acked" and d.get("pipeline") == "p_md")
+            ):
                 # P's part is over and P forgets the request: if that decode tier dies before
                 # its own milestone, its loss must still replay the request.
                 state.owner = "relay" if msg.event == "rld_kv_sent" else "main_decode"
-            self._replay_if_a_new_carrier_is_gone(state, state.carriers() - carried_by,
-                                                  msg.event)
+            self._replay_if_a_new_carrier_is_gone(state, state.carriers() - carried_by, msg.event)
         # Figures of the `pdd` object riding on the milestone they belong to.
         if msg.event == "prefill_start" and label:
             d.setdefault("pipeline", label)
@@ -504,14 +563,14 @@ class Router:
         elif msg.event in ("handoff_start", "handoff_end") and label:
             d["handoff_mode"] = label
         elif msg.event == "kv_transport" and label and "=" in label:
-            path, _, backend = label.partition("=")   # e.g. "relay=mooncake"
+            path, _, backend = label.partition("=")  # e.g. "relay=mooncake"
             d.setdefault("transport", {})[path] = backend
         if number is None:
             return
         if msg.event == "handoff_end":
             d["handoff_bytes"] = number
         elif msg.event == "md_kv_complete":
-            d["wan_kv_bytes"] = number          # what MD received: authoritative
+            d["wan_kv_bytes"] = number  # what MD received: authoritative
         elif msg.event == "wan_kv_sent":
             d.setdefault("wan_kv_bytes", number)
         elif msg.event == "prefix_hit_tokens":
@@ -525,18 +584,21 @@ class Router:
             if state.assembler.finished or peer.role not in state.carriers():
                 continue
             why = f"lost the connection to {peer.role}: {peer.last_error}"
-            self._spawn(self._replay_or_fail(state, peer.role, why),
-                        f"replay {state.request_id}")
+            self._spawn(self._replay_or_fail(state, peer.role, why), f"replay {state.request_id}")
 
-    def _replay_if_a_new_carrier_is_gone(self, state: RequestState, new: set[str],
-                                         event: str) -> None:
+    def _replay_if_a_new_carrier_is_gone(
+        self, state: RequestState, new: set[str], event: str
+    ) -> None:
         """A request just gained carriers (`new`): one whose loss reached us before this news
         was not replayed then; replay now, not at the stall timer."""
         gone = [r for r in sorted(new) if r in self.peers and self.peers[r].conn is None]
         if gone and not state.assembler.finished:
-            self._spawn(self._replay_or_fail(
-                state, gone[0], f"{gone[0]} was lost before its {event} reached the router"),
-                f"replay {state.request_id}")
+            self._spawn(
+                self._replay_or_fail(
+                    state, gone[0], f"{gone[0]} was lost before its {event} reached the router"
+                ),
+                f"replay {state.request_id}",
+            )
 
     async def _replay_or_fail(self, state: RequestState, lost: str, why: str) -> None:
         if not await self._replay(state, lost, why):
@@ -551,8 +613,9 @@ class Router:
     # -- HTTP -------------------------------------------------------------------------------------
 
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.router.max_body_bytes,
-                              middlewares=[self._errors])
+        app = web.Application(
+            client_max_size=self.config.router.max_body_bytes, middlewares=[self._errors]
+        )
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -585,21 +648,31 @@ class Router:
         waiting: list[str] = []
         for role, peer in self.peers.items():
             if peer.conn is None:
-                waiting.append(f"{role}: the router's events lane is not connected"
-                               + (f" ({peer.last_error})" if peer.last_error else ""))
+                waiting.append(
+                    f"{role}: the router's events lane is not connected"
+                    + (f" ({peer.last_error})" if peer.last_error else "")
+                )
             else:
                 waiting += peer.links.waiting_for(role)
-        return {"ready": not waiting, "waiting_for": waiting,
-                "peers": {r: p.conn is not None and p.links.ready for r, p in self.peers.items()},
-                "links": {r: p.links.to_json() for r, p in self.peers.items()}}
+        return {
+            "ready": not waiting,
+            "waiting_for": waiting,
+            "peers": {r: p.conn is not None and p.links.ready for r, p in self.peers.items()},
+            "links": {r: p.links.to_json() for r, p in self.peers.items()},
+        }
 
     async def _health(self, request: web.Request) -> web.Response:
         ready = self.readiness()
         ok = ready["ready"]
-        body = {"status": "ok" if ok else "degraded", "mode": self.config.mode.value,
-                "model": self.model.name, "peers": ready["peers"],
-                "waiting_for": ready["waiting_for"], "links": ready["links"],
-                "active_requests": len(self.requests)}
+        body = {
+            "status": "ok" if ok else "degraded",
+            "mode": self.config.mode.value,
+            "model": self.model.name,
+            "peers": ready["peers"],
+            "waiting_for": ready["waiting_for"],
+            "links": ready["links"],
+            "active_requests": len(self.requests),
+        }
         return web.json_response(body, status=200 if ok else 503)
 
     async def _stats(self, request: web.Request) -> web.Response:
@@ -612,29 +685,37 @@ class Router:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
-        req = parse_completion_request(body, self.model, self._encode,
-                                       self.config.router.max_tokens_limit)
+        req = parse_completion_request(
+            body, self.model, self._encode, self.config.router.max_tokens_limit
+        )
         return await self._serve(request, req, "cmpl")
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
-        req = parse_chat_request(body, self.model, self._render_chat,
-                                 self.config.router.max_tokens_limit)
+        req = parse_chat_request(
+            body, self.model, self._render_chat, self.config.router.max_tokens_limit
+        )
         return await self._serve(request, req, "chatcmpl")
 
     async def _read_json(self, request: web.Request) -> Any:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"request body exceeds {self.config.router.max_body_bytes} bytes",
-                           "invalid_request_error", None, "body_too_large") from None
+            raise ApiError(
+                413,
+                f"request body exceeds {self.config.router.max_body_bytes} bytes",
+                "invalid_request_error",
+                None,
+                "body_too_large",
+            ) from None
         try:
             return json.loads(raw)
         except ValueError as exc:
             raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     kwargs: dict[str, Any]) -> tuple[list[int], str]:
+    def _render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> tuple[list[int], str]:
         """Messages -> prompt through the model's chat template (pddnet.model.chat_template)."""
         template = self.chat_template
         try:
@@ -642,28 +723,47 @@ class Router:
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages", "chat_template_error") from None
         except ChatTemplateUnavailable as exc:
-            raise ApiError(500, f"this model's chat template cannot be used: {exc}",
-                           "server_error", None, "chat_template_unavailable") from None
+            raise ApiError(
+                500,
+                f"this model's chat template cannot be used: {exc}",
+                "server_error",
+                None,
+                "chat_template_unavailable",
+            ) from None
         return self.tokenizer.encode(text, add_bos=template.add_bos), text
 
-    async def _serve(self, request: web.Request, req: CompletionRequest,
-                     prefix: str) -> web.StreamResponse:
+    async def _serve(
+        self, request: web.Request, req: CompletionRequest, prefix: str
+    ) -> web.StreamResponse:
         """One HTTP request: its n choices are n requests to the daemons (each its own seed,
         `choice_seed`), answered together."""
         limit = self.config.router.max_concurrent_requests
         if len(self.requests) + req.n > limit:
             self.counters["rejected_overload"] += 1
-            raise ApiError(503, f"the server is overloaded ({len(self.requests)} requests in "
-                           f"flight, limit {limit}); retry later", "server_error", None,
-                           "overloaded")
+            raise ApiError(
+                503,
+                f"the server is overloaded ({len(self.requests)} requests in "
+                f"flight, limit {limit}); retry later",
+                "server_error",
+                None,
+                "overloaded",
+            )
         # P prefills every request; one live decode tier can serve it (pdd mode: RLD is the
         # fallback while MD is down, MD while RLD is).
-        decode_up = [r for r in ("relay", "main_decode")
-                     if r in self.peers and self.peers[r].conn is not None]
+        decode_up = [
+            r
+            for r in ("relay", "main_decode")
+            if r in self.peers and self.peers[r].conn is not None
+        ]
         if self.peers["prefill"].conn is None or not decode_up:
             missing = [r for r, p in self.peers.items() if p.conn is None]
-            raise ApiError(503, f"not connected to {', '.join(missing)}; retry later",
-                           "server_error", None, "peers_unavailable")
+            raise ApiError(
+                503,
+                f"not connected to {', '.join(missing)}; retry later",
+                "server_error",
+                None,
+                "peers_unavailable",
+            )
         rid = f"{prefix}-{uuid.uuid4().hex}"
         states = self._admit(req, rid)
         try:
@@ -671,8 +771,13 @@ class Router:
                 for state in states:
                     await self.peers["prefill"].send(self._submit(state))
             except ConnectionError as exc:
-                raise ApiError(503, f"cannot reach the prefill daemon: {exc}", "server_error",
-                               None, "peers_unavailable") from None
+                raise ApiError(
+                    503,
+                    f"cannot reach the prefill daemon: {exc}",
+                    "server_error",
+                    None,
+                    "peers_unavailable",
+                ) from None
             if req.stream:
                 return await self._respond_stream(request, rid, states)
             return await self._respond_whole(rid, states)
@@ -697,20 +802,32 @@ class Router:
     def _admit(self, req: CompletionRequest, rid: str) -> list[RequestState]:
         # A concrete seed, fixed here: sampling is then a pure function of (seed, position), so
         # every daemon that samples the request picks the same tokens.
-        seed = req.seed if req.seed is not None else (
-            secrets.randbits(63) if req.temperature > 0 else None)
+        seed = (
+            req.seed
+            if req.seed is not None
+            else (secrets.randbits(63) if req.temperature > 0 else None)
+        )
         changed = asyncio.Event()  # one for the whole HTTP request: any choice's progress
         states = []
         for i in range(req.n):
             sub_id = rid if req.n == 1 else f"{rid}-{i}"
             state = RequestState(
-                request_id=sub_id, req=req,
-                seed=None if seed is None else choice_seed(seed, i), arrival=self.clock(),
-                assembler=StreamAssembler(req.max_tokens, self.model.eos_token_id,
-                                          req.stop_token_ids, req.ignore_eos),
-                changed=changed, index=i,
-                text=ChoiceText(lambda ids: self.tokenizer.decode(ids, skip_special=True),
-                                req.stop, req.min_tokens, req.include_stop_str_in_output))
+                request_id=sub_id,
+                req=req,
+                seed=None if seed is None else choice_seed(seed, i),
+                arrival=self.clock(),
+                assembler=StreamAssembler(
+                    req.max_tokens, self.model.eos_token_id, req.stop_token_ids, req.ignore_eos
+                ),
+                changed=changed,
+                index=i,
+                text=ChoiceText(
+                    lambda ids: self.tokenizer.decode(ids, skip_special=True),
+                    req.stop,
+                    req.min_tokens,
+                    req.include_stop_str_in_output,
+                ),
+            )
             state.add_event("arrival", state.arrival, "router", len(req.prompt_token_ids))
             self.requests[sub_id] = state
             states.append(state)
@@ -719,8 +836,13 @@ class Router:
 
     def _submit(self, state: RequestState) -> m.Submit:
         req = state.req
-        return m.Submit(request_id=state.request_id, prompt_token_ids=req.prompt_token_ids,
-                        seed=state.seed, handoff_mode=req.handoff_mode, **req.sampling_fields())
+        return m.Submit(
+            request_id=state.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            seed=state.seed,
+            handoff_mode=req.handoff_mode,
+            **req.sampling_fields(),
+        )
 
     async def _next_change(self, states: list[RequestState], deadline: float) -> bool:
         """Wait until something happened to one of the requests; False at the deadline. A
@@ -742,8 +864,11 @@ class Router:
                     if now - state.last_change < stall or now >= deadline:
                         continue
                     state.last_change = now
-                    if not state.assembler.finished and state.replays == 0 \
-                            and state.assembler.finish_reason is None:
+                    if (
+                        not state.assembler.finished
+                        and state.replays == 0
+                        and state.assembler.finish_reason is None
+                    ):
                         self.counters["stalls"] = self.counters.get("stalls", 0) + 1
                         self._metrics.stall_replays.inc()
                         why = f"no progress for {stall:g} s (last carried by {state.owner})"
@@ -758,8 +883,11 @@ class Router:
         """The stream is complete; give REQUEST_DONE and the last TIMELINEs a moment (not
         after a stop string: the daemons were cancelled, no REQUEST_DONE comes)."""
         deadline = time.monotonic() + DONE_GRACE_S
-        while not state.done_seen and not state.router_stopped \
-                and state.assembler.finish_reason in ("eos", "stop", "length"):
+        while (
+            not state.done_seen
+            and not state.router_stopped
+            and state.assembler.finish_reason in ("eos", "stop", "length")
+        ):
             if not await self._next_change([state], deadline):
                 break
 
@@ -768,8 +896,9 @@ class Router:
         for state in states:
             if not state.assembler.finished:
                 state.error_code, state.error_status = "timeout", 504
-                state.assembler.fail(f"no completion within "
-                                     f"{self.config.router.request_timeout_s:g} s")
+                state.assembler.fail(
+                    f"no completion within {self.config.router.request_timeout_s:g} s"
+                )
 
     async def _until_finished(self, states: list[RequestState]) -> None:
         """Until every choice is finished, or one failed (the others are then cancelled)."""
@@ -800,33 +929,49 @@ class Router:
         assert state.text is not None
         if asm.finish_reason not in ("error", "cancel") and state.text.finish():
             state.router_stopped, state.stop_reason = True, state.text.stopped
-            asm.finish_reason = "stop"   # the held-back text completed a stop string
-        if asm.finish_reason == "stop" and state.stop_reason is None and asm.tokens \
-                and asm.tokens[-1] in state.req.stop_token_ids:
+            asm.finish_reason = "stop"  # the held-back text completed a stop string
+        if (
+            asm.finish_reason == "stop"
+            and state.stop_reason is None
+            and asm.tokens
+            and asm.tokens[-1] in state.req.stop_token_ids
+        ):
             state.stop_reason = asm.tokens[-1]
         missing = [i for i in range(len(asm.tokens)) if i not in state.logprobs]
         if state.req.logprobs is not None and missing:
-            asm.warnings.append(f"no logprobs came for {len(missing)} token(s), first index "
-                                f"{missing[0]}")
+            asm.warnings.append(
+                f"no logprobs came for {len(missing)} token(s), first index {missing[0]}"
+            )
         self.counters["tokens"] += len(asm.tokens)
         for p in asm.producers:
             self.tokens_by_producer[p] = self.tokens_by_producer.get(p, 0) + 1
-        self._metrics.observe(asm.finish_reason or "error", asm.counts_by_producer(),
-                              None if asm.first_token_time is None
-                              else (asm.first_token_time - state.arrival) / self.dilation)
-        self._metrics.by_pipeline.labels(state.details.get("pipeline", "unknown"),
-                                         asm.finish_reason or "error").inc()
+        self._metrics.observe(
+            asm.finish_reason or "error",
+            asm.counts_by_producer(),
+            None
+            if asm.first_token_time is None
+            else (asm.first_token_time - state.arrival) / self.dilation,
+        )
+        self._metrics.by_pipeline.labels(
+            state.details.get("pipeline", "unknown"), asm.finish_reason or "error"
+        ).inc()
         if state.replays:
             self._metrics.replays.inc(state.replays)
         state.add_event("done", self.clock(), "router", asm.finish_reason)
 
     def _error(self, state: RequestState) -> ApiError:
         kind = "server_error" if state.error_status >= 500 else "invalid_request_error"
-        return ApiError(state.error_status, state.assembler.error or "request failed", kind,
-                        None, state.error_code)
+        return ApiError(
+            state.error_status,
+            state.assembler.error or "request failed",
+            kind,
+            None,
+            state.error_code,
+        )
 
-    def _logprobs(self, state: RequestState, start: int, end: int,
-                  offset: int = 0) -> tuple[dict[str, Any] | None, int]:
+    def _logprobs(
+        self, state: RequestState, start: int, end: int, offset: int = 0
+    ) -> tuple[dict[str, Any] | None, int]:
         """Tokens [start, end) of a choice: their logprobs object in the endpoint's shape (None
         when not requested), and the completions text offset after them."""
         req = state.req
@@ -849,19 +994,29 @@ class Router:
         for state in states:
             asm = state.assembler
             assert state.text is not None
-            choices.append(ChoiceResult(state.index, state.text.text, asm.tokens,
-                                        asm.finish_reason, state.stop_reason,
-                                        self._logprobs(state, 0, len(asm.tokens))[0],
-                                        self.pdd_object(state)))
+            choices.append(
+                ChoiceResult(
+                    state.index,
+                    state.text.text,
+                    asm.tokens,
+                    asm.finish_reason,
+                    state.stop_reason,
+                    self._logprobs(state, 0, len(asm.tokens))[0],
+                    self.pdd_object(state),
+                )
+            )
         first = states[0]
-        body = response_body(rid, int(first.arrival), first.req.model, first.req, choices,
-                             choices[0].pdd or {})
+        body = response_body(
+            rid, int(first.arrival), first.req.model, first.req, choices, choices[0].pdd or {}
+        )
         return web.json_response(body)
 
-    async def _respond_stream(self, request: web.Request, rid: str,
-                              states: list[RequestState]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    async def _respond_stream(
+        self, request: web.Request, rid: str, states: list[RequestState]
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         req = states[0].req
         created, model = int(states[0].arrival), req.model
@@ -884,10 +1039,11 @@ class Router:
             """What choice i has that the client has not: text, tokens, their logprobs."""
             asm, text = state.assembler, state.text
             assert text is not None
-            new = asm.tokens[sent_tokens[i]:]
-            chars = text.text[sent_chars[i]:text.emittable]
-            logprobs, offsets[i] = self._logprobs(state, sent_tokens[i], len(asm.tokens),
-                                                  offsets[i])
+            new = asm.tokens[sent_tokens[i] :]
+            chars = text.text[sent_chars[i] : text.emittable]
+            logprobs, offsets[i] = self._logprobs(
+                state, sent_tokens[i], len(asm.tokens), offsets[i]
+            )
             sent_tokens[i] = len(asm.tokens)
             sent_chars[i] += len(chars)
             return chars, new, logprobs
@@ -904,9 +1060,20 @@ class Router:
                 first = sent_tokens[i] == 0 and sent_chars[i] == 0
                 if len(asm.tokens) > sent_tokens[i]:
                     chars, new, logprobs = delta(i, state)
-                    await emit(completion_chunk(rid, created, model, chars, req, new,
-                                                first=first, index=state.index,
-                                                logprobs=logprobs, usage_so_far=usage_now()))
+                    await emit(
+                        completion_chunk(
+                            rid,
+                            created,
+                            model,
+                            chars,
+                            req,
+                            new,
+                            first=first,
+                            index=state.index,
+                            logprobs=logprobs,
+                            usage_so_far=usage_now(),
+                        )
+                    )
                     first = False
                     progressed = True
                 if not asm.finished:
@@ -917,11 +1084,23 @@ class Router:
                     continue
                 await self._finish(state)
                 chars, new, logprobs = delta(i, state)
-                await emit(completion_chunk(rid, created, model, chars, req, new,
-                                            asm.finish_reason, self.pdd_object(state),
-                                            first=first, index=state.index, logprobs=logprobs,
-                                            stop_reason=state.stop_reason,
-                                            usage_so_far=usage_now()))
+                await emit(
+                    completion_chunk(
+                        rid,
+                        created,
+                        model,
+                        chars,
+                        req,
+                        new,
+                        asm.finish_reason,
+                        self.pdd_object(state),
+                        first=first,
+                        index=state.index,
+                        logprobs=logprobs,
+                        stop_reason=state.stop_reason,
+                        usage_so_far=usage_now(),
+                    )
+                )
             if all(closed) or error is not None:
                 break
             if progressed:
@@ -929,15 +1108,23 @@ class Router:
             if not await self._next_change(states, deadline):
                 self._time_out(states)
         if error is not None:
-            for state in states:   # the other choices stop too
+            for state in states:  # the other choices stop too
                 if not state.assembler.finished:
                     state.assembler.cancel()
                     await self._broadcast_cancel(state, f"choice {error.index} failed")
             await self._finish(error)
             await emit(self._error(error).body())
         elif req.include_usage:
-            await emit(usage_chunk(rid, created, model, num_prompt,
-                                   sum(len(s.assembler.tokens) for s in states), req.chat))
+            await emit(
+                usage_chunk(
+                    rid,
+                    created,
+                    model,
+                    num_prompt,
+                    sum(len(s.assembler.tokens) for s in states),
+                    req.chat,
+                )
+            )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -949,10 +1136,14 @@ class Router:
         ttft = None if asm.first_token_time is None else (asm.first_token_time - state.arrival) / k
         mode = self.config.mode
         d = state.details
-        timeline = [{**e, "t_s": (e["time"] - state.arrival) / k}
-                    for e in sorted(state.timeline, key=lambda e: e["time"])]
+        timeline = [
+            {**e, "t_s": (e["time"] - state.arrival) / k}
+            for e in sorted(state.timeline, key=lambda e: e["time"])
+        ]
         return {
-            "request_id": state.request_id, "mode": mode.value, "seed": state.seed,
+            "request_id": state.request_id,
+            "mode": mode.value,
+            "seed": state.seed,
             "ttft_s": ttft,
             "emulation": self.emulation.describe() if self.emulation else None,
             "pipeline": d.get("pipeline", DEFAULT_PIPELINE[mode]),
@@ -982,29 +1173,51 @@ class RouterMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
-        self.requests = Counter("pdd_router_requests", "completions by how they ended",
-                                ["finish_reason"], registry=self.registry)
-        self.tokens = Counter("pdd_router_output_tokens", "output tokens by producer",
-                              ["producer"], registry=self.registry)
-        self.ttft = Histogram("pdd_router_ttft_seconds", "time to first token at the router",
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-                              registry=self.registry)
-        self.active = Gauge("pdd_router_active_requests", "requests in flight",
-                            registry=self.registry)
-        self.inter_token = Histogram("pdd_router_inter_token_seconds",
-                                     "gap between token releases to the client",
-                                     buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1,
-                                              2.5, 5), registry=self.registry)
-        self.by_pipeline = Counter("pdd_router_requests_by_pipeline",
-                                   "completions by the pipeline that served them",
-                                   ["pipeline", "finish_reason"], registry=self.registry)
-        self.replays = Counter("pdd_router_replays", "requests replayed by token ids after the "
-                               "daemon producing them was lost", registry=self.registry)
-        self.stall_replays = Counter("pdd_router_stall_replays",
-                                     "replays by the last resort: no progress for "
-                                     "router.stall_timeout_s (expected 0: a lost daemon is "
-                                     "replayed within its heartbeat deadline)",
-                                     registry=self.registry)
+        self.requests = Counter(
+            "pdd_router_requests",
+            "completions by how they ended",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "pdd_router_output_tokens",
+            "output tokens by producer",
+            ["producer"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "pdd_router_ttft_seconds",
+            "time to first token at the router",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.active = Gauge(
+            "pdd_router_active_requests", "requests in flight", registry=self.registry
+        )
+        self.inter_token = Histogram(
+            "pdd_router_inter_token_seconds",
+            "gap between token releases to the client",
+            buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=self.registry,
+        )
+        self.by_pipeline = Counter(
+            "pdd_router_requests_by_pipeline",
+            "completions by the pipeline that served them",
+            ["pipeline", "finish_reason"],
+            registry=self.registry,
+        )
+        self.replays = Counter(
+            "pdd_router_replays",
+            "requests replayed by token ids after the daemon producing them was lost",
+            registry=self.registry,
+        )
+        self.stall_replays = Counter(
+            "pdd_router_stall_replays",
+            "replays by the last resort: no progress for "
+            "router.stall_timeout_s (expected 0: a lost daemon is "
+            "replayed within its heartbeat deadline)",
+            registry=self.registry,
+        )
 
     def observe_gaps(self, gaps: list[float]) -> None:
         for g in gaps:
@@ -1023,8 +1236,10 @@ class RouterMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-async def run_router(config: ClusterConfig, on_started: Callable[[Router], None] | None = None,
-                     ) -> None:
+async def run_router(
+    config: ClusterConfig,
+    on_started: Callable[[Router], None] | None = None,
+) -> None:
     """Serve until SIGTERM/SIGINT (what `pdd serve router` runs)."""
     import signal
 

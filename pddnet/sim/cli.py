@@ -14,17 +14,25 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sim", help="simulate PDD at datacenter scale (chips, cost, BCR)",
-                       description=__doc__.splitlines()[0])
+    p = sub.add_parser(
+        "sim",
+        help="simulate PDD at datacenter scale (chips, cost, BCR)",
+        description=__doc__.splitlines()[0],
+    )
     ss = p.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
 
     run = ss.add_parser("run", help="simulate the systems of a config; JSON + PNG plots")
     run.add_argument("--config", required=True, help="simulation config (TOML or JSON)")
     run.add_argument("--out", default="results/sim", help="output folder")
-    run.add_argument("--seed", type=int, default=None,
-                     help="override the config's seed (default: the config's)")
-    run.add_argument("--requests", type=int, default=None,
-                     help="override workload.requests (default: the config's)")
+    run.add_argument(
+        "--seed", type=int, default=None, help="override the config's seed (default: the config's)"
+    )
+    run.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="override workload.requests (default: the config's)",
+    )
     run.add_argument("--no-plots", action="store_true", help="write the JSON only")
     _jobs_arg(run)
     _compiled_arg(run)
@@ -36,8 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--prefill", default="1-4", help="P pool sizes: N, A-B or A,B,C")
     pl.add_argument("--relay", default="1", help="RLD pool sizes (PDD systems)")
     pl.add_argument("--decode", default="1-4", help="MD (or D) pool sizes")
-    pl.add_argument("--baseline", action="store_true",
-                    help="also plan same-dc on the same grid of P and D sizes; print BCR ratio")
+    pl.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also plan same-dc on the same grid of P and D sizes; print BCR ratio",
+    )
     pl.add_argument("--out", default="results/sim", help="output folder")
     pl.add_argument("--no-plots", action="store_true", help="write the JSON only")
     _jobs_arg(pl)
@@ -55,15 +66,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _jobs_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="processes for independent simulations (default: one per core; "
-                             "1 runs everything in this process; results are the same)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes for independent simulations (default: one per core; "
+        "1 runs everything in this process; results are the same)",
+    )
 
 
 def _compiled_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compiled", action="store_true",
-                        help="run the simulator compiled with mypyc (~1.8x faster, the same "
-                             "results; built once per source version, needs a C compiler)")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="run the simulator compiled with mypyc (~1.8x faster, the same "
+        "results; built once per source version, needs a C compiler)",
+    )
 
 
 def _enter_mode(args: argparse.Namespace, command: str) -> int | None:
@@ -80,8 +98,11 @@ def _enter_mode(args: argparse.Namespace, command: str) -> int | None:
             print(f"pdd sim {command}: {exc}", file=sys.stderr)
             return 2
     if args.compiled and not compiled.compiled_modules():
-        print(f"pdd sim {command}: --compiled, but this process imports the pure-Python "
-              f"package (from {compiled.source_root()})", file=sys.stderr)
+        print(
+            f"pdd sim {command}: --compiled, but this process imports the pure-Python "
+            f"package (from {compiled.source_root()})",
+            file=sys.stderr,
+        )
         return 2
     print(compiled.describe(), file=sys.stderr, flush=True)
     return None
@@ -116,8 +137,15 @@ def _bar(total: int, desc: str, position: int = 0) -> Any:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         return None
-    return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr,
-                position=position, disable=not sys.stderr.isatty())
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="req",
+        leave=False,
+        file=sys.stderr,
+        position=position,
+        disable=not sys.stderr.isatty(),
+    )
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -129,8 +157,9 @@ def _load(args: argparse.Namespace) -> Any:
     if getattr(args, "seed", None) is not None:
         cfg = dataclasses.replace(cfg, seed=args.seed)
     if getattr(args, "requests", None) is not None:
-        cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload,
-                                                                    requests=args.requests))
+        cfg = dataclasses.replace(
+            cfg, workload=dataclasses.replace(cfg.workload, requests=args.requests)
+        )
     return cfg
 
 
@@ -174,16 +203,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def print_run(data: dict[str, Any]) -> None:
-    print(f"{'system':>16} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} "
-          f"{'goodput':>8} {'RLD share':>9} {'WAN GB':>9} {'$/h':>8} {'BCR x':>6}")
+    print(
+        f"{'system':>16} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} "
+        f"{'goodput':>8} {'RLD share':>9} {'WAN GB':>9} {'$/h':>8} {'BCR x':>6}"
+    )
     for name, r in data["systems"].items():
         t = r["ttft_s"]
         wan = r.get("wan", {}).get("kv_bytes", 0) / 1e9
         bcr = data["vs_baseline"].get(name, {}).get("bcr_x")
-        print(f"{name:>16} {t['p50'] or 0:9.3f} {t['p90'] or 0:8.3f} {t['p99'] or 0:8.3f} "
-              f"{r['tpot_s']['p50'] or 0:9.4f} {r['goodput_rps']:8.3f} "
-              f"{r['token_share']['rld']:9.1%} {wan:9.1f} {r['cost_per_hour']:8.1f} "
-              f"{'-' if bcr is None else f'{bcr:6.3f}'}")
+        print(
+            f"{name:>16} {t['p50'] or 0:9.3f} {t['p90'] or 0:8.3f} {t['p99'] or 0:8.3f} "
+            f"{r['tpot_s']['p50'] or 0:9.4f} {r['goodput_rps']:8.3f} "
+            f"{r['token_share']['rld']:9.1%} {wan:9.1f} {r['cost_per_hour']:8.1f} "
+            f"{'-' if bcr is None else f'{bcr:6.3f}'}"
+        )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -200,20 +233,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"pdd sim plan: {exc}", file=sys.stderr)
         return 2
     targets = [args.system] + (["same-dc"] if args.baseline and args.system != "same-dc" else [])
-    tasks = [Task(plan, (cfg, s, [p, d] if s == "same-dc" else [p, r, d]),
-                  progress_kw="progress") for s in targets]
+    tasks = [
+        Task(plan, (cfg, s, [p, d] if s == "same-dc" else [p, r, d]), progress_kw="progress")
+        for s in targets
+    ]
     try:
         # with --baseline the two systems' searches run side by side
-        plans = dict(zip(targets, run_tasks(tasks, jobs, lambda i, line: print(line)),
-                         strict=True))
+        plans = dict(zip(targets, run_tasks(tasks, jobs, lambda i, line: print(line)), strict=True))
     except ValueError as exc:
         print(f"pdd sim plan: {exc}", file=sys.stderr)
         return 2
     for system, pl in plans.items():
         print(f"\n{system}: frontier (cost -> goodput under SLA)")
         for c in pl["frontier"]:
-            print(f"  sizes {c['sizes']}  gpus {c['gpus']}  {c['cost_per_hour']:.1f} $/h  "
-                  f"{c['goodput_rps']:.3f} req/s  BCR {c['bcr']:.5f}")
+            print(
+                f"  sizes {c['sizes']}  gpus {c['gpus']}  {c['cost_per_hour']:.1f} $/h  "
+                f"{c['goodput_rps']:.3f} req/s  BCR {c['bcr']:.5f}"
+            )
         b = pl["best"]
         print(f"  best BCR: sizes {b['sizes']} ({b['bcr']:.5f})")
     if len(plans) == 2:
@@ -245,8 +281,14 @@ class TqdmProgress:
             print(f"{name}: {total} {unit}(s)", file=sys.stderr)
             return
         tty = sys.stderr.isatty()
-        self.bar = tqdm(total=total, desc=f"{name:>14}", unit=unit, file=sys.stderr,
-                        mininterval=0.5 if tty else 30.0, dynamic_ncols=tty)
+        self.bar = tqdm(
+            total=total,
+            desc=f"{name:>14}",
+            unit=unit,
+            file=sys.stderr,
+            mininterval=0.5 if tty else 30.0,
+            dynamic_ncols=tty,
+        )
 
     def advance(self, n: int = 1, note: str | None = None) -> None:
         if self.bar is None:

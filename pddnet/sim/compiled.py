@@ -53,9 +53,9 @@ COMPILED_MODULES: tuple[str, ...] = (
     "pddnet.sim.wan",
     "pddnet.sim.workload",
 )
-PACKAGES = ("pddnet", "emulation")          # copied whole: the compiled copy is self-contained
-TREE_ENV = "PDDNET_COMPILED_TREE"           # set in a process re-executed on the copy
-CACHE_ENV = "PDDNET_COMPILED_CACHE"         # where copies are kept (default ~/.cache/pddnet)
+PACKAGES = ("pddnet", "emulation")  # copied whole: the compiled copy is self-contained
+TREE_ENV = "PDDNET_COMPILED_TREE"  # set in a process re-executed on the copy
+CACHE_ENV = "PDDNET_COMPILED_CACHE"  # where copies are kept (default ~/.cache/pddnet)
 
 
 class CompileError(RuntimeError):
@@ -72,9 +72,13 @@ def source_root() -> Path:
 def _sources(root: Path) -> list[Path]:
     out: list[Path] = []
     for pkg in PACKAGES:
-        out += sorted(p for p in (root / pkg).rglob("*")
-                      if p.is_file() and "__pycache__" not in p.parts
-                      and p.suffix not in (".so", ".pyc", ".pyd"))
+        out += sorted(
+            p
+            for p in (root / pkg).rglob("*")
+            if p.is_file()
+            and "__pycache__" not in p.parts
+            and p.suffix not in (".so", ".pyc", ".pyd")
+        )
     return out
 
 
@@ -136,15 +140,26 @@ def build(cache: Path | None = None, log: Callable[[str], None] | None = None) -
     work = Path(tempfile.mkdtemp(prefix=tree.name + ".", dir=tree.parent))
     try:
         for pkg in PACKAGES:
-            shutil.copytree(root / pkg, work / pkg,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
+            shutil.copytree(
+                root / pkg,
+                work / pkg,
+                ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"),
+            )
         files = [str(Path(*m.split(".")).with_suffix(".py")) for m in COMPILED_MODULES]
         if log:
-            log(f"compiling {len(files)} simulator modules with mypyc into {tree} "
-                f"(once per source version; ~1 min)")
+            log(
+                f"compiling {len(files)} simulator modules with mypyc into {tree} "
+                f"(once per source version; ~1 min)"
+            )
         env = dict(os.environ, MYPY_CACHE_DIR=str(work / ".mypy_cache"))
-        proc = subprocess.run([sys.executable, "-m", "mypyc", *files], cwd=work, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "mypyc", *files],
+            cwd=work,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         if proc.returncode != 0:
             tail = "\n".join(proc.stdout.strip().splitlines()[-30:])
             raise CompileError(f"mypyc failed (exit {proc.returncode}):\n{tail}")
@@ -153,7 +168,7 @@ def build(cache: Path | None = None, log: Callable[[str], None] | None = None) -
         (work / ".complete").write_text(" ".join(COMPILED_MODULES) + "\n")
         try:
             work.rename(tree)
-        except OSError:             # another process finished the same build first
+        except OSError:  # another process finished the same build first
             if not (tree / ".complete").exists():
                 raise
     finally:
@@ -176,8 +191,7 @@ def describe() -> str:
     done = compiled_modules()
     if not done:
         return "simulator: pure Python"
-    return (f"simulator: compiled with mypyc ({len(done)} of {len(COMPILED_MODULES)} "
-            f"modules)")
+    return f"simulator: compiled with mypyc ({len(done)} of {len(COMPILED_MODULES)} modules)"
 
 
 def compiled_env(tree: Path) -> dict[str, str]:
@@ -192,25 +206,30 @@ def compiled_env(tree: Path) -> dict[str, str]:
 # `python -m pddnet` would put the working directory first on sys.path, ahead of PYTHONPATH:
 # run from a checkout, it would import the pure package. So the copy goes first explicitly
 # (spawned --jobs workers inherit sys.path).
-_BOOT = ("import sys, runpy; sys.path.insert(0, sys.argv.pop(1)); "
-         "runpy.run_module('pddnet', run_name='__main__', alter_sys=True)")
+_BOOT = (
+    "import sys, runpy; sys.path.insert(0, sys.argv.pop(1)); "
+    "runpy.run_module('pddnet', run_name='__main__', alter_sys=True)"
+)
 
 
 def reexec(argv: Sequence[str], log: Callable[[str], None] | None = None) -> None:
     """Replace this process by ``pdd <argv>`` running on the compiled copy (builds it
     first). Raises CompileError when it cannot be built."""
     tree = build(log=log)
-    os.execve(sys.executable, [sys.executable, "-c", _BOOT, str(tree), *argv],
-              compiled_env(tree))
+    os.execve(sys.executable, [sys.executable, "-c", _BOOT, str(tree), *argv], compiled_env(tree))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m pddnet.sim.compiled",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("command", choices=["build", "where"],
-                    help="build: compile (if needed) and print the folder; where: print it")
+    ap = argparse.ArgumentParser(
+        prog="python -m pddnet.sim.compiled", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument(
+        "command",
+        choices=["build", "where"],
+        help="build: compile (if needed) and print the folder; where: print it",
+    )
     args = ap.parse_args(argv)
     if args.command == "where":
         print(cache_dir() / digest())

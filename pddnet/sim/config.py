@@ -1,32 +1,32 @@
 """Simulation config: one TOML (or JSON) file, validated with messages that name the field.
 
-    seed = 0
-    model = "deepseek-v3"            # a shipped model profile or a path to a TOML file
-    tokens_per_unit = 64              # workload granularity (see workload.py)
-    systems = ["same-dc", "cross-dc", "pdd", "pdd-no-drc"]
+seed = 0
+model = "deepseek-v3"            # a shipped model profile or a path to a TOML file
+tokens_per_unit = 64              # workload granularity (see workload.py)
+systems = ["same-dc", "cross-dc", "pdd", "pdd-no-drc"]
 
-    [chips]                           # role -> chip profile (name or path)
-    a = "gpu-a"
-    b = "gpu-b"
+[chips]                           # role -> chip profile (name or path)
+a = "gpu-a"
+b = "gpu-b"
 
-    [pdd]                             # the cross-datacenter deployment
-    prefill = { chip = "a", instances = 4, gpus = 16 }
-    relay = { chip = "a", instances = 1, gpus = 16 }
-    main_decode = { chip = "b", instances = 6, gpus = 8 }
+[pdd]                             # the cross-datacenter deployment
+prefill = { chip = "a", instances = 4, gpus = 16 }
+relay = { chip = "a", instances = 1, gpus = 16 }
+main_decode = { chip = "b", instances = 6, gpus = 8 }
 
-    [baseline]                        # same-DC homogeneous PD
-    prefill = { chip = "a", instances = 4, gpus = 16 }
-    decode = { chip = "a", instances = 6, gpus = 16 }
+[baseline]                        # same-DC homogeneous PD
+prefill = { chip = "a", instances = 4, gpus = 16 }
+decode = { chip = "a", instances = 6, gpus = 16 }
 
-    [line]      bw_gbit, rtt_ms, jitter_ms, queue_mb, piece_mb, piece_ms, price_per_gbit_hour
-    [engine]    block_tokens, chunk_tokens, max_seqs, memory_utilisation, segment_steps,
-                rdma_latency_us, p_prefix_cache
-    [policy]    direct_budget_s, singular_filter, singular_margin, handoff, handoff_threshold,
-                handoff_chunk, rld_load_limit, rld_max_requests
-    [sla]       ttft_s, tpot_s, attainment
-    [workload]  kind = "agent" | "trace", requests, rate_scale, path (trace),
-                arrivals = "closed" | "baseline" | "open", and any AgentWorkloadParams field with lengths
-                in tokens
+[line]      bw_gbit, rtt_ms, jitter_ms, queue_mb, piece_mb, piece_ms, price_per_gbit_hour
+[engine]    block_tokens, chunk_tokens, max_seqs, memory_utilisation, segment_steps,
+            rdma_latency_us, p_prefix_cache
+[policy]    direct_budget_s, singular_filter, singular_margin, handoff, handoff_threshold,
+            handoff_chunk, rld_load_limit, rld_max_requests
+[sla]       ttft_s, tpot_s, attainment
+[workload]  kind = "agent" | "trace", requests, rate_scale, path (trace),
+            arrivals = "closed" | "baseline" | "open", and any AgentWorkloadParams field with lengths
+            in tokens
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Pool:
 @dataclass(frozen=True)
 class Deployment:
     prefill: Pool
-    decode: Pool                  # MD (pdd) or D (baseline)
+    decode: Pool  # MD (pdd) or D (baseline)
     relay: Pool | None = None
 
     def pools(self) -> dict[str, Pool]:
@@ -78,8 +78,10 @@ class Deployment:
         return dict(sorted(out.items()))
 
     def describe(self) -> dict[str, Any]:
-        return {k: {"chip": p.chip.name, "instances": p.instances, "gpus": p.gpus}
-                for k, p in self.pools().items()}
+        return {
+            k: {"chip": p.chip.name, "instances": p.instances, "gpus": p.gpus}
+            for k, p in self.pools().items()
+        }
 
 
 @dataclass(frozen=True)
@@ -128,14 +130,14 @@ class Policy:
 class Sla:
     ttft_s: float = 5.0
     tpot_s: float = 0.1
-    attainment: float = 0.9       # share of requests meeting both, for capacity searches
+    attainment: float = 0.9  # share of requests meeting both, for capacity searches
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
     kind: str = "agent"
     requests: int = 10000
-    rate_scale: float = 1.0       # multiplies the conversation (agent) or replay (trace) rate
+    rate_scale: float = 1.0  # multiplies the conversation (agent) or replay (trace) rate
     path: str | None = None
     # "closed": a conversation's next turn waits for the previous one to finish (an agent needs
     # the answer), so a faster system is offered more requests per second. "baseline": the
@@ -170,13 +172,14 @@ def _section(cls: type, data: dict[str, Any] | None, where: str) -> Any:
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"[{where}]: unknown key(s) {', '.join(unknown)} "
-                         f"(known: {', '.join(sorted(known))})")
+        raise ValueError(
+            f"[{where}]: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
     defaults = cls()
     for k, v in data.items():
         want = type(getattr(defaults, k))
         if want is type(None):
-            want = float            # an optional number (e.g. queue_mb), unset by default
+            want = float  # an optional number (e.g. queue_mb), unset by default
         if want is bool and not isinstance(v, bool):
             raise ValueError(f"[{where}] {k}: expected true/false, got {v!r}")
         if want in (int, float) and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -199,8 +202,10 @@ def _pool(data: Any, chips: dict[str, ChipProfile], where: str) -> Pool:
         try:
             prof = load_chip(chip)
         except ValueError as exc:
-            raise ValueError(f"{where}: chip {chip!r} is neither a role in [chips] "
-                             f"({', '.join(chips)}) nor a profile: {exc}") from None
+            raise ValueError(
+                f"{where}: chip {chip!r} is neither a role in [chips] "
+                f"({', '.join(chips)}) nor a profile: {exc}"
+            ) from None
         chips[chip] = prof
     n, g = data.get("instances", 1), data.get("gpus", 1)
     for k, v in (("instances", n), ("gpus", g)):
@@ -211,12 +216,25 @@ def _pool(data: Any, chips: dict[str, ChipProfile], where: str) -> Pool:
 
 def parse_config(data: dict[str, Any], base_dir: Path | None = None) -> SimConfig:
     data = dict(data)
-    top = {"seed", "model", "tokens_per_unit", "systems", "chips", "pdd", "baseline", "line",
-           "engine", "policy", "sla", "workload"}
+    top = {
+        "seed",
+        "model",
+        "tokens_per_unit",
+        "systems",
+        "chips",
+        "pdd",
+        "baseline",
+        "line",
+        "engine",
+        "policy",
+        "sla",
+        "workload",
+    }
     unknown = sorted(set(data) - top)
     if unknown:
-        raise ValueError(f"unknown top-level key(s) {', '.join(unknown)} "
-                         f"(known: {', '.join(sorted(top))})")
+        raise ValueError(
+            f"unknown top-level key(s) {', '.join(unknown)} (known: {', '.join(sorted(top))})"
+        )
 
     def resolve(ref: str) -> str:
         p = Path(ref)
@@ -238,24 +256,32 @@ def parse_config(data: dict[str, Any], base_dir: Path | None = None) -> SimConfi
     def deployment(name: str, decode_key: str) -> Deployment:
         d = data.get(name)
         if not isinstance(d, dict):
-            raise ValueError(f"[{name}] is required: prefill, {decode_key}"
-                             + (", relay" if name == "pdd" else ""))
+            raise ValueError(
+                f"[{name}] is required: prefill, {decode_key}"
+                + (", relay" if name == "pdd" else "")
+            )
         allowed = {"prefill", decode_key} | ({"relay"} if name == "pdd" else set())
         unknown = sorted(set(d) - allowed)
         if unknown:
-            raise ValueError(f"[{name}]: unknown pool(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(sorted(allowed))})")
+            raise ValueError(
+                f"[{name}]: unknown pool(s) {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(allowed))})"
+            )
         for k in ("prefill", decode_key):
             if k not in d:
                 raise ValueError(f"[{name}]: missing pool {k!r}")
         relay = _pool(d["relay"], chips, f"[{name}].relay") if "relay" in d else None
-        return Deployment(_pool(d["prefill"], chips, f"[{name}].prefill"),
-                          _pool(d[decode_key], chips, f"[{name}].{decode_key}"), relay)
+        return Deployment(
+            _pool(d["prefill"], chips, f"[{name}].prefill"),
+            _pool(d[decode_key], chips, f"[{name}].{decode_key}"),
+            relay,
+        )
 
     wl = dict(data.get("workload", {}))
     spec_keys = {"kind", "requests", "rate_scale", "path", "arrivals"}
-    spec = _section(WorkloadSpec, {k: v for k, v in wl.items() if k in spec_keys and k != "path"},
-                    "workload")
+    spec = _section(
+        WorkloadSpec, {k: v for k, v in wl.items() if k in spec_keys and k != "path"}, "workload"
+    )
     path = wl.get("path")
     if path is not None and base_dir is not None and not Path(path).is_absolute():
         path = str(base_dir / path)
@@ -263,8 +289,9 @@ def parse_config(data: dict[str, Any], base_dir: Path | None = None) -> SimConfi
     if spec.kind not in ("agent", "trace"):
         raise ValueError(f"[workload] kind must be 'agent' or 'trace', got {spec.kind!r}")
     if spec.arrivals not in ARRIVALS:
-        raise ValueError(f"[workload] arrivals must be one of {', '.join(ARRIVALS)}, "
-                         f"got {spec.arrivals!r}")
+        raise ValueError(
+            f"[workload] arrivals must be one of {', '.join(ARRIVALS)}, got {spec.arrivals!r}"
+        )
     if spec.kind == "trace" and not spec.path:
         raise ValueError("[workload] kind = 'trace' needs path = 'FILE.jsonl'")
     if spec.requests < 1 or spec.rate_scale <= 0:
@@ -276,23 +303,37 @@ def parse_config(data: dict[str, Any], base_dir: Path | None = None) -> SimConfi
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     cfg = SimConfig(
-        model=model, pdd=deployment("pdd", "main_decode"),
-        baseline=deployment("baseline", "decode"), seed=seed, tokens_per_unit=q,
-        systems=systems, line=_section(Line, data.get("line"), "line"),
+        model=model,
+        pdd=deployment("pdd", "main_decode"),
+        baseline=deployment("baseline", "decode"),
+        seed=seed,
+        tokens_per_unit=q,
+        systems=systems,
+        line=_section(Line, data.get("line"), "line"),
         engine=_section(Engine, data.get("engine"), "engine"),
         policy=_section(Policy, data.get("policy"), "policy"),
-        sla=_section(Sla, data.get("sla"), "sla"), workload=spec, source=data)
+        sla=_section(Sla, data.get("sla"), "sla"),
+        workload=spec,
+        source=data,
+    )
     if cfg.line.bw_gbit <= 0:
         raise ValueError("[line] bw_gbit must be > 0")
-    if (cfg.line.queue_mb is not None and cfg.line.queue_mb * (1 << 20) < 1500) \
-            or cfg.line.piece_mb <= 0 or cfg.line.rtt_ms < 0:
-        raise ValueError("[line] queue_mb must hold at least one 1500-byte packet, piece_mb "
-                         "must be > 0 and rtt_ms >= 0")
+    if (
+        (cfg.line.queue_mb is not None and cfg.line.queue_mb * (1 << 20) < 1500)
+        or cfg.line.piece_mb <= 0
+        or cfg.line.rtt_ms < 0
+    ):
+        raise ValueError(
+            "[line] queue_mb must hold at least one 1500-byte packet, piece_mb "
+            "must be > 0 and rtt_ms >= 0"
+        )
     if cfg.engine.block_tokens < 1 or cfg.engine.chunk_tokens < 1 or cfg.engine.max_seqs < 1:
         raise ValueError("[engine] block_tokens, chunk_tokens and max_seqs must be >= 1")
     if q > 1 and q % cfg.engine.block_tokens and cfg.engine.block_tokens % q:
-        raise ValueError(f"tokens_per_unit {q} and [engine] block_tokens "
-                         f"{cfg.engine.block_tokens} must divide one another")
+        raise ValueError(
+            f"tokens_per_unit {q} and [engine] block_tokens "
+            f"{cfg.engine.block_tokens} must divide one another"
+        )
     return cfg
 
 

@@ -33,33 +33,61 @@ from pddnet.sim.metrics import Histogram
 class Member:
     """A request on one decode instance."""
 
-    __slots__ = ("state", "ctx0", "remaining", "join_step", "finish_step", "prev_user", "alive",
-                 "extend_left", "extend_chunk", "extend_final", "extend_done", "on_finish",
-                 "on_digested", "cut_requested", "extra_made")
+    __slots__ = (
+        "state",
+        "ctx0",
+        "remaining",
+        "join_step",
+        "finish_step",
+        "prev_user",
+        "alive",
+        "extend_left",
+        "extend_chunk",
+        "extend_final",
+        "extend_done",
+        "on_finish",
+        "on_digested",
+        "cut_requested",
+        "extra_made",
+    )
 
-    def __init__(self, state: Any, context: int, remaining: int, prev_user: float,
-                 on_finish: Callable[[Member, float, int], None]) -> None:
+    def __init__(
+        self,
+        state: Any,
+        context: int,
+        remaining: int,
+        prev_user: float,
+        on_finish: Callable[[Member, float, int], None],
+    ) -> None:
         self.state = state
-        self.ctx0 = context              # context tokens when it joins the batch
-        self.remaining = remaining       # tokens it still decodes here (one per step)
+        self.ctx0 = context  # context tokens when it joins the batch
+        self.remaining = remaining  # tokens it still decodes here (one per step)
         self.join_step = -1
         self.finish_step = -1
-        self.prev_user = prev_user       # user-visible time of its previous token
+        self.prev_user = prev_user  # user-visible time of its previous token
         self.alive = True
         self.extend_left = 0
         self.extend_chunk = 0
         self.extend_final = False
-        self.extend_done = 0             # tokens digested so far
-        self.on_finish = on_finish       # (member, time, tokens made here)
+        self.extend_done = 0  # tokens digested so far
+        self.on_finish = on_finish  # (member, time, tokens made here)
         self.on_digested: Callable[[Member, float], None] | None = None
         self.cut_requested = False
-        self.extra_made = 0              # tokens sampled by final extend steps
+        self.extra_made = 0  # tokens sampled by final extend steps
 
 
 class DecodeInstance:
-    def __init__(self, loop: EventLoop, cost: InstanceCost, name: str, max_seqs: int,
-                 user_delay_s: float, itl: Histogram, handoff_gap: Histogram | None = None,
-                 segment_steps: int = 32) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        cost: InstanceCost,
+        name: str,
+        max_seqs: int,
+        user_delay_s: float,
+        itl: Histogram,
+        handoff_gap: Histogram | None = None,
+        segment_steps: int = 32,
+    ) -> None:
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs!r}")
         self.loop, self.cost, self.name = loop, cost, name
@@ -68,17 +96,17 @@ class DecodeInstance:
         self.itl = itl
         self.handoff_gap = handoff_gap
         self.segment_steps = segment_steps
-        self.step = 0                   # steps completed
+        self.step = 0  # steps completed
         self.seg_t0 = 0.0
         self.seg_s0 = 0
-        self.seg_end = 0                # step at which the current segment ends
+        self.seg_end = 0  # step at which the current segment ends
         self.tau = 0.0
         self.busy = False
         self._token = 0
         self._seq = itertools.count()
         self._heap: list[tuple[int, int, Member]] = []
-        self.n = 0                      # members decoding
-        self._ctx_base = 0              # sum(ctx0 - join_step) over decoding members
+        self.n = 0  # members decoding
+        self._ctx_base = 0  # sum(ctx0 - join_step) over decoding members
         self._pending: list[Member] = []
         self._waiting: deque[Member] = deque()
         self._fresh: list[Member] = []
@@ -101,8 +129,14 @@ class DecodeInstance:
         self._pending.append(m)
         self._cut_segment()
 
-    def extend(self, m: Member, tokens: int, chunk: int, final: bool,
-               on_digested: Callable[[Member, float], None] | None = None) -> None:
+    def extend(
+        self,
+        m: Member,
+        tokens: int,
+        chunk: int,
+        final: bool,
+        on_digested: Callable[[Member, float], None] | None = None,
+    ) -> None:
         """Recompute `tokens` handed-off tokens, at most `chunk` per step. With `final`, the
         last extend step samples the member's next token and it decodes on (``m.remaining``
         more tokens after that one); otherwise ``on_digested`` is called once digested."""
@@ -195,7 +229,7 @@ class DecodeInstance:
             self.loop.at(now, self._end_segment, self._token)
             return
         if self.tau <= 0:
-            return                       # a boundary is already due now
+            return  # a boundary is already due now
         j = int((now - self.seg_t0) / self.tau + 1e-9)
         boundary = self.seg_s0 + j + 1
         if boundary < self.seg_end:
@@ -259,7 +293,7 @@ class DecodeInstance:
         self._plan(now)
 
     def _join(self, m: Member, s1: int, fresh: bool) -> None:
-        if m.cut_requested:            # cut before it ever ran here: it made nothing
+        if m.cut_requested:  # cut before it ever ran here: it made nothing
             m.alive = False
             m.on_finish(m, self.loop.now, m.extra_made)
             return
@@ -291,7 +325,7 @@ class DecodeInstance:
         if steady > 0:
             self.itl.add(tau, steady)
         first_user = self.seg_t0 + tau + self.user_delay_s
-        for m in self._fresh:       # their first token here: the gap from their previous one
+        for m in self._fresh:  # their first token here: the gap from their previous one
             self.itl.add(max(0.0, first_user - m.prev_user))
         self.tokens += n * k
         self.steps += k
@@ -324,9 +358,14 @@ class DecodeInstance:
             if heap:
                 k = max(1, min(k, heap[0][0] - s1))
         ctx_mid = self._ctx_base + self.n * (s1 + (k - 1) / 2)
-        tau = self.cost.decode_step_time(self.n, ctx_mid, ext_tokens, ext_pairs,
-                                         extend_seqs=len(self._step_extend),
-                                         extend_context=ext_ctx)
+        tau = self.cost.decode_step_time(
+            self.n,
+            ctx_mid,
+            ext_tokens,
+            ext_pairs,
+            extend_seqs=len(self._step_extend),
+            extend_context=ext_ctx,
+        )
         self.seg_t0, self.seg_s0, self.seg_end, self.tau = now, s1, s1 + k, tau
         self._token += 1
         self.loop.at(now + k * tau, self._end_segment, self._token)

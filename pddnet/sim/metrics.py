@@ -39,8 +39,10 @@ class Histogram:
             return -1
         r = value / self._floor
         # (past ~1e302 the ratio overflows: the difference of logs is finite)
-        return int((math.log(r) if r != math.inf else math.log(value) - math.log(self._floor))
-                   / self._log_base)
+        return int(
+            (math.log(r) if r != math.inf else math.log(value) - math.log(self._floor))
+            / self._log_base
+        )
 
     def add(self, value: float, weight: float = 1.0) -> None:
         if weight <= 0:
@@ -83,8 +85,8 @@ class Histogram:
             return self._floor / 2
         x = (b + 0.5) * self._log_base
         if x < 709.0:
-            return self._floor * math.exp(x)      # the bucket's midpoint
-        y = math.log(self._floor) + x             # (exp(x) alone would overflow)
+            return self._floor * math.exp(x)  # the bucket's midpoint
+        y = math.log(self._floor) + x  # (exp(x) alone would overflow)
         return math.exp(y) if y < 709.0 else math.inf
 
     def quantile(self, q: float) -> float | None:
@@ -117,9 +119,14 @@ class Histogram:
         def r(v: float | None) -> float | None:
             return None if v is None else round(v * scale, digits)
 
-        return {"n": round(self.n), "mean": r(self.mean), "p50": r(self.quantile(0.5)),
-                "p90": r(self.quantile(0.9)), "p99": r(self.quantile(0.99)),
-                "max": r(self.max if self.n else None)}
+        return {
+            "n": round(self.n),
+            "mean": r(self.mean),
+            "p50": r(self.quantile(0.5)),
+            "p90": r(self.quantile(0.9)),
+            "p99": r(self.quantile(0.99)),
+            "max": r(self.max if self.n else None),
+        }
 
     def cdf_points(self, max_points: int = 400) -> list[tuple[float, float]]:
         """(value, cumulative share) pairs for plots."""
@@ -145,10 +152,10 @@ class Series:
         self.interval_s = interval_s
         self.max_points = max_points
         self.values: list[float] = []
-        self._level = 0.0    # the last value observed: it holds until the next observation
+        self._level = 0.0  # the last value observed: it holds until the next observation
 
     def observe(self, t: float, value: float) -> None:
-        value = float(value)   # an int count too: the same JSON whether compiled or not
+        value = float(value)  # an int count too: the same JSON whether compiled or not
         i = int(t / self.interval_s)
         while i >= self.max_points:
             self._halve()
@@ -163,7 +170,7 @@ class Series:
 
     def _halve(self) -> None:
         v = self.values
-        self.values = [max(v[i:i + 2]) for i in range(0, len(v), 2)]
+        self.values = [max(v[i : i + 2]) for i in range(0, len(v), 2)]
         self.interval_s *= 2
 
     def to_dict(self) -> dict[str, Any]:

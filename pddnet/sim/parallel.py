@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-FLUSH_S = 0.25     # how often a worker sends its accumulated request counts
+FLUSH_S = 0.25  # how often a worker sends its accumulated request counts
 _DONE = "__task_done__"  # a task's last progress message (its feeder thread may lag its result)
 
 
@@ -36,8 +36,9 @@ class Task:
     progress_kw: str | None = None
 
 
-def run_tasks(tasks: Sequence[Task], jobs: int = 1,
-              progress: Callable[[int, Any], None] | None = None) -> list[Any]:
+def run_tasks(
+    tasks: Sequence[Task], jobs: int = 1, progress: Callable[[int, Any], None] | None = None
+) -> list[Any]:
     """Results in the order of ``tasks``. The first exception of a task is raised here (the
     others are cancelled)."""
     if jobs < 1:
@@ -46,10 +47,13 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 1,
         return [_call_here(i, t, progress) for i, t in enumerate(tasks)]
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx,
-                             initializer=_init_worker, initargs=(q,)) as pool:
-        futures = [pool.submit(_call_in_worker, i, t.fn, t.args, t.kwargs, t.progress_kw)
-                   for i, t in enumerate(tasks)]
+    with ProcessPoolExecutor(
+        max_workers=min(jobs, len(tasks)), mp_context=ctx, initializer=_init_worker, initargs=(q,)
+    ) as pool:
+        futures = [
+            pool.submit(_call_in_worker, i, t.fn, t.args, t.kwargs, t.progress_kw)
+            for i, t in enumerate(tasks)
+        ]
         reported: set[int] = set()
         try:
             pending = set(futures)
@@ -70,13 +74,15 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 1,
 def _call_here(index: int, task: Task, progress: Callable[[int, Any], None] | None) -> Any:
     kwargs = dict(task.kwargs)
     if task.progress_kw is not None:
-        kwargs[task.progress_kw] = ((lambda payload: progress(index, payload))
-                                    if progress is not None else None)
+        kwargs[task.progress_kw] = (
+            (lambda payload: progress(index, payload)) if progress is not None else None
+        )
     return task.fn(*task.args, **kwargs)
 
 
-def _drain(q: Any, progress: Callable[[int, Any], None] | None, reported: set[int],
-           timeout: float) -> None:
+def _drain(
+    q: Any, progress: Callable[[int, Any], None] | None, reported: set[int], timeout: float
+) -> None:
     """Hand every queued progress message to ``progress`` (noting finished tasks in
     ``reported``); wait up to ``timeout`` for the first one."""
     block = True
@@ -127,8 +133,13 @@ class _Reporter:
         self.sent_at = time.monotonic()
 
 
-def _call_in_worker(index: int, fn: Callable[..., Any], args: tuple[Any, ...],
-                    kwargs: dict[str, Any], progress_kw: str | None) -> Any:
+def _call_in_worker(
+    index: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    progress_kw: str | None,
+) -> Any:
     reporter = None
     if progress_kw is not None:
         reporter = _Reporter(index)

@@ -22,8 +22,15 @@ from pddnet.sim.config import Deployment, Pool, SimConfig
 from pddnet.sim.runner import simulate
 
 
-def capacity(cfg: SimConfig, system: str, lo: float = 0.1, hi: float = 16.0,
-             steps: int = 3, start: float = 1.0, factor: float = 2.0) -> dict[str, Any]:
+def capacity(
+    cfg: SimConfig,
+    system: str,
+    lo: float = 0.1,
+    hi: float = 16.0,
+    steps: int = 3,
+    start: float = 1.0,
+    factor: float = 2.0,
+) -> dict[str, Any]:
     """Largest rate_scale meeting the SLA attainment (and the run at that scale); the answer
     is within ``factor ** (1 / 2 ** steps)`` of the true one."""
     if factor <= 1.0:
@@ -39,8 +46,12 @@ def capacity(cfg: SimConfig, system: str, lo: float = 0.1, hi: float = 16.0,
         # agent workload with a fixed budget would otherwise only end sooner).
         if scale not in cache:
             c = cfg.with_rate(scale)
-            c = dataclasses.replace(c, workload=dataclasses.replace(
-                c.workload, requests=max(1, round(cfg.workload.requests * scale))))
+            c = dataclasses.replace(
+                c,
+                workload=dataclasses.replace(
+                    c.workload, requests=max(1, round(cfg.workload.requests * scale))
+                ),
+            )
             cache[scale] = simulate(c, system)
         return cache[scale]
 
@@ -78,22 +89,31 @@ def capacity(cfg: SimConfig, system: str, lo: float = 0.1, hi: float = 16.0,
 
 def with_pools(cfg: SimConfig, system: str, sizes: Sequence[int]) -> SimConfig:
     """The config with the system's pools resized: (P, RLD, MD) for PDD, (P, D) for baseline."""
+
     def pool(p: Pool, n: int) -> Pool:
         return dataclasses.replace(p, instances=n)
 
     if system == "same-dc":
         d = cfg.baseline
-        return dataclasses.replace(cfg, baseline=Deployment(pool(d.prefill, sizes[0]),
-                                                            pool(d.decode, sizes[1])))
+        return dataclasses.replace(
+            cfg, baseline=Deployment(pool(d.prefill, sizes[0]), pool(d.decode, sizes[1]))
+        )
     d = cfg.pdd
     relay = pool(d.relay, sizes[1]) if d.relay is not None else None
-    return dataclasses.replace(cfg, pdd=Deployment(pool(d.prefill, sizes[0]),
-                                                   pool(d.decode, sizes[2]), relay))
+    return dataclasses.replace(
+        cfg, pdd=Deployment(pool(d.prefill, sizes[0]), pool(d.decode, sizes[2]), relay)
+    )
 
 
-def plan(cfg: SimConfig, system: str, ranges: Sequence[Sequence[int]],
-         progress: Callable[[str], None] | None = None, steps: int = 3,
-         warm_start: bool = False, factor: float = 2.0) -> dict[str, Any]:
+def plan(
+    cfg: SimConfig,
+    system: str,
+    ranges: Sequence[Sequence[int]],
+    progress: Callable[[str], None] | None = None,
+    steps: int = 3,
+    warm_start: bool = False,
+    factor: float = 2.0,
+) -> dict[str, Any]:
     """Evaluate every combination of pool sizes in ``ranges``; returns candidates (cost,
     goodput, BCR), the frontier and the best-BCR candidate. With ``warm_start`` each
     capacity search starts at the previous candidate's capacity (see the module docstring)."""
@@ -110,22 +130,37 @@ def plan(cfg: SimConfig, system: str, ranges: Sequence[Sequence[int]],
             start = min(max(cap["rate_scale"], 0.1), 16.0)
         run = cap["run"]
         cost = run["cost_per_hour"]
-        row = {"sizes": list(sizes), "gpus": run["gpus"], "cost_per_hour": cost,
-               "rate_scale": cap["rate_scale"], "goodput_rps": cap["goodput_rps"],
-               "bcr": round(cap["goodput_rps"] / cost, 8) if cost else 0.0,
-               "ttft_p99_s": run["ttft_s"]["p99"], "tpot_p50_s": run["tpot_s"]["p50"],
-               # what binds at capacity: the line, RLD or the pools
-               "wan_utilisation": run["wan"]["utilisation"] if "wan" in run else None,
-               "rld_refused": run["rld"]["refused"], "busy": run["busy"]}
+        row = {
+            "sizes": list(sizes),
+            "gpus": run["gpus"],
+            "cost_per_hour": cost,
+            "rate_scale": cap["rate_scale"],
+            "goodput_rps": cap["goodput_rps"],
+            "bcr": round(cap["goodput_rps"] / cost, 8) if cost else 0.0,
+            "ttft_p99_s": run["ttft_s"]["p99"],
+            "tpot_p50_s": run["tpot_s"]["p50"],
+            # what binds at capacity: the line, RLD or the pools
+            "wan_utilisation": run["wan"]["utilisation"] if "wan" in run else None,
+            "rld_refused": run["rld"]["refused"],
+            "busy": run["busy"],
+        }
         candidates.append(row)
         if progress is not None:
-            progress(f"{system} {sizes}: goodput {row['goodput_rps']:.3f} rps, "
-                     f"cost {cost:.1f}/h, BCR {row['bcr']:.5f}")
-    frontier = [r for r in candidates
-                if not any(o is not r and o["cost_per_hour"] <= r["cost_per_hour"]
-                           and o["goodput_rps"] >= r["goodput_rps"]
-                           and (o["cost_per_hour"], -o["goodput_rps"])
-                           != (r["cost_per_hour"], -r["goodput_rps"]) for o in candidates)]
+            progress(
+                f"{system} {sizes}: goodput {row['goodput_rps']:.3f} rps, "
+                f"cost {cost:.1f}/h, BCR {row['bcr']:.5f}"
+            )
+    frontier = [
+        r
+        for r in candidates
+        if not any(
+            o is not r
+            and o["cost_per_hour"] <= r["cost_per_hour"]
+            and o["goodput_rps"] >= r["goodput_rps"]
+            and (o["cost_per_hour"], -o["goodput_rps"]) != (r["cost_per_hour"], -r["goodput_rps"])
+            for o in candidates
+        )
+    ]
     frontier.sort(key=lambda r: r["cost_per_hour"])
     best = max(candidates, key=lambda r: (r["bcr"], -r["cost_per_hour"]))
     return {"system": system, "candidates": candidates, "frontier": frontier, "best": best}

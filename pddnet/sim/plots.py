@@ -77,8 +77,12 @@ def plot_frontier(plans: dict[str, dict[str, Any]], path: Path) -> Path:
         ys = [c["goodput_rps"] for c in p["candidates"]]
         ax.scatter(xs, ys, alpha=0.4, label=f"{name} candidates")
         f = p["frontier"]
-        ax.plot([c["cost_per_hour"] for c in f], [c["goodput_rps"] for c in f], marker="o",
-                label=f"{name} frontier")
+        ax.plot(
+            [c["cost_per_hour"] for c in f],
+            [c["goodput_rps"] for c in f],
+            marker="o",
+            label=f"{name} frontier",
+        )
     ax.set_xlabel("hardware cost ($/h)")
     ax.set_ylabel("goodput under SLA (req/s)")
     ax.set_title("planner: cost vs goodput")

@@ -46,7 +46,7 @@ from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.radix import RadixCache
 from pddnet.sim.events import EventLoop
 
-Progress = Callable[[Any, int, float, bool], None]   # (state, computed tokens, time, done)
+Progress = Callable[[Any, int, float, bool], None]  # (state, computed tokens, time, done)
 
 
 @dataclass
@@ -58,11 +58,18 @@ class _Running:
     pos: int
     handle: Any
     table: list[int] | None
-    chunk_end: int = 0          # end of the chunk computing in the current step (0: none)
+    chunk_end: int = 0  # end of the chunk computing in the current step (0: none)
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, state: Any, on_progress: Progress, pos: int, handle: Any,
-                 table: list[int] | None, chunk_end: int = 0) -> None:
+    def __init__(
+        self,
+        state: Any,
+        on_progress: Progress,
+        pos: int,
+        handle: Any,
+        table: list[int] | None,
+        chunk_end: int = 0,
+    ) -> None:
         self.state = state
         self.on_progress = on_progress
         self.pos = pos
@@ -72,21 +79,33 @@ class _Running:
 
 
 class PrefillInstance:
-    def __init__(self, loop: EventLoop, cost: InstanceCost, name: str, tokens_per_unit: int,
-                 block_units: int, chunk_tokens: int, prefix_cache: bool = True,
-                 max_seqs: int = 1, contention_tick_s: float = 0.05,
-                 export_wait: float = 0.0) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        cost: InstanceCost,
+        name: str,
+        tokens_per_unit: int,
+        block_units: int,
+        chunk_tokens: int,
+        prefix_cache: bool = True,
+        max_seqs: int = 1,
+        contention_tick_s: float = 0.05,
+        export_wait: float = 0.0,
+    ) -> None:
         if chunk_tokens < 1:
-            raise ValueError(f"{name}: chunk_tokens (a step's token budget) must be >= 1, "
-                             f"got {chunk_tokens!r}")
+            raise ValueError(
+                f"{name}: chunk_tokens (a step's token budget) must be >= 1, got {chunk_tokens!r}"
+            )
         if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 1:
             raise ValueError(f"{name}: max_seqs must be an int >= 1, got {max_seqs!r}")
         if not contention_tick_s > 0:
             raise ValueError(f"{name}: contention_tick_s must be > 0, got {contention_tick_s!r}")
-        if isinstance(export_wait, bool) or not isinstance(export_wait, (int, float)) \
-                or not 0 <= export_wait <= 1:
-            raise ValueError(f"{name}: export_wait must be a share in [0, 1], got "
-                             f"{export_wait!r}")
+        if (
+            isinstance(export_wait, bool)
+            or not isinstance(export_wait, (int, float))
+            or not 0 <= export_wait <= 1
+        ):
+            raise ValueError(f"{name}: export_wait must be a share in [0, 1], got {export_wait!r}")
         self.loop, self.cost, self.name = loop, cost, name
         self.export_wait = float(export_wait)
         self._export_rng = random.Random(f"pddnet-sim-export-wait:{cost.chip.name}:{name}")
@@ -193,7 +212,7 @@ class PrefillInstance:
     def _step_done(self) -> None:
         now = self.loop.now
         held, self._held = self._held, []
-        for on_progress, state, pos, done in held:   # they waited for this step: out now
+        for on_progress, state, pos, done in held:  # they waited for this step: out now
             on_progress(state, pos, now, done)
         if self.export_wait > 0:
             self._step_done_holding(now)
@@ -208,8 +227,7 @@ class PrefillInstance:
                 continue
             if self.cache is not None:
                 if r.table is not None:
-                    self.cache.insert_finished(r.state.req.units, r.table,
-                                                 r.state.prompt_hashes)
+                    self.cache.insert_finished(r.state.req.units, r.table, r.state.prompt_hashes)
                 else:
                     self.cache.unlock(r.handle)
             r.on_progress(r.state, r.pos, now, True)
@@ -232,8 +250,9 @@ class PrefillInstance:
             if done:
                 if self.cache is not None:
                     if r.table is not None:
-                        self.cache.insert_finished(r.state.req.units, r.table,
-                                                 r.state.prompt_hashes)
+                        self.cache.insert_finished(
+                            r.state.req.units, r.table, r.state.prompt_hashes
+                        )
                     else:
                         self.cache.unlock(r.handle)
                 finished.append(r)
@@ -241,7 +260,7 @@ class PrefillInstance:
         if finished:
             ids = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in ids]
-        next_at_once = bool(self.running or self.queue)   # what _step() will do
+        next_at_once = bool(self.running or self.queue)  # what _step() will do
         for rep in reports:
             if next_at_once and self._export_rng.random() < self.export_wait:
                 self._held.append(rep)

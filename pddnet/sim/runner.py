@@ -54,9 +54,11 @@ def requests_for(cfg: SimConfig) -> Iterator[SimRequest]:
             yield r.sent_at(round(r.arrival_s / w.rate_scale, 6))
         return
     params = agent_params_in_units(w.agent, cfg.tokens_per_unit)
-    params = dataclasses.replace(params, num_conversations=max(params.num_conversations, 1),
-                                 conversation_rate_per_s=params.conversation_rate_per_s
-                                 * w.rate_scale)
+    params = dataclasses.replace(
+        params,
+        num_conversations=max(params.num_conversations, 1),
+        conversation_rate_per_s=params.conversation_rate_per_s * w.rate_scale,
+    )
     yield from agent_stream(params, cfg.seed, cfg.tokens_per_unit, w.requests)
 
 
@@ -90,9 +92,13 @@ class Schedule:
             yield x.sent_at(t)
 
 
-def simulate(cfg: SimConfig, system: str,
-             progress: Callable[[int], None] | None = None,
-             replay: Schedule | None = None, record: Schedule | None = None) -> dict[str, Any]:
+def simulate(
+    cfg: SimConfig,
+    system: str,
+    progress: Callable[[int], None] | None = None,
+    replay: Schedule | None = None,
+    record: Schedule | None = None,
+) -> dict[str, Any]:
     """One system on the config's workload; returns its report.
 
     Arrivals (``workload.arrivals``): "closed" and "baseline" keep agents causal -- a
@@ -105,7 +111,7 @@ def simulate(cfg: SimConfig, system: str,
     loop = sim.loop
     stream = requests_for(cfg) if replay is None else replay.replay(requests_for(cfg))
     causal = cfg.workload.arrivals != "open"
-    live: dict[int, int] = {}           # conversation -> its turns being served
+    live: dict[int, int] = {}  # conversation -> its turns being served
     parked: dict[int, list[SimRequest]] = {}
 
     def send(req: SimRequest) -> None:
@@ -179,35 +185,54 @@ def report(sim: SimulatedSystem) -> dict[str, Any]:
         "deployment": sim.deployment.describe(),
         "gpus": sim.deployment.gpus_by_chip(),
         "cost_per_hour": _r(sim.hardware_cost_per_hour(), 4),
-        "requests": c["requests"], "finished": finished,
+        "requests": c["requests"],
+        "finished": finished,
         "unfinished": c["requests"] - finished,
-        "ttft_s": sim.ttft.summary(), "tpot_s": sim.tpot.summary(), "itl_s": sim.itl.summary(),
+        "ttft_s": sim.ttft.summary(),
+        "tpot_s": sim.tpot.summary(),
+        "itl_s": sim.itl.summary(),
         "e2e_s": sim.e2e.summary(),
         "ttft_by_pipeline_s": {p: h.summary() for p, h in sim.ttft_by_pipeline.items()},
-        "sla": {"ttft_s": sim.cfg.sla.ttft_s, "tpot_s": sim.cfg.sla.tpot_s,
-                "good": c["good"], "attainment": _r(c["good"] / finished if finished else 0.0)},
-        "makespan_s": _r(span), "arrival_span_s": _r(arrival_span),
+        "sla": {
+            "ttft_s": sim.cfg.sla.ttft_s,
+            "tpot_s": sim.cfg.sla.tpot_s,
+            "good": c["good"],
+            "attainment": _r(c["good"] / finished if finished else 0.0),
+        },
+        "makespan_s": _r(span),
+        "arrival_span_s": _r(arrival_span),
         "offered_rps": _r(c["requests"] / arrival_span if arrival_span > 0 else 0.0),
         # requests meeting both SLA bounds per second of the window in which they were offered
         "goodput_rps": _r(c["good"] / arrival_span if arrival_span > 0 else 0.0),
-        "token_share": {"rld": _r(c["rld_tokens"] / tokens if tokens else 0.0),
-                        "md": _r(c["md_tokens"] / tokens if tokens else 0.0)},
-        "pipelines": dict(sim.pipelines), "handoffs": dict(sim.handoffs),
+        "token_share": {
+            "rld": _r(c["rld_tokens"] / tokens if tokens else 0.0),
+            "md": _r(c["md_tokens"] / tokens if tokens else 0.0),
+        },
+        "pipelines": dict(sim.pipelines),
+        "handoffs": dict(sim.handoffs),
         "handoff_gap_s": sim.handoff_gap.summary(),
-        "prefix": {"prompt_tokens": c["prompt_tokens"],
-                   "decode_side_hit_tokens": c["md_hit_tokens"],
-                   "decode_side_hit_ratio": _r(c["md_hit_tokens"] / c["prompt_tokens"]
-                                               if c["prompt_tokens"] else 0.0),
-                   "p_hit_tokens": c["p_hit_tokens"],
-                   "hit_intervals": sim.hit_histogram()},
+        "prefix": {
+            "prompt_tokens": c["prompt_tokens"],
+            "decode_side_hit_tokens": c["md_hit_tokens"],
+            "decode_side_hit_ratio": _r(
+                c["md_hit_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+            ),
+            "p_hit_tokens": c["p_hit_tokens"],
+            "hit_intervals": sim.hit_histogram(),
+        },
         "rld": {"refused": c["rld_refused"], "queue_depth": sim.rld_depth.to_dict()},
         "md_alloc_waits": c["md_alloc_waits"],
-        "arrivals": sim.cfg.workload.arrivals, "overlapping_turns": c["overlapping_turns"],
-        "deferred_turns": c["deferred_turns"], "deferral_s": sim.deferral.summary(),
-        "busy": {"prefill": _r(_busy(sim.prefill, span)),
-                 "decode": _r(_busy([d.inst for d in sim.decode], span)),
-                 "relay": _r(_busy(sim.relay, span)) if sim.relay else None},
-        "events": sim.loop.events_run, "sim_time_s": _r(sim.loop.now),
+        "arrivals": sim.cfg.workload.arrivals,
+        "overlapping_turns": c["overlapping_turns"],
+        "deferred_turns": c["deferred_turns"],
+        "deferral_s": sim.deferral.summary(),
+        "busy": {
+            "prefill": _r(_busy(sim.prefill, span)),
+            "decode": _r(_busy([d.inst for d in sim.decode], span)),
+            "relay": _r(_busy(sim.relay, span)) if sim.relay else None,
+        },
+        "events": sim.loop.events_run,
+        "sim_time_s": _r(sim.loop.now),
         "ttft_cdf": [[_r(v), _r(f)] for v, f in sim.ttft.cdf_points(200)],
     }
     if sim.cross:
@@ -258,15 +283,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else round(a / b, 4)
 
 
-def simulate_all(cfg: SimConfig, progress: Callable[[str, int], None] | None = None
-                 ) -> dict[str, Any]:
+def simulate_all(
+    cfg: SimConfig, progress: Callable[[str, int], None] | None = None
+) -> dict[str, Any]:
     results = run_systems(cfg, cfg.systems, progress)
     return {"config": describe_config(cfg), "systems": results, "vs_baseline": compare(results)}
 
 
-def run_systems(cfg: SimConfig, systems: Sequence[str],
-                progress: Callable[[str, int], None] | None = None,
-                jobs: int = 1) -> dict[str, Any]:
+def run_systems(
+    cfg: SimConfig,
+    systems: Sequence[str],
+    progress: Callable[[str, int], None] | None = None,
+    jobs: int = 1,
+) -> dict[str, Any]:
     """Each system on the config's workload. With ``arrivals = "baseline"`` the baseline runs
     first (closed loop) and every other system is offered its send times: the same requests
     at the same times, so latency comparisons are at equal offered load. With ``jobs`` > 1
@@ -275,16 +304,14 @@ def run_systems(cfg: SimConfig, systems: Sequence[str],
 
     paced = cfg.workload.arrivals == "baseline"
     if paced and BASELINE not in systems:
-        raise ValueError(f'arrivals = "baseline" needs the baseline system {BASELINE!r} in '
-                         f"systems")
+        raise ValueError(f'arrivals = "baseline" needs the baseline system {BASELINE!r} in systems')
     results: dict[str, Any] = {}
     schedule = Schedule() if paced else None
     if paced:
         cb = (lambda n: progress(BASELINE, n)) if progress else None
         results[BASELINE] = simulate(cfg, BASELINE, cb, record=schedule)
     rest = [s for s in systems if s not in results]
-    tasks = [Task(simulate, (cfg, s), {"replay": schedule}, progress_kw="progress")
-             for s in rest]
+    tasks = [Task(simulate, (cfg, s), {"replay": schedule}, progress_kw="progress") for s in rest]
     on_progress = (lambda i, n: progress(rest[i], n)) if progress else None
     for s, r in zip(rest, run_tasks(tasks, jobs, on_progress), strict=True):
         results[s] = r
@@ -292,11 +319,20 @@ def run_systems(cfg: SimConfig, systems: Sequence[str],
 
 
 def describe_config(cfg: SimConfig) -> dict[str, Any]:
-    return {"seed": cfg.seed, "model": cfg.model.name,
-            "kv_bytes_per_token": cfg.model.kv_bytes_per_token,
-            "tokens_per_unit": cfg.tokens_per_unit, "systems": list(cfg.systems),
-            "pdd": cfg.pdd.describe(), "baseline": cfg.baseline.describe(),
-            "line": dataclasses.asdict(cfg.line), "engine": dataclasses.asdict(cfg.engine),
-            "policy": dataclasses.asdict(cfg.policy), "sla": dataclasses.asdict(cfg.sla),
-            "workload": {**{k: v for k, v in dataclasses.asdict(cfg.workload).items()
-                            if k != "agent"}, **cfg.workload.agent}}
+    return {
+        "seed": cfg.seed,
+        "model": cfg.model.name,
+        "kv_bytes_per_token": cfg.model.kv_bytes_per_token,
+        "tokens_per_unit": cfg.tokens_per_unit,
+        "systems": list(cfg.systems),
+        "pdd": cfg.pdd.describe(),
+        "baseline": cfg.baseline.describe(),
+        "line": dataclasses.asdict(cfg.line),
+        "engine": dataclasses.asdict(cfg.engine),
+        "policy": dataclasses.asdict(cfg.policy),
+        "sla": dataclasses.asdict(cfg.sla),
+        "workload": {
+            **{k: v for k, v in dataclasses.asdict(cfg.workload).items() if k != "agent"},
+            **cfg.workload.agent,
+        },
+    }

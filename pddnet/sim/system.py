@@ -53,16 +53,45 @@ HASH_BYTES = 8
 
 
 class ReqState:
-    __slots__ = ("req", "pipeline", "p", "md_idx", "rld_idx", "first_user",
-                 "last_user", "rld_tokens", "md_tokens", "finished", "transfer", "table",
-                 "handle", "prediction", "md_hit", "p_hit", "p_progress", "prefill_done",
-                 "prefill_start", "last_chunk_tokens", "alloc_sent", "md_member", "rld_member",
-                 "mode", "sent_ids", "rld_started", "takeover_pending", "md_allocated",
-                 "kv_at_md", "rld_done", "wan_bytes", "p_estimate", "prompt_hashes")
+    __slots__ = (
+        "req",
+        "pipeline",
+        "p",
+        "md_idx",
+        "rld_idx",
+        "first_user",
+        "last_user",
+        "rld_tokens",
+        "md_tokens",
+        "finished",
+        "transfer",
+        "table",
+        "handle",
+        "prediction",
+        "md_hit",
+        "p_hit",
+        "p_progress",
+        "prefill_done",
+        "prefill_start",
+        "last_chunk_tokens",
+        "alloc_sent",
+        "md_member",
+        "rld_member",
+        "mode",
+        "sent_ids",
+        "rld_started",
+        "takeover_pending",
+        "md_allocated",
+        "kv_at_md",
+        "rld_done",
+        "wan_bytes",
+        "p_estimate",
+        "prompt_hashes",
+    )
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
-        self.p = 0                 # its prefill instance, MD and RLD (set when it arrives)
+        self.p = 0  # its prefill instance, MD and RLD (set when it arrives)
         self.md_idx = 0
         self.rld_idx = -1
         self.pipeline: Pipeline | None = None
@@ -131,43 +160,72 @@ class SimulatedSystem:
         self.e2e = Histogram()
         self.handoff_gap = Histogram()
         self.ttft_by_pipeline = {p.value: Histogram() for p in Pipeline}
-        self.deferral = Histogram()       # how long deferred turns waited for their predecessor
+        self.deferral = Histogram()  # how long deferred turns waited for their predecessor
         self.rld_depth = Series(interval_s=0.5, max_points=512)
         self.pipelines = {p.value: 0 for p in Pipeline}
         self.handoffs = {HandoffMode.ONE_SHOT.value: 0, HandoffMode.STREAMING.value: 0}
-        self.counts = {"requests": 0, "finished": 0, "good": 0, "rld_tokens": 0,
-                       "md_tokens": 0, "prompt_tokens": 0, "md_hit_tokens": 0,
-                       "p_hit_tokens": 0, "cancelled_transfers": 0, "md_alloc_waits": 0,
-                       "rld_refused": 0, "overlapping_turns": 0, "deferred_turns": 0}
+        self.counts = {
+            "requests": 0,
+            "finished": 0,
+            "good": 0,
+            "rld_tokens": 0,
+            "md_tokens": 0,
+            "prompt_tokens": 0,
+            "md_hit_tokens": 0,
+            "p_hit_tokens": 0,
+            "cancelled_transfers": 0,
+            "md_alloc_waits": 0,
+            "rld_refused": 0,
+            "overlapping_turns": 0,
+            "deferred_turns": 0,
+        }
         self.first_arrival: float | None = None
         self.last_arrival = 0.0
         self.last_done = 0.0
         owd = c.line.rtt_ms / 2
         if self.cross:
-            self.wan = WanLine(self.loop, rate_mbit=c.line.bw_gbit * 1e3, delay_ms=owd,
-                               jitter_ms=c.line.jitter_ms,
-                               queue_bytes=None if c.line.queue_mb is None
-                               else int(c.line.queue_mb * (1 << 20)),
-                               piece_bytes=c.line.piece_bytes(),
-                               seed=c.seed)
+            self.wan = WanLine(
+                self.loop,
+                rate_mbit=c.line.bw_gbit * 1e3,
+                delay_ms=owd,
+                jitter_ms=c.line.jitter_ms,
+                queue_bytes=None if c.line.queue_mb is None else int(c.line.queue_mb * (1 << 20)),
+                piece_bytes=c.line.piece_bytes(),
+                seed=c.seed,
+            )
             self.bw_est = BandwidthEstimator(initial_bps=c.line.bw_gbit * 1e9 / 8)
             self.rtt_est = RttEstimator(initial_s=max(c.line.rtt_ms, 0.01) / 1e3)
         mu = e.memory_utilisation
         pc = InstanceCost(dep.prefill.chip, c.model, dep.prefill.gpus, mu)
-        self.prefill = [PrefillInstance(self.loop, pc, f"P{i}", self.q, self.block_units,
-                                        e.chunk_tokens, e.p_prefix_cache)
-                        for i in range(dep.prefill.instances)]
+        self.prefill = [
+            PrefillInstance(
+                self.loop, pc, f"P{i}", self.q, self.block_units, e.chunk_tokens, e.p_prefix_cache
+            )
+            for i in range(dep.prefill.instances)
+        ]
         self.rdma_latency = e.rdma_latency_us / 1e6
         dc = InstanceCost(dep.decode.chip, c.model, dep.decode.gpus, mu)
         user_delay = owd / 1e3 if self.cross else 0.0
         blocks = dc.kv_capacity_tokens() // self.block_tokens
-        self.decode = [DecodeSide(DecodeInstance(self.loop, dc, f"D{i}", e.max_seqs, user_delay,
-                                                 self.itl, self.handoff_gap, e.segment_steps),
-                                  RadixCache(BlockAllocator(blocks), self.block_units),
-                                  self.use_drc)
-                       for i in range(dep.decode.instances)]
+        self.decode = [
+            DecodeSide(
+                DecodeInstance(
+                    self.loop,
+                    dc,
+                    f"D{i}",
+                    e.max_seqs,
+                    user_delay,
+                    self.itl,
+                    self.handoff_gap,
+                    e.segment_steps,
+                ),
+                RadixCache(BlockAllocator(blocks), self.block_units),
+                self.use_drc,
+            )
+            for i in range(dep.decode.instances)
+        ]
         self.views = [DecodeCacheView(max_hashes=max(1024, blocks)) for _ in self.decode]
-        self._hashing = e.p_prefix_cache or self.use_drc    # a cache names blocks by hashes
+        self._hashing = e.p_prefix_cache or self.use_drc  # a cache names blocks by hashes
         self.relay: list[DecodeInstance] = []
         self.admission: list[RelayAdmission] = []
         if self.use_rld:
@@ -176,13 +234,21 @@ class SimulatedSystem:
             rc = InstanceCost(dep.relay.chip, c.model, dep.relay.gpus, mu)
             cap = rc.kv_capacity_tokens()
             for i in range(dep.relay.instances):
-                self.relay.append(DecodeInstance(self.loop, rc, f"RLD{i}", e.max_seqs, 0.0,
-                                                 self.itl, None, e.segment_steps))
-                self.admission.append(RelayAdmission(max_running_tokens=cap,
-                                                     max_blocks=max(1, cap // e.block_tokens),
-                                                     max_requests=pol.rld_max_requests))
-        self.pipeline_policy = PipelinePolicy(pol.direct_budget_s, pol.singular_filter,
-                                              pol.singular_margin)
+                self.relay.append(
+                    DecodeInstance(
+                        self.loop, rc, f"RLD{i}", e.max_seqs, 0.0, self.itl, None, e.segment_steps
+                    )
+                )
+                self.admission.append(
+                    RelayAdmission(
+                        max_running_tokens=cap,
+                        max_blocks=max(1, cap // e.block_tokens),
+                        max_requests=pol.rld_max_requests,
+                    )
+                )
+        self.pipeline_policy = PipelinePolicy(
+            pol.direct_budget_s, pol.singular_filter, pol.singular_margin
+        )
         # P's planning is the daemons' PipelinePlanner, one per (P, MD) pair (a P daemon plans
         # towards its MD), created on first use. The pair's planner holds that MD's view (shared
         # by every P: the simulated views are per MD) and the line's estimators (shared too);
@@ -190,10 +256,13 @@ class SimulatedSystem:
         # leave P on the one line ahead of its next request's.
         self.wan_backlogs = [WanBacklog() for _ in self.prefill] if self.cross else []
         self.planners: dict[tuple[int, int], PipelinePlanner] = {}
-        self.handoff_policy = HandoffPolicy(HandoffMode.parse(pol.handoff),
-                                            pol.handoff_threshold, pol.handoff_chunk,
-                                            pol.rld_load_limit)
-        self._p_of: dict[int, tuple[int, int]] = {}   # conversation -> (P, last prompt tokens)
+        self.handoff_policy = HandoffPolicy(
+            HandoffMode.parse(pol.handoff),
+            pol.handoff_threshold,
+            pol.handoff_chunk,
+            pol.rld_load_limit,
+        )
+        self._p_of: dict[int, tuple[int, int]] = {}  # conversation -> (P, last prompt tokens)
         self._d_of: dict[int, int] = {}
         # The routers' load signals, kept up to date instead of scanned per arrival: estimated
         # prefill seconds routed to each P and not done yet; requests on each MD / D.
@@ -201,7 +270,7 @@ class SimulatedSystem:
         self._d_load = [0] * len(self.decode)
         self._rld_held = 0
         self._hash_memo: OrderedDict[int, tuple[tuple[int, ...], list[int]]] = OrderedDict()
-        self.on_request_done: Any = None       # the runner's hook: a conversation may go on
+        self.on_request_done: Any = None  # the runner's hook: a conversation may go on
 
     # -- routing ----------------------------------------------------------------------------
 
@@ -262,8 +331,9 @@ class SimulatedSystem:
             st.pipeline = self._choose_pipeline(st)
             if st.pipeline is not Pipeline.RLD_ONLY:
                 st.alloc_sent = now
-                self.wan.message("a_to_b", HEADER_BYTES + TOKEN_ID_BYTES * req.prompt_tokens,
-                                 self._md_alloc, st)
+                self.wan.message(
+                    "a_to_b", HEADER_BYTES + TOKEN_ID_BYTES * req.prompt_tokens, self._md_alloc, st
+                )
         self.pipelines[st.pipeline.value] += 1
         self.prefill[st.p].submit(st, self._on_prefill)
 
@@ -279,21 +349,29 @@ class SimulatedSystem:
             # predicted from the hashes kept per conversation (the view counts in units)
             assert st.prompt_hashes is not None, "use_drc: hashed on arrival"
             st.prediction = planner.view.predict_from_hashes(
-                len(req.units), st.prompt_hashes, self.block_units)
+                len(req.units), st.prompt_hashes, self.block_units
+            )
             plan = planner.plan_predicted(
-                req.prompt_tokens, st.prediction, req.output_tokens,
-                hit_tokens=min(st.prediction.hit_tokens * self.q, req.prompt_tokens))
+                req.prompt_tokens,
+                st.prediction,
+                req.output_tokens,
+                hit_tokens=min(st.prediction.hit_tokens * self.q, req.prompt_tokens),
+            )
         else:
-            plan = planner.plan_predicted(req.prompt_tokens,
-                                          HitPrediction(len(req.units), 0, (), 0, False),
-                                          req.output_tokens)
+            plan = planner.plan_predicted(
+                req.prompt_tokens, HitPrediction(len(req.units), 0, (), 0, False), req.output_tokens
+            )
         if plan.pipeline is Pipeline.P_MD:
             return Pipeline.P_MD
         total, block = req.prompt_tokens + req.output_tokens, self.cfg.engine.block_tokens
         # as RLD admits (RelayDaemon._alloc): requests it will finish alone (the singular
         # filter's) may hold only their share of it
-        adm = self.admission[r].try_admit(str(req.rid), total, -(-(total - 1) // block),
-                                          singular=plan.pipeline is Pipeline.RLD_ONLY)
+        adm = self.admission[r].try_admit(
+            str(req.rid),
+            total,
+            -(-(total - 1) // block),
+            singular=plan.pipeline is Pipeline.RLD_ONLY,
+        )
         if not adm.admitted:
             # as the prefill daemon does: RLD refused, so P->MD (wait for the KV on MD)
             self.counts["rld_refused"] += 1
@@ -308,9 +386,14 @@ class SimulatedSystem:
         planner = self.planners.get((p, md))
         if planner is None:
             planner = self.planners[(p, md)] = PipelinePlanner(
-                self.pipeline_policy, self.kvpt, self.bw_est.initial_bps,
-                view=self.views[md], bandwidth=self.bw_est, rtt=self.rtt_est,
-                backlog=self.wan_backlogs[p])
+                self.pipeline_policy,
+                self.kvpt,
+                self.bw_est.initial_bps,
+                view=self.views[md],
+                bandwidth=self.bw_est,
+                rtt=self.rtt_est,
+                backlog=self.wan_backlogs[p],
+            )
         return planner
 
     def _with_kv_hashes(self, st: ReqState, with_kv: tuple[int, ...]) -> list[int]:
@@ -319,9 +402,10 @@ class SimulatedSystem:
         bs = self.block_units
         hashes = st.prompt_hashes
         assert hashes is not None, "a cache is on: hashed on arrival"
-        done = len(st.req.units) // bs       # (the kept list may have grown since: appends only)
-        return hashes[:done] + chained_hashes(with_kv[done * bs:], bs,
-                                              hashes[done - 1] if done else 0)
+        done = len(st.req.units) // bs  # (the kept list may have grown since: appends only)
+        return hashes[:done] + chained_hashes(
+            with_kv[done * bs :], bs, hashes[done - 1] if done else 0
+        )
 
     def _hashes_for(self, conv: int, units: tuple[int, ...]) -> list[int]:
         """Chained hashes of the full blocks of ``units`` (the caches' block size), extending
@@ -333,11 +417,10 @@ class SimulatedSystem:
         bs = self.block_units
         memo = self._hash_memo
         known = memo.pop(conv, None) if conv >= 0 else None
-        if known is not None and len(units) >= len(known[0]) and \
-                units[:len(known[0])] == known[0]:
+        if known is not None and len(units) >= len(known[0]) and units[: len(known[0])] == known[0]:
             hashes = known[1]
             done = len(hashes)
-            hashes += chained_hashes(units[done * bs:], bs, hashes[-1] if done else 0)
+            hashes += chained_hashes(units[done * bs :], bs, hashes[-1] if done else 0)
         else:
             hashes = chained_hashes(units, bs)
         if conv >= 0:
@@ -359,13 +442,15 @@ class SimulatedSystem:
         self._p_backlog[st.p] = max(0.0, self._p_backlog[st.p] - st.p_estimate)
         self.counts["p_hit_tokens"] += st.p_hit
         if st.pipeline is Pipeline.P_MD and self.cross:
-            return                                  # the WAN transfer carries it on
+            return  # the WAN transfer carries it on
         # RDMA to RLD (all of the prompt's KV) or to D (what D's cache lacks); chunks left as
         # they were computed, so the last one arrives a chunk's transfer after the prefill.
         nbytes = (st.req.prompt_tokens - (st.md_hit if not self.cross else 0)) * self.kvpt
         bw = self.prefill[st.p].cost.rdma_bytes_per_s
-        arrive = max(t + st.last_chunk_tokens * self.kvpt / bw,
-                     st.prefill_start + nbytes / bw) + self.rdma_latency
+        arrive = (
+            max(t + st.last_chunk_tokens * self.kvpt / bw, st.prefill_start + nbytes / bw)
+            + self.rdma_latency
+        )
         if self.cross:
             self.loop.at(arrive, self._rld_start, st)
         else:
@@ -385,7 +470,7 @@ class SimulatedSystem:
         if queue:
             while side.waiting and side.waiting[0].finished:
                 side.waiting.pop(0)
-            if side.waiting:       # first come first served, as MD's daemon: no overtaking
+            if side.waiting:  # first come first served, as MD's daemon: no overtaking
                 self.counts["md_alloc_waits"] += 1
                 side.waiting.append(st)
                 return False
@@ -399,8 +484,10 @@ class SimulatedSystem:
             if handle is not None:
                 cache.unlock(handle)
             if need > cache.allocator.num_blocks:
-                raise ValueError(f"request {req.rid} needs {need} KV blocks, more than a "
-                                 f"whole decode instance holds ({cache.allocator.num_blocks})")
+                raise ValueError(
+                    f"request {req.rid} needs {need} KV blocks, more than a "
+                    f"whole decode instance holds ({cache.allocator.num_blocks})"
+                )
             if queue:
                 self.counts["md_alloc_waits"] += 1
                 side.waiting.append(st)
@@ -460,8 +547,9 @@ class SimulatedSystem:
             # on that token can arrive (callers release before they finish the request).
             events = side.cache.drain_events()
             if events is not None:
-                self.loop.at(self.loop.now + side.inst.user_delay_s, self._p_cache_notice,
-                             st.md_idx, events)
+                self.loop.at(
+                    self.loop.now + side.inst.user_delay_s, self._p_cache_notice, st.md_idx, events
+                )
         while side.waiting:
             nxt = side.waiting[0]
             if nxt.finished:
@@ -489,18 +577,19 @@ class SimulatedSystem:
             return
         total = (st.req.prompt_tokens - st.md_hit) * self.kvpt
         st.wan_bytes = total
-        if self.use_rld:   # as the prefill daemon: MD's answer fixes what crosses
+        if self.use_rld:  # as the prefill daemon: MD's answer fixes what crosses
             self.wan_backlogs[st.p].commit(st.req.rid, total)
         # one sender per (P, MD) pair, as the prefill daemon's stripes to that MD
-        st.transfer = self.wan.start_transfer(total, lambda t: self._kv_at_md(t, st),
-                                              sender=(st.p, st.md_idx))
+        st.transfer = self.wan.start_transfer(
+            total, lambda t: self._kv_at_md(t, st), sender=(st.p, st.md_idx)
+        )
         self.wan.make_sendable(st.transfer, (st.p_progress - st.md_hit) * self.kvpt)
 
     def _cancel_md(self, st: ReqState) -> None:
         if self.use_rld:
             self.wan_backlogs[st.p].release(st.req.rid)
         if st.transfer is not None and st.transfer.done_at is None:
-            self.wan.cancel(st.transfer)      # (a finished one has nothing left to stop)
+            self.wan.cancel(st.transfer)  # (a finished one has nothing left to stop)
             self.counts["cancelled_transfers"] += 1
         self.wan.message("a_to_b", HEADER_BYTES, self._md_cancelled, st)
 
@@ -601,7 +690,7 @@ class SimulatedSystem:
             st.takeover_pending = True
             return
         rld = self.relay[st.rld_idx]
-        if st.mode is not None:                 # streaming: MD caught up, make the final cut
+        if st.mode is not None:  # streaming: MD caught up, make the final cut
             self._rld_cut(now, st)
             return
         assert st.rld_member is not None, "a takeover's request decodes on RLD"
@@ -613,8 +702,14 @@ class SimulatedSystem:
             self._rld_cut(now, st)
         else:
             st.sent_ids = backlog
-            self.wan.message("a_to_b", HEADER_BYTES + TOKEN_ID_BYTES * backlog,
-                             self._md_handoff, st, backlog, False)
+            self.wan.message(
+                "a_to_b",
+                HEADER_BYTES + TOKEN_ID_BYTES * backlog,
+                self._md_handoff,
+                st,
+                backlog,
+                False,
+            )
 
     def _rld_cut(self, now: float, st: ReqState) -> None:
         """The final cut, made when TAKEOVER arrives (RelayHandoff's): RLD's tokens are the
@@ -635,11 +730,11 @@ class SimulatedSystem:
 
     def _rld_left(self, st: ReqState, t: float, done: bool) -> None:
         st.rld_done = True
-        st.rld_member = None        # nothing reads it once RLD is done (see _md_finished)
+        st.rld_member = None  # nothing reads it once RLD is done (see _md_finished)
         self.admission[st.rld_idx].release(str(st.req.rid))
         self._rld_held -= 1
         self.rld_depth.observe(t, self._rld_held)
-        if done:                                  # RLD produced every token
+        if done:  # RLD produced every token
             last = st.last_user if st.last_user >= 0 else t
             self._finish(st, last)
             if st.pipeline is not Pipeline.RLD_ONLY:
@@ -648,8 +743,9 @@ class SimulatedSystem:
         # cut: the final HANDOFF carries the ids MD has not been sent yet
         ids = st.rld_tokens - st.sent_ids
         st.sent_ids = st.rld_tokens
-        self.wan.message("a_to_b", HEADER_BYTES + TOKEN_ID_BYTES * ids, self._md_handoff, st,
-                         ids, True)
+        self.wan.message(
+            "a_to_b", HEADER_BYTES + TOKEN_ID_BYTES * ids, self._md_handoff, st, ids, True
+        )
 
     def _md_handoff(self, now: float, st: ReqState, ids: int, final: bool) -> None:
         if st.finished:
@@ -686,8 +782,9 @@ class SimulatedSystem:
         self._d_load[st.md_idx] -= 1
         req = st.req
         last_user = max(last_user, st.first_user)
-        tpot = (last_user - st.first_user) / (req.output_tokens - 1) if req.output_tokens > 1 \
-            else 0.0
+        tpot = (
+            (last_user - st.first_user) / (req.output_tokens - 1) if req.output_tokens > 1 else 0.0
+        )
         ttft = st.first_user - req.arrival_s
         self.tpot.add(tpot)
         self.e2e.add(last_user - req.arrival_s)

@@ -35,11 +35,21 @@ def _called(now: float) -> None:
 class Transfer:
     """One request's KV on the WAN; bytes become sendable as P computes them."""
 
-    __slots__ = ("total", "sendable", "offered", "delivered", "on_done", "cancelled",
-                 "started_at", "done_at", "sender")
+    __slots__ = (
+        "total",
+        "sendable",
+        "offered",
+        "delivered",
+        "on_done",
+        "cancelled",
+        "started_at",
+        "done_at",
+        "sender",
+    )
 
-    def __init__(self, total: int, on_done: Callable[[float], None], now: float,
-                 sender: Hashable) -> None:
+    def __init__(
+        self, total: int, on_done: Callable[[float], None], now: float, sender: Hashable
+    ) -> None:
         self.sender = sender
         self.total = total
         self.sendable = 0
@@ -78,18 +88,28 @@ class _Piece:
 
 
 class WanLine:
-    def __init__(self, loop: EventLoop, rate_mbit: float, delay_ms: float, jitter_ms: float = 0.0,
-                 queue_bytes: int | None = None, piece_bytes: int = 8 << 20, seed: int = 0,
-                 control_reserve: int = 1 << 20, **effects: Any) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        rate_mbit: float,
+        delay_ms: float,
+        jitter_ms: float = 0.0,
+        queue_bytes: int | None = None,
+        piece_bytes: int = 8 << 20,
+        seed: int = 0,
+        control_reserve: int = 1 << 20,
+        **effects: Any,
+    ) -> None:
         if rate_mbit <= 0:
             raise ValueError(f"WAN rate must be > 0 Mbit/s, got {rate_mbit!r}")
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes!r}")
         if queue_bytes is None:
-            queue_bytes = piece_bytes + control_reserve   # the default: one piece and the reserve
+            queue_bytes = piece_bytes + control_reserve  # the default: one piece and the reserve
         elif queue_bytes < 2:
-            raise ValueError(f"queue_bytes must be >= 2 (a reserve and a piece), "
-                             f"got {queue_bytes!r}")
+            raise ValueError(
+                f"queue_bytes must be >= 2 (a reserve and a piece), got {queue_bytes!r}"
+            )
         # An explicit queue is the one asked for: the piece and the control reserve are cut to
         # fit in it (a piece larger than the queue could never be offered; raising the queue to
         # fit it, as this once did, turned queue_mb = 8 into a 65 MB buffer). A queue smaller
@@ -98,8 +118,14 @@ class WanLine:
         control_reserve = min(control_reserve, queue_bytes - min(piece_bytes, queue_bytes // 2))
         piece_bytes = min(piece_bytes, queue_bytes - control_reserve)
         self.loop = loop
-        self.link = Link(seed=seed, rate_mbit=rate_mbit, delay_ms=delay_ms, jitter_ms=jitter_ms,
-                         queue_bytes=queue_bytes, **effects)
+        self.link = Link(
+            seed=seed,
+            rate_mbit=rate_mbit,
+            delay_ms=delay_ms,
+            jitter_ms=jitter_ms,
+            queue_bytes=queue_bytes,
+            **effects,
+        )
         self.piece_bytes = piece_bytes
         self.control_reserve = control_reserve
         self.rate_bytes_per_s = rate_mbit * 1e6 / 8
@@ -110,18 +136,21 @@ class WanLine:
         self._ready: deque[Hashable] = deque()
         self._writes: dict[Hashable, deque[_Write]] = {}
         # control messages not yet accepted by the bottleneck queue (their TCP send buffer)
-        self._control: dict[str, deque[tuple[int, _Message]]] = {"a_to_b": deque(),
-                                                                 "b_to_a": deque()}
+        self._control: dict[str, deque[tuple[int, _Message]]] = {
+            "a_to_b": deque(),
+            "b_to_a": deque(),
+        }
         self._pump_token = {"a_to_b": 0, "b_to_a": 0}
         self._pump_at: dict[str, float | None] = {"a_to_b": None, "b_to_a": None}
-        self.kv_bytes = 0            # KV bytes offered to the line
+        self.kv_bytes = 0  # KV bytes offered to the line
         self.kv_bytes_cancelled = 0  # bytes of cancelled transfers never offered (computed or not)
         self.messages = 0
 
     # -- what the system calls ----------------------------------------------------------------
 
-    def start_transfer(self, total_bytes: int, on_done: Callable[[float], None], *,
-                       sender: Hashable) -> Transfer:
+    def start_transfer(
+        self, total_bytes: int, on_done: Callable[[float], None], *, sender: Hashable
+    ) -> Transfer:
         """A transfer of ``sender``'s (its bytes go in write order behind that sender's
         earlier writes; senders share the line round-robin)."""
         tr = Transfer(int(total_bytes), on_done, self.loop.now, sender)
@@ -145,7 +174,7 @@ class WanLine:
         if not writes:
             self._ready.append(tr.sender)
         if writes and writes[-1].transfer is tr:
-            writes[-1].upto = upto                 # the same transfer's next bytes: one write
+            writes[-1].upto = upto  # the same transfer's next bytes: one write
         else:
             writes.append(_Write(tr, upto))
         now = self.loop.now
@@ -161,16 +190,15 @@ class WanLine:
         tr.on_done = _called
         self.kv_bytes_cancelled += tr.total - tr.offered
 
-    def message(self, direction: str, size: int, callback: Callable[..., None],
-                *args: Any) -> None:
+    def message(self, direction: str, size: int, callback: Callable[..., None], *args: Any) -> None:
         """A control message; ``callback(arrival_time, *args)`` when it arrives."""
         if direction not in self._dirs:
-            self.link.direction(direction)      # raises: not a direction's name
+            self.link.direction(direction)  # raises: not a direction's name
         self.messages += 1
         msg = _Message(callback, args)
         control, d, now = self._control[direction], self._dirs[direction], self.loop.now
         if not control and d.would_accept(now, size):
-            d.offer(now, size, msg)       # nothing ahead of it in its send buffer: goes now
+            d.offer(now, size, msg)  # nothing ahead of it in its send buffer: goes now
         else:
             control.append((size, msg))
         self._wake(direction, now)
@@ -195,8 +223,12 @@ class WanLine:
         on how often the link is polled, only the number of events does."""
         d = self._dirs[direction]
         departure = d.next_departure()
-        if (departure is None or self._control[direction]
-                or (direction == "a_to_b" and self._ready) or not d.in_order()):
+        if (
+            departure is None
+            or self._control[direction]
+            or (direction == "a_to_b" and self._ready)
+            or not d.in_order()
+        ):
             return d.next_wakeup()
         change = d.next_change()
         return departure if change is None or departure <= change else change
@@ -227,7 +259,7 @@ class WanLine:
             d.offer(now, size, msg)
         if direction == "a_to_b" and not control:
             self._offer_pieces(d, now)
-        self._wake(direction, now + 1e-9)      # (never again at this instant: no busy loop)
+        self._wake(direction, now + 1e-9)  # (never again at this instant: no busy loop)
 
     def _offer_pieces(self, d: LinkDirection, now: float) -> None:
         ready = self._ready
@@ -250,7 +282,7 @@ class WanLine:
             if tr.offered >= w.upto:
                 writes.popleft()
             if writes:
-                ready.rotate(-1)       # round-robin: the next sender's piece goes first
+                ready.rotate(-1)  # round-robin: the next sender's piece goes first
             else:
                 ready.popleft()
 
@@ -277,9 +309,13 @@ class WanLine:
 
     def counters(self) -> dict[str, Any]:
         c = self.link.a_to_b.counters()
-        return {"kv_bytes": self.kv_bytes, "kv_bytes_cancelled": self.kv_bytes_cancelled,
-                "messages": self.messages, "bytes_out_a_to_b": c["bytes_out"],
-                "queue_bytes": self.link.a_to_b.effects()["queue_bytes"],
-                "piece_bytes": self.piece_bytes,
-                "max_queue_bytes": c["queue"]["max_bytes"],
-                "drops": sum(c["drops"].values())}
+        return {
+            "kv_bytes": self.kv_bytes,
+            "kv_bytes_cancelled": self.kv_bytes_cancelled,
+            "messages": self.messages,
+            "bytes_out_a_to_b": c["bytes_out"],
+            "queue_bytes": self.link.a_to_b.effects()["queue_bytes"],
+            "piece_bytes": self.piece_bytes,
+            "max_queue_bytes": c["queue"]["max_bytes"],
+            "drops": sum(c["drops"].values()),
+        }

@@ -37,14 +37,22 @@ class SimRequest:
     rid: int
     conversation: int
     arrival_s: float
-    units: tuple[int, ...]          # prompt content, one id per unit
+    units: tuple[int, ...]  # prompt content, one id per unit
     prompt_tokens: int
     output_tokens: int
-    output_units: tuple[int, ...]   # what the reply adds to the conversation's history
+    output_units: tuple[int, ...]  # what the reply adds to the conversation's history
 
     # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, rid: int, conversation: int, arrival_s: float, units: tuple[int, ...],
-                 prompt_tokens: int, output_tokens: int, output_units: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        rid: int,
+        conversation: int,
+        arrival_s: float,
+        units: tuple[int, ...],
+        prompt_tokens: int,
+        output_tokens: int,
+        output_units: tuple[int, ...],
+    ) -> None:
         object.__setattr__(self, "rid", rid)
         object.__setattr__(self, "conversation", conversation)
         object.__setattr__(self, "arrival_s", arrival_s)
@@ -55,8 +63,15 @@ class SimRequest:
 
     def sent_at(self, t: float) -> SimRequest:
         """The same request offered at ``t`` (``dataclasses.replace``, compiled: once per turn)."""
-        return SimRequest(self.rid, self.conversation, t, self.units, self.prompt_tokens,
-                          self.output_tokens, self.output_units)
+        return SimRequest(
+            self.rid,
+            self.conversation,
+            t,
+            self.units,
+            self.prompt_tokens,
+            self.output_tokens,
+            self.output_units,
+        )
 
 
 def units_for(tokens: int, tokens_per_unit: int) -> int:
@@ -68,12 +83,13 @@ def agent_params_in_units(params: dict[str, Any], tokens_per_unit: int) -> Agent
     known = {f.name for f in fields(AgentWorkloadParams)}
     unknown = sorted(set(params) - known)
     if unknown:
-        raise ValueError(f"unknown agent workload field(s): {', '.join(unknown)} "
-                         f"(known: {', '.join(sorted(known))})")
+        raise ValueError(
+            f"unknown agent workload field(s): {', '.join(unknown)} "
+            f"(known: {', '.join(sorted(known))})"
+        )
     out: dict[str, Any] = {}
     for k, v in params.items():
-        if k in ("system_prompt_len", "task_len", "small_tool_len", "large_tool_len",
-                 "output_len"):
+        if k in ("system_prompt_len", "task_len", "small_tool_len", "large_tool_len", "output_len"):
             lo, hi = v
             out[k] = (units_for(lo, tokens_per_unit), units_for(hi, tokens_per_unit))
         elif k == "max_context":
@@ -86,23 +102,29 @@ def agent_params_in_units(params: dict[str, Any], tokens_per_unit: int) -> Agent
     return AgentWorkloadParams(**out)
 
 
-def agent_stream(params: AgentWorkloadParams, seed: int, tokens_per_unit: int,
-                 max_requests: int, chunk_conversations: int = 64) -> Iterator[SimRequest]:
+def agent_stream(
+    params: AgentWorkloadParams,
+    seed: int,
+    tokens_per_unit: int,
+    max_requests: int,
+    chunk_conversations: int = 64,
+) -> Iterator[SimRequest]:
     """Up to ``max_requests`` agent requests in arrival order (``params.num_conversations``
     caps the conversations; the stream is generated chunk by chunk)."""
     if max_requests < 1:
         raise ValueError(f"max_requests must be >= 1, got {max_requests!r}")
     q = tokens_per_unit
     rids = itertools.count()
-    heap: list[tuple[float, int, int, Any, int]] = []   # (arrival, conv, turn, request, conv)
+    heap: list[tuple[float, int, int, Any, int]] = []  # (arrival, conv, turn, request, conv)
     offset, chunk, conv_base, emitted = 0.0, 0, 0, 0
     next_chunk_at = 0.0
     total_convs = params.num_conversations
     while emitted < max_requests:
         while conv_base < total_convs and (not heap or heap[0][0] >= next_chunk_at):
             n = min(chunk_conversations, total_convs - conv_base)
-            part = generate_agent_workload(replace(params, num_conversations=n),
-                                           seed=_derive(seed, chunk))
+            part = generate_agent_workload(
+                replace(params, num_conversations=n), seed=_derive(seed, chunk)
+            )
             last_start = 0.0
             for r in part:
                 conv = conv_base + r.conversation_id
@@ -116,8 +138,15 @@ def agent_stream(params: AgentWorkloadParams, seed: int, tokens_per_unit: int,
         if not heap:
             return
         arrival, conv, _, r, _ = heapq.heappop(heap)
-        yield SimRequest(next(rids), conv, arrival, r.prompt_token_ids,
-                         len(r.prompt_token_ids) * q, r.max_tokens * q, r.output_token_ids)
+        yield SimRequest(
+            next(rids),
+            conv,
+            arrival,
+            r.prompt_token_ids,
+            len(r.prompt_token_ids) * q,
+            r.max_tokens * q,
+            r.output_token_ids,
+        )
         emitted += 1
 
 
@@ -125,18 +154,23 @@ def _derive(seed: int, chunk: int) -> int:
     return random.Random(f"pddnet-sim:{seed}:{chunk}").getrandbits(63)
 
 
-_TRACE_KEYS = {"arrival": ("arrival_s", "timestamp"), "prompt": ("prompt_tokens", "input_length"),
-               "output": ("output_tokens", "output_length"), "ids": ("prefix_ids", "hash_ids")}
+_TRACE_KEYS = {
+    "arrival": ("arrival_s", "timestamp"),
+    "prompt": ("prompt_tokens", "input_length"),
+    "output": ("output_tokens", "output_length"),
+    "ids": ("prefix_ids", "hash_ids"),
+}
 
 
-def trace_stream(path: str | Path, tokens_per_unit: int,
-                 max_requests: int | None = None) -> Iterator[SimRequest]:
+def trace_stream(
+    path: str | Path, tokens_per_unit: int, max_requests: int | None = None
+) -> Iterator[SimRequest]:
     """Replay a JSONL trace (see the module docstring); ``tokens_per_unit`` is the trace's
     block size. Arrivals must not go backwards."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"trace file {path} does not exist")
-    fresh = itertools.count(-1, -1)        # unique ids for uncovered units and outputs
+    fresh = itertools.count(-1, -1)  # unique ids for uncovered units and outputs
     last = -1.0
     with path.open() as f:
         n = 0
@@ -160,10 +194,12 @@ def trace_stream(path: str | Path, tokens_per_unit: int,
 
             arrival = float(get("arrival"))
             if "arrival_s" not in rec:
-                arrival /= 1000.0          # Mooncake timestamps are in ms
+                arrival /= 1000.0  # Mooncake timestamps are in ms
             if arrival < last:
-                raise ValueError(f"{path}:{lineno}: arrival {arrival} before the previous "
-                                 f"line's {last}: sort the trace by time")
+                raise ValueError(
+                    f"{path}:{lineno}: arrival {arrival} before the previous "
+                    f"line's {last}: sort the trace by time"
+                )
             last = arrival
             prompt, output = int(get("prompt")), int(get("output"))
             if prompt < 1 or output < 1:
@@ -171,8 +207,10 @@ def trace_stream(path: str | Path, tokens_per_unit: int,
             ids = [int(x) for x in get("ids")]
             need = units_for(prompt, tokens_per_unit)
             if len(ids) > need:
-                raise ValueError(f"{path}:{lineno}: {len(ids)} block ids for {prompt} tokens "
-                                 f"(at most {need} at {tokens_per_unit} tokens per block)")
+                raise ValueError(
+                    f"{path}:{lineno}: {len(ids)} block ids for {prompt} tokens "
+                    f"(at most {need} at {tokens_per_unit} tokens per block)"
+                )
             units = tuple(ids) + tuple(next(fresh) for _ in range(need - len(ids)))
             out_units = tuple(next(fresh) for _ in range(units_for(output, tokens_per_unit)))
             conv = int(rec.get("conversation", -lineno))

@@ -49,8 +49,14 @@ LANE_LIMITS: dict[str, Limits] = {
     "bulk": Limits(),
 }
 # Before authentication a peer may only send HELLO / AUTH / AUTH_OK / AUTH_FAIL: tiny frames.
-HANDSHAKE_LIMITS = Limits(max_metadata_bytes=8 << 10, max_payload_bytes=1, max_str_len=4096,
-                          max_bin_len=128, max_array_len=16, max_map_len=32)
+HANDSHAKE_LIMITS = Limits(
+    max_metadata_bytes=8 << 10,
+    max_payload_bytes=1,
+    max_str_len=4096,
+    max_bin_len=128,
+    max_array_len=16,
+    max_map_len=32,
+)
 READ_CHUNK = 1 << 20  # most bytes taken from the stream per read while inside a frame body
 STREAM_LIMIT = 4 << 20  # StreamReader buffer before it pauses the socket (backpressure)
 DEFAULT_TIMEOUT = 5.0
@@ -166,17 +172,30 @@ def _frame_bytes(buffers: Iterable[bytes | memoryview]) -> int:
 
 
 def _new_stats() -> dict[str, Any]:
-    return {"frames_in": defaultdict(int), "bytes_in": defaultdict(int),
-            "frames_out": defaultdict(int), "bytes_out": defaultdict(int)}
+    return {
+        "frames_in": defaultdict(int),
+        "bytes_in": defaultdict(int),
+        "frames_out": defaultdict(int),
+        "bytes_out": defaultdict(int),
+    }
 
 
 class Connection:
     """An authenticated, framed message connection. One task may recv() at a time; any number of
     tasks may send() (each frame is written whole, then we wait for the transport to drain)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 peer_hello: Hello, lane: str, limits: Limits, local_role: str,
-                 local_instance: str, stats: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        peer_hello: Hello,
+        lane: str,
+        limits: Limits,
+        local_role: str,
+        local_instance: str,
+        stats: dict[str, Any] | None = None,
+    ) -> None:
         self._reader = reader
         self._writer = writer
         self.peer_role: str = peer_hello.role
@@ -194,8 +213,10 @@ class Connection:
 
     def __repr__(self) -> str:
         state = f"closed: {self.close_reason}" if self.closed else "open"
-        return (f"<Connection {self.lane} {self.local_role}<->{self.peer_role} "
-                f"{self.peer_instance!r} {state}>")
+        return (
+            f"<Connection {self.lane} {self.local_role}<->{self.peer_role} "
+            f"{self.peer_instance!r} {state}>"
+        )
 
     # -- sending ------------------------------------------------------------------------------
     async def send(self, msg: Message) -> None:
@@ -222,8 +243,12 @@ class Connection:
         """The peer has gone (EOF seen with nothing left to read, or the transport broke), even
         if nobody is calling recv() on this connection (e.g. a bulk lane that only sends)."""
         transport = self._writer.transport
-        return (self._reader.at_eof() or self._reader.exception() is not None
-                or transport is None or transport.is_closing())
+        return (
+            self._reader.at_eof()
+            or self._reader.exception() is not None
+            or transport is None
+            or transport.is_closing()
+        )
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         """The transport's extra info ("peername", "sockname", "socket", ...)."""
@@ -232,7 +257,9 @@ class Connection:
     def write_buffer_size(self) -> int:
         """Bytes queued in the transport, not yet handed to the kernel (for striping)."""
         transport = self._writer.transport
-        return 0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
+        return (
+            0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
+        )
 
     # -- receiving ----------------------------------------------------------------------------
     async def recv(self) -> Message:
@@ -246,8 +273,9 @@ class Connection:
         try:
             msg, size = await self._frames.read()
         except _EOF as eof:
-            reason = (self.close_reason or "peer closed the connection"
-                      + (" inside a frame" if eof.partial else ""))
+            reason = self.close_reason or "peer closed the connection" + (
+                " inside a frame" if eof.partial else ""
+            )
             self._abort(reason)
             raise ConnectionClosed(reason) from None
         except ProtocolError as exc:
@@ -296,8 +324,11 @@ class Connection:
         if self.closed or self._writer.is_closing():
             return
         with contextlib.suppress(Exception):
-            self._writer.write(encode_bytes(ErrorMessage(
-                request_id=None, code=code, message=message[:4096], fatal=True)))
+            self._writer.write(
+                encode_bytes(
+                    ErrorMessage(request_id=None, code=code, message=message[:4096], fatal=True)
+                )
+            )
 
     def _abort(self, reason: str) -> None:
         if not self.closed:
@@ -312,8 +343,9 @@ class Connection:
 # ---------------------------------------------------------------------------------------------
 
 
-async def _run_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                         hs: Handshake, stats: dict[str, Any]) -> None:
+async def _run_handshake(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hs: Handshake, stats: dict[str, Any]
+) -> None:
     """Drive `hs` to DONE over the stream; raises HandshakeFailed (reply already sent) or _EOF."""
     frames = _FrameReader(reader, Decoder(HANDSHAKE_LIMITS))
 
@@ -330,10 +362,12 @@ async def _run_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWri
         try:
             msg, size = await frames.read()
         except ProtocolError as exc:
-            failure = HandshakeFailed(f"protocol error during handshake ({exc.code}): {exc}",
-                                      code=exc.code)
-            write([ErrorMessage(request_id=None, code=exc.code, message=str(exc)[:4096],
-                                fatal=True)])
+            failure = HandshakeFailed(
+                f"protocol error during handshake ({exc.code}): {exc}", code=exc.code
+            )
+            write(
+                [ErrorMessage(request_id=None, code=exc.code, message=str(exc)[:4096], fatal=True)]
+            )
             raise failure from None
         stats["frames_in"][msg.TYPE.name] += 1
         stats["bytes_in"][msg.TYPE.name] += size
@@ -356,8 +390,17 @@ async def _close_writer(writer: asyncio.StreamWriter) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-async def dial(host: str, port: int, *, role: str, instance_id: str, lane: str, secret: bytes,
-               timeout: float = DEFAULT_TIMEOUT, limits: LimitsArg = None) -> Connection:
+async def dial(
+    host: str,
+    port: int,
+    *,
+    role: str,
+    instance_id: str,
+    lane: str,
+    secret: bytes,
+    timeout: float = DEFAULT_TIMEOUT,
+    limits: LimitsArg = None,
+) -> Connection:
     """Connect to a pddnet Server and authenticate as connector on `lane`.
 
     `timeout` bounds the TCP connect and, separately, the handshake. Raises DialRefused,
@@ -369,49 +412,67 @@ async def dial(host: str, port: int, *, role: str, instance_id: str, lane: str, 
     hs = Handshake(Side.CONNECTOR, role=role, instance_id=instance_id, secret=secret, lane=lane)
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=STREAM_LIMIT), timeout)
+            asyncio.open_connection(host, port, limit=STREAM_LIMIT), timeout
+        )
     except asyncio.TimeoutError:
-        raise DialTimeout(f"connect to {where} ({lane} lane) timed out after {timeout:g} s",
-                          address) from None
+        raise DialTimeout(
+            f"connect to {where} ({lane} lane) timed out after {timeout:g} s", address
+        ) from None
     except OSError as exc:
-        raise DialRefused(f"cannot connect to {where} ({lane} lane): {exc.strerror or exc}",
-                          address) from None
+        raise DialRefused(
+            f"cannot connect to {where} ({lane} lane): {exc.strerror or exc}", address
+        ) from None
     _set_nodelay(writer, lane)
     stats = _new_stats()
     try:
         await asyncio.wait_for(_run_handshake(reader, writer, hs, stats), timeout)
     except asyncio.TimeoutError:
         await _close_writer(writer)
-        raise DialTimeout(f"handshake with {where} ({lane} lane) timed out after {timeout:g} s",
-                          address) from None
+        raise DialTimeout(
+            f"handshake with {where} ({lane} lane) timed out after {timeout:g} s", address
+        ) from None
     except HandshakeFailed as exc:
         await _close_writer(writer)
-        raise AuthenticationFailed(f"handshake with {where} ({lane} lane) failed: {exc.reason}",
-                                   address) from None
+        raise AuthenticationFailed(
+            f"handshake with {where} ({lane} lane) failed: {exc.reason}", address
+        ) from None
     except _EOF:
         await _close_writer(writer)
-        raise AuthenticationFailed(f"{where} closed the connection during the handshake "
-                                   f"({lane} lane): not a pddnet peer, or it refused us", address
-                                   ) from None
+        raise AuthenticationFailed(
+            f"{where} closed the connection during the handshake "
+            f"({lane} lane): not a pddnet peer, or it refused us",
+            address,
+        ) from None
     except (ConnectionError, OSError) as exc:
         await _close_writer(writer)
-        raise DialRefused(f"connection to {where} lost during the handshake: {exc}",
-                          address) from None
+        raise DialRefused(
+            f"connection to {where} lost during the handshake: {exc}", address
+        ) from None
     except RuntimeError as exc:
         # uvloop raises RuntimeError, not an OSError, on a write to a transport the peer has
         # already reset (e.g. the WAN proxy refusing for an MD that is not up again yet)
         if not writer.is_closing():
             raise
         await _close_writer(writer)
-        raise DialRefused(f"connection to {where} reset during the handshake: {exc}",
-                          address) from None
+        raise DialRefused(
+            f"connection to {where} reset during the handshake: {exc}", address
+        ) from None
     assert hs.peer_hello is not None
-    return Connection(reader, writer, peer_hello=hs.peer_hello, lane=lane, limits=lim,
-                      local_role=role, local_instance=instance_id, stats=stats)
+    return Connection(
+        reader,
+        writer,
+        peer_hello=hs.peer_hello,
+        lane=lane,
+        limits=lim,
+        local_role=role,
+        local_instance=instance_id,
+        stats=stats,
+    )
 
 
-async def dial_with_retry(host: str, port: int, *, attempts: int = 50, delay: float = 0.2,
-                          **kwargs: Any) -> Connection:
+async def dial_with_retry(
+    host: str, port: int, *, attempts: int = 50, delay: float = 0.2, **kwargs: Any
+) -> Connection:
     """dial() until it succeeds, at most `attempts` times `delay` seconds apart (daemons start in
     any order). Refusals and timeouts are retried; an authentication failure is not (a wrong
     secret does not heal) and neither is anything else."""
@@ -440,11 +501,20 @@ class Server:
     its own task and closes the connection when it returns. A handler's exception is logged and
     ends only that connection."""
 
-    def __init__(self, host: str, port: int, *, role: str, instance_id: str, secret: bytes,
-                 on_connection: Callable[[Connection], Awaitable[None]],
-                 limits: LimitsArg = None, handshake_timeout: float = DEFAULT_TIMEOUT,
-                 nonce_cache: NonceCache | None = None,
-                 allowed_peer_roles: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        role: str,
+        instance_id: str,
+        secret: bytes,
+        on_connection: Callable[[Connection], Awaitable[None]],
+        limits: LimitsArg = None,
+        handshake_timeout: float = DEFAULT_TIMEOUT,
+        nonce_cache: NonceCache | None = None,
+        allowed_peer_roles: Iterable[str] | None = None,
+    ) -> None:
         if not secret:
             raise ValueError("Server needs a non-empty secret")
         self.host = host
@@ -466,8 +536,9 @@ class Server:
 
     async def start(self) -> int:
         """Start listening; return the bound port (useful with port 0)."""
-        self._server = await asyncio.start_server(self._accept, self.host, self.port,
-                                                  limit=STREAM_LIMIT)
+        self._server = await asyncio.start_server(
+            self._accept, self.host, self.port, limit=STREAM_LIMIT
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("%s %s listening on %s:%d", self.role, self.instance_id, self.host, self.port)
         return self.port
@@ -506,15 +577,22 @@ class Server:
                 return
             self._writers.discard(writer)
             self.connections.add(conn)
-            log.info("%s: %s %r connected from %s on the %s lane", self.instance_id,
-                     conn.peer_role, conn.peer_instance, peer, conn.lane)
+            log.info(
+                "%s: %s %r connected from %s on the %s lane",
+                self.instance_id,
+                conn.peer_role,
+                conn.peer_instance,
+                peer,
+                conn.lane,
+            )
             try:
                 await self.on_connection(conn)
             except ConnectionClosed as exc:
                 log.info("%s: connection %r ended: %s", self.instance_id, conn, exc)
             except Exception:
-                log.exception("%s: handler for %r failed; closing that connection",
-                              self.instance_id, conn)
+                log.exception(
+                    "%s: handler for %r failed; closing that connection", self.instance_id, conn
+                )
             finally:
                 self.connections.discard(conn)
                 await conn.close(conn.close_reason or "handler finished")
@@ -523,16 +601,23 @@ class Server:
             self._tasks.discard(task)
             writer.close()
 
-    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                            peer: Any) -> Connection | None:
-        hs = Handshake(Side.ACCEPTOR, role=self.role, instance_id=self.instance_id,
-                       secret=self.secret, nonce_cache=self.nonce_cache,
-                       allowed_peer_roles=self.allowed_peer_roles)
+    async def _authenticate(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Any
+    ) -> Connection | None:
+        hs = Handshake(
+            Side.ACCEPTOR,
+            role=self.role,
+            instance_id=self.instance_id,
+            secret=self.secret,
+            nonce_cache=self.nonce_cache,
+            allowed_peer_roles=self.allowed_peer_roles,
+        )
         stats = _new_stats()
         reason: str | None = None
         try:
-            await asyncio.wait_for(_run_handshake(reader, writer, hs, stats),
-                                   self.handshake_timeout)
+            await asyncio.wait_for(
+                _run_handshake(reader, writer, hs, stats), self.handshake_timeout
+            )
         except asyncio.TimeoutError:
             reason = f"no complete handshake within {self.handshake_timeout:g} s"
         except HandshakeFailed as exc:
@@ -551,6 +636,13 @@ class Server:
         assert hs.peer_hello is not None
         lane = hs.peer_hello.lane
         _set_nodelay(writer, lane)
-        return Connection(reader, writer, peer_hello=hs.peer_hello, lane=lane,
-                          limits=lane_limits(lane, self.limits), local_role=self.role,
-                          local_instance=self.instance_id, stats=stats)
+        return Connection(
+            reader,
+            writer,
+            peer_hello=hs.peer_hello,
+            lane=lane,
+            limits=lane_limits(lane, self.limits),
+            local_role=self.role,
+            local_instance=self.instance_id,
+            stats=stats,
+        )

@@ -112,16 +112,28 @@ def compute_mac(secret: bytes, side: Side, connector_hello: Hello, acceptor_hell
 class Handshake:
     """One connection's handshake, for one side. Call `start()` once, then `receive()` per message."""
 
-    def __init__(self, side: Side | str, *, role: str, instance_id: str, secret: bytes,
-                 lane: str = "control", nonce: bytes | None = None,
-                 nonce_cache: NonceCache | None = None,
-                 allowed_peer_roles: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        side: Side | str,
+        *,
+        role: str,
+        instance_id: str,
+        secret: bytes,
+        lane: str = "control",
+        nonce: bytes | None = None,
+        nonce_cache: NonceCache | None = None,
+        allowed_peer_roles: Iterable[str] | None = None,
+    ) -> None:
         if not isinstance(secret, bytes | bytearray) or not secret:
             raise ValueError("the handshake secret must be non-empty bytes")
         self.side = Side(side)
         self.secret = bytes(secret)
-        self.hello = Hello(role=role, instance_id=instance_id,
-                           nonce=nonce if nonce is not None else os.urandom(NONCE_BYTES), lane=lane)
+        self.hello = Hello(
+            role=role,
+            instance_id=instance_id,
+            nonce=nonce if nonce is not None else os.urandom(NONCE_BYTES),
+            lane=lane,
+        )
         self.nonce_cache = nonce_cache
         self.allowed_peer_roles = frozenset(allowed_peer_roles) if allowed_peer_roles else None
         self.state = State.START
@@ -147,8 +159,9 @@ class Handshake:
             raise RuntimeError(f"Handshake.receive() called in state {self.state.value}")
         try:
             if isinstance(msg, ErrorMessage):  # the peer gave up on us: say why, send nothing
-                raise HandshakeFailed(f"peer reported {msg.code} during the handshake: "
-                                      f"{msg.message}", code=msg.code)
+                raise HandshakeFailed(
+                    f"peer reported {msg.code} during the handshake: {msg.message}", code=msg.code
+                )
             if self.side is Side.CONNECTOR:
                 return self._connector_receive(msg)
             return self._acceptor_receive(msg, now)
@@ -171,8 +184,10 @@ class Handshake:
         want = compute_mac(self.secret, Side.ACCEPTOR, self.hello, self.peer_hello)
         if not hmac.compare_digest(msg.mac, want):
             # The acceptor does not know the secret (or is an impostor): we send nothing more.
-            raise HandshakeFailed("peer's AUTH_OK mac is wrong: it does not hold the cluster "
-                                  "secret", code="auth_failed")
+            raise HandshakeFailed(
+                "peer's AUTH_OK mac is wrong: it does not hold the cluster secret",
+                code="auth_failed",
+            )
         self.state = State.DONE
         return []
 
@@ -180,9 +195,12 @@ class Handshake:
         if self.state is State.AWAIT_HELLO:
             hello = self._peer_hello(msg)
             if self.nonce_cache is not None and not self.nonce_cache.check_and_remember(
-                    hello.nonce, now):
-                raise self._refuse(f"replayed handshake: nonce from {hello.role} "
-                                   f"{hello.instance_id!r} was already used")
+                hello.nonce, now
+            ):
+                raise self._refuse(
+                    f"replayed handshake: nonce from {hello.role} "
+                    f"{hello.instance_id!r} was already used"
+                )
             self.state = State.AWAIT_AUTH
             return [self.hello]
         if not isinstance(msg, Auth):
@@ -190,8 +208,10 @@ class Handshake:
         assert self.peer_hello is not None
         want = compute_mac(self.secret, Side.CONNECTOR, self.peer_hello, self.hello)
         if not hmac.compare_digest(msg.mac, want):
-            raise self._refuse(f"bad AUTH mac from {self.peer_hello.role} "
-                               f"{self.peer_hello.instance_id!r}: wrong secret or replayed AUTH")
+            raise self._refuse(
+                f"bad AUTH mac from {self.peer_hello.role} "
+                f"{self.peer_hello.instance_id!r}: wrong secret or replayed AUTH"
+            )
         self.state = State.DONE
         return [AuthOk(mac=compute_mac(self.secret, Side.ACCEPTOR, self.peer_hello, self.hello))]
 
@@ -203,15 +223,22 @@ class Handshake:
             # Our own nonce reflected back: a peer echoing our HELLO is not a peer.
             raise self._refuse("peer's HELLO reflects our own nonce")
         if self.allowed_peer_roles is not None and msg.role not in self.allowed_peer_roles:
-            raise self._refuse(f"role {msg.role!r} may not connect here (allowed: "
-                               f"{', '.join(sorted(self.allowed_peer_roles))})")
+            raise self._refuse(
+                f"role {msg.role!r} may not connect here (allowed: "
+                f"{', '.join(sorted(self.allowed_peer_roles))})"
+            )
         if self.side is Side.ACCEPTOR:
             # The connector chooses the lane; the acceptor's HELLO echoes it.
-            self.hello = Hello(role=self.hello.role, instance_id=self.hello.instance_id,
-                               nonce=self.hello.nonce, lane=msg.lane)
+            self.hello = Hello(
+                role=self.hello.role,
+                instance_id=self.hello.instance_id,
+                nonce=self.hello.nonce,
+                lane=msg.lane,
+            )
         elif msg.lane != self.hello.lane:
-            raise HandshakeFailed(f"peer answered lane {msg.lane!r} to our {self.hello.lane!r}",
-                                  code="bad_handshake")
+            raise HandshakeFailed(
+                f"peer answered lane {msg.lane!r} to our {self.hello.lane!r}", code="bad_handshake"
+            )
         self.peer_hello = msg
         return msg
 
@@ -220,10 +247,17 @@ class Handshake:
         return HandshakeFailed(reason, code="auth_failed", reply=reply)
 
     def _out_of_order(self, msg: Message, wanted: str) -> HandshakeFailed:
-        reason = (f"{msg.TYPE.name} received before authentication (expected {wanted}); "
-                  "nothing is processed before the handshake completes")
-        return HandshakeFailed(reason, code="unauthenticated", reply=[
-            ErrorMessage(request_id=None, code="unauthenticated", message=reason, fatal=True)])
+        reason = (
+            f"{msg.TYPE.name} received before authentication (expected {wanted}); "
+            "nothing is processed before the handshake completes"
+        )
+        return HandshakeFailed(
+            reason,
+            code="unauthenticated",
+            reply=[
+                ErrorMessage(request_id=None, code="unauthenticated", message=reason, fatal=True)
+            ],
+        )
 
     def _expect(self, state: State, what: str) -> None:
         if self.state is not state:

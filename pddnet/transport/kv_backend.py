@@ -90,7 +90,9 @@ class TransferAborted(TransferError):
 # -- addressing (sans-IO) ------------------------------------------------------------------------
 
 
-_LAYOUT_RE = re.compile(r"^(\d{1,5})\.(\d{1,5})\.(\d{1,6})\.(\d{1,6})\.([a-z0-9]{1,10})\.(\d{1,10})$")
+_LAYOUT_RE = re.compile(
+    r"^(\d{1,5})\.(\d{1,5})\.(\d{1,6})\.(\d{1,6})\.([a-z0-9]{1,10})\.(\d{1,10})$"
+)
 
 
 @dataclass(frozen=True)
@@ -115,24 +117,33 @@ class RegionLayout:
     def offset(self, layer: int, kv: int, block: int, position_in_block: int = 0) -> int:
         """Byte offset of one token row, relative to the pool's data (see KVPool's layout)."""
         s = self.spec
-        return (((layer * 2 + kv) * self.num_blocks + block) * s.block_size
-                + position_in_block) * s.token_bytes_per_layer_kv
+        return (
+            ((layer * 2 + kv) * self.num_blocks + block) * s.block_size + position_in_block
+        ) * s.token_bytes_per_layer_kv
 
     def encode(self) -> str:
         """Compact text form for a region descriptor: layers.heads.dim.block_size.dtype.blocks."""
         s = self.spec
-        return (f"{s.num_layers}.{s.num_kv_heads}.{s.head_dim}.{s.block_size}.{s.dtype}."
-                f"{self.num_blocks}")
+        return (
+            f"{s.num_layers}.{s.num_kv_heads}.{s.head_dim}.{s.block_size}.{s.dtype}."
+            f"{self.num_blocks}"
+        )
 
     @classmethod
     def decode(cls, text: str) -> RegionLayout:
         m = _LAYOUT_RE.match(text)
         if not m:
-            raise ValueError(f"bad region layout {text!r}: expected "
-                             "layers.heads.dim.block_size.dtype.blocks")
+            raise ValueError(
+                f"bad region layout {text!r}: expected layers.heads.dim.block_size.dtype.blocks"
+            )
         layers, heads, dim, bs, dtype, blocks = m.groups()
-        spec = KVSpec(num_layers=int(layers), num_kv_heads=int(heads), head_dim=int(dim),
-                      block_size=int(bs), dtype=dtype_name(dtype))
+        spec = KVSpec(
+            num_layers=int(layers),
+            num_kv_heads=int(heads),
+            head_dim=int(dim),
+            block_size=int(bs),
+            dtype=dtype_name(dtype),
+        )
         return cls(spec, int(blocks))
 
 
@@ -155,8 +166,10 @@ class WriteTarget:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 0 <= self.writable_from <= self.capacity:
-            raise ValueError(f"writable_from {self.writable_from} outside the table's "
-                             f"positions [0, {self.capacity}]")
+            raise ValueError(
+                f"writable_from {self.writable_from} outside the table's "
+                f"positions [0, {self.capacity}]"
+            )
 
     @classmethod
     def from_alloc(cls, msg: KvAllocResponse) -> WriteTarget:
@@ -168,24 +181,36 @@ class WriteTarget:
 
     @property
     def own_blocks(self) -> tuple[int, ...]:
-        return self.block_table[self.writable_from // self.block_size:]
+        return self.block_table[self.writable_from // self.block_size :]
 
-    def check(self, start: int, end: int, *, num_blocks: int | None = None,
-              backend: str = "", peer: str = "") -> None:
+    def check(
+        self,
+        start: int,
+        end: int,
+        *,
+        num_blocks: int | None = None,
+        backend: str = "",
+        peer: str = "",
+    ) -> None:
         """Raise WriteRefused unless positions [start, end) may be written."""
+
         def refuse(why: str) -> WriteRefused:
-            return WriteRefused(f"write of positions [{start}, {end}) refused: {why}",
-                                backend=backend, peer=peer)
+            return WriteRefused(
+                f"write of positions [{start}, {end}) refused: {why}", backend=backend, peer=peer
+            )
+
         if start < 0 or end < start:
             raise refuse("not a position range")
         if start < self.writable_from:
             raise refuse(f"positions below {self.writable_from} are the receiver's cached prefix")
         if end > self.capacity:
-            raise refuse(f"the table's {len(self.block_table)} blocks of {self.block_size} hold "
-                         f"positions [0, {self.capacity})")
+            raise refuse(
+                f"the table's {len(self.block_table)} blocks of {self.block_size} hold "
+                f"positions [0, {self.capacity})"
+            )
         if end == start or num_blocks is None:
             return
-        touched = self.block_table[start // self.block_size:(end - 1) // self.block_size + 1]
+        touched = self.block_table[start // self.block_size : (end - 1) // self.block_size + 1]
         outside = sorted({b for b in touched if not 0 <= b < num_blocks})
         if outside:
             raise refuse(f"block(s) {outside[:8]} outside the region's {num_blocks} blocks")
@@ -200,18 +225,27 @@ class Segment:
     length: int
 
 
-def plan_write(layout: RegionLayout, target: WriteTarget, token_start: int, num_tokens: int,
-               layer_start: int = 0, num_layers: int | None = None) -> list[Segment]:
+def plan_write(
+    layout: RegionLayout,
+    target: WriteTarget,
+    token_start: int,
+    num_tokens: int,
+    layer_start: int = 0,
+    num_layers: int | None = None,
+) -> list[Segment]:
     """Byte segments that move a C-contiguous [layers, 2, num_tokens, heads, dim] tensor in the
     layout's dtype into positions token_start.. of `target`. Checked first (WriteRefused)."""
     spec = layout.spec
     if target.block_size != spec.block_size:
-        raise BadRegion(f"the request's block size {target.block_size} differs from the "
-                        f"region's {spec.block_size}")
+        raise BadRegion(
+            f"the request's block size {target.block_size} differs from the "
+            f"region's {spec.block_size}"
+        )
     layers = spec.num_layers - layer_start if num_layers is None else num_layers
     if layer_start < 0 or layers <= 0 or layer_start + layers > spec.num_layers:
-        raise WriteRefused(f"layers [{layer_start}, {layer_start + layers}) outside the "
-                           f"region's {spec.num_layers}")
+        raise WriteRefused(
+            f"layers [{layer_start}, {layer_start + layers}) outside the region's {spec.num_layers}"
+        )
     end = token_start + num_tokens
     target.check(token_start, end, num_blocks=layout.num_blocks)
     row = spec.token_bytes_per_layer_kv
@@ -226,8 +260,11 @@ def plan_write(layout: RegionLayout, target: WriteTarget, token_start: int, num_
                 dst = layout.offset(layer_start + li, kv, target.block_table[pos // bs], pos % bs)
                 src = src_base + (pos - token_start) * row
                 last = segments[-1] if segments else None
-                if last is not None and last.src + last.length == src \
-                        and last.dst + last.length == dst:  # consecutive blocks: one run
+                if (
+                    last is not None
+                    and last.src + last.length == src
+                    and last.dst + last.length == dst
+                ):  # consecutive blocks: one run
                     segments[-1] = Segment(last.src, last.dst, last.length + run * row)
                 else:
                     segments.append(Segment(src, dst, run * row))
@@ -301,8 +338,11 @@ class KVWriter(ABC):
 
     def begin(self, request_id: str, target: WriteTarget) -> KVTransfer:
         if self.closed:
-            raise TransferAborted(f"{self.backend} writer to {self.peer} is closed",
-                                  backend=self.backend, peer=self.peer)
+            raise TransferAborted(
+                f"{self.backend} writer to {self.peer} is closed",
+                backend=self.backend,
+                peer=self.peer,
+            )
         return KVTransfer(self, request_id, target)
 
     @abstractmethod
@@ -326,7 +366,7 @@ class KVTransfer:
         self.target = target
         self.bytes_written = 0
         self.writes = 0
-        self.chunks = 0          # KV_CHUNK frames sent (tcp)
+        self.chunks = 0  # KV_CHUNK frames sent (tcp)
         self.aborted: str | None = None
         self._active = 0
         # Engine calls that outlived their deadline: they may still land bytes, so abort()
@@ -337,8 +377,9 @@ class KVTransfer:
         """Write the export at its own positions (meta.token_start..). Returns bytes counted."""
         w = self.writer
         if self.aborted is not None:
-            raise w._error(TransferAborted, f"transfer of {self.request_id} was aborted: "
-                           f"{self.aborted}")
+            raise w._error(
+                TransferAborted, f"transfer of {self.request_id} was aborted: {self.aborted}"
+            )
         if w.closed:
             raise w._error(TransferAborted, f"{w.backend} writer to {w.peer} is closed")
         meta = exported.meta
@@ -380,8 +421,10 @@ class KVTransfer:
 
     def __repr__(self) -> str:
         state = f"aborted: {self.aborted}" if self.aborted else "open"
-        return (f"<KVTransfer {self.writer.backend} {self.request_id} -> {self.writer.peer} "
-                f"{self.bytes_written} B {state}>")
+        return (
+            f"<KVTransfer {self.writer.backend} {self.request_id} -> {self.writer.peer} "
+            f"{self.bytes_written} B {state}>"
+        )
 
 
 class KVBackend(ABC):
@@ -439,27 +482,42 @@ class TrackingBackend(KVBackend):
         self.sinks.clear()
 
     def stats(self) -> dict[str, Any]:
-        return {"backend": self.name, "writers": len(self.writers), "sinks": len(self.sinks),
-                "bytes_written": sum(w.bytes_written for w in self.writers)}
+        return {
+            "backend": self.name,
+            "writers": len(self.writers),
+            "sinks": len(self.sinks),
+            "bytes_written": sum(w.bytes_written for w in self.writers),
+        }
 
 
 def check_descriptor_for(backend: str, descriptor: str) -> None:
     """Raise BadRegion unless `descriptor` belongs to `backend` (a receiver configured with
     another transport than the sender is a deployment error, caught at the first request)."""
     if backend not in BACKEND_NAMES:
-        raise ValueError(f"unknown KV backend {backend!r}: choose one of {', '.join(BACKEND_NAMES)}")
+        raise ValueError(
+            f"unknown KV backend {backend!r}: choose one of {', '.join(BACKEND_NAMES)}"
+        )
     found = backend_of_descriptor(descriptor)
     if found != backend:
-        raise BadRegion(f"the receiver described a {found} region ({descriptor[:64]!r}) but this "
-                        f"path is configured for {backend}: use the same [transport] on both "
-                        "hosts", backend=backend)
+        raise BadRegion(
+            f"the receiver described a {found} region ({descriptor[:64]!r}) but this "
+            f"path is configured for {backend}: use the same [transport] on both "
+            "hosts",
+            backend=backend,
+        )
 
 
 def validate_segments(segments: Sequence[Segment], src_bytes: int, dst_bytes: int) -> None:
     """Raise WriteRefused unless every segment lies inside both buffers (a last line of defence
     before raw bytes go to an engine that would write wherever it is told)."""
     for seg in segments:
-        if seg.length <= 0 or seg.src < 0 or seg.dst < 0 or seg.src + seg.length > src_bytes \
-                or seg.dst + seg.length > dst_bytes:
-            raise WriteRefused(f"segment {seg} outside source ({src_bytes} B) or region "
-                               f"({dst_bytes} B)")
+        if (
+            seg.length <= 0
+            or seg.src < 0
+            or seg.dst < 0
+            or seg.src + seg.length > src_bytes
+            or seg.dst + seg.length > dst_bytes
+        ):
+            raise WriteRefused(
+                f"segment {seg} outside source ({src_bytes} B) or region ({dst_bytes} B)"
+            )

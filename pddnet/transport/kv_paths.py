@@ -38,8 +38,10 @@ def advertised_host(section: DaemonSection, where: str) -> str:
     if host in UNROUTABLE:
         raise BackendUnavailable(
             f"{where}: the mooncake backend advertises this daemon's address to senders, but "
-            f"{where}.host is {host!r}: set {where}.dial = \"ADDRESS:PORT\" (an address the "
-            "other hosts reach) or listen on that address", backend="mooncake")
+            f'{where}.host is {host!r}: set {where}.dial = "ADDRESS:PORT" (an address the '
+            "other hosts reach) or listen on that address",
+            backend="mooncake",
+        )
     return host
 
 
@@ -47,10 +49,16 @@ def mooncake_settings(config: ClusterConfig, local_host: str) -> MooncakeSetting
     t = config.transport
     try:
         return MooncakeSettings(
-            protocol=t.mooncake_protocol, device=t.mooncake_device, local_host=local_host,
-            deadline_s=t.deadline_s, progress_timeout_s=t.progress_timeout_s,
-            staging_bytes=t.mooncake_staging_mib << 20, abort_grace_s=t.abort_grace_s,
-            rpc_port_min=t.mooncake_port_min, rpc_port_max=t.mooncake_port_max)
+            protocol=t.mooncake_protocol,
+            device=t.mooncake_device,
+            local_host=local_host,
+            deadline_s=t.deadline_s,
+            progress_timeout_s=t.progress_timeout_s,
+            staging_bytes=t.mooncake_staging_mib << 20,
+            abort_grace_s=t.abort_grace_s,
+            rpc_port_min=t.mooncake_port_min,
+            rpc_port_max=t.mooncake_port_max,
+        )
     except ValueError as exc:
         raise BackendUnavailable(f"mooncake settings: {exc}", backend="mooncake") from None
 
@@ -58,14 +66,16 @@ def mooncake_settings(config: ClusterConfig, local_host: str) -> MooncakeSetting
 class KVPaths:
     """The backend of each KV path this daemon takes part in (sender or receiver)."""
 
-    def __init__(self, backends: dict[str, KVBackend],
-                 lines: dict[str, ModelledLine] | None = None) -> None:
+    def __init__(
+        self, backends: dict[str, KVBackend], lines: dict[str, ModelledLine] | None = None
+    ) -> None:
         self._backends = backends
-        self.lines = lines or {}   # path -> the modelled line its writes cross (emulated NICs)
+        self.lines = lines or {}  # path -> the modelled line its writes cross (emulated NICs)
 
     @classmethod
-    async def create(cls, config: ClusterConfig, section: DaemonSection, where: str,
-                     paths: tuple[str, ...]) -> KVPaths:
+    async def create(
+        cls, config: ClusterConfig, section: DaemonSection, where: str, paths: tuple[str, ...]
+    ) -> KVPaths:
         t = config.transport
         grace = t.abort_grace_s if t.abort_grace_s is not None else DEFAULT_ABORT_GRACE_S
         made: dict[str, KVBackend] = {}
@@ -76,9 +86,12 @@ class KVPaths:
                     settings = mooncake_settings(config, advertised_host(section, where))
                     made[path] = await create_backend("mooncake", mooncake=settings)
                 else:
-                    made[path] = await create_backend(name, deadline_s=t.deadline_s,
-                                                      abort_grace_s=grace,
-                                                      chunk_tokens=config.wan.chunk_tokens)
+                    made[path] = await create_backend(
+                        name,
+                        deadline_s=t.deadline_s,
+                        abort_grace_s=grace,
+                        chunk_tokens=config.wan.chunk_tokens,
+                    )
         except BaseException:
             await cls(made).close()
             raise
@@ -99,8 +112,9 @@ class KVPaths:
         try:
             return self._backends[path]
         except KeyError:
-            raise ValueError(f"this daemon has no {path} KV path (it has "
-                             f"{', '.join(self._backends) or 'none'})") from None
+            raise ValueError(
+                f"this daemon has no {path} KV path (it has {', '.join(self._backends) or 'none'})"
+            ) from None
 
     def name(self, path: str) -> str:
         return self.backend(path).name

@@ -52,8 +52,15 @@ class RemoteKVRegion:
     def closed(self) -> bool:
         return self._pool is None
 
-    def check_write(self, allowed_block_ids: Sequence[int], dest_block_table: Sequence[int],
-                    exported: ExportedKV, token_start: int, *, min_position: int = 0) -> None:
+    def check_write(
+        self,
+        allowed_block_ids: Sequence[int],
+        dest_block_table: Sequence[int],
+        exported: ExportedKV,
+        token_start: int,
+        *,
+        min_position: int = 0,
+    ) -> None:
         """Raise a precise ValueError unless positions [token_start, token_start + n) of the
         export fit `dest_block_table`, lie at or after `min_position` (the receiver's prefix
         hit: those blocks may be shared) and land only in blocks listed in `allowed_block_ids`."""
@@ -63,37 +70,54 @@ class RemoteKVRegion:
         if token_start < 0:
             raise ValueError(f"one-sided write starts at negative position {token_start}")
         if token_start < min_position:
-            raise ValueError(f"one-sided write of positions [{token_start}, {end}) reaches below "
-                             f"position {min_position}: the receiver's cached prefix is not "
-                             "writable")
+            raise ValueError(
+                f"one-sided write of positions [{token_start}, {end}) reaches below "
+                f"position {min_position}: the receiver's cached prefix is not "
+                "writable"
+            )
         capacity = len(dest_block_table) * spec.block_size
         if end > capacity:
-            raise ValueError(f"one-sided write of positions [{token_start}, {end}) does not fit "
-                             f"the destination block table: {len(dest_block_table)} blocks of "
-                             f"{spec.block_size} hold positions [0, {capacity})")
+            raise ValueError(
+                f"one-sided write of positions [{token_start}, {end}) does not fit "
+                f"the destination block table: {len(dest_block_table)} blocks of "
+                f"{spec.block_size} hold positions [0, {capacity})"
+            )
         if n == 0:
             return
-        touched = list(dest_block_table[token_start // spec.block_size:
-                                        (end - 1) // spec.block_size + 1])
+        touched = list(
+            dest_block_table[token_start // spec.block_size : (end - 1) // spec.block_size + 1]
+        )
         allowed = set(allowed_block_ids)
         foreign = sorted({b for b in touched if b not in allowed})
         if foreign:
-            raise ValueError(f"one-sided write of positions [{token_start}, {end}) would touch "
-                             f"block(s) {foreign} that are not this request's (allowed: "
-                             f"{sorted(allowed)[:16]}{'...' if len(allowed) > 16 else ''})")
+            raise ValueError(
+                f"one-sided write of positions [{token_start}, {end}) would touch "
+                f"block(s) {foreign} that are not this request's (allowed: "
+                f"{sorted(allowed)[:16]}{'...' if len(allowed) > 16 else ''})"
+            )
         outside = sorted({b for b in touched if not 0 <= b < self.pool.num_blocks})
         if outside:
-            raise ValueError(f"one-sided write would touch block(s) {outside} outside the "
-                             f"region's {self.pool.num_blocks} blocks")
+            raise ValueError(
+                f"one-sided write would touch block(s) {outside} outside the "
+                f"region's {self.pool.num_blocks} blocks"
+            )
 
-    def write(self, allowed_block_ids: Sequence[int], dest_block_table: Sequence[int],
-              exported: ExportedKV, token_start: int, *, min_position: int = 0) -> int:
+    def write(
+        self,
+        allowed_block_ids: Sequence[int],
+        dest_block_table: Sequence[int],
+        exported: ExportedKV,
+        token_start: int,
+        *,
+        min_position: int = 0,
+    ) -> int:
         """Write `exported` into the region at positions token_start.. of a sequence whose block
         table (at the region's block size) is `dest_block_table`, converting dtype and block
         size. Checked first (see check_write): a refused write changes nothing. Returns the
         bytes written into the region."""
-        self.check_write(allowed_block_ids, dest_block_table, exported, token_start,
-                         min_position=min_position)
+        self.check_write(
+            allowed_block_ids, dest_block_table, exported, token_start, min_position=min_position
+        )
         pool = self.pool
         import_kv(pool, exported, dest_block_table, dest_start=token_start)
         layers, _, n, heads, dim = exported.meta.shape

@@ -64,8 +64,11 @@ class StripedSender:
         for i, lane in enumerate(self.lanes):
             if lane.closed or lane.peer_closed:
                 why = lane.close_reason if lane.closed else "the peer closed it"
-                raise LaneFailed(f"bulk lane {i} to {lane.peer_instance!r} is closed "
-                                 f"({why}): abort the transfer", i)
+                raise LaneFailed(
+                    f"bulk lane {i} to {lane.peer_instance!r} is closed "
+                    f"({why}): abort the transfer",
+                    i,
+                )
 
     async def send(self, msg: KvChunk) -> int:
         """Queue `msg` on the least-backlogged lane and wait for that lane's backpressure.
@@ -80,9 +83,11 @@ class StripedSender:
         try:
             await self.lanes[i].send(msg)
         except ConnectionClosed as exc:
-            raise LaneFailed(f"bulk lane {i} to {self.lanes[i].peer_instance!r} failed while "
-                             f"sending chunk {msg.chunk_index} of {msg.request_id}: {exc.reason}",
-                             i) from exc
+            raise LaneFailed(
+                f"bulk lane {i} to {self.lanes[i].peer_instance!r} failed while "
+                f"sending chunk {msg.chunk_index} of {msg.request_id}: {exc.reason}",
+                i,
+            ) from exc
         return i
 
     def backlog(self) -> int:

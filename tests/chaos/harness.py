@@ -49,8 +49,8 @@ MODEL = "tiny"
 # A request with no answer after this long counts as lost (hung). Far above any request of the
 # workloads here (the longest needs a few seconds on a busy 2-core box), far below pytest's timeout.
 CLIENT_TIMEOUT_S = 60.0
-LEAK_TIMEOUT_S = 20.0        # how long daemons get to free what ended requests held
-HEALTH_TIMEOUT_S = 30.0      # how long a healed cluster gets until /health is ok again
+LEAK_TIMEOUT_S = 20.0  # how long daemons get to free what ended requests held
+HEALTH_TIMEOUT_S = 30.0  # how long a healed cluster gets until /health is ok again
 # fds: a closing connection's socket can outlive the request by a moment on either side, and a
 # stats refresh or /health probe of our own may be open while we count.
 FD_SLACK = 3
@@ -58,8 +58,14 @@ FD_SLACK = 3
 # growth with the number of requests, well past this.
 TASK_SLACK = 6
 DAEMON_ROLES = ("prefill", "relay", "main_decode")
-CLEAR_ERROR_TYPES = ("invalid_request_error", "server_error", "rate_limit_error",
-                     "authentication_error", "permission_error", "not_found_error")
+CLEAR_ERROR_TYPES = (
+    "invalid_request_error",
+    "server_error",
+    "rate_limit_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+)
 
 
 # -- the reference ---------------------------------------------------------------------------------
@@ -74,18 +80,28 @@ def reference_tokens(body: dict[str, Any]) -> list[int]:
     from pddnet.engine.sampling import SamplingParams
     from pddnet.model.loader import load_model
 
-    key = json.dumps({k: body.get(k) for k in ("prompt", "max_tokens", "temperature", "top_p",
-                                               "top_k", "seed", "ignore_eos")}, sort_keys=True)
+    key = json.dumps(
+        {
+            k: body.get(k)
+            for k in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+        },
+        sort_keys=True,
+    )
     if key not in _REFERENCE:
         if not _MODEL:
             _MODEL.append(load_model(MODEL))
         model, tok = _MODEL[0]
         engine = Engine(model, tok, num_blocks=256, block_size=16)
         try:
-            sp = SamplingParams(temperature=body["temperature"], top_p=body.get("top_p", 1.0),
-                                top_k=body.get("top_k", 0), seed=body.get("seed"))
-            _REFERENCE[key] = engine.generate(body["prompt"], body["max_tokens"], sp,
-                                              ignore_eos=body.get("ignore_eos", False))
+            sp = SamplingParams(
+                temperature=body["temperature"],
+                top_p=body.get("top_p", 1.0),
+                top_k=body.get("top_k", 0),
+                seed=body.get("seed"),
+            )
+            _REFERENCE[key] = engine.generate(
+                body["prompt"], body["max_tokens"], sp, ignore_eos=body.get("ignore_eos", False)
+            )
         finally:
             engine.close()
     return _REFERENCE[key]
@@ -93,10 +109,15 @@ def reference_tokens(body: dict[str, Any]) -> list[int]:
 
 # -- the workload ----------------------------------------------------------------------------------
 
-def mixed_workload(n: int, seed: int, long_prompt: tuple[int, int] = (200, 500),
-                   short_prompt: tuple[int, int] = (4, 60),
-                   max_tokens: tuple[int, int] = (8, 160),
-                   first_prompt: int | None = None) -> list[dict[str, Any]]:
+
+def mixed_workload(
+    n: int,
+    seed: int,
+    long_prompt: tuple[int, int] = (200, 500),
+    short_prompt: tuple[int, int] = (4, 60),
+    max_tokens: tuple[int, int] = (8, 160),
+    first_prompt: int | None = None,
+) -> list[dict[str, Any]]:
     """`n` request bodies: long prompts (KV that takes a while to cross) alternate with short
     ones, streamed and whole, greedy and seeded sampling, mostly ignore_eos so outputs are long
     enough to be handed over. `first_prompt`: the first request's prompt length (a copy that
@@ -107,12 +128,20 @@ def mixed_workload(n: int, seed: int, long_prompt: tuple[int, int] = (200, 500),
         lo, hi = long_prompt if i % 2 == 0 else short_prompt
         plen = rng.randint(lo, hi) if i or first_prompt is None else first_prompt
         prompt = [256] + [rng.randrange(256) for _ in range(plen)]
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": rng.randint(*max_tokens),
-                                "ignore_eos": rng.random() < 0.85, "return_token_ids": True,
-                                "stream": i % 3 != 2}
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": rng.randint(*max_tokens),
+            "ignore_eos": rng.random() < 0.85,
+            "return_token_ids": True,
+            "stream": i % 3 != 2,
+        }
         if i % 2:
-            body.update(temperature=0.8, top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 40]),
-                        seed=rng.randrange(2**63))
+            body.update(
+                temperature=0.8,
+                top_p=rng.choice([1.0, 0.9]),
+                top_k=rng.choice([0, 40]),
+                seed=rng.randrange(2**63),
+            )
         else:
             body["temperature"] = 0.0
         bodies.append(body)
@@ -127,10 +156,11 @@ def precompute_references(bodies: list[dict[str, Any]]) -> None:
 
 # -- one request -----------------------------------------------------------------------------------
 
+
 @dataclass
 class Outcome:
     index: int
-    status: str      # exact | clear_error | cancelled | wrong | unclear_error | lost
+    status: str  # exact | clear_error | cancelled | wrong | unclear_error | lost
     tokens: list[int]
     expected_len: int
     http_status: int | None = None
@@ -143,7 +173,7 @@ class Outcome:
     stream: bool = False
     pdd: dict[str, Any] | None = None
     started_at: float | None = None  # time.monotonic() when the request was sent
-    ended_at: float | None = None    # ... and when its answer ended (or was given up on)
+    ended_at: float | None = None  # ... and when its answer ended (or was given up on)
 
     @property
     def latency_s(self) -> float | None:
@@ -154,20 +184,30 @@ class Outcome:
     def describe(self) -> str:
         brief = {}
         if self.pdd:
-            brief = {k: self.pdd.get(k) for k in ("request_id", "pipeline", "handoff_mode",
-                                                  "relay_tokens", "main_tokens",
-                                                  "prefill_tokens")}
-        return (f"request {self.index} ({self.prompt_len}-token prompt, "
-                f"{'stream' if self.stream else 'whole'}): {self.status}; got {len(self.tokens)}"
-                f"/{self.expected_len} tokens, dup {self.duplicated}, skip {self.skipped}, "
-                f"replaced {self.replaced}; HTTP {self.http_status}; error {self.error}; "
-                f"{self.detail} {brief}".strip())
+            brief = {
+                k: self.pdd.get(k)
+                for k in (
+                    "request_id",
+                    "pipeline",
+                    "handoff_mode",
+                    "relay_tokens",
+                    "main_tokens",
+                    "prefill_tokens",
+                )
+            }
+        return (
+            f"request {self.index} ({self.prompt_len}-token prompt, "
+            f"{'stream' if self.stream else 'whole'}): {self.status}; got {len(self.tokens)}"
+            f"/{self.expected_len} tokens, dup {self.duplicated}, skip {self.skipped}, "
+            f"replaced {self.replaced}; HTTP {self.http_status}; error {self.error}; "
+            f"{self.detail} {brief}".strip()
+        )
 
 
 def token_diff(want: list[int], got: list[int], complete: bool) -> tuple[int, int, int]:
     """(duplicated, skipped, replaced) tokens of `got` against `want`. For a request that failed
     (`complete` False) `got` only has to be a prefix, so missing tokens at the end are fine."""
-    if got == want or (not complete and got == want[:len(got)]):
+    if got == want or (not complete and got == want[: len(got)]):
         return 0, 0, 0
     ops = difflib.SequenceMatcher(a=want, b=got, autojunk=False).get_opcodes()
     if not complete and ops and ops[-1][0] == "delete":
@@ -192,16 +232,33 @@ def is_clear_error(err: Any, need_code: bool = True) -> bool:
     return not need_code or (isinstance(code, str) and bool(code))
 
 
-def judge(index: int, body: dict[str, Any], tokens: list[int], error: dict[str, Any] | None,
-          http_status: int | None, pdd: dict[str, Any] | None = None,
-          detail: str = "") -> Outcome:
+def judge(
+    index: int,
+    body: dict[str, Any],
+    tokens: list[int],
+    error: dict[str, Any] | None,
+    http_status: int | None,
+    pdd: dict[str, Any] | None = None,
+    detail: str = "",
+) -> Outcome:
     want = reference_tokens(body)
     complete = error is None
     dup, skip, repl = token_diff(want, tokens, complete)
-    out = Outcome(index=index, status="exact", tokens=tokens, expected_len=len(want),
-                  http_status=http_status, error=error, duplicated=dup, skipped=skip,
-                  replaced=repl, detail=detail, prompt_len=len(body["prompt"]),
-                  stream=bool(body.get("stream")), pdd=pdd)
+    out = Outcome(
+        index=index,
+        status="exact",
+        tokens=tokens,
+        expected_len=len(want),
+        http_status=http_status,
+        error=error,
+        duplicated=dup,
+        skipped=skip,
+        replaced=repl,
+        detail=detail,
+        prompt_len=len(body["prompt"]),
+        stream=bool(body.get("stream")),
+        pdd=pdd,
+    )
     if dup or skip or repl:
         out.status = "wrong"
     elif error is not None:
@@ -219,50 +276,98 @@ def judge(index: int, body: dict[str, Any], tokens: list[int], error: dict[str, 
 Verdict = Callable[..., Outcome]
 
 
-def count_only(index: int, body: dict[str, Any], tokens: list[int],
-               error: dict[str, Any] | None, http_status: int | None,
-               pdd: dict[str, Any] | None = None, detail: str = "") -> Outcome:
+def count_only(
+    index: int,
+    body: dict[str, Any],
+    tokens: list[int],
+    error: dict[str, Any] | None,
+    http_status: int | None,
+    pdd: dict[str, Any] | None = None,
+    detail: str = "",
+) -> Outcome:
     """A verdict without the reference engine (for the no-fault latency pass, whose bodies
     have no precomputed reference): "completed" when all max_tokens came without an error."""
     ok = error is None and len(tokens) == body["max_tokens"]
-    return Outcome(index=index, status="completed" if ok else "failed", tokens=tokens,
-                   expected_len=body["max_tokens"], http_status=http_status, error=error,
-                   detail=detail, prompt_len=len(body["prompt"]),
-                   stream=bool(body.get("stream")), pdd=pdd)
+    return Outcome(
+        index=index,
+        status="completed" if ok else "failed",
+        tokens=tokens,
+        expected_len=body["max_tokens"],
+        http_status=http_status,
+        error=error,
+        detail=detail,
+        prompt_len=len(body["prompt"]),
+        stream=bool(body.get("stream")),
+        pdd=pdd,
+    )
 
 
-async def send(session: aiohttp.ClientSession, url: str, index: int, body: dict[str, Any],
-               read_late_s: float = 0.0, read_pause_s: float = 0.0,
-               timeout_s: float = CLIENT_TIMEOUT_S, verdict: Verdict = judge) -> Outcome:
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    index: int,
+    body: dict[str, Any],
+    read_late_s: float = 0.0,
+    read_pause_s: float = 0.0,
+    timeout_s: float = CLIENT_TIMEOUT_S,
+    verdict: Verdict = judge,
+) -> Outcome:
     """One completion through the router, judged (by `verdict`), with its start and end times.
     `read_late_s`: a slow client that starts reading the stream only that long after the
     answer began; `read_pause_s` between chunks."""
     started = time.monotonic()
-    out = await _send_bounded(session, url, index, body, read_late_s, read_pause_s, timeout_s,
-                              verdict)
+    out = await _send_bounded(
+        session, url, index, body, read_late_s, read_pause_s, timeout_s, verdict
+    )
     out.started_at, out.ended_at = started, time.monotonic()
     return out
 
 
-async def _send_bounded(session: aiohttp.ClientSession, url: str, index: int,
-                        body: dict[str, Any], read_late_s: float, read_pause_s: float,
-                        timeout_s: float, verdict: Verdict) -> Outcome:
+async def _send_bounded(
+    session: aiohttp.ClientSession,
+    url: str,
+    index: int,
+    body: dict[str, Any],
+    read_late_s: float,
+    read_pause_s: float,
+    timeout_s: float,
+    verdict: Verdict,
+) -> Outcome:
     expected = len(reference_tokens(body)) if verdict is judge else body["max_tokens"]
     try:
         async with asyncio.timeout(timeout_s):
             return await _send(session, url, index, body, read_late_s, read_pause_s, verdict)
     except TimeoutError:
-        return Outcome(index=index, status="lost", tokens=[], expected_len=expected,
-                       prompt_len=len(body["prompt"]), stream=bool(body.get("stream")),
-                       detail=f"no answer within {timeout_s:g} s: the request hung")
+        return Outcome(
+            index=index,
+            status="lost",
+            tokens=[],
+            expected_len=expected,
+            prompt_len=len(body["prompt"]),
+            stream=bool(body.get("stream")),
+            detail=f"no answer within {timeout_s:g} s: the request hung",
+        )
     except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
-        return Outcome(index=index, status="lost", tokens=[], expected_len=expected,
-                       prompt_len=len(body["prompt"]), stream=bool(body.get("stream")),
-                       detail=f"the connection ended without an answer: {type(exc).__name__}: {exc}")
+        return Outcome(
+            index=index,
+            status="lost",
+            tokens=[],
+            expected_len=expected,
+            prompt_len=len(body["prompt"]),
+            stream=bool(body.get("stream")),
+            detail=f"the connection ended without an answer: {type(exc).__name__}: {exc}",
+        )
 
 
-async def _send(session: aiohttp.ClientSession, url: str, index: int, body: dict[str, Any],
-                read_late_s: float, read_pause_s: float, verdict: Verdict = judge) -> Outcome:
+async def _send(
+    session: aiohttp.ClientSession,
+    url: str,
+    index: int,
+    body: dict[str, Any],
+    read_late_s: float,
+    read_pause_s: float,
+    verdict: Verdict = judge,
+) -> Outcome:
     payload = {"model": MODEL, **body}
     async with session.post(url + "/v1/completions", json=payload) as r:
         if r.status != 200:
@@ -286,9 +391,14 @@ async def _send(session: aiohttp.ClientSession, url: str, index: int, body: dict
             if not line:
                 continue
             if not line.startswith(b"data: "):
-                return verdict(index, body, tokens,
-                               {"unparsed": line[:200].decode(errors="replace")},
-                               200, detail="a stream line that is not an SSE data event")
+                return verdict(
+                    index,
+                    body,
+                    tokens,
+                    {"unparsed": line[:200].decode(errors="replace")},
+                    200,
+                    detail="a stream line that is not an SSE data event",
+                )
             data = line[6:]
             if data == b"[DONE]":
                 done = True
@@ -302,17 +412,33 @@ async def _send(session: aiohttp.ClientSession, url: str, index: int, body: dict
             if read_pause_s:
                 await asyncio.sleep(read_pause_s)
         if not done:
-            return Outcome(index=index, status="lost", tokens=tokens,
-                           expected_len=len(reference_tokens(body)) if verdict is judge
-                           else body["max_tokens"], prompt_len=len(body["prompt"]), stream=True, http_status=200,
-                           error=error, detail="the stream ended without [DONE]")
+            return Outcome(
+                index=index,
+                status="lost",
+                tokens=tokens,
+                expected_len=len(reference_tokens(body))
+                if verdict is judge
+                else body["max_tokens"],
+                prompt_len=len(body["prompt"]),
+                stream=True,
+                http_status=200,
+                error=error,
+                detail="the stream ended without [DONE]",
+            )
         if error is None and (last is None or last["choices"][0].get("finish_reason") is None):
-            return verdict(index, body, tokens, {"unparsed": "no finish_reason"}, 200,
-                           detail="[DONE] without a final chunk")
+            return verdict(
+                index,
+                body,
+                tokens,
+                {"unparsed": "no finish_reason"},
+                200,
+                detail="[DONE] without a final chunk",
+            )
         return verdict(index, body, tokens, error, 200, (last or {}).get("pdd"))
 
 
 # -- daemon state: the leak baseline ---------------------------------------------------------------
+
 
 def _count_fds(pid: int) -> tuple[int, int]:
     """(open fds, of which sockets) of a process, from /proc."""
@@ -341,7 +467,7 @@ class DaemonState:
     fds: int
     sockets: int
     threads: int
-    tasks: int | None                # a daemon's asyncio task count, where its stats report one
+    tasks: int | None  # a daemon's asyncio task count, where its stats report one
     stats: dict[str, Any]
 
 
@@ -351,8 +477,9 @@ async def daemon_state(cluster: LocalCluster, role: str) -> DaemonState:
     fds, sockets = _count_fds(pid)
     threads = len(os.listdir(f"/proc/{pid}/task"))
     tasks = stats.get("tasks")
-    return DaemonState(role, pid, fds, sockets, threads,
-                       tasks if isinstance(tasks, int) else None, stats)
+    return DaemonState(
+        role, pid, fds, sockets, threads, tasks if isinstance(tasks, int) else None, stats
+    )
 
 
 async def snapshot(cluster: LocalCluster) -> dict[str, DaemonState]:
@@ -371,16 +498,21 @@ def _held(role: str, stats: dict[str, Any]) -> list[str]:
         out.append(f"{role}: {used} KV blocks still used")
     active = stats.get("requests", {}).get("active", 0)
     if active:
-        out.append(f"{role}: {active} requests still active "
-                   f"(phases {stats.get('active_phases', {})})")
+        out.append(
+            f"{role}: {active} requests still active (phases {stats.get('active_phases', {})})"
+        )
     if stats.get("early_takeovers_waiting"):
         out.append(f"{role}: {stats['early_takeovers_waiting']} early TAKEOVERs still held")
     return out
 
 
-async def find_leaks(cluster: LocalCluster, baseline: dict[str, DaemonState],
-                     dead_pids: set[int] = frozenset(), timeout_s: float = LEAK_TIMEOUT_S,
-                     ignore_roles: set[str] = frozenset()) -> list[str]:
+async def find_leaks(
+    cluster: LocalCluster,
+    baseline: dict[str, DaemonState],
+    dead_pids: set[int] = frozenset(),
+    timeout_s: float = LEAK_TIMEOUT_S,
+    ignore_roles: set[str] = frozenset(),
+) -> list[str]:
     """Poll until nothing is held beyond `baseline`, or `timeout_s`: the leaks still there.
     `dead_pids`: daemons this case killed (their /dev/shm segments must be gone as well)."""
     deadline = time.monotonic() + timeout_s
@@ -402,10 +534,15 @@ async def find_leaks(cluster: LocalCluster, baseline: dict[str, DaemonState],
             if base is None or base.pid != now.pid:
                 continue  # restarted: a new process has no earlier requests to leak
             if now.fds > base.fds + FD_SLACK:
-                leaks.append(f"{role}: {now.fds} fds open ({now.sockets} sockets), "
-                             f"{base.fds} ({base.sockets} sockets) before")
-            if now.tasks is not None and base.tasks is not None \
-                    and now.tasks > base.tasks + TASK_SLACK:
+                leaks.append(
+                    f"{role}: {now.fds} fds open ({now.sockets} sockets), "
+                    f"{base.fds} ({base.sockets} sockets) before"
+                )
+            if (
+                now.tasks is not None
+                and base.tasks is not None
+                and now.tasks > base.tasks + TASK_SLACK
+            ):
                 leaks.append(f"{role}: {now.tasks} asyncio tasks, {base.tasks} before")
         live = [d.pid for d in cluster.daemons.values() if pid_alive(d.pid)]
         extra = shm_segments_of(sorted(p for p in dead_pids if not pid_alive(p)))
@@ -433,6 +570,7 @@ def remove_segments_of(pids: set[int]) -> list[str]:
 
 # -- recovery --------------------------------------------------------------------------------------
 
+
 async def wait_healthy(cluster: LocalCluster, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
     """None once the router's /health is ok, else what it last said."""
     deadline = time.monotonic() + timeout_s
@@ -451,10 +589,23 @@ async def wait_healthy(cluster: LocalCluster, timeout_s: float = HEALTH_TIMEOUT_
 
 
 FRESH_BODIES = [
-    {"prompt": [256] + list(range(40, 160)), "max_tokens": 24, "temperature": 0.0,
-     "ignore_eos": True, "return_token_ids": True, "stream": True},
-    {"prompt": [256] + list(range(10, 30)), "max_tokens": 12, "temperature": 0.7, "seed": 11,
-     "ignore_eos": True, "return_token_ids": True, "stream": False},
+    {
+        "prompt": [256] + list(range(40, 160)),
+        "max_tokens": 24,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    },
+    {
+        "prompt": [256] + list(range(10, 30)),
+        "max_tokens": 12,
+        "temperature": 0.7,
+        "seed": 11,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": False,
+    },
 ]
 
 
@@ -462,8 +613,15 @@ async def fresh_requests(cluster: LocalCluster) -> list[Outcome]:
     """After healing: /health ok, then new requests (one streamed, one whole) token-exact."""
     unhealthy = await wait_healthy(cluster)
     if unhealthy is not None:
-        return [Outcome(index=-1, status="lost", tokens=[], expected_len=0,
-                        detail=f"router /health not ok within {HEALTH_TIMEOUT_S:g} s: {unhealthy}")]
+        return [
+            Outcome(
+                index=-1,
+                status="lost",
+                tokens=[],
+                expected_len=0,
+                detail=f"router /health not ok within {HEALTH_TIMEOUT_S:g} s: {unhealthy}",
+            )
+        ]
     async with aiohttp.ClientSession() as s:
         return [await send(s, cluster.url, -1 - i, b) for i, b in enumerate(FRESH_BODIES)]
 
@@ -485,14 +643,17 @@ def after(seconds: float) -> Trigger:
     async def wait(cluster: LocalCluster) -> str:
         await asyncio.sleep(seconds)
         return f"{seconds:g} s after the workload started"
+
     return wait
 
 
-def when_phase(role: str, phases: tuple[str, ...], settle_s: float = 0.0,
-               poll_s: float = 0.05) -> Trigger:
+def when_phase(
+    role: str, phases: tuple[str, ...], settle_s: float = 0.0, poll_s: float = 0.05
+) -> Trigger:
     """The moment a request on `role` is in one of `phases` (from its stats' active_phases):
     e.g. MD receiving_kv = mid-transfer / before handoff, RLD streaming = during a streaming
     handoff, MD decoding = after the handoff."""
+
     async def wait(cluster: LocalCluster) -> str:
         while True:
             stats = await cluster.stats(role)
@@ -503,6 +664,7 @@ def when_phase(role: str, phases: tuple[str, ...], settle_s: float = 0.0,
                 rid, phase = next(iter(hit.items()))
                 return f"{role} had {rid} in phase {phase}"
             await asyncio.sleep(poll_s)
+
     return wait
 
 
@@ -520,7 +682,7 @@ class Fault:
     inject: Callable[[LocalCluster], Awaitable[str]]
     at: Trigger
     heal: Callable[[LocalCluster], Awaitable[None]] | None = None
-    destructive: bool = False        # leaves the cluster unfit for further cases
+    destructive: bool = False  # leaves the cluster unfit for further cases
     killed_roles: tuple[str, ...] = ()
     injected_at: float | None = None
     healed_at: float | None = None
@@ -537,12 +699,15 @@ def control(cluster: LocalCluster) -> Any:
 
     url = cluster.wan.get("control_url")
     if not url:
-        raise RuntimeError(f"this cluster has no WAN control API (shell {cluster.wan.get('shell')})")
+        raise RuntimeError(
+            f"this cluster has no WAN control API (shell {cluster.wan.get('shell')})"
+        )
     return ControlClient(url)
 
 
 def link_chaos(kind: str, at: Trigger, duration: float, **params: Any) -> Fault:
     """A chaos verb of the WAN control API (partition, latency-spike, jitter-storm, ...)."""
+
     async def inject(cluster: LocalCluster) -> str:
         fault.mark_injected()
         await control(cluster).chaos(kind, duration, **params)
@@ -598,13 +763,20 @@ def sigkill(role: str, at: Trigger, restart: bool = True) -> Fault:
             await restart_daemon(cluster, role)
             fault.mark_healed()  # the new process serves (its peers may still be redialling)
 
-    fault = Fault(kind=f"sigkill-{role}", inject=inject, at=at, heal=heal, destructive=True,
-                  killed_roles=(role,))
+    fault = Fault(
+        kind=f"sigkill-{role}",
+        inject=inject,
+        at=at,
+        heal=heal,
+        destructive=True,
+        killed_roles=(role,),
+    )
     return fault
 
 
 def sigstop(role: str, at: Trigger, hang_s: float) -> Fault:
     """Hang a daemon (SIGSTOP) for `hang_s`, then SIGCONT."""
+
     async def inject(cluster: LocalCluster) -> str:
         pid = cluster.daemons[role].pid
         fault.mark_injected()
@@ -626,9 +798,9 @@ def sigstop(role: str, at: Trigger, hang_s: float) -> Fault:
 
 # -- fault figures: detection, recovery, added latency ---------------------------------------------
 
-HEALTH_POLL_S = 0.05       # the /health poller's period while a case runs
-HEALTH_POLL_MAX = 20000    # its bound on polls (~17 min at 50 ms, far beyond any case)
-PROBE_GAP_S = 0.1          # between recovery probes that the cluster refused with a clear error
+HEALTH_POLL_S = 0.05  # the /health poller's period while a case runs
+HEALTH_POLL_MAX = 20000  # its bound on polls (~17 min at 50 ms, far beyond any case)
+PROBE_GAP_S = 0.1  # between recovery probes that the cluster refused with a clear error
 
 
 class HealthWatch:
@@ -683,8 +855,7 @@ def twin_body(body: dict[str, Any]) -> dict[str, Any]:
     prompt = body["prompt"]
     rng = random.Random("twin:" + ",".join(map(str, prompt[:64])))
     # every token after the first moves by 1..255 (mod 256): no block of it matches the original
-    twin = dict(body, prompt=[prompt[0]] + [(t + 1 + rng.randrange(255)) % 256
-                                            for t in prompt[1:]])
+    twin = dict(body, prompt=[prompt[0]] + [(t + 1 + rng.randrange(255)) % 256 for t in prompt[1:]])
     made = len(reference_tokens(body))
     if made:
         twin.update(max_tokens=made, ignore_eos=True)
@@ -695,13 +866,22 @@ def probe_body(case: str) -> dict[str, Any]:
     """The recovery probe of a case: a short streamed greedy request, its prompt drawn from the
     case's name so that it does not hit a cache left by another case's probe."""
     rng = random.Random("probe:" + case)
-    return {"prompt": [256] + [rng.randrange(256) for _ in range(120)], "max_tokens": 24,
-            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+    return {
+        "prompt": [256] + [rng.randrange(256) for _ in range(120)],
+        "max_tokens": 24,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
 
 
-async def no_fault_pass(cluster: LocalCluster, bodies: list[dict[str, Any]], concurrency: int,
-                        probe: dict[str, Any] | None = None) -> tuple[list[Outcome],
-                                                                     Outcome | None]:
+async def no_fault_pass(
+    cluster: LocalCluster,
+    bodies: list[dict[str, Any]],
+    concurrency: int,
+    probe: dict[str, Any] | None = None,
+) -> tuple[list[Outcome], Outcome | None]:
     """The twins of `bodies`, through the router `concurrency` at a time, as the case sends
     the originals: their latencies are the "without the fault" side of the added latency.
     Then `probe`'s twin alone: what a recovery probe costs on a healthy, idle cluster."""
@@ -714,13 +894,17 @@ async def no_fault_pass(cluster: LocalCluster, bodies: list[dict[str, Any]], con
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         outs = list(await asyncio.gather(*(one(i, b) for i, b in enumerate(twins))))
-        probe_twin = await send(session, cluster.url, -99, twin_body(probe),
-                                verdict=count_only) if probe is not None else None
+        probe_twin = (
+            await send(session, cluster.url, -99, twin_body(probe), verdict=count_only)
+            if probe is not None
+            else None
+        )
     return outs, probe_twin
 
 
-async def probe_recovery(cluster: LocalCluster, body: dict[str, Any],
-                         retry_for_s: float = HEALTH_TIMEOUT_S) -> tuple[Outcome | None, int]:
+async def probe_recovery(
+    cluster: LocalCluster, body: dict[str, Any], retry_for_s: float = HEALTH_TIMEOUT_S
+) -> tuple[Outcome | None, int]:
     """Fresh requests from the moment a fault was healed, one at a time, until one is not
     refused with a clear error (the cluster saying it is not ready yet), for at most
     `retry_for_s`: (that outcome, attempts), or (None, attempts) when all were refused."""
@@ -736,9 +920,13 @@ async def probe_recovery(cluster: LocalCluster, body: dict[str, Any],
     return None, attempts
 
 
-def added_latency(outcomes: list[Outcome], twins: list[Outcome] | None,
-                  injected_at: float | None, recovered_at: float | None,
-                  whole_workload: bool = False) -> dict[str, Any]:
+def added_latency(
+    outcomes: list[Outcome],
+    twins: list[Outcome] | None,
+    injected_at: float | None,
+    recovered_at: float | None,
+    whole_workload: bool = False,
+) -> dict[str, Any]:
     """Added latency of the affected requests: those in flight at the fault or started after
     it and before recovery (`whole_workload`: all, for a fault that lasts the whole workload,
     e.g. a slow client). Compared: affected requests that completed token-exact and whose twin
@@ -759,10 +947,15 @@ def added_latency(outcomes: list[Outcome], twins: list[Outcome] | None,
         twin = twins[o.index] if twins is not None and o.index < len(twins) else None
         base = twin.latency_s if twin is not None and twin.status == "completed" else None
         lat = o.latency_s
-        delta = round(lat - base, 3) if hit and o.status == "exact" and base is not None \
-            and lat is not None else None
-        md, md_twin = (o.pdd or {}).get("main_tokens"), \
-            (twin.pdd or {}).get("main_tokens") if twin is not None else None
+        delta = (
+            round(lat - base, 3)
+            if hit and o.status == "exact" and base is not None and lat is not None
+            else None
+        )
+        md, md_twin = (
+            (o.pdd or {}).get("main_tokens"),
+            (twin.pdd or {}).get("main_tokens") if twin is not None else None,
+        )
         if delta is not None:
             added.append(delta)
             # handed over to MD in one run and not the other: on one box a handoff costs more
@@ -770,27 +963,42 @@ def added_latency(outcomes: list[Outcome], twins: list[Outcome] | None,
             changed += bool(md) != bool(md_twin)
         # who produced the tokens explains many deltas: a request that RLD finished alone
         # (its handoff to MD never came) can be faster than its handed-over twin
-        per.append({"index": o.index, "status": o.status, "affected": hit,
-                    "latency_s": round(lat, 3) if lat is not None else None,
-                    "no_fault_s": round(base, 3) if base is not None else None,
-                    "added_s": delta, "md_tokens": md, "md_tokens_no_fault": md_twin})
-    return {"affected": affected, "compared": len(added), "handoff_changed": changed,
-            "added_p50_s": round(statistics.median(added), 3) if added else None,
-            "added_max_s": round(max(added), 3) if added else None, "requests": per}
+        per.append(
+            {
+                "index": o.index,
+                "status": o.status,
+                "affected": hit,
+                "latency_s": round(lat, 3) if lat is not None else None,
+                "no_fault_s": round(base, 3) if base is not None else None,
+                "added_s": delta,
+                "md_tokens": md,
+                "md_tokens_no_fault": md_twin,
+            }
+        )
+    return {
+        "affected": affected,
+        "compared": len(added),
+        "handoff_changed": changed,
+        "added_p50_s": round(statistics.median(added), 3) if added else None,
+        "added_max_s": round(max(added), 3) if added else None,
+        "requests": per,
+    }
 
 
 def _link_counts(st: DaemonState) -> tuple[int, int]:
     """(peer losses, heartbeat deadlines) of one daemon, from its stats()."""
     peers = st.stats.get("peers")
-    losses = sum(int(p.get("losses", 0)) for p in peers.values() if isinstance(p, dict)) \
-        if isinstance(peers, dict) else 0
+    losses = (
+        sum(int(p.get("losses", 0)) for p in peers.values() if isinstance(p, dict))
+        if isinstance(peers, dict)
+        else 0
+    )
     counters = st.stats.get("counters")
     deadlines = int(counters.get("heartbeat_deadlines", 0)) if isinstance(counters, dict) else 0
     return losses, deadlines
 
 
-def link_losses(before: dict[str, DaemonState],
-                after: dict[str, DaemonState]) -> tuple[int, int]:
+def link_losses(before: dict[str, DaemonState], after: dict[str, DaemonState]) -> tuple[int, int]:
     """(peer losses, heartbeat deadlines) the daemons counted between two snapshots; a
     restarted daemon (another pid) counts everything since its start."""
     losses = deadlines = 0
@@ -827,6 +1035,7 @@ async def _router_stalls(cluster: LocalCluster) -> int | None:
 
 # -- a case ----------------------------------------------------------------------------------------
 
+
 @dataclass
 class CaseResult:
     suite: str
@@ -836,7 +1045,7 @@ class CaseResult:
     sent: int = 0
     exact: int = 0
     clear_errors: int = 0
-    cancelled: int = 0               # abandoned by the client on purpose, prefix-correct
+    cancelled: int = 0  # abandoned by the client on purpose, prefix-correct
     wrong: int = 0
     unclear_errors: int = 0
     lost: int = 0
@@ -852,18 +1061,18 @@ class CaseResult:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     # What the fault cost (docs/chaos.md, "What a fault cost"); None: not measured / not seen.
-    detection_s: float | None = None     # injection -> the router's /health first not 200
-    detected_as: str = ""                # what /health waited for then
-    recover_s: float | None = None       # heal -> first fresh request token-exact
-    recovery_probes: int = 0             # fresh requests sent from the heal on until then
+    detection_s: float | None = None  # injection -> the router's /health first not 200
+    detected_as: str = ""  # what /health waited for then
+    recover_s: float | None = None  # heal -> first fresh request token-exact
+    recovery_probes: int = 0  # fresh requests sent from the heal on until then
     probe_no_fault_s: float | None = None  # the probe's twin on the idle, healthy cluster
-    affected: int = 0                    # requests in flight at the fault or before recovery
-    added_p50_s: float | None = None     # latency - no-fault twin's latency, affected requests
+    affected: int = 0  # requests in flight at the fault or before recovery
+    added_p50_s: float | None = None  # latency - no-fault twin's latency, affected requests
     added_max_s: float | None = None
-    handoff_changed: int = 0             # compared requests handed to MD in one run only
+    handoff_changed: int = 0  # compared requests handed to MD in one run only
     no_fault_pass_s: float | None = None  # what the twins' pass cost (wall clock)
-    stall_replays: int | None = None     # router stats()["stalls"] after - before
-    peer_losses: int | None = None       # daemons' stats()["peers"][*]["losses"] after - before
+    stall_replays: int | None = None  # router stats()["stalls"] after - before
+    peer_losses: int | None = None  # daemons' stats()["peers"][*]["losses"] after - before
     heartbeat_deadlines: int | None = None
     latencies: list[dict[str, Any]] = field(default_factory=list)
 
@@ -908,19 +1117,32 @@ class CaseResult:
         """Raise with every broken invariant, the seed to replay and where the logs are."""
         problems = self.broken()
         if problems:
-            seed = f" (seed {self.seed}: replay with PDD_CHAOS_SEED={self.seed})" \
-                if self.seed is not None else ""
+            seed = (
+                f" (seed {self.seed}: replay with PDD_CHAOS_SEED={self.seed})"
+                if self.seed is not None
+                else ""
+            )
             where = f"\n  daemon logs: {logs}" if logs else ""
-            raise AssertionError(f"{self.case}{seed}: {len(problems)} broken invariant(s); "
-                                 f"fault: {self.fault_detail}\n  " + "\n  ".join(problems)
-                                 + where)
+            raise AssertionError(
+                f"{self.case}{seed}: {len(problems)} broken invariant(s); "
+                f"fault: {self.fault_detail}\n  " + "\n  ".join(problems) + where
+            )
 
 
-async def run_case(cluster: LocalCluster, case: str, bodies: list[dict[str, Any]],
-                   fault: Fault | None, seed: int | None = None, concurrency: int = 4,
-                   suite: str = "chaos", read_late_s: float = 0.0, read_pause_s: float = 0.0,
-                   fault_timeout_s: float = 30.0, kind: str | None = None,
-                   measure_no_fault: bool = True) -> CaseResult:
+async def run_case(
+    cluster: LocalCluster,
+    case: str,
+    bodies: list[dict[str, Any]],
+    fault: Fault | None,
+    seed: int | None = None,
+    concurrency: int = 4,
+    suite: str = "chaos",
+    read_late_s: float = 0.0,
+    read_pause_s: float = 0.0,
+    fault_timeout_s: float = 30.0,
+    kind: str | None = None,
+    measure_no_fault: bool = True,
+) -> CaseResult:
     """Run `bodies` through the router `concurrency` at a time, inject `fault` at its moment
     (concurrently), heal, then check leaks and fresh requests. Recorded in REPORT.
 
@@ -929,21 +1151,24 @@ async def run_case(cluster: LocalCluster, case: str, bodies: list[dict[str, Any]
     router's /health every 50 ms (detection), a recovery probe from the heal on (recovery),
     and the router's stall replays and the daemons' peer losses over the whole case."""
     started = time.monotonic()
-    result = CaseResult(suite=suite, case=case,
-                        fault_kind=kind or (fault.kind if fault else "none"), seed=seed)
+    result = CaseResult(
+        suite=suite, case=case, fault_kind=kind or (fault.kind if fault else "none"), seed=seed
+    )
     probe = probe_body(case)
     precompute_references(bodies + FRESH_BODIES + [probe])
     stalls_before = await _router_stalls(cluster)
     twins: list[Outcome] | None = None
     if measure_no_fault and (fault is not None or kind is not None):
         t0 = time.monotonic()
-        twins, probe_twin = await no_fault_pass(cluster, bodies, concurrency,
-                                                probe if fault is not None else None)
+        twins, probe_twin = await no_fault_pass(
+            cluster, bodies, concurrency, probe if fault is not None else None
+        )
         result.no_fault_pass_s = round(time.monotonic() - t0, 2)
         if probe_twin is not None and probe_twin.status == "completed":
             result.probe_no_fault_s = round(probe_twin.latency_s or 0.0, 3)
-        result.problems += [f"no-fault twin: {o.describe()}" for o in twins
-                            if o.status == "lost"]  # a hang is a hang, fault or not
+        result.problems += [
+            f"no-fault twin: {o.describe()}" for o in twins if o.status == "lost"
+        ]  # a hang is a hang, fault or not
         # the leak baseline below is taken once the twins' requests are freed
         await find_leaks(cluster, {}, timeout_s=5.0)
     baseline = await snapshot(cluster)
@@ -1013,15 +1238,25 @@ async def run_case(cluster: LocalCluster, case: str, bodies: list[dict[str, Any]
             await watch.stop()
     recovered_at = _record_recovery(result, fault, probe_out)
     _record_detection(result, fault, watch)
-    lat = added_latency(outcomes, twins, fault.injected_at if fault else None, recovered_at,
-                        whole_workload=fault is None and kind is not None)
-    result.affected, result.added_p50_s, result.added_max_s = \
-        lat["affected"], lat["added_p50_s"], lat["added_max_s"]
+    lat = added_latency(
+        outcomes,
+        twins,
+        fault.injected_at if fault else None,
+        recovered_at,
+        whole_workload=fault is None and kind is not None,
+    )
+    result.affected, result.added_p50_s, result.added_max_s = (
+        lat["affected"],
+        lat["added_p50_s"],
+        lat["added_max_s"],
+    )
     result.latencies = lat["requests"]
     result.handoff_changed = lat["handoff_changed"]
     if twins is not None and lat["compared"] < lat["affected"]:
-        result.notes.append(f"added latency from {lat['compared']} of {lat['affected']} affected "
-                            f"requests (the others failed, or their twin did)")
+        result.notes.append(
+            f"added latency from {lat['compared']} of {lat['affected']} affected "
+            f"requests (the others failed, or their twin did)"
+        )
     result.leaks = await find_leaks(cluster, baseline, killed_pids)
     fresh = await fresh_requests(cluster)
     result.fresh_ok = all(o.status == "exact" for o in fresh)
@@ -1039,14 +1274,17 @@ async def run_case(cluster: LocalCluster, case: str, bodies: list[dict[str, Any]
     return result
 
 
-def _record_recovery(result: CaseResult, fault: Fault | None,
-                     probe: Outcome | None) -> float | None:
+def _record_recovery(
+    result: CaseResult, fault: Fault | None, probe: Outcome | None
+) -> float | None:
     """recover_s from the recovery probe; returns the moment of recovery (None: unknown)."""
     if fault is None or fault.healed_at is None:
         return None
     if probe is None:
-        result.notes.append(f"no recovery probe was served within {HEALTH_TIMEOUT_S:g} s of the "
-                            f"heal ({result.recovery_probes} refused with a clear error)")
+        result.notes.append(
+            f"no recovery probe was served within {HEALTH_TIMEOUT_S:g} s of the "
+            f"heal ({result.recovery_probes} refused with a clear error)"
+        )
         return None
     if probe.status != "exact":  # the same invariants as every request
         result.problems.append(f"recovery probe after the heal: {probe.describe()}")
@@ -1076,14 +1314,31 @@ def chaos_seed() -> int:
 
 # -- the report ------------------------------------------------------------------------------------
 
-COLUMNS = [("suite", "suite"), ("case", "case"), ("fault", "fault_kind"), ("sent", "sent"),
-           ("exact", "exact"), ("clear err", "clear_errors"), ("cancelled", "cancelled"), ("lost", "lost"),
-           ("wrong", "wrong"), ("unclear", "unclear_errors"), ("dup", "duplicated"),
-           ("skip", "skipped"), ("leaks", "leaks"), ("fresh ok", "fresh_ok"),
-           ("fuzz inputs", "fuzz_inputs"), ("detect s", "detection_s"),
-           ("recover s", "recover_s"), ("affected", "affected"), ("added p50 s", "added_p50_s"),
-           ("added max s", "added_max_s"), ("stalls", "stall_replays"),
-           ("losses", "peer_losses"), ("s", "duration_s")]
+COLUMNS = [
+    ("suite", "suite"),
+    ("case", "case"),
+    ("fault", "fault_kind"),
+    ("sent", "sent"),
+    ("exact", "exact"),
+    ("clear err", "clear_errors"),
+    ("cancelled", "cancelled"),
+    ("lost", "lost"),
+    ("wrong", "wrong"),
+    ("unclear", "unclear_errors"),
+    ("dup", "duplicated"),
+    ("skip", "skipped"),
+    ("leaks", "leaks"),
+    ("fresh ok", "fresh_ok"),
+    ("fuzz inputs", "fuzz_inputs"),
+    ("detect s", "detection_s"),
+    ("recover s", "recover_s"),
+    ("affected", "affected"),
+    ("added p50 s", "added_p50_s"),
+    ("added max s", "added_max_s"),
+    ("stalls", "stall_replays"),
+    ("losses", "peer_losses"),
+    ("s", "duration_s"),
+]
 
 
 def _cell(v: Any) -> str:
@@ -1099,8 +1354,11 @@ def _cell(v: Any) -> str:
 def _spread(values: list[float | None]) -> dict[str, Any]:
     """max and median of the measured values (None: not measured), and how many there were."""
     got = [v for v in values if v is not None]
-    return {"cases": len(got), "max": max(got) if got else None,
-            "median": round(statistics.median(got), 3) if got else None}
+    return {
+        "cases": len(got),
+        "max": max(got) if got else None,
+        "median": round(statistics.median(got), 3) if got else None,
+    }
 
 
 class SuiteReport:
@@ -1114,48 +1372,56 @@ class SuiteReport:
 
     def totals(self) -> dict[str, Any]:
         c = self.cases
-        return {"cases": len(c),
-                "faults_by_kind": dict(Counter(r.fault_kind for r in c if r.fault_kind != "none")),
-                "requests_sent": sum(r.sent for r in c),
-                "completed_token_exact": sum(r.exact for r in c),
-                "failed_with_clear_error": sum(r.clear_errors for r in c),
-                "cancelled_by_client": sum(r.cancelled for r in c),
-                "lost": sum(r.lost for r in c),
-                "wrong_tokens": sum(r.wrong for r in c),
-                "unclear_errors": sum(r.unclear_errors for r in c),
-                "duplicated_tokens": sum(r.duplicated for r in c),
-                "skipped_tokens": sum(r.skipped for r in c),
-                "leaks": sum(len(r.leaks) for r in c),
-                "fresh_request_failures": sum(not r.fresh_ok for r in c),
-                "fuzz_inputs": sum(r.fuzz_inputs for r in c),
-                "detection_s": _spread([r.detection_s for r in c]),
-                "recover_s": _spread([r.recover_s for r in c]),
-                "added_p50_s": _spread([r.added_p50_s for r in c]),
-                "added_max_s": _spread([r.added_max_s for r in c]),
-                "stall_replays": sum(r.stall_replays or 0 for r in c),
-                "peer_losses": sum(r.peer_losses or 0 for r in c)}
+        return {
+            "cases": len(c),
+            "faults_by_kind": dict(Counter(r.fault_kind for r in c if r.fault_kind != "none")),
+            "requests_sent": sum(r.sent for r in c),
+            "completed_token_exact": sum(r.exact for r in c),
+            "failed_with_clear_error": sum(r.clear_errors for r in c),
+            "cancelled_by_client": sum(r.cancelled for r in c),
+            "lost": sum(r.lost for r in c),
+            "wrong_tokens": sum(r.wrong for r in c),
+            "unclear_errors": sum(r.unclear_errors for r in c),
+            "duplicated_tokens": sum(r.duplicated for r in c),
+            "skipped_tokens": sum(r.skipped for r in c),
+            "leaks": sum(len(r.leaks) for r in c),
+            "fresh_request_failures": sum(not r.fresh_ok for r in c),
+            "fuzz_inputs": sum(r.fuzz_inputs for r in c),
+            "detection_s": _spread([r.detection_s for r in c]),
+            "recover_s": _spread([r.recover_s for r in c]),
+            "added_p50_s": _spread([r.added_p50_s for r in c]),
+            "added_max_s": _spread([r.added_max_s for r in c]),
+            "stall_replays": sum(r.stall_replays or 0 for r in c),
+            "peer_losses": sum(r.peer_losses or 0 for r in c),
+        }
 
     def table(self) -> str:
         rows = [[h for h, _ in COLUMNS]]
         for r in self.cases:
             rows.append([_cell(getattr(r, key)) for _, key in COLUMNS])
         widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
-                 for row in rows]
+        lines = [
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         t = self.totals()
         lines.append("")
         lines.append("totals: " + ", ".join(f"{k} {v}" for k, v in t.items()))
-        lines.append("detect s: fault -> router /health first not 200 (-: never, e.g. a latency "
-                     "spike); recover s: heal -> first fresh request token-exact; added: latency "
-                     "- no-fault twin's, affected requests (docs/chaos.md)")
+        lines.append(
+            "detect s: fault -> router /health first not 200 (-: never, e.g. a latency "
+            "spike); recover s: heal -> first fresh request token-exact; added: latency "
+            "- no-fault twin's, affected requests (docs/chaos.md)"
+        )
         return "\n".join(lines)
 
     def write(self, path: Path | None = None) -> Path:
         path = path or RESULTS_DIR / "report.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"written_at": time.time(), "totals": self.totals(),
-                "cases": [asdict(r) for r in self.cases]}
+        data = {
+            "written_at": time.time(),
+            "totals": self.totals(),
+            "cases": [asdict(r) for r in self.cases],
+        }
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, path)

@@ -13,18 +13,28 @@ import tests.chaos.harness as harness
 from tests.chaos.harness import HealthWatch, Outcome, added_latency, after, link_chaos
 
 
-def _done(index: int, start: float, end: float, status: str = "exact",
-          md_tokens: int = 0) -> Outcome:
-    return Outcome(index=index, status=status, tokens=[], expected_len=0, started_at=start,
-                   ended_at=end, pdd={"main_tokens": md_tokens})
+def _done(
+    index: int, start: float, end: float, status: str = "exact", md_tokens: int = 0
+) -> Outcome:
+    return Outcome(
+        index=index,
+        status=status,
+        tokens=[],
+        expected_len=0,
+        started_at=start,
+        ended_at=end,
+        pdd={"main_tokens": md_tokens},
+    )
 
 
 def test_added_latency_counts_requests_in_flight_at_the_fault_or_before_recovery():
-    outcomes = [_done(0, 0.0, 1.0),    # over before the fault: not affected
-                _done(1, 0.5, 4.0),    # in flight at the fault (t=2)
-                _done(2, 3.0, 5.0, md_tokens=9),  # started after the fault, before recovery
-                _done(3, 7.0, 8.0),    # started after recovery: not affected
-                _done(4, 1.0, 3.0, "clear_error")]  # affected, but nothing to compare
+    outcomes = [
+        _done(0, 0.0, 1.0),  # over before the fault: not affected
+        _done(1, 0.5, 4.0),  # in flight at the fault (t=2)
+        _done(2, 3.0, 5.0, md_tokens=9),  # started after the fault, before recovery
+        _done(3, 7.0, 8.0),  # started after recovery: not affected
+        _done(4, 1.0, 3.0, "clear_error"),
+    ]  # affected, but nothing to compare
     twins = [_done(i, 10.0, 10.0 + d, "completed") for i, d in enumerate([1.0, 1.5, 2.5, 1, 1])]
     lat = added_latency(outcomes, twins, injected_at=2.0, recovered_at=6.0)
     assert (lat["affected"], lat["compared"]) == (3, 2)
@@ -47,8 +57,7 @@ async def test_health_watch_keeps_the_first_unready_answer():
     async def health(request: web.Request) -> web.Response:
         if state["ok"]:
             return web.json_response({"status": "ok"})
-        return web.json_response({"waiting_for": ["prefill: main-decode control down"]},
-                                 status=503)
+        return web.json_response({"waiting_for": ["prefill: main-decode control down"]}, status=503)
 
     app = web.Application()
     app.router.add_get("/health", health)

@@ -32,18 +32,24 @@ pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(170
 # Short WAN-path timeouts, so that a 5 s partition outlasts all of them: the heartbeat deadline
 # (1.5 s: P, RLD and the router give MD up) and the KV transfer deadline (3 s). The router's
 # stall timer (30 s) stays: no request may need it.
-SHORT_TIMEOUTS = {"wan.heartbeat_s": 0.5, "wan.heartbeat_deadline_s": 1.5,
-                  "transport.deadline_s": 3.0, "policy.pipeline": "p_rld_md"}
+SHORT_TIMEOUTS = {
+    "wan.heartbeat_s": 0.5,
+    "wan.heartbeat_deadline_s": 1.5,
+    "transport.deadline_s": 3.0,
+    "policy.pipeline": "p_rld_md",
+}
 CLUSTER = {"mode": "pdd", "wan": "proxy", "rtt_ms": 30.0, "jitter_ms": 1.0, "bw_mbit": 8.0}
 
 
 async def test_partition_longer_than_every_timeout_then_heal(chaos_clusters):
-    cluster = await chaos_clusters.get("pdd-proxy-short-timeouts", **CLUSTER,
-                                       overrides=SHORT_TIMEOUTS)
+    cluster = await chaos_clusters.get(
+        "pdd-proxy-short-timeouts", **CLUSTER, overrides=SHORT_TIMEOUTS
+    )
     fault = link_chaos("partition", when_phase("main_decode", ("receiving_kv",)), duration=5.0)
     bodies = mixed_workload(6, 31, max_tokens=(8, 120), first_prompt=900)
-    result = await run_case(cluster, "partition 5 s (> heartbeat and transfer deadlines)",
-                            bodies, fault, seed=31)
+    result = await run_case(
+        cluster, "partition 5 s (> heartbeat and transfer deadlines)", bodies, fault, seed=31
+    )
     broken = bool(result.broken())
     await chaos_clusters.drop("pdd-proxy-short-timeouts", keep_logs=broken)
     result.assert_invariants(logs=cluster.run_dir / "logs")
@@ -62,13 +68,17 @@ async def _run_file(cluster: LocalCluster) -> dict | None:
 
 
 async def test_partition_during_the_readiness_window_delays_ready_until_healed(tmp_path):
-    cluster = LocalCluster(**CLUSTER, run_dir=tmp_path / "run", overrides={
-        "wan.heartbeat_s": 0.5, "wan.heartbeat_deadline_s": 1.5})
+    cluster = LocalCluster(
+        **CLUSTER,
+        run_dir=tmp_path / "run",
+        overrides={"wan.heartbeat_s": 0.5, "wan.heartbeat_deadline_s": 1.5},
+    )
     start = asyncio.create_task(cluster.__aenter__())
     try:
         # The WAN is up before any daemon dials it: cut it as soon as its control API is known.
-        info = await wait_for(lambda: _run_file(cluster), 60, "the run file (state starting)",
-                              step=0.02)
+        info = await wait_for(
+            lambda: _run_file(cluster), 60, "the run file (state starting)", step=0.02
+        )
         url = info["wan"]["control_url"]
         from emulation.control import ControlClient
 
@@ -82,8 +92,13 @@ async def test_partition_during_the_readiness_window_delays_ready_until_healed(t
             async with http.get(cluster.url + "/health") as r:
                 health = await r.json()
             assert r.status == 200 and health["waiting_for"] == [], health
-            body = {"model": "tiny", "prompt": [256, 5, 6, 7], "max_tokens": 4,
-                    "temperature": 0, "return_token_ids": True}
+            body = {
+                "model": "tiny",
+                "prompt": [256, 5, 6, 7],
+                "max_tokens": 4,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
             async with http.post(cluster.url + "/v1/completions", json=body) as r:
                 answer = await r.json()
         assert r.status == 200, answer
@@ -102,6 +117,7 @@ async def test_a_daemon_dying_in_the_readiness_window_fails_the_start_cleanly(tm
     start = asyncio.create_task(cluster.__aenter__())
     victim = None
     try:
+
         async def md_spawned():
             info = await _run_file(cluster)
             pids = {d["role"]: d["pid"] for d in (info or {}).get("daemons", [])}

@@ -33,8 +33,14 @@ from tests.conftest import root_netns_missing_reason
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(170)]
 
 PROXY = "pdd-proxy"
-PROXY_CLUSTER = {"mode": "pdd", "wan": "proxy", "rtt_ms": 30.0, "jitter_ms": 1.0,
-                 "bw_mbit": 8.0, "overrides": {"policy.pipeline": "p_rld_md"}}
+PROXY_CLUSTER = {
+    "mode": "pdd",
+    "wan": "proxy",
+    "rtt_ms": 30.0,
+    "jitter_ms": 1.0,
+    "bw_mbit": 8.0,
+    "overrides": {"policy.pipeline": "p_rld_md"},
+}
 MID_TRANSFER = when_phase("main_decode", ("receiving_kv",))
 
 
@@ -57,14 +63,21 @@ async def test_latency_spike_mid_transfer(chaos_clusters):
 @pytest.mark.parametrize("dist", ["normal", "pareto-normal"])
 async def test_jitter_storm(chaos_clusters, dist):
     fault = link_chaos("jitter-storm", after(0.3), duration=2.5, jitter_ms=40, jitter_dist=dist)
-    await _run(chaos_clusters, PROXY, PROXY_CLUSTER, f"jitter storm 40 ms {dist}, 2.5 s",
-               fault, seed=12 if dist == "normal" else 13)
+    await _run(
+        chaos_clusters,
+        PROXY,
+        PROXY_CLUSTER,
+        f"jitter storm 40 ms {dist}, 2.5 s",
+        fault,
+        seed=12 if dist == "normal" else 13,
+    )
 
 
 async def test_bandwidth_collapse_mid_transfer(chaos_clusters):
     fault = link_chaos("bandwidth-collapse", MID_TRANSFER, duration=2.0, fraction=0.02)
-    await _run(chaos_clusters, PROXY, PROXY_CLUSTER, "bandwidth collapse to 2%, 2 s", fault,
-               seed=14)
+    await _run(
+        chaos_clusters, PROXY, PROXY_CLUSTER, "bandwidth collapse to 2%, 2 s", fault, seed=14
+    )
 
 
 async def test_partition_then_heal(chaos_clusters):
@@ -75,8 +88,17 @@ async def test_partition_then_heal(chaos_clusters):
 async def test_slow_client_reads_stream_late(chaos_clusters):
     """Streamed answers are read only 2 s after they began, then slowly: the router and the
     daemons must neither lose nor repeat tokens while the client lags, and free everything."""
-    await _run(chaos_clusters, PROXY, PROXY_CLUSTER, "slow client (reads 2 s late)", None,
-               seed=16, read_late_s=2.0, read_pause_s=0.01, kind="slow-client")
+    await _run(
+        chaos_clusters,
+        PROXY,
+        PROXY_CLUSTER,
+        "slow client (reads 2 s late)",
+        None,
+        seed=16,
+        read_late_s=2.0,
+        read_pause_s=0.01,
+        kind="slow-client",
+    )
 
 
 def random_schedule(seed: int) -> Fault:
@@ -85,13 +107,18 @@ def random_schedule(seed: int) -> Fault:
     steps = []
     for _ in range(3):
         kind = rng.choice(["latency-spike", "jitter-storm", "bandwidth-collapse", "partition"])
-        params = {"latency-spike": {"add_ms": rng.choice([100, 250, 400])},
-                  "jitter-storm": {"jitter_ms": rng.choice([10, 30, 60]),
-                                   "jitter_dist": rng.choice(["normal", "pareto-normal"])},
-                  "bandwidth-collapse": {"fraction": rng.choice([0.02, 0.1, 0.3])},
-                  "partition": {}}[kind]
-        steps.append((round(rng.uniform(0.1, 0.8), 2), kind, round(rng.uniform(0.5, 1.5), 2),
-                      params))
+        params = {
+            "latency-spike": {"add_ms": rng.choice([100, 250, 400])},
+            "jitter-storm": {
+                "jitter_ms": rng.choice([10, 30, 60]),
+                "jitter_dist": rng.choice(["normal", "pareto-normal"]),
+            },
+            "bandwidth-collapse": {"fraction": rng.choice([0.02, 0.1, 0.3])},
+            "partition": {},
+        }[kind]
+        steps.append(
+            (round(rng.uniform(0.1, 0.8), 2), kind, round(rng.uniform(0.5, 1.5), 2), params)
+        )
 
     async def inject(cluster) -> str:
         c = control(cluster)
@@ -119,8 +146,14 @@ def random_schedule(seed: int) -> Fault:
 async def test_random_link_schedule(chaos_clusters):
     seed = chaos_seed()
     print(f"random link schedule seed {seed} (replay: PDD_CHAOS_SEED={seed})")
-    await _run(chaos_clusters, PROXY, PROXY_CLUSTER, "random link schedule", random_schedule(seed),
-               seed=seed)
+    await _run(
+        chaos_clusters,
+        PROXY,
+        PROXY_CLUSTER,
+        "random link schedule",
+        random_schedule(seed),
+        seed=seed,
+    )
 
 
 @pytest.mark.heavy
@@ -128,8 +161,14 @@ async def test_connection_reset_mid_kv(chaos_clusters):
     """Every WAN connection (P's control and bulk lanes to MD, RLD's control lane, the router's
     events lane) is reset while a KV copy crosses: in-flight requests may fail with a clear
     error, and the daemons must reconnect so that new requests are served."""
-    await _run(chaos_clusters, PROXY, PROXY_CLUSTER, "connection reset mid-KV",
-               reset_connections(MID_TRANSFER), seed=17)
+    await _run(
+        chaos_clusters,
+        PROXY,
+        PROXY_CLUSTER,
+        "connection reset mid-KV",
+        reset_connections(MID_TRANSFER),
+        seed=17,
+    )
 
 
 PACKET = "pdd-packet"
@@ -138,12 +177,19 @@ PACKET_CLUSTER = {**PROXY_CLUSTER, "wan": "packet"}
 
 @pytest.mark.heavy
 @pytest.mark.root
-@pytest.mark.skipif(root_netns_missing_reason() is not None,
-                    reason=str(root_netns_missing_reason()))
+@pytest.mark.skipif(
+    root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
+)
 @pytest.mark.parametrize("loss_pct", [20.0, 100.0])
 async def test_loss_burst_on_packet_shell(chaos_clusters, loss_pct):
     """Real TCP through TUN devices: a burst of packet loss (100%: a blackout TCP must ride out
     by retransmission) mid-transfer. TCP recovers; the requests must come out token-exact."""
     fault = link_chaos("loss-burst", MID_TRANSFER, duration=1.5, loss_pct=loss_pct)
-    await _run(chaos_clusters, PACKET, PACKET_CLUSTER, f"loss burst {loss_pct:g}% 1.5 s (packet)",
-               fault, seed=18)
+    await _run(
+        chaos_clusters,
+        PACKET,
+        PACKET_CLUSTER,
+        f"loss burst {loss_pct:g}% 1.5 s (packet)",
+        fault,
+        seed=18,
+    )

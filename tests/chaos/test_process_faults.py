@@ -21,9 +21,18 @@ from tests.chaos.harness import mixed_workload, run_case, sigkill, sigstop, when
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(170)]
 
-CLUSTER = {"mode": "pdd", "wan": "proxy", "rtt_ms": 30.0, "jitter_ms": 1.0, "bw_mbit": 8.0,
-           "overrides": {"policy.pipeline": "p_rld_md", "policy.handoff": "streaming",
-                         "policy.handoff_chunk": 32}}
+CLUSTER = {
+    "mode": "pdd",
+    "wan": "proxy",
+    "rtt_ms": 30.0,
+    "jitter_ms": 1.0,
+    "bw_mbit": 8.0,
+    "overrides": {
+        "policy.pipeline": "p_rld_md",
+        "policy.handoff": "streaming",
+        "policy.handoff_chunk": 32,
+    },
+}
 KEY = "pdd-proxy-streaming"
 
 MOMENTS = {
@@ -35,8 +44,9 @@ MOMENTS = {
 
 async def _run(chaos_clusters, case, fault, seed):
     cluster = await chaos_clusters.get(KEY, **CLUSTER)
-    result = await run_case(cluster, case, mixed_workload(6, seed, max_tokens=(150, 400)), fault,
-                            seed=seed)
+    result = await run_case(
+        cluster, case, mixed_workload(6, seed, max_tokens=(150, 400)), fault, seed=seed
+    )
     broken = bool(result.broken())
     if broken or fault.destructive:
         await chaos_clusters.drop(KEY, keep_logs=broken)
@@ -46,8 +56,9 @@ async def _run(chaos_clusters, case, fault, seed):
 @pytest.mark.heavy  # CI covers the hang by tests/test_failover.py (SIGSTOP of MD -> replay)
 async def test_sigstop_md_then_sigcont(chaos_clusters):
     """MD hangs for 3 s while requests are handed over to it, then resumes."""
-    fault = sigstop("main_decode", when_phase("main_decode", ("receiving_kv", "waiting_cut")),
-                    hang_s=3.0)
+    fault = sigstop(
+        "main_decode", when_phase("main_decode", ("receiving_kv", "waiting_cut")), hang_s=3.0
+    )
     await _run(chaos_clusters, "SIGSTOP MD 3 s, SIGCONT", fault, seed=21)
 
 
@@ -61,21 +72,32 @@ async def test_sigkill_p_mid_transfer_then_restart(chaos_clusters):
 @pytest.mark.heavy
 @pytest.mark.parametrize("moment", list(MOMENTS))
 async def test_sigkill_md_then_restart(chaos_clusters, moment):
-    await _run(chaos_clusters, f"SIGKILL MD {moment}, restart",
-               sigkill("main_decode", MOMENTS[moment]), seed=23)
+    await _run(
+        chaos_clusters,
+        f"SIGKILL MD {moment}, restart",
+        sigkill("main_decode", MOMENTS[moment]),
+        seed=23,
+    )
 
 
 # during-handoff runs in CI too: it found the KV leak on P and the lost redial to a restarted MD
-@pytest.mark.parametrize("moment", [pytest.param("before-handoff", marks=pytest.mark.heavy),
-                                    "during-handoff",
-                                    pytest.param("after-handoff", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "moment",
+    [
+        pytest.param("before-handoff", marks=pytest.mark.heavy),
+        "during-handoff",
+        pytest.param("after-handoff", marks=pytest.mark.heavy),
+    ],
+)
 async def test_sigkill_rld_then_restart(chaos_clusters, moment):
-    await _run(chaos_clusters, f"SIGKILL RLD {moment}, restart",
-               sigkill("relay", MOMENTS[moment]), seed=24)
+    await _run(
+        chaos_clusters, f"SIGKILL RLD {moment}, restart", sigkill("relay", MOMENTS[moment]), seed=24
+    )
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("moment", ["during-handoff", "after-handoff"])
 async def test_sigkill_p_later_then_restart(chaos_clusters, moment):
-    await _run(chaos_clusters, f"SIGKILL P {moment}, restart",
-               sigkill("prefill", MOMENTS[moment]), seed=25)
+    await _run(
+        chaos_clusters, f"SIGKILL P {moment}, restart", sigkill("prefill", MOMENTS[moment]), seed=25
+    )

@@ -24,19 +24,34 @@ if TYPE_CHECKING:  # pragma: no cover
     from pddnet.transport.stripes import StripedSender
 
 
-async def create_backend(name: str, *, deadline_s: float = 10.0, abort_grace_s: float = 2.0,
-                         stripes: StripedSender | None = None, chunk_tokens: int = 64,
-                         mooncake: MooncakeSettings | None = None) -> KVBackend:
+async def create_backend(
+    name: str,
+    *,
+    deadline_s: float = 10.0,
+    abort_grace_s: float = 2.0,
+    stripes: StripedSender | None = None,
+    chunk_tokens: int = 64,
+    mooncake: MooncakeSettings | None = None,
+) -> KVBackend:
     """The backend called `name`. For mooncake, `mooncake` settings carry their own deadline."""
     if name == "shm":
         return ShmBackend(deadline_s=deadline_s, abort_grace_s=abort_grace_s)
     if name == "tcp":
-        return TcpBackend(stripes, chunk_tokens=chunk_tokens, deadline_s=deadline_s,
-                          abort_grace_s=abort_grace_s)
+        return TcpBackend(
+            stripes, chunk_tokens=chunk_tokens, deadline_s=deadline_s, abort_grace_s=abort_grace_s
+        )
     if name == "mooncake":
         return await MooncakeBackend.create(mooncake)
     raise ValueError(f"unknown KV backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}")
 
 
-__all__ = ["create_backend", "ShmBackend", "TcpBackend", "MooncakeBackend", "MooncakeSettings",
-           "mooncake_import_error", "CallThread", "CallTimedOut"]
+__all__ = [
+    "create_backend",
+    "ShmBackend",
+    "TcpBackend",
+    "MooncakeBackend",
+    "MooncakeSettings",
+    "mooncake_import_error",
+    "CallThread",
+    "CallTimedOut",
+]

@@ -65,8 +65,9 @@ class CallThread:
         self._queue.put((fut, fn, args))
         return fut
 
-    async def call(self, fn: Callable[..., Any], *args: Any, timeout: float,
-                   what: str = "call") -> Any:
+    async def call(
+        self, fn: Callable[..., Any], *args: Any, timeout: float, what: str = "call"
+    ) -> Any:
         """Run fn(*args) in the thread; raise CallTimedOut after `timeout` seconds."""
         fut = self.submit(fn, *args)
         try:
@@ -74,8 +75,9 @@ class CallThread:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
         except asyncio.TimeoutError:
             state = "never started" if fut.cancelled() else "still running"
-            raise CallTimedOut(f"{what} did not finish within {timeout:g} s ({state})",
-                               fut) from None
+            raise CallTimedOut(
+                f"{what} did not finish within {timeout:g} s ({state})", fut
+            ) from None
 
     @property
     def busy(self) -> bool:

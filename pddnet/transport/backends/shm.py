@@ -42,8 +42,11 @@ class ShmSink(KVSink):
 
     def __init__(self, pool: KVPool) -> None:
         if not pool.is_shared or not pool.shm_name:
-            raise BadRegion("the shm backend needs a KV pool in shared memory (create the "
-                            "engine with kv_shm_name=...)", backend=NAME)
+            raise BadRegion(
+                "the shm backend needs a KV pool in shared memory (create the "
+                "engine with kv_shm_name=...)",
+                backend=NAME,
+            )
         super().__init__(pool)
         self._name = pool.shm_name
 
@@ -67,23 +70,37 @@ class ShmWriter(KVWriter):
 
     def _copy(self, transfer: KVTransfer, exported: ExportedKV) -> int:
         if self.region.closed or transfer.aborted is not None:
-            raise TransferAborted(f"write to {self.peer} aborted before it started", backend=NAME,
-                                  peer=self.peer)
+            raise TransferAborted(
+                f"write to {self.peer} aborted before it started", backend=NAME, peer=self.peer
+            )
         t = transfer.target
         try:
-            return self.region.write(t.own_blocks, t.block_table, exported,
-                                     exported.meta.token_start, min_position=t.writable_from)
+            return self.region.write(
+                t.own_blocks,
+                t.block_table,
+                exported,
+                exported.meta.token_start,
+                min_position=t.writable_from,
+            )
         except ValueError as exc:
             raise WriteRefused(str(exc), backend=NAME, peer=self.peer) from None
 
     async def _write(self, transfer: KVTransfer, exported: ExportedKV, deadline_s: float) -> int:
         if transfer.target.block_size != self.layout.spec.block_size:
-            raise self._error(BadRegion, f"the request's block size {transfer.target.block_size}"
-                              f" differs from region {self.peer}'s "
-                              f"{self.layout.spec.block_size}")
+            raise self._error(
+                BadRegion,
+                f"the request's block size {transfer.target.block_size}"
+                f" differs from region {self.peer}'s "
+                f"{self.layout.spec.block_size}",
+            )
         try:
-            return await self._thread.call(self._copy, transfer, exported, timeout=deadline_s,
-                                           what=f"shm write of {transfer.request_id}")
+            return await self._thread.call(
+                self._copy,
+                transfer,
+                exported,
+                timeout=deadline_s,
+                what=f"shm write of {transfer.request_id}",
+            )
         except CallTimedOut as exc:
             transfer.lingering.append(exc.future)
             raise self._error(TransferTimeout, str(exc)) from None
@@ -107,9 +124,9 @@ class ShmBackend(TrackingBackend):
             region = RemoteKVRegion.attach(descriptor)
         except SharedMemoryError as exc:
             # The segment lives as long as the receiver's pool: gone means the receiver is.
-            raise PeerUnreachable(f"cannot map shared KV region {descriptor!r}: {exc}",
-                                  backend=NAME, peer=descriptor) from None
+            raise PeerUnreachable(
+                f"cannot map shared KV region {descriptor!r}: {exc}", backend=NAME, peer=descriptor
+            ) from None
         except ValueError as exc:
             raise BadRegion(str(exc), backend=NAME, peer=descriptor) from None
         return self.track(ShmWriter(region, self.deadline_s, self.abort_grace_s))
-

@@ -51,21 +51,36 @@ class TcpSink(KVSink):
         if self.closed:
             raise TransferAborted("tcp sink is closed", backend=NAME)
         spec = self.layout.spec
-        target.check(msg.token_start, msg.token_end, num_blocks=self.layout.num_blocks,
-                     backend=NAME)
+        target.check(
+            msg.token_start, msg.token_end, num_blocks=self.layout.num_blocks, backend=NAME
+        )
         bs = target.block_size
-        touched = target.block_table[msg.token_start // bs:(msg.token_end - 1) // bs + 1]
+        touched = target.block_table[msg.token_start // bs : (msg.token_end - 1) // bs + 1]
         if msg.block_ids and tuple(msg.block_ids) != touched:
-            raise WriteRefused(f"KV_CHUNK {msg.chunk_index} names blocks {list(msg.block_ids)[:8]}"
-                               f" but positions [{msg.token_start}, {msg.token_end}) lie in "
-                               f"{list(touched)[:8]}", backend=NAME)
-        if msg.layer_end > spec.num_layers or tuple(msg.shape[3:]) != (spec.num_kv_heads,
-                                                                       spec.head_dim):
-            raise WriteRefused(f"KV_CHUNK shape {list(msg.shape)} from layer {msg.layer_start} "
-                               f"does not fit the pool ({spec.num_layers} layers, "
-                               f"{spec.num_kv_heads} kv heads x {spec.head_dim})", backend=NAME)
-        meta = KVExportMeta(dtype=msg.dtype, shape=tuple(msg.shape), token_start=msg.token_start,
-                            token_end=msg.token_end, block_size=bs, layer_start=msg.layer_start)
+            raise WriteRefused(
+                f"KV_CHUNK {msg.chunk_index} names blocks {list(msg.block_ids)[:8]}"
+                f" but positions [{msg.token_start}, {msg.token_end}) lie in "
+                f"{list(touched)[:8]}",
+                backend=NAME,
+            )
+        if msg.layer_end > spec.num_layers or tuple(msg.shape[3:]) != (
+            spec.num_kv_heads,
+            spec.head_dim,
+        ):
+            raise WriteRefused(
+                f"KV_CHUNK shape {list(msg.shape)} from layer {msg.layer_start} "
+                f"does not fit the pool ({spec.num_layers} layers, "
+                f"{spec.num_kv_heads} kv heads x {spec.head_dim})",
+                backend=NAME,
+            )
+        meta = KVExportMeta(
+            dtype=msg.dtype,
+            shape=tuple(msg.shape),
+            token_start=msg.token_start,
+            token_end=msg.token_end,
+            block_size=bs,
+            layer_start=msg.layer_start,
+        )
         try:
             exported = ExportedKV.from_payload(meta, msg.payload)
             import_kv(self.pool, exported, target.block_table)
@@ -82,8 +97,9 @@ class TcpWriter(KVWriter):
 
     backend = NAME
 
-    def __init__(self, stripes: StripedSender, chunk_tokens: int, deadline_s: float,
-                 abort_grace_s: float) -> None:
+    def __init__(
+        self, stripes: StripedSender, chunk_tokens: int, deadline_s: float, abort_grace_s: float
+    ) -> None:
         peer = stripes.lanes[0].peer_instance
         super().__init__(peer, deadline_s, abort_grace_s)
         if chunk_tokens < 1:
@@ -99,27 +115,40 @@ class TcpWriter(KVWriter):
         sent = 0
         for s in range(meta.token_start, meta.token_end, self.chunk_tokens):
             if transfer.aborted is not None or self.closed:
-                raise self._error(TransferAborted, f"transfer of {transfer.request_id} aborted "
-                                  f"after {sent} bytes: {transfer.aborted or 'writer closed'}")
+                raise self._error(
+                    TransferAborted,
+                    f"transfer of {transfer.request_id} aborted "
+                    f"after {sent} bytes: {transfer.aborted or 'writer closed'}",
+                )
             e = min(meta.token_end, s + self.chunk_tokens)
-            piece = exported.kv[:, :, s - meta.token_start:e - meta.token_start]
+            piece = exported.kv[:, :, s - meta.token_start : e - meta.token_start]
             if piece.numel() * piece.element_size() > OFFLOAD_COPY_BYTES:
                 piece = await asyncio.to_thread(piece.contiguous)
             payload, dtype, shape = payload_from_tensor(piece)
-            chunk = KvChunk(request_id=transfer.request_id, chunk_index=transfer.chunks,
-                            token_start=s, token_end=e, layer_start=meta.layer_start,
-                            layer_end=meta.layer_start + layers,
-                            block_ids=table[s // bs:math.ceil(e / bs)], dtype=dtype,
-                            shape=shape, payload=payload)
+            chunk = KvChunk(
+                request_id=transfer.request_id,
+                chunk_index=transfer.chunks,
+                token_start=s,
+                token_end=e,
+                layer_start=meta.layer_start,
+                layer_end=meta.layer_start + layers,
+                block_ids=table[s // bs : math.ceil(e / bs)],
+                dtype=dtype,
+                shape=shape,
+                payload=payload,
+            )
             try:
                 # The deadline is per frame: a lane that takes nothing for that long is hung.
                 await asyncio.wait_for(self.stripes.send(chunk), deadline_s)
             except LaneFailed as exc:
                 raise self._error(PeerUnreachable, str(exc)) from None
             except asyncio.TimeoutError:
-                raise self._error(TransferTimeout, f"KV_CHUNK {chunk.chunk_index} of "
-                                  f"{transfer.request_id} not taken by the bulk lanes within "
-                                  f"{deadline_s:g} s") from None
+                raise self._error(
+                    TransferTimeout,
+                    f"KV_CHUNK {chunk.chunk_index} of "
+                    f"{transfer.request_id} not taken by the bulk lanes within "
+                    f"{deadline_s:g} s",
+                ) from None
             transfer.chunks += 1
             sent += payload.nbytes
         return sent
@@ -135,8 +164,14 @@ class TcpBackend(TrackingBackend):
     name = NAME
     sink_class = TcpSink
 
-    def __init__(self, stripes: StripedSender | None = None, *, chunk_tokens: int = 64,
-                 deadline_s: float = 10.0, abort_grace_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        stripes: StripedSender | None = None,
+        *,
+        chunk_tokens: int = 64,
+        deadline_s: float = 10.0,
+        abort_grace_s: float = 2.0,
+    ) -> None:
         super().__init__(deadline_s=deadline_s, abort_grace_s=abort_grace_s)
         self.stripes = stripes
         self.chunk_tokens = chunk_tokens
@@ -144,8 +179,11 @@ class TcpBackend(TrackingBackend):
     async def open(self, descriptor: str) -> TcpWriter:
         check_descriptor_for(NAME, descriptor)
         if self.stripes is None:
-            raise TransferError("this tcp backend has no bulk lanes: a sender constructs "
-                                "TcpBackend(stripes=StripedSender(lanes))", backend=NAME)
-        return self.track(TcpWriter(self.stripes, self.chunk_tokens, self.deadline_s,
-                                    self.abort_grace_s))
-
+            raise TransferError(
+                "this tcp backend has no bulk lanes: a sender constructs "
+                "TcpBackend(stripes=StripedSender(lanes))",
+                backend=NAME,
+            )
+        return self.track(
+            TcpWriter(self.stripes, self.chunk_tokens, self.deadline_s, self.abort_grace_s)
+        )
