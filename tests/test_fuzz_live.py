@@ -52,6 +52,8 @@ from pddnet.protocol import (
     Limits,
     MessageType,
     Ping,
+    PipelineChange,
+    PipelineChoice,
     Pong,
     ProtocolError,
     RequestDone,
@@ -104,6 +106,8 @@ UNKNOWN_REQUEST_MESSAGES = (
     Handoff,
     TokenEvent,
     Timeline,
+    PipelineChoice,
+    PipelineChange,
     Pong,
 )
 

@@ -33,7 +33,7 @@ from pddnet.protocol import (
     Submit,
     TokenEvent,
 )
-from pddnet.protocol.messages import Timeline
+from pddnet.protocol.messages import PipelineChoice, Timeline
 from pddnet.roles.main_decode import MainDecodeDaemon
 from pddnet.roles.prefill import PrefillDaemon
 from pddnet.roles.relay import RelayDaemon
@@ -53,6 +53,7 @@ class Collector:
         self.logprobs: dict[str, dict[int, tuple]] = defaultdict(dict)
         self.done: dict[str, RequestDone] = {}
         self.timeline: dict[str, list[Timeline]] = defaultdict(list)
+        self.pipelines: dict[str, PipelineChoice] = {}  # P's decision per request
         self.errors: list[ErrorMessage] = []
         self.pongs: list[Pong] = []
         self.links: dict[str, dict[str, LinkState]] = defaultdict(dict)  # per daemon role
@@ -90,6 +91,8 @@ class Collector:
                 self.done[msg.request_id] = msg
             elif isinstance(msg, Timeline):
                 self.timeline[msg.request_id].append(msg)
+            elif isinstance(msg, PipelineChoice):
+                self.pipelines[msg.request_id] = msg
             elif isinstance(msg, ErrorMessage):
                 self.errors.append(msg)
             elif isinstance(msg, Pong):

@@ -309,6 +309,8 @@ class MessageType(enum.IntEnum):
     TOKEN_EVENT = 18
     REQUEST_DONE = 19
     TIMELINE = 20
+    PIPELINE_CHOICE = 21
+    PIPELINE_CHANGE = 22
     # KV transfer (P -> RLD / MD) and the decode-side cache view (MD -> P)
     KV_ALLOC_REQUEST = 32
     KV_ALLOC_RESPONSE = 33
@@ -679,8 +681,45 @@ class Timeline(Message):
     detail_str: str = field(
         Str(max_len=2048),
         default="",
-        doc="a label, e.g. the handoff mode, or a JSON record (pipeline)",
+        doc="a label, e.g. the handoff mode or the pipeline",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineChoice(Message):
+    """P -> router on the events lane: the pipeline P chose for a request and every input of
+    the choice (pddnet.policy.pipeline), for the `pdd` object's `pipeline_decision`."""
+
+    TYPE = MessageType.PIPELINE_CHOICE
+    request_id: str = field(REQUEST_ID, doc="the router's request id")
+    pipeline: str = field(Str(max_len=32, pattern=PIPELINE_PATTERN), doc="p_md, p_rld_md, p_rld")
+    reason: str = field(REASON, doc="why, in words (which rule, or which link was down)")
+    wan_transfer_s: float = field(Float(0.0), doc="when MD would hold the KV")
+    incremental_bytes: int = field(UInt(0, U64_MAX), doc="KV bytes MD does not hold")
+    prompt_tokens: int = field(COUNT, doc="the prompt's length")
+    hit_tokens: int = field(COUNT, doc="P's view of MD's prefix hit")
+    max_tokens: int = field(COUNT, doc="the request's max_tokens")
+    kv_bytes_per_token: int = field(UInt(0, U64_MAX), doc="KV bytes per token on the wire")
+    bandwidth_bps: float = field(Float(0.0), doc="estimated WAN goodput, bytes/s")
+    rtt_s: float = field(Float(0.0), doc="estimated WAN round trip")
+    rld_s_per_token: float = field(Float(0.0), doc="RLD's estimated time per output token")
+    rld_admits: bool = field(Bool(), doc="RLD's admission answer (or P's view of it)")
+    wan_backlog_bytes: int = field(UInt(0, U64_MAX), doc="P's unacknowledged bytes towards MD")
+    predicted_hit: int = field(COUNT, doc="the hit P's view of MD's cache predicted")
+    view_stale: bool = field(Bool(), doc="that view was older than its freshness bound")
+    time: float = field(TIME, doc="when P chose (sender's clock)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineChange(Message):
+    """P -> router on the events lane: a request's pipeline changed after the decision (MD's
+    answer, RLD's refusal, a lost peer), and why."""
+
+    TYPE = MessageType.PIPELINE_CHANGE
+    request_id: str = field(REQUEST_ID, doc="the router's request id")
+    pipeline: str = field(Str(max_len=32, pattern=PIPELINE_PATTERN), doc="the new pipeline")
+    reason: str = field(REASON, doc="why it changed")
+    time: float = field(TIME, doc="when it changed (sender's clock)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1017,6 +1056,8 @@ MESSAGE_CLASSES: dict[int, type[Message]] = {
         TokenEvent,
         RequestDone,
         Timeline,
+        PipelineChoice,
+        PipelineChange,
         KvAllocRequest,
         KvAllocResponse,
         KvChunk,

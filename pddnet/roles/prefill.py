@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -45,6 +44,8 @@ from pddnet.protocol import (
     KvDone,
     KvReceived,
     Message,
+    PipelineChange,
+    PipelineChoice,
     Submit,
 )
 from pddnet.protocol.request_flow import (
@@ -308,7 +309,7 @@ class PrefillDaemon(Daemon):
         self.counters["submitted"] += 1
         self.counters[f"pipeline_{pipeline.wire}"] += 1
         if plan is not None:
-            self.timeline(rid, "pipeline", None, json.dumps(plan.record(), separators=(",", ":")))
+            self.to_router(pipeline_choice(rid, plan))
         self._ask(req, targets[0])
         req.serial["engine"].submit(lambda: self._start_prefill(req))
 
@@ -361,11 +362,8 @@ class PrefillDaemon(Daemon):
         rid = req.submit.request_id
         self.counters[f"pipeline_{req.pipeline.wire}_to_{pipeline.wire}"] += 1
         req.pipeline = pipeline
-        self.timeline(
-            rid,
-            "pipeline_change",
-            None,
-            json.dumps({"pipeline": pipeline.wire, "reason": reason[:512]}, separators=(",", ":")),
+        self.to_router(
+            PipelineChange(request_id=rid, pipeline=pipeline.wire, reason=reason[:512], time=now())
         )
 
     def _allocated(self, target: str, msg: KvAllocResponse) -> None:
@@ -790,3 +788,27 @@ class PrefillDaemon(Daemon):
             kv = out["lanes"].get("bulk", {}).get("bytes_out", 0)
             out["wan_bytes"]["out"]["kv_target"] = round(kv / self.wire_scale)
         return out
+
+
+def pipeline_choice(rid: str, plan: Plan) -> PipelineChoice:
+    """P's decision and every input of it, as the router's `pdd` object shows them."""
+    d, x = plan.decision, plan.inputs
+    return PipelineChoice(
+        request_id=rid,
+        pipeline=d.pipeline.wire,
+        reason=d.reason[:1024],
+        wan_transfer_s=d.wan_transfer_s,
+        incremental_bytes=d.incremental_bytes,
+        prompt_tokens=x.prompt_tokens,
+        hit_tokens=x.hit_tokens,
+        max_tokens=x.max_tokens,
+        kv_bytes_per_token=x.kv_bytes_per_token,
+        bandwidth_bps=x.bandwidth_bps,
+        rtt_s=x.rtt_s,
+        rld_s_per_token=x.rld_s_per_token,
+        rld_admits=x.rld_admits,
+        wan_backlog_bytes=x.wan_backlog_bytes,
+        predicted_hit=plan.prediction.hit_tokens,
+        view_stale=plan.prediction.stale,
+        time=now(),
+    )

@@ -445,6 +445,16 @@ class Router:
                 self._fail(state, peer.role, msg.code, msg.message)
         elif isinstance(msg, m.Timeline):
             self._on_timeline(state, peer, msg)
+        elif isinstance(msg, m.PipelineChoice):
+            state.add_event("pipeline", msg.time, "prefill", msg.pipeline)
+            state.details["pipeline"] = msg.pipeline
+            state.details["pipeline_decision"] = pipeline_record(msg)
+        elif isinstance(msg, m.PipelineChange):
+            state.add_event("pipeline_change", msg.time, "prefill", msg.pipeline)
+            state.details["pipeline"] = msg.pipeline
+            state.details.setdefault("pipeline_changes", []).append(
+                {"pipeline": msg.pipeline, "reason": msg.reason}
+            )
         state.touch()
 
     def _text_released(self, state: RequestState, start: int, token_ids: list[int]) -> None:
@@ -549,17 +559,6 @@ class Router:
         # Figures of the `pdd` object riding on the milestone they belong to.
         if msg.event == "prefill_start" and label:
             d.setdefault("pipeline", label)
-        elif msg.event in ("pipeline", "pipeline_change") and label:
-            # P's decision (and its inputs) as JSON; a change after MD's answer or RLD's refusal
-            try:
-                record = json.loads(label)
-            except ValueError:
-                record = {"pipeline": label}
-            d["pipeline"] = record.get("pipeline", d.get("pipeline"))
-            if msg.event == "pipeline":
-                d["pipeline_decision"] = record
-            else:
-                d.setdefault("pipeline_changes", []).append(record)
         elif msg.event in ("handoff_start", "handoff_end") and label:
             d["handoff_mode"] = label
         elif msg.event == "kv_transport" and label and "=" in label:
@@ -1164,6 +1163,31 @@ class Router:
             "warnings": list(asm.warnings),
             "timeline": timeline,
         }
+
+
+def pipeline_record(msg: m.PipelineChoice) -> dict[str, Any]:
+    """P's decision and its inputs as the `pdd` object's `pipeline_decision`."""
+    inputs = (
+        "prompt_tokens",
+        "hit_tokens",
+        "max_tokens",
+        "kv_bytes_per_token",
+        "bandwidth_bps",
+        "rtt_s",
+        "rld_s_per_token",
+        "rld_admits",
+        "wan_backlog_bytes",
+    )
+    return {
+        "pipeline": msg.pipeline,
+        "reason": msg.reason,
+        "estimated_wan_transfer_s": round(msg.wan_transfer_s, 6),
+        "incremental_kv_bytes": msg.incremental_bytes,
+        "wan_backlog_bytes": msg.wan_backlog_bytes,
+        "inputs": {k: getattr(msg, k) for k in inputs},
+        "predicted_hit_tokens": msg.predicted_hit,
+        "view_stale": msg.view_stale,
+    }
 
 
 class RouterMetrics:
