@@ -63,8 +63,8 @@ from pddnet.protocol import (
     TokenEvent,
     encode_bytes,
 )
+from pddnet.protocol.handshake import Handshake, Side
 from pddnet.transport.connection import HANDSHAKE_LIMITS, _new_stats, _run_handshake
-from pddnet.transport.handshake import Handshake, Side
 from tests.chaos.harness import (
     FRESH_BODIES,
     REPORT,

@@ -14,7 +14,7 @@ from pddnet.protocol import (
     decode_bytes,
     encode_bytes,
 )
-from pddnet.transport.handshake import (
+from pddnet.protocol.handshake import (
     Handshake,
     HandshakeFailed,
     NonceCache,

@@ -27,14 +27,13 @@ from pddnet.protocol import (
     encode_bytes,
     payload_from_array,
 )
+from pddnet.protocol.handshake import Handshake, Side
 from pddnet.transport import (
     AuthenticationFailed,
     ConnectionClosed,
     DialRefused,
     DialTimeout,
-    Handshake,
     Server,
-    Side,
     dial,
     dial_with_retry,
 )

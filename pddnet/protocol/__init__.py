@@ -1,4 +1,5 @@
-"""pddnet.protocol: the sans-IO wire format (frames, messages, validation).
+"""pddnet.protocol: the wire only, sans-IO: frames, messages, validation, and the HELLO/AUTH
+handshake machine (handshake.py). What a request does with the messages is pddnet.lifecycle's.
 
     from pddnet.protocol import Decoder, encode, Ping
     bufs = encode(Ping(nonce=1, time=0.0))        # -> transport.writelines(bufs)

@@ -4,8 +4,8 @@
     await conn.send(msg); reply = await conn.recv()
     server = Server(host, 0, role="main_decode", instance_id="md-0", secret=s, on_connection=h)
 
-See connection.py (dial, Server, Connection), handshake.py (the sans-IO HELLO/AUTH machine),
-stripes.py (KV chunks over parallel bulk lanes) and shm_region.py (one-sided writes into a
+See connection.py (dial, Server, Connection; it runs pddnet/protocol/handshake.py, the sans-IO
+HELLO/AUTH machine), stripes.py (KV chunks over parallel bulk lanes) and shm_region.py (one-sided writes into a
 peer's shared-memory KV pool).
 """
 
@@ -24,7 +24,6 @@ from .connection import (
     dial_with_retry,
     lane_limits,
 )
-from .handshake import Handshake, HandshakeFailed, NonceCache, Side, compute_mac
 from .stripes import LaneFailed, StripedSender, choose_lane
 
 
@@ -52,11 +51,6 @@ __all__ = [
     "Server",
     "dial",
     "dial_with_retry",
-    "Handshake",
-    "HandshakeFailed",
-    "NonceCache",
-    "Side",
-    "compute_mac",
     "StripedSender",
     "LaneFailed",
     "choose_lane",

@@ -1,7 +1,7 @@
 """Authenticated message connections over asyncio streams: `dial()`, `Server`, `Connection`.
 
 The shell around two sans-IO parts: the frame codec (pddnet.protocol) and the handshake
-(handshake.py). Every connection starts with the HELLO/AUTH handshake under tight limits and a
+(pddnet/protocol/handshake.py). Every connection starts with the HELLO/AUTH handshake under tight limits and a
 deadline; only then does it become a `Connection` whose decoder uses the lane's limits (bulk lanes
 take large KV payloads, control and events lanes small frames). Frames are read one at a time,
 never past the end of the current frame, so every frame's exact size is known for `stats` and a
@@ -35,8 +35,7 @@ from pddnet.protocol import (
     encode_bytes,
     parse_header,
 )
-
-from .handshake import Handshake, HandshakeFailed, NonceCache, Side
+from pddnet.protocol.handshake import Handshake, HandshakeFailed, NonceCache, Side
 
 log = logging.getLogger("pddnet.transport")
 
