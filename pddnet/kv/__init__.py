@@ -23,10 +23,6 @@ _EXPORTS = {
     "KVExportMeta": "pddnet.kv.transfer",
     "export_kv": "pddnet.kv.transfer",
     "import_kv": "pddnet.kv.transfer",
-    "block_byte_ranges": "pddnet.kv.transfer",
-    "read_byte_ranges": "pddnet.kv.transfer",
-    "write_byte_ranges": "pddnet.kv.transfer",
-    "copy_blocks_between": "pddnet.kv.transfer",
 }
 
 __all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

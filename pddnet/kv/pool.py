@@ -10,9 +10,7 @@ index ``i`` to slot ``table[i // block_size] * block_size + i % block_size``.
 
 Because ``block`` is the third axis, the bytes of one block for one (layer, K-or-V) pair are one
 contiguous run of ``block_size * num_kv_heads * head_dim * itemsize`` bytes, and consecutive block
-ids are adjacent. That is what makes a block range exportable as a handful of memcpy's and a
-one-sided write into a peer's blocks well defined: the writer needs only the (offset, length)
-pairs of ``block_byte_ranges``, never the reader's cooperation.
+ids are adjacent: a block range is a handful of memcpy's.
 
 A pool may live in POSIX shared memory (``shm_name=...``): the segment starts with a 4 KiB header
 (magic + JSON of the spec and block count) so that ``KVPool.attach(name)`` needs nothing but the
@@ -339,15 +337,8 @@ class KVPool:
     # -- raw bytes (the one-sided write path) ----------------------------------------------------
 
     def raw_bytes(self) -> torch.Tensor:
-        """The pool's data as a flat uint8 tensor sharing its memory (offsets of block_byte_ranges)."""
+        """The pool's data as a flat uint8 tensor sharing its memory."""
         return self._tensor().view(-1).view(torch.uint8)
-
-    def block_byte_ranges(
-        self, block_ids: Sequence[int], layers: Iterable[int] | None = None
-    ) -> list[tuple[int, int]]:
-        from pddnet.kv.transfer import block_byte_ranges
-
-        return block_byte_ranges(self.spec, self.num_blocks, block_ids, layers)
 
 
 def _write_header(segment: SharedSegment, spec: KVSpec, num_blocks: int) -> None:
