@@ -104,11 +104,6 @@ class KVSpec:
         return self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
-    def block_bytes_per_layer_kv(self) -> int:
-        """Bytes of one block's K (or V) in one layer: one contiguous run in the pool."""
-        return self.block_size * self.token_bytes_per_layer_kv
-
-    @property
     def bytes_per_token(self) -> int:
         """All layers, K and V, of one token (the ``kv_bytes_per_token`` of the model)."""
         return self.num_layers * 2 * self.token_bytes_per_layer_kv

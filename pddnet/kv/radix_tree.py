@@ -78,9 +78,6 @@ class RadixTree:
     def is_pinned(self, block_id: int) -> bool:
         return self._pins.get(block_id, 0) > 0
 
-    def is_locked(self, block_id: int) -> bool:
-        return self._locked(block_id)
-
     def snapshot_hashes(self) -> list[int]:
         """Every cached block's chained hash (for a full resync of a stale view)."""
         out: list[int] = []
