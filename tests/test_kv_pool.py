@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from pddnet.kv.pool import DATA_OFFSET, KVPool, KVSpec
-from pddnet.kv.shm import SharedMemoryError, SharedSegment, segment_name, unique_segment_name
+from pddnet.kv.shm import (
+    SharedMemoryError,
+    SharedSegment,
+    segment_name,
+    segments_of,
+    unique_segment_name,
+    unlink_segment,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float64")
@@ -158,3 +165,19 @@ def test_shm_errors_are_clear(shm_name):
     with pytest.raises(SharedMemoryError, match="bad shared-memory name"):
         segment_name("a/b")
     assert segment_name("rld0") == "pdd-rld0"
+
+
+def test_a_dead_creators_segments_are_found_by_pid_and_unlinked(shm_name):
+    """What the launcher does after a daemon died: find its segments by PID, unlink them."""
+    me, other = os.getpid(), os.getpid() + 1
+    with SharedSegment.create(shm_name, 64) as seg:
+        assert seg.name in segments_of([me]) and seg.name not in segments_of([other])
+        with SharedSegment.attach(seg.name) as peer:  # a mapping survives the unlink
+            unlink_segment(seg.name)
+            assert not os.path.exists(f"/dev/shm/{seg.name}")
+            assert seg.name not in segments_of([me])
+            peer.buffer[:4] = b"live"
+            assert seg.buffer[:4] == b"live"
+        unlink_segment(seg.name)  # already gone: fine
+    with pytest.raises(SharedMemoryError, match="not a pddnet shared-memory segment"):
+        unlink_segment("../etc/passwd")
