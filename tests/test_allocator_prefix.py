@@ -9,8 +9,12 @@ from hypothesis import strategies as st
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 from pddnet.kv.block_hash import chained_hashes
 from pddnet.kv.hash_cache import HashPrefixCache
-from pddnet.kv.prefix_cache import PrefixMatch
+from pddnet.kv.prefix_cache import PrefixCache, PrefixMatch
+from pddnet.kv.radix import RadixCache
 
+# The engine holds either implementation through the PrefixCache interface; the contract
+# tests below run on both.
+CACHES = [HashPrefixCache, RadixCache]
 BS = 4
 
 
@@ -44,7 +48,7 @@ def test_out_of_blocks_and_bad_ids_are_clear_errors():
     assert b.refcount(x[0]) == 1  # the rejected call changed nothing
 
 
-def _acquire(cache: HashPrefixCache, tokens: list[int]) -> PrefixMatch:
+def _acquire(cache: PrefixCache, tokens: list[int]) -> PrefixMatch:
     """What an engine does on admission: match, take the matched blocks, count the lookup."""
     m = cache.match(tokens)
     cache.take(m)
@@ -52,7 +56,7 @@ def _acquire(cache: HashPrefixCache, tokens: list[int]) -> PrefixMatch:
     return m
 
 
-def _sequence(cache: HashPrefixCache, tokens: list[int]) -> list[int]:
+def _sequence(cache: PrefixCache, tokens: list[int]) -> list[int]:
     """Simulate a sequence: acquire its cached prefix, allocate the rest, index full blocks."""
     m = _acquire(cache, tokens)
     n_blocks = -(-len(tokens) // BS)
@@ -80,8 +84,9 @@ def test_chained_hashes_depend_on_the_whole_prefix():
     ]
 
 
-def test_match_finds_leading_full_blocks_and_counts_hits():
-    cache = HashPrefixCache(BlockAllocator(16), BS)
+@pytest.mark.parametrize("kind", CACHES)
+def test_match_finds_leading_full_blocks_and_counts_hits(kind: type[PrefixCache]):
+    cache = kind(BlockAllocator(16), BS)
     first = list(range(10))  # 2 full blocks + 2 tokens
     blocks = _sequence(cache, first)
     assert cache.num_cached_blocks == 2
@@ -94,9 +99,10 @@ def test_match_finds_leading_full_blocks_and_counts_hits():
     assert cache.match(list(range(8)), max_blocks=1).num_blocks == 1
 
 
-def test_eviction_is_lru_over_unreferenced_blocks_only():
+@pytest.mark.parametrize("kind", CACHES)
+def test_eviction_is_lru_over_unreferenced_blocks_only(kind: type[PrefixCache]):
     a = BlockAllocator(6)
-    cache = HashPrefixCache(a, BS)
+    cache = kind(a, BS)
     s1 = _sequence(cache, list(range(8)))  # 2 full blocks
     s2 = _sequence(cache, list(range(100, 108)))  # 2 full blocks
     assert a.num_free == 2 and cache.num_evictable == 0
@@ -111,9 +117,10 @@ def test_eviction_is_lru_over_unreferenced_blocks_only():
     assert cache.match(list(range(100, 108))).num_blocks == 2
 
 
-def test_lru_order_and_tail_first():
+@pytest.mark.parametrize("kind", CACHES)
+def test_lru_order_and_tail_first(kind: type[PrefixCache]):
     a = BlockAllocator(4)
-    cache = HashPrefixCache(a, BS)
+    cache = kind(a, BS)
     old = _sequence(cache, list(range(8)))
     cache.release(old)
     new = _sequence(cache, list(range(50, 58)))
@@ -131,9 +138,10 @@ def test_lru_order_and_tail_first():
     assert cache.num_evictable == 2
 
 
-def test_pinned_prefix_is_never_evicted_and_unpin_restores():
+@pytest.mark.parametrize("kind", CACHES)
+def test_pinned_prefix_is_never_evicted_and_unpin_restores(kind: type[PrefixCache]):
     a = BlockAllocator(4)
-    cache = HashPrefixCache(a, BS)
+    cache = kind(a, BS)
     blocks = _sequence(cache, list(range(8)))
     cache.release(blocks)
     m = cache.match(list(range(8)))
@@ -152,9 +160,10 @@ def test_pinned_prefix_is_never_evicted_and_unpin_restores():
         cache.pin(m)
 
 
-def test_duplicate_block_stays_uncached_and_is_freed_normally():
+@pytest.mark.parametrize("kind", CACHES)
+def test_duplicate_block_stays_uncached_and_is_freed_normally(kind: type[PrefixCache]):
     a = BlockAllocator(8)
-    cache = HashPrefixCache(a, BS)
+    cache = kind(a, BS)
     tokens = list(range(4))
     b1 = cache.allocate(1)
     b2 = cache.allocate(1)  # two sequences computed the same block concurrently
