@@ -1,5 +1,7 @@
-"""pddnet.kv: the paged KV pool (optionally in shared memory), block allocator, prefix cache,
-and KV export/import between pools.
+"""pddnet.kv: the paged KV pool (pool.py; optionally in a shared-memory segment, shm.py), the block
+allocator (allocator.py), the prefix caches behind one interface (prefix_cache.py: hash_cache.py
+for P and RLD, radix.py for MD and the simulator, both naming blocks by block_hash.py's chained
+hashes), and KV export/import between pools (transfer.py).
 
 Names are imported lazily so that ``import pddnet.kv.shm`` (or the CLI) does not pull in torch.
 """
