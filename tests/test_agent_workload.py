@@ -16,7 +16,7 @@ from pddnet.bench.agent_workload import (
     token_weighted_hit,
     uniform_ids,
 )
-from pddnet.kv.radix import HIT_INTERVAL_LABELS
+from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS
 
 PARAMS = AgentWorkloadParams(num_conversations=200)
 

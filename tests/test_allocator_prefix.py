@@ -7,8 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
-from pddnet.kv.prefix_cache import PrefixCache, block_hashes, hash_block
+from pddnet.kv.block_hash import chained_hashes
+from pddnet.kv.hash_cache import HashPrefixCache
+from pddnet.kv.prefix_cache import PrefixCache, PrefixMatch
+from pddnet.kv.radix import RadixCache
 
+# The engine holds either implementation through the PrefixCache interface; the contract
+# tests below run on both.
+CACHES = [HashPrefixCache, RadixCache]
 BS = 4
 
 
@@ -42,9 +48,17 @@ def test_out_of_blocks_and_bad_ids_are_clear_errors():
     assert b.refcount(x[0]) == 1  # the rejected call changed nothing
 
 
+def _acquire(cache: PrefixCache, tokens: list[int]) -> PrefixMatch:
+    """What an engine does on admission: match, take the matched blocks, count the lookup."""
+    m = cache.match(tokens)
+    cache.take(m)
+    cache.record_lookup(len(tokens), m.num_tokens)
+    return m
+
+
 def _sequence(cache: PrefixCache, tokens: list[int]) -> list[int]:
     """Simulate a sequence: acquire its cached prefix, allocate the rest, index full blocks."""
-    m = cache.acquire(tokens)
+    m = _acquire(cache, tokens)
     n_blocks = -(-len(tokens) // BS)
     try:
         blocks = list(m.block_ids) + cache.allocate(n_blocks - m.num_blocks)
@@ -56,30 +70,39 @@ def _sequence(cache: PrefixCache, tokens: list[int]) -> list[int]:
 
 
 def test_chained_hashes_depend_on_the_whole_prefix():
-    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS)
-    b = block_hashes([9, 2, 3, 4, 5, 6, 7, 8], BS)
+    a = chained_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS)
+    b = chained_hashes([9, 2, 3, 4, 5, 6, 7, 8], BS)
     assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same second block, other prefix
-    assert a[1] == hash_block(a[0], [5, 6, 7, 8])
-    assert block_hashes([1, 2, 3], BS) == []  # only full blocks
+    assert a[1:] == chained_hashes([5, 6, 7, 8], BS, a[0])  # the chain continues from a parent
+    assert chained_hashes([1, 2, 3], BS) == []  # only full blocks
+    # The values themselves are fixed: P's view, MD's cache and the simulator's JSON rely on them.
+    assert a == [4869509296380433915, 9287794070694196055]
+    assert chained_hashes([5, -7, 1 << 40], 1, 12345) == [
+        10421597573688732869,
+        17037096904949791008,
+        12123579627699254581,
+    ]
 
 
-def test_match_finds_leading_full_blocks_and_counts_hits():
-    cache = PrefixCache(BlockAllocator(16), BS)
+@pytest.mark.parametrize("kind", CACHES)
+def test_match_finds_leading_full_blocks_and_counts_hits(kind: type[PrefixCache]):
+    cache = kind(BlockAllocator(16), BS)
     first = list(range(10))  # 2 full blocks + 2 tokens
     blocks = _sequence(cache, first)
     assert cache.num_cached_blocks == 2
-    m = cache.acquire(list(range(8)) + [99, 98, 97, 96, 95])
+    m = _acquire(cache, list(range(8)) + [99, 98, 97, 96, 95])
     assert m.block_ids == tuple(blocks[:2]) and m.num_tokens == 8
     assert cache.tokens_asked == 10 + 13 and cache.tokens_hit == 8
     assert cache.hit_rate == pytest.approx(8 / 23)
-    assert cache.acquire([0, 1, 2, 3, 4, 5, 6, 99]).num_tokens == 4  # second block differs
+    assert _acquire(cache, [0, 1, 2, 3, 4, 5, 6, 99]).num_tokens == 4  # second block differs
     assert cache.match([5, 1, 2, 3, 4]).num_blocks == 0
     assert cache.match(list(range(8)), max_blocks=1).num_blocks == 1
 
 
-def test_eviction_is_lru_over_unreferenced_blocks_only():
+@pytest.mark.parametrize("kind", CACHES)
+def test_eviction_is_lru_over_unreferenced_blocks_only(kind: type[PrefixCache]):
     a = BlockAllocator(6)
-    cache = PrefixCache(a, BS)
+    cache = kind(a, BS)
     s1 = _sequence(cache, list(range(8)))  # 2 full blocks
     s2 = _sequence(cache, list(range(100, 108)))  # 2 full blocks
     assert a.num_free == 2 and cache.num_evictable == 0
@@ -94,9 +117,10 @@ def test_eviction_is_lru_over_unreferenced_blocks_only():
     assert cache.match(list(range(100, 108))).num_blocks == 2
 
 
-def test_lru_order_and_tail_first():
+@pytest.mark.parametrize("kind", CACHES)
+def test_lru_order_and_tail_first(kind: type[PrefixCache]):
     a = BlockAllocator(4)
-    cache = PrefixCache(a, BS)
+    cache = kind(a, BS)
     old = _sequence(cache, list(range(8)))
     cache.release(old)
     new = _sequence(cache, list(range(50, 58)))
@@ -108,15 +132,16 @@ def test_lru_order_and_tail_first():
     got = cache.allocate(1)
     assert got == [old[0]]
     # a hit refreshes recency: touch `new`, then release; nothing else left to evict
-    m = cache.acquire(list(range(50, 58)))
+    m = _acquire(cache, list(range(50, 58)))
     assert cache.num_evictable == 0
     cache.release(m.block_ids)
     assert cache.num_evictable == 2
 
 
-def test_pinned_prefix_is_never_evicted_and_unpin_restores():
+@pytest.mark.parametrize("kind", CACHES)
+def test_pinned_prefix_is_never_evicted_and_unpin_restores(kind: type[PrefixCache]):
     a = BlockAllocator(4)
-    cache = PrefixCache(a, BS)
+    cache = kind(a, BS)
     blocks = _sequence(cache, list(range(8)))
     cache.release(blocks)
     m = cache.match(list(range(8)))
@@ -135,9 +160,10 @@ def test_pinned_prefix_is_never_evicted_and_unpin_restores():
         cache.pin(m)
 
 
-def test_duplicate_block_stays_uncached_and_is_freed_normally():
+@pytest.mark.parametrize("kind", CACHES)
+def test_duplicate_block_stays_uncached_and_is_freed_normally(kind: type[PrefixCache]):
     a = BlockAllocator(8)
-    cache = PrefixCache(a, BS)
+    cache = kind(a, BS)
     tokens = list(range(4))
     b1 = cache.allocate(1)
     b2 = cache.allocate(1)  # two sequences computed the same block concurrently
@@ -160,7 +186,7 @@ def test_duplicate_block_stays_uncached_and_is_freed_normally():
 )
 def test_random_operations_never_free_a_referenced_or_pinned_block(ops):
     a = BlockAllocator(12)
-    cache = PrefixCache(a, BS)
+    cache = HashPrefixCache(a, BS)
     prompts = [[p] * 4 + list(range(p, p + 6)) for p in range(6)]  # 10 tokens, 2 full blocks
     live: list[list[int]] = []
     pins = []

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pddnet.bench import drc
-from pddnet.kv.radix import HIT_INTERVAL_LABELS
+from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS
 
 
 @pytest.mark.timeout(240)

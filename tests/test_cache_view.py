@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from pddnet.kv.allocator import BlockAllocator
-from pddnet.kv.prefix_cache import block_hashes
+from pddnet.kv.block_hash import chained_hashes
 from pddnet.kv.radix import RadixCache
 from pddnet.policy.cache_view import DecodeCacheView
 from pddnet.protocol.messages import CacheEvents
@@ -52,7 +52,7 @@ def test_view_predicts_the_next_turn_from_md_notices():
 def test_prediction_never_claims_the_block_of_the_last_token():
     view = DecodeCacheView(BS)
     prompt = list(range(16))
-    view.resync(BS, block_hashes(prompt, BS), next_seq=0)
+    view.resync(BS, chained_hashes(prompt, BS), next_seq=0)
     assert view.predict(prompt).hit_tokens == 12  # like reserve_kv: (n - 1) // bs blocks
     assert view.predict(prompt + [1]).hit_tokens == 16
 
@@ -76,7 +76,7 @@ def test_eviction_misprediction_is_counted_and_the_view_repaired():
         24,
         24,
     )
-    hashes = block_hashes(follow, BS)
+    hashes = chained_hashes(follow, BS)
     assert all(h not in view for h in hashes[4:11])  # MD lacks block 4, so all deeper
     assert all(h in view for h in hashes[:4])
     assert view.predict(follow).hit_tokens == 16  # repaired before the notice arrives
@@ -115,13 +115,15 @@ def test_seq_gaps_mark_the_view_stale_and_old_notices_are_ignored():
 def test_memory_is_bounded_by_an_lru_cap():
     view = DecodeCacheView(BS, max_hashes=10)
     hot = list(range(16))
-    view.apply(CacheEvents(seq=0, block_size=BS, inserted=tuple(block_hashes(hot, BS)), evicted=()))
+    view.apply(
+        CacheEvents(seq=0, block_size=BS, inserted=tuple(chained_hashes(hot, BS)), evicted=())
+    )
     for i in range(1, 6):
         # MD's answers that it matched the hot chain keep it recent
         view.observe(view.predict(hot + [0]), 16)
         cold = [100 + i] * 8
         view.apply(
-            CacheEvents(seq=i, block_size=BS, inserted=tuple(block_hashes(cold, BS)), evicted=())
+            CacheEvents(seq=i, block_size=BS, inserted=tuple(chained_hashes(cold, BS)), evicted=())
         )
     assert len(view) == 10 and view.dropped_by_cap == 4
     assert view.predict(hot + [0]).hit_tokens == 16
@@ -133,7 +135,7 @@ def test_memory_is_bounded_by_an_lru_cap():
         view.predict(hot + [0])
         cold = [100 + i] * 8
         view.apply(
-            CacheEvents(seq=i, block_size=BS, inserted=tuple(block_hashes(cold, BS)), evicted=())
+            CacheEvents(seq=i, block_size=BS, inserted=tuple(chained_hashes(cold, BS)), evicted=())
         )
         hits.append(view.predict(hot + [0]).hit_tokens)
     assert hits == [16, 16, 8, 0]
@@ -142,7 +144,7 @@ def test_memory_is_bounded_by_an_lru_cap():
 def test_block_size_change_resets_the_view():
     view = DecodeCacheView(BS)
     view.apply(
-        CacheEvents(seq=0, block_size=BS, inserted=tuple(block_hashes([1] * 8, BS)), evicted=())
+        CacheEvents(seq=0, block_size=BS, inserted=tuple(chained_hashes([1] * 8, BS)), evicted=())
     )
     view.apply(CacheEvents(seq=1, block_size=8, inserted=(), evicted=()))
     assert len(view) == 0 and view.stale and view.block_size == 8

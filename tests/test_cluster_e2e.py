@@ -22,10 +22,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pddnet.cluster.launcher import shm_segments_of
 from pddnet.cluster.local import LocalCluster
 from pddnet.engine.engine import Engine
 from pddnet.engine.sampling import SamplingParams
+from pddnet.kv.shm import segments_of
 from pddnet.model.loader import load_model
 from tests.conftest import root_netns_missing_reason
 
@@ -424,7 +424,7 @@ def test_pdd_up_then_sigterm_leaves_nothing(tmp_path):
         )
         assert status.returncode == 0, status.stdout + status.stderr
         assert status.stdout.count("alive") == 4
-        assert shm_segments_of(pids), "RLD's KV pool should be a pdd-* shared-memory segment"
+        assert segments_of(pids), "RLD's KV pool should be a pdd-* shared-memory segment"
         up.send_signal(signal.SIGTERM)
         out, err = up.communicate(timeout=60)
     finally:
@@ -437,7 +437,7 @@ def test_pdd_up_then_sigterm_leaves_nothing(tmp_path):
     assert "SIGKILL" not in err.decode() and "removed shared-memory" not in err.decode()
     for pid in pids + [info["wan"]["emulator_pid"]]:
         assert not Path(f"/proc/{pid}").exists(), f"process {pid} is still there"
-    assert shm_segments_of(pids) == []
+    assert segments_of(pids) == []
     final = json.loads((run_dir / "run.json").read_text())
     assert final["state"] == "stopped" and final["stop"]["leftover_shm"] == []
     status = subprocess.run(

@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from pddnet.kv.pool import DATA_OFFSET, KVPool, KVSpec
-from pddnet.kv.shm import SharedMemoryError, SharedSegment, segment_name, unique_segment_name
-from pddnet.kv.transfer import block_byte_ranges
+from pddnet.kv.shm import (
+    SharedMemoryError,
+    SharedSegment,
+    segment_name,
+    segments_of,
+    unique_segment_name,
+    unlink_segment,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float64")
@@ -58,24 +64,6 @@ def test_write_then_gather_returns_rows_in_token_order():
         assert torch.count_nonzero(gk0) == 0
         with pytest.raises(ValueError, match="do not match"):
             pool.write(0, pool.slot_mapping(table, 0, 3), k, v)
-
-
-def test_a_block_is_one_contiguous_byte_run_per_layer_and_kv():
-    with KVPool(SPEC, 8) as pool:
-        pool.data[1, 1, 5] = 7.0  # layer 1, V, block 5
-        ranges = block_byte_ranges(pool.spec, pool.num_blocks, [5], layers=[1])
-        assert len(ranges) == 2  # K run, V run
-        (_, _), (v_off, v_len) = ranges
-        assert v_len == SPEC.block_bytes_per_layer_kv == 4 * 2 * 4 * 8
-        raw = pool.raw_bytes()
-        run = raw[v_off : v_off + v_len].view(torch.float64)
-        assert torch.all(run == 7.0)
-        # Every non-zero byte of the pool lies inside that run.
-        nz = torch.nonzero(raw).flatten()
-        assert int(nz.min()) >= v_off and int(nz.max()) < v_off + v_len
-        # Consecutive block ids merge into one run per (layer, K/V).
-        assert len(block_byte_ranges(pool.spec, 8, [2, 3, 4])) == 2 * 2
-        assert len(block_byte_ranges(pool.spec, 8, [2, 4])) == 2 * 2 * 2
 
 
 def test_spec_from_model_config_and_sizes():
@@ -177,3 +165,19 @@ def test_shm_errors_are_clear(shm_name):
     with pytest.raises(SharedMemoryError, match="bad shared-memory name"):
         segment_name("a/b")
     assert segment_name("rld0") == "pdd-rld0"
+
+
+def test_a_dead_creators_segments_are_found_by_pid_and_unlinked(shm_name):
+    """What the launcher does after a daemon died: find its segments by PID, unlink them."""
+    me, other = os.getpid(), os.getpid() + 1
+    with SharedSegment.create(shm_name, 64) as seg:
+        assert seg.name in segments_of([me]) and seg.name not in segments_of([other])
+        with SharedSegment.attach(seg.name) as peer:  # a mapping survives the unlink
+            unlink_segment(seg.name)
+            assert not os.path.exists(f"/dev/shm/{seg.name}")
+            assert seg.name not in segments_of([me])
+            peer.buffer[:4] = b"live"
+            assert seg.buffer[:4] == b"live"
+        unlink_segment(seg.name)  # already gone: fine
+    with pytest.raises(SharedMemoryError, match="not a pddnet shared-memory segment"):
+        unlink_segment("../etc/passwd")

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from pddnet.kv.pool import KVPool, KVSpec
-from pddnet.kv.shm import unique_segment_name
 from pddnet.kv.transfer import (
     ExportedKV,
     KVExportMeta,
-    block_byte_ranges,
-    copy_blocks_between,
     export_kv,
     import_kv,
-    read_byte_ranges,
-    write_byte_ranges,
 )
 from pddnet.model.attention import causal_attention
 
@@ -99,34 +92,3 @@ def test_import_rejects_mismatched_shapes():
         import_kv(KVPool(KVSpec(L, H, D, 8, "float64"), 4), ex, [0])
     with pytest.raises(ValueError, match="layer range"):
         export_kv(src, [0], 0, 10, 2, 2)
-
-
-def test_raw_byte_ranges_move_blocks_between_equal_pools():
-    spec = KVSpec(L, H, D, 4, "float32")
-    a, b = KVPool(spec, 8), KVPool(spec, 6)
-    a.data.copy_(torch.randn(a.data.shape))
-    src_blocks, dst_blocks = [2, 3, 6], [0, 1, 4]
-    payload = read_byte_ranges(a, block_byte_ranges(spec, 8, src_blocks))
-    assert len(payload) == len(src_blocks) * spec.bytes_per_block
-    write_byte_ranges(b, block_byte_ranges(spec, 6, dst_blocks), payload)
-    assert torch.equal(b.data[:, :, dst_blocks], a.data[:, :, src_blocks])
-    assert torch.count_nonzero(b.data[:, :, [2, 3, 5]]) == 0
-    with pytest.raises(ValueError, match="bytes given"):
-        write_byte_ranges(b, block_byte_ranges(spec, 6, [0]), payload)
-    with pytest.raises(ValueError, match="outside"):
-        block_byte_ranges(spec, 6, [6])
-
-
-def test_one_sided_block_copy_into_a_shared_pool():
-    spec = KVSpec(L, H, D, 4, "float64")
-    name = unique_segment_name("test-xfer")
-    src = KVPool(spec, 8)
-    src.data.copy_(torch.randn(src.data.shape, dtype=torch.float64))
-    with KVPool(spec, 8, shm_name=name) as owner:
-        with KVPool.attach(name) as writer:  # "P" maps "RLD"'s region and writes into it
-            copied = copy_blocks_between(src, [1, 5], writer, [6, 0])
-        assert copied == 2 * spec.bytes_per_block
-        assert torch.equal(owner.data[:, :, [6, 0]], src.data[:, :, [1, 5]])
-        with pytest.raises(ValueError, match="outside"):
-            copy_blocks_between(src, [1], owner, [8])
-    assert not os.path.exists(f"/dev/shm/{name}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pddnet.kv.prefix_cache import block_hashes
+from pddnet.kv.block_hash import chained_hashes
 from pddnet.policy.pipeline import Pipeline, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.protocol import CacheEvents
@@ -22,7 +22,10 @@ def planner(**policy) -> PipelinePlanner:
 def teach(p: PipelinePlanner, tokens: list[int], bs: int = 16) -> None:
     p.view.apply(
         CacheEvents(
-            seq=p.view.next_seq, block_size=bs, inserted=tuple(block_hashes(tokens, bs)), evicted=()
+            seq=p.view.next_seq,
+            block_size=bs,
+            inserted=tuple(chained_hashes(tokens, bs)),
+            evicted=(),
         )
     )
 

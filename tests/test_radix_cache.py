@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
-from pddnet.kv.prefix_cache import block_hashes
-from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache, hit_interval
+from pddnet.kv.block_hash import chained_hashes
+from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS, hit_interval
+from pddnet.kv.radix import RadixCache
+from pddnet.kv.radix_check import check_invariants
 from pddnet.protocol.messages import CacheEvents
 
 BS = 4
@@ -48,7 +50,7 @@ def test_match_after_insert_returns_the_inserted_full_blocks_only():
     res = c.insert_finished(tokens, table)
     assert res.adopted == tuple(table[:2]) and res.duplicates == ()
     assert res.freed == (table[2],)  # the partial block is never cached
-    assert res.hashes == tuple(block_hashes(tokens, BS))
+    assert res.hashes == tuple(chained_hashes(tokens, BS))
     m = c.match_prefix(tokens + [99, 98])
     assert m.block_ids == tuple(table[:2]) and m.hit_tokens == 8
     assert m.handle.hashes == res.hashes
@@ -56,7 +58,7 @@ def test_match_after_insert_returns_the_inserted_full_blocks_only():
     assert c.match([5] + list(range(1, 12))).num_blocks == 0
     again = c.insert_finished(list(range(4)), a.allocate(1))  # a prefix of what is cached
     assert again.adopted == () and again.freed == again.duplicates and c.num_nodes == 1
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_diverging_suffix_splits_at_a_block_boundary_and_dedups_the_shared_part():
@@ -71,7 +73,7 @@ def test_diverging_suffix_splits_at_a_block_boundary_and_dedups_the_shared_part(
     assert c.num_nodes == 3  # shared head + two tails
     assert c.match(other).block_ids == (first[0], table[1], table[2])
     assert c.match(list(range(12))).block_ids == tuple(first[:3])
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_incremental_engine_style_insert_continues_the_hash_chain():
@@ -80,12 +82,12 @@ def test_incremental_engine_style_insert_continues_the_hash_chain():
     table = a.allocate(4)
     h1 = c.insert(tokens[:8], table)
     h2 = c.insert(tokens, table, first_block=2, parent_hash=h1[-1])
-    assert h1 + h2 == block_hashes(tokens, BS)
+    assert h1 + h2 == chained_hashes(tokens, BS)
     with pytest.raises(ValueError, match="parent_hash"):
         c.insert(tokens, table, first_block=2, parent_hash=12345)
     with pytest.raises(ValueError, match="first_block"):
         c.insert(tokens, table, first_block=9)
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_bad_inserts_are_refused_with_clear_errors():
@@ -100,14 +102,14 @@ def test_bad_inserts_are_refused_with_clear_errors():
     c.insert(list(range(4)), table[:1])
     with pytest.raises(ValueError, match="already cached for another prefix"):
         c.insert([9, 9, 9, 9], table[:1])
-    c.check_invariants()
+    check_invariants(c)
     # a table naming a cached block by an equal float: the clear error, not a TypeError
     lock = c.match_and_lock(list(range(4)) + [7] * 4, max_blocks=1)
     own = a.allocate(1)
     with pytest.raises(ValueError, match="outside"):
         c.insert_finished(list(range(4)) + [7] * 4, [float(lock.block_ids[0])] + own)
     c.release(list(lock.block_ids) + own)
-    c.check_invariants()
+    check_invariants(c)
     # refused part way through the new ids: nothing is left marked or cached
     more = a.allocate(2)
     for bad, why in (
@@ -118,7 +120,7 @@ def test_bad_inserts_are_refused_with_clear_errors():
     ):
         with pytest.raises(ValueError, match=why):
             c.insert_finished([5] * (4 * len(bad)), bad)
-        c.check_invariants()
+        check_invariants(c)
         assert not c.is_cached(more[0]) and not c.is_cached(more[1])
 
 
@@ -129,9 +131,9 @@ def test_split_inside_a_locked_deep_node_keeps_the_lock_counts_exact():
     m = c.match_prefix([0] * 4 + [1] * 8)
     c.lock(m.handle)  # the deep tail [1111 1111] is locked
     finish(c, [0] * 4 + [1] * 4 + [3] * 4)  # splits that locked tail in two
-    c.check_invariants()
+    check_invariants(c)
     assert c.unlock(m.handle) == []
-    c.check_invariants()
+    check_invariants(c)
     assert c.num_evictable == c.num_cached_blocks == 5
     assert len(c.evict(9)) == 5 and a.num_free == a.num_blocks
 
@@ -151,7 +153,7 @@ def test_locked_prefix_survives_eviction_and_unlock_makes_it_evictable():
     assert c.unlock(m.handle) == []  # the tree still holds its reference
     assert c.num_evictable == 3 and c.num_available == 8
     assert sorted(c.allocate(8)) == list(range(8))  # evicts all three for a big allocation
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_partial_lock_keeps_the_locked_head_and_frees_the_tail():
@@ -163,7 +165,7 @@ def test_partial_lock_keeps_the_locked_head_and_frees_the_tail():
     assert c.num_evictable == 2
     assert c.evict(5) == [blocks[3], blocks[2]]  # tail first, the locked head stays
     assert c.match(list(range(16))).block_ids == tuple(blocks[:2])
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_pins_nest_and_protect_like_references():
@@ -180,7 +182,7 @@ def test_pins_nest_and_protect_like_references():
     assert len(c.evict(4)) == 2
     with pytest.raises(ValueError, match="stale"):
         c.pin(m)
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_eviction_takes_least_recently_used_leaves_first():
@@ -194,7 +196,7 @@ def test_eviction_takes_least_recently_used_leaves_first():
     c.unlock(m.handle)
     assert c.evict(3) == [new[1], new[0], old[0]]
     assert c.num_cached_blocks == 0 and a.num_free == a.num_blocks
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_only_leaves_are_evicted_even_when_an_inner_block_is_unreferenced():
@@ -210,7 +212,7 @@ def test_only_leaves_are_evicted_even_when_an_inner_block_is_unreferenced():
     assert c.acquisition_cost(c.match([7] * 4)) == 0
     assert sorted(c.release(t2)) == [t2[0]]  # its duplicate is freed, t2[1] stays cached
     assert c.evict(2) == [t2[1], t1[0]]  # leaf first, then its parent
-    c.check_invariants()
+    check_invariants(c)
 
 
 # -- statistics and events -----------------------------------------------------------------------------
@@ -243,7 +245,7 @@ def test_events_name_prefixes_by_chained_hashes_and_are_netted_per_notice():
     finish(c, tokens)
     ev = c.drain_events()
     assert ev is not None and ev.seq == 0 and ev.block_size == BS
-    assert set(ev.inserted) == set(block_hashes(tokens, BS)) and ev.evicted == ()
+    assert set(ev.inserted) == set(chained_hashes(tokens, BS)) and ev.evicted == ()
     msg = CacheEvents(**dataclasses.asdict(ev))  # the wire message takes it as is
     assert msg.inserted == ev.inserted
     assert c.drain_events() is None
@@ -251,9 +253,9 @@ def test_events_name_prefixes_by_chained_hashes_and_are_netted_per_notice():
     finish(c, tokens)  # evicted, then re-inserted: net present
     c.evict(2)
     ev = c.drain_events()
-    assert ev.seq == 1 and set(ev.evicted) == set(block_hashes(tokens, BS)[1:])
+    assert ev.seq == 1 and set(ev.evicted) == set(chained_hashes(tokens, BS)[1:])
     assert set(ev.inserted).isdisjoint(ev.evicted)
-    assert set(c.snapshot_hashes()) == set(block_hashes(tokens, BS)[:1])
+    assert set(c.snapshot_hashes()) == set(chained_hashes(tokens, BS)[:1])
 
 
 def test_undrained_event_log_is_bounded_and_skips_a_notice_number():
@@ -268,7 +270,7 @@ def test_undrained_event_log_is_bounded_and_skips_a_notice_number():
     finish(quiet, list(range(24)))
     quiet.evict(3)
     assert quiet.drain_events() is None and quiet.num_pending_events == 0
-    quiet.check_invariants()
+    check_invariants(quiet)
     with pytest.raises(ValueError, match="max_pending_events must be >= 0"):
         RadixCache(BlockAllocator(4), BS, max_pending_events=-1)
 
@@ -294,7 +296,7 @@ def test_engine_runs_token_exact_on_a_radix_cache(tiny_engine_pair):
         assert radix_engine.generate(prompt, 10, ignore_eos=True) == cold.generate(
             prompt, 10, ignore_eos=True
         )
-        cache.check_invariants()
+        check_invariants(cache)
     assert cache.tokens_hit > 0 and cache.num_cached_blocks > 0
     res = radix_engine.reserve_kv(follow + [5], 4)  # MD's allocation path
     assert res.num_cached_tokens == (len(follow) // 4) * 4
@@ -306,7 +308,7 @@ def test_engine_runs_token_exact_on_a_radix_cache(tiny_engine_pair):
     assert radix_engine.blocks.claimed == 0
     cache.clear()
     assert radix_engine.allocator.num_free == radix_engine.num_blocks
-    cache.check_invariants()
+    check_invariants(cache)
 
 
 @pytest.fixture(scope="module")
@@ -427,7 +429,7 @@ class RadixMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if not hasattr(self, "c"):
             return
-        self.c.check_invariants()
+        check_invariants(self.c)
         owned = {b for b in range(self.a.num_blocks) if self.c.is_cached(b)}
         private = {b for _, t in self.live.values() for b in t} - owned
         assert len(owned) + len(private) + self.a.num_free == self.a.num_blocks
@@ -493,14 +495,14 @@ def test_insert_finished_with_the_callers_hashes_is_the_same_insert() -> None:
         ta, tb = a.allocate(n), b.allocate(n)
         extra = [rng.getrandbits(64)]  # trailing hashes beyond the full blocks: ignored
         ra = a.insert_finished(tokens, ta)
-        rb = b.insert_finished(tokens, tb, block_hashes(tokens, BS) + extra)
+        rb = b.insert_finished(tokens, tb, chained_hashes(tokens, BS) + extra)
         assert ra == rb and a.drain_events() == b.drain_events()
-    a.check_invariants()
+    check_invariants(a)
     tokens = list(range(3 * BS))
     t = a.allocate(3)
     with pytest.raises(ValueError, match="2 hashes for 3 full blocks"):
-        a.insert_finished(tokens, t, block_hashes(tokens, BS)[:2])
+        a.insert_finished(tokens, t, chained_hashes(tokens, BS)[:2])
     with pytest.raises(ValueError, match="not the chained hashes"):
-        a.insert_finished(tokens, t, block_hashes(tokens, BS)[1:] + [0])
-    a.check_invariants()
-    assert a.insert_finished(tokens, t, block_hashes(tokens, BS)).adopted == tuple(t)
+        a.insert_finished(tokens, t, chained_hashes(tokens, BS)[1:] + [0])
+    check_invariants(a)
+    assert a.insert_finished(tokens, t, chained_hashes(tokens, BS)).adopted == tuple(t)

@@ -13,7 +13,7 @@ import torch
 from pddnet.kv.pool import KVPool, KVSpec
 from pddnet.kv.shm import SHM_DIR, SharedMemoryError, unique_segment_name
 from pddnet.kv.transfer import export_kv
-from pddnet.transport.shm_region import RemoteKVRegion
+from pddnet.transport.backends.shm import RemoteKVRegion
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,7 +102,7 @@ def test_a_second_process_attaches_by_name_and_writes(rld_pool):
         torch.set_num_threads(1)
         from pddnet.kv.pool import KVPool, KVSpec
         from pddnet.kv.transfer import export_kv
-        from pddnet.transport.shm_region import RemoteKVRegion
+        from pddnet.transport.backends.shm import RemoteKVRegion
         src = KVPool(KVSpec(2, 2, 8, 3, "float64"), 8)
         kv = torch.arange(2 * 2 * 9 * 2 * 8, dtype=torch.float64).view(2, 2, 9, 2, 8)
         src.write_tokens([0, 1, 2], 0, kv)

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import itertools
 import random
+import struct
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pddnet.kv.allocator import BlockAllocator
-from pddnet.kv.prefix_cache import block_hashes
-from pddnet.kv.radix import CacheEventBatch, RadixCache, chained_hashes
+from pddnet.kv.block_hash import chained_hashes
+from pddnet.kv.cache_events import CacheEventBatch
+from pddnet.kv.radix import RadixCache
+from pddnet.kv.radix_check import check_invariants
 from pddnet.policy.cache_view import DecodeCacheView
 from pddnet.sim.config import parse_config
 from pddnet.sim.reproduce import scenario
@@ -30,8 +34,19 @@ from pddnet.sim.workload import SimRequest
     bs=st.integers(1, 5),
     parent=st.integers(0, (1 << 64) - 1),
 )
-def test_chained_hashes_are_block_hashes(tokens: list[int], bs: int, parent: int) -> None:
-    assert chained_hashes(tokens, bs, parent) == block_hashes(tokens, bs, parent)
+def test_chained_hashes_are_the_streamed_definition(
+    tokens: list[int], bs: int, parent: int
+) -> None:
+    """The one-shot digests per block equal the definition hashed block by block (xxh3 of the
+    parent hash || the block's tokens, streamed): P's view and MD's cache name prefixes alike."""
+    want, h = [], parent
+    for i in range(len(tokens) // bs):
+        x = xxhash.xxh3_64()
+        x.update(struct.pack("<Q", h))
+        x.update(struct.pack(f"<{bs}q", *tokens[i * bs : (i + 1) * bs]))
+        h = x.intdigest()
+        want.append(h)
+    assert chained_hashes(tokens, bs, parent) == want
 
 
 def _view_with(prefixes: list[list[int]], bs: int) -> DecodeCacheView:
@@ -54,7 +69,7 @@ def test_prediction_from_kept_hashes_equals_hashing_the_prompt() -> None:
         for cut in (0, 1, 5, 9, 17, 24, 33, 40):
             prompt = base[:cut]
             slow = a.predict(prompt)
-            fast = b.predict_from_hashes(len(prompt), block_hashes(prompt, bs), bs)
+            fast = b.predict_from_hashes(len(prompt), chained_hashes(prompt, bs), bs)
             assert fast == slow
         assert list(a._hashes) == list(b._hashes)  # the same LRU order after
     v = _view_with([[1, 2, 3, 4]], 2)
@@ -89,8 +104,8 @@ def test_match_and_lock_is_match_prefix_then_lock(seed: int) -> None:
         m2 = fast.match_and_lock(p, max_blocks=(len(p) - 1) // 2)
         assert m1 == m2
         held.append((m1, m2))
-        slow.check_invariants()
-        fast.check_invariants()
+        check_invariants(slow)
+        check_invariants(fast)
     # the same state: the same evictions, in the same order, once the locks are gone
     for m1, m2 in held:
         slow.unlock(m1.handle)
@@ -140,7 +155,7 @@ def test_insert_finished_releases_as_release_does(seed: int) -> None:
                 assert tables[0] == tables[1]
                 live.append((p, tables[0], tables[1]))
         for c in (slow, fast):
-            c.check_invariants()
+            check_invariants(c)
         assert slow.num_evictable == fast.num_evictable
         assert slow.drain_events() == fast.drain_events()
     for _p, t1, t2 in live:
@@ -182,20 +197,20 @@ def test_simulator_prompt_hashes_follow_a_conversation() -> None:
             units = (7,) + units[1:]  # not an extension: hashed from scratch
         req = SimRequest(turn, 42, 0.0, units, len(units) * 4, 4, (1,))
         held = sim._hashes_for(req.conversation, req.units)
-        assert held == block_hashes(units, bs)
+        assert held == chained_hashes(units, bs)
         first = list(held)
         later.append((held, first))
         st = ReqState(req)
         st.prompt_hashes = held
         # MD's insert of prompt + output: the same hashes, the kept ones left as they were
         with_kv = units + tuple(rng.randrange(50) for _ in range(5))
-        assert sim._with_kv_hashes(st, with_kv) == block_hashes(with_kv, bs)
+        assert sim._with_kv_hashes(st, with_kv) == chained_hashes(with_kv, bs)
         assert sim._hash_memo[42] == (units, first)
         states.append((st, units))
     for held, first in later:  # a holder's hashes stayed what they were
         assert held[: len(first)] == first
     for st, units in states:  # and lists grown by later turns give the same
-        assert sim._with_kv_hashes(st, units + (3,) * 9) == block_hashes(units + (3,) * 9, bs)
+        assert sim._with_kv_hashes(st, units + (3,) * 9) == chained_hashes(units + (3,) * 9, bs)
 
 
 @settings(max_examples=150, deadline=None)

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from pddnet.kv.allocator import BlockAllocator
-from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache, hit_interval
+from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS, hit_interval
+from pddnet.kv.radix import RadixCache
 
 
 @dataclass(frozen=True)

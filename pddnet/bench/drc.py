@@ -34,7 +34,7 @@ from pddnet.bench.agent_workload import (
 )
 from pddnet.bench.results import percentile, write_result
 from pddnet.device import flags as device_flags
-from pddnet.kv.radix import HIT_INTERVAL_LABELS, hit_interval
+from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS, hit_interval
 
 QUICK = AgentWorkloadParams(
     num_conversations=4,

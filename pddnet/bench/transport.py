@@ -60,7 +60,7 @@ def bench_shm(model: str, tokens: int, repeats: int) -> dict[str, Any]:
     from pddnet.kv.shm import unique_segment_name
     from pddnet.kv.transfer import export_kv
     from pddnet.model.config import ModelConfig
-    from pddnet.transport.shm_region import RemoteKVRegion
+    from pddnet.transport.backends.shm import RemoteKVRegion
 
     spec = KVSpec.from_model_config(ModelConfig.preset(model), block_size=16)
     n_blocks = spec.num_blocks_for(tokens)

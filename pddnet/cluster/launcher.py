@@ -42,6 +42,7 @@ from pddnet.cluster.wan_setup import (
     stop_processes,
 )
 from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.kv.shm import segments_of, unlink_segment
 
 ROLES_BY_MODE: dict[ClusterMode, tuple[str, ...]] = {
     # Start order: MD never dials anyone, the router dials everyone.
@@ -57,7 +58,6 @@ CLI_ROLE = {
 }
 RUN_FILE = "run.json"
 CONFIG_FILE = "cluster.toml"
-SHM_DIR = "/dev/shm"
 
 
 class ClusterStartError(RuntimeError):
@@ -108,17 +108,6 @@ def read_run_file(run_dir: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(
             f"no run file at {path}: is a cluster up with --run-dir {run_dir}?"
         ) from None
-
-
-def shm_segments_of(pids: list[int]) -> list[str]:
-    """pdd-* segments named after one of `pids` (pddnet.kv.shm.unique_segment_name embeds the
-    creator's PID: pdd-<tag>-<pid>-<random>)."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    marks = [f"-{pid}-" for pid in pids]
-    return sorted(n for n in names if n.startswith("pdd-") and any(m in n for m in marks))
 
 
 class ClusterLauncher:
@@ -380,9 +369,8 @@ class ClusterLauncher:
         old = self.daemons[role]
         if old.proc is not None and old.proc.poll() is None:
             raise RuntimeError(f"{role} (pid {old.pid}) is still running: stop it first")
-        for name in shm_segments_of([old.pid]):  # a killed RLD's pool: its owner is dead
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
+        for name in segments_of([old.pid]):  # a killed RLD's pool: its owner is dead
+            unlink_segment(name)
         self._spawn(role)
         await self._wait_ready(timeout, roles={role}, health=False)
         self._write_run_file(state="up")  # the new pid
@@ -397,10 +385,9 @@ class ClusterLauncher:
             with contextlib.suppress(Exception):
                 await self.placement.close()
         pids = [d.pid for d in self.daemons.values()]
-        leftovers = shm_segments_of(pids)
+        leftovers = segments_of(pids)
         for name in leftovers:  # the owners are dead: nobody else will ever unlink these
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
+            unlink_segment(name)
         report = StopReport(
             killed=killed,
             leftover_shm=leftovers,

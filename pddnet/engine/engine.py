@@ -41,7 +41,6 @@ from pddnet.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 from pddnet.kv.pool import KVPool, KVSpec
 from pddnet.kv.prefix_cache import PrefixCache, PrefixMatch
-from pddnet.kv.radix import RadixCache
 from pddnet.model.llama import LlamaModel
 
 
@@ -144,7 +143,7 @@ class Engine:
         return self.blocks.allocator
 
     @property
-    def prefix_cache(self) -> PrefixCache | RadixCache | None:
+    def prefix_cache(self) -> PrefixCache | None:
         return self.blocks.prefix_cache
 
     @property

@@ -23,18 +23,17 @@ from dataclasses import dataclass
 
 from pddnet.engine.sequence import Sequence, SequenceStatus
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
+from pddnet.kv.hash_cache import HashPrefixCache
 from pddnet.kv.prefix_cache import PrefixCache, PrefixMatch
 from pddnet.kv.radix import RadixCache
 
 PREFIX_CACHE_KINDS = ("hash", "radix")
 
 
-def make_prefix_cache(
-    kind: str, allocator: BlockAllocator, block_size: int
-) -> PrefixCache | RadixCache:
+def make_prefix_cache(kind: str, allocator: BlockAllocator, block_size: int) -> PrefixCache:
     """The engine's prefix cache: "hash" (chained block hashes) or "radix" (MD's DRC)."""
     if kind == "hash":
-        return PrefixCache(allocator, block_size)
+        return HashPrefixCache(allocator, block_size)
     if kind == "radix":
         return RadixCache(allocator, block_size)
     raise ValueError(f"unknown prefix cache kind {kind!r}; expected one of {PREFIX_CACHE_KINDS}")
@@ -52,7 +51,7 @@ class BlockManager:
     ) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
-        self.prefix_cache: PrefixCache | RadixCache | None = None
+        self.prefix_cache: PrefixCache | None = None
         if enable_prefix_cache:
             self.prefix_cache = make_prefix_cache(prefix_cache_kind, self.allocator, block_size)
         self.claimed = 0  # blocks promised to admitted sequences / reservations, not yet allocated

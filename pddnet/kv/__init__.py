@@ -1,5 +1,7 @@
-"""pddnet.kv: the paged KV pool (optionally in shared memory), block allocator, prefix cache,
-and KV export/import between pools.
+"""pddnet.kv: the paged KV pool (pool.py; optionally in a shared-memory segment, shm.py), the block
+allocator (allocator.py), the prefix caches behind one interface (prefix_cache.py: hash_cache.py
+for P and RLD, radix.py for MD and the simulator, both naming blocks by block_hash.py's chained
+hashes), and KV export/import between pools (transfer.py).
 
 Names are imported lazily so that ``import pddnet.kv.shm`` (or the CLI) does not pull in torch.
 """
@@ -18,15 +20,13 @@ _EXPORTS = {
     "OutOfBlocks": "pddnet.kv.allocator",
     "PrefixCache": "pddnet.kv.prefix_cache",
     "PrefixMatch": "pddnet.kv.prefix_cache",
-    "block_hashes": "pddnet.kv.prefix_cache",
+    "HashPrefixCache": "pddnet.kv.hash_cache",
+    "RadixCache": "pddnet.kv.radix",
+    "chained_hashes": "pddnet.kv.block_hash",
     "ExportedKV": "pddnet.kv.transfer",
     "KVExportMeta": "pddnet.kv.transfer",
     "export_kv": "pddnet.kv.transfer",
     "import_kv": "pddnet.kv.transfer",
-    "block_byte_ranges": "pddnet.kv.transfer",
-    "read_byte_ranges": "pddnet.kv.transfer",
-    "write_byte_ranges": "pddnet.kv.transfer",
-    "copy_blocks_between": "pddnet.kv.transfer",
 }
 
 __all__, __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -49,16 +49,9 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
     def refcount(self, block_id: int) -> int:
         self._check(block_id)
         return self._refcount[block_id]
-
-    def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks, each with reference count 1; raises OutOfBlocks if short."""

@@ -10,9 +10,7 @@ index ``i`` to slot ``table[i // block_size] * block_size + i % block_size``.
 
 Because ``block`` is the third axis, the bytes of one block for one (layer, K-or-V) pair are one
 contiguous run of ``block_size * num_kv_heads * head_dim * itemsize`` bytes, and consecutive block
-ids are adjacent. That is what makes a block range exportable as a handful of memcpy's and a
-one-sided write into a peer's blocks well defined: the writer needs only the (offset, length)
-pairs of ``block_byte_ranges``, never the reader's cooperation.
+ids are adjacent: a block range is a handful of memcpy's.
 
 A pool may live in POSIX shared memory (``shm_name=...``): the segment starts with a 4 KiB header
 (magic + JSON of the spec and block count) so that ``KVPool.attach(name)`` needs nothing but the
@@ -104,11 +102,6 @@ class KVSpec:
     def token_bytes_per_layer_kv(self) -> int:
         """Bytes of one token's K (or V) in one layer."""
         return self.num_kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def block_bytes_per_layer_kv(self) -> int:
-        """Bytes of one block's K (or V) in one layer: one contiguous run in the pool."""
-        return self.block_size * self.token_bytes_per_layer_kv
 
     @property
     def bytes_per_token(self) -> int:
@@ -339,15 +332,8 @@ class KVPool:
     # -- raw bytes (the one-sided write path) ----------------------------------------------------
 
     def raw_bytes(self) -> torch.Tensor:
-        """The pool's data as a flat uint8 tensor sharing its memory (offsets of block_byte_ranges)."""
+        """The pool's data as a flat uint8 tensor sharing its memory."""
         return self._tensor().view(-1).view(torch.uint8)
-
-    def block_byte_ranges(
-        self, block_ids: Sequence[int], layers: Iterable[int] | None = None
-    ) -> list[tuple[int, int]]:
-        from pddnet.kv.transfer import block_byte_ranges
-
-        return block_byte_ranges(self.spec, self.num_blocks, block_ids, layers)
 
 
 def _write_header(segment: SharedSegment, spec: KVSpec, num_blocks: int) -> None:

@@ -1,54 +1,26 @@
-"""Prefix cache over FULL KV blocks, keyed by chained block hashes.
+"""The engine's prefix cache: one interface, two implementations.
 
-Why chained hashes and not a radix tree here: this cache serves the engine's own admission (and
-the prefill side), where reuse is only ever at block granularity and the question is "how many
-leading full blocks of this prompt do I already hold". A chained hash answers that with one dict
-lookup per block, and -- more important for PDD -- the hash of block i names the *whole* prefix up
-to it, so two instances can compare what they hold by exchanging a list of 64-bit numbers
-(P keeping its view of MD's cache aligned). The decode side gets a token-granular radix tree in a
-later issue; it can key its nodes with the same ``block_hashes``.
+``PrefixCache`` is what the engine (pddnet/engine/scheduler.py ``BlockManager``) calls;
+``make_prefix_cache`` there picks the implementation by the config's ``prefix_cache`` kind:
 
-``hash_i = xxh3_64(hash_{i-1} as 8 bytes || token ids of block i as int64 LE)``, with
-``hash_{-1} = 0``. Every entry also keeps its tokens and parent hash, and a lookup compares them,
-so a 64-bit collision can never hand out the wrong KV.
+- ``HashPrefixCache`` (pddnet/kv/hash_cache.py, "hash": P and RLD): a dict of chained block
+  hashes, one lookup per block; eviction is LRU over any unreferenced cached block.
+- ``RadixCache`` (pddnet/kv/radix.py, "radix": MD's decode-side cache, and every simulated
+  cache): a radix tree that evicts leaves only, so a cached block never outlives the prefix
+  that reaches it, and that logs what it inserts and evicts for P's view of it.
 
-Ownership: the cache holds one reference (in the BlockAllocator) on every block it indexes. A
-cached block whose only reference is the cache's and that is not pinned is *evictable*; eviction
-is LRU over exactly those blocks, so a block referenced by a sequence or pinned is never freed.
+Both keep the same ownership contract: the cache holds one allocator reference on every block
+it indexes; a request using cached blocks holds its own (``take`` ... ``release``); ``pin``
+protects a prefix without a reference; ``num_available`` = free + evictable blocks.
 """
 
 from __future__ import annotations
 
-import struct
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-import xxhash
-
-from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
-
-_PARENT = struct.Struct("<Q")
-
-
-def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block of tokens given the hash of the block before it (0 first)."""
-    h = xxhash.xxh3_64()
-    h.update(_PARENT.pack(parent_hash))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.intdigest()
-
-
-def block_hashes(
-    token_ids: Sequence[int], block_size: int, parent_hash: int = 0, first_block: int = 0
-) -> list[int]:
-    """Chained hashes of the full blocks ``first_block..`` of ``token_ids``."""
-    out = []
-    h = parent_hash
-    for i in range(first_block, len(token_ids) // block_size):
-        h = hash_block(h, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(h)
-    return out
+from pddnet.kv.allocator import BlockAllocator
 
 
 @dataclass(frozen=True)
@@ -76,135 +48,54 @@ class PrefixMatch:
         return len(self.block_ids)
 
 
-@dataclass
-class _Entry:
-    block_id: int
-    parent_hash: int
-    tokens: tuple[int, ...]
-    pins: int = 0
+class PrefixCache(Protocol):
+    """What the engine asks of a prefix cache (HashPrefixCache and RadixCache implement it)."""
 
-
-class PrefixCache:
-    """Block-hash prefix cache on top of a BlockAllocator, with LRU eviction and pinning."""
-
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.allocator = allocator
-        self.block_size = block_size
-        self._by_hash: dict[int, _Entry] = {}
-        self._hash_of_block: dict[int, int] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
-        self.tokens_asked = 0
-        self.tokens_hit = 0
-        self.num_evicted = 0
-
-    # -- sizes and accounting ------------------------------------------------------------------
+    allocator: BlockAllocator
+    block_size: int
+    tokens_asked: int
+    tokens_hit: int
+    num_evicted: int
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._by_hash)
+    def num_cached_blocks(self) -> int: ...
 
     @property
-    def num_evictable(self) -> int:
-        return len(self._evictable)
+    def num_evictable(self) -> int: ...
 
     @property
     def num_available(self) -> int:
         """Blocks an allocation can get: free ones plus evictable cached ones."""
-        return self.allocator.num_free + len(self._evictable)
+        ...
 
     @property
-    def hit_rate(self) -> float:
-        return self.tokens_hit / self.tokens_asked if self.tokens_asked else 0.0
+    def hit_rate(self) -> float: ...
 
-    def is_cached(self, block_id: int) -> bool:
-        return block_id in self._hash_of_block
+    def is_cached(self, block_id: int) -> bool: ...
 
-    def is_pinned(self, block_id: int) -> bool:
-        h = self._hash_of_block.get(block_id)
-        return h is not None and self._by_hash[h].pins > 0
-
-    # -- lookup -------------------------------------------------------------------------------
+    def is_pinned(self, block_id: int) -> bool: ...
 
     def match(self, token_ids: Sequence[int], max_blocks: int | None = None) -> PrefixMatch:
         """Longest cached chain of leading full blocks (no references taken, no accounting)."""
-        bs = self.block_size
-        limit = (
-            len(token_ids) // bs if max_blocks is None else min(max_blocks, len(token_ids) // bs)
-        )
-        blocks: list[int] = []
-        hashes: list[int] = []
-        parent = 0
-        for i in range(limit):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(parent, tokens)
-            entry = self._by_hash.get(h)
-            if entry is None or entry.tokens != tokens or entry.parent_hash != parent:
-                break
-            blocks.append(entry.block_id)
-            hashes.append(h)
-            parent = h
-        return PrefixMatch(tuple(blocks), tuple(hashes), bs)
+        ...
 
     def acquisition_cost(self, match: PrefixMatch) -> int:
         """How many currently available blocks taking references on ``match`` would consume."""
-        return sum(1 for b in match.block_ids if b in self._evictable)
-
-    def acquire(
-        self, token_ids: Sequence[int], max_blocks: int | None = None, record: bool = True
-    ) -> PrefixMatch:
-        """Match and take one reference per matched block (the caller releases them later).
-
-        ``record`` counts the lookup in the hit statistics: ``len(token_ids)`` tokens asked,
-        ``match.num_tokens`` hit.
-        """
-        m = self.match(token_ids, max_blocks)
-        self.take(m)
-        if record:
-            self.record_lookup(len(token_ids), m.num_tokens)
-        return m
-
-    def record_lookup(self, asked_tokens: int, hit_tokens: int) -> None:
-        """Count one lookup in the hit statistics (the same call RadixCache takes)."""
-        if asked_tokens < 0 or not 0 <= hit_tokens <= asked_tokens:
-            raise ValueError(f"bad lookup: {hit_tokens} hit of {asked_tokens} asked")
-        self.tokens_asked += asked_tokens
-        self.tokens_hit += hit_tokens
+        ...
 
     def take(self, match: PrefixMatch) -> None:
-        """Take one reference per block of a match that is still valid."""
-        self._check_valid(match)
-        self.allocator.incref(match.block_ids)
-        for b in match.block_ids:
-            self._evictable.pop(b, None)
+        """Take one reference per block of a still valid match (a request now uses them)."""
+        ...
+
+    def record_lookup(self, asked_tokens: int, hit_tokens: int) -> None:
+        """Count one lookup in the hit statistics."""
+        ...
 
     def pin(self, match: PrefixMatch) -> None:
         """Keep a matched prefix from eviction until ``unpin`` (pins nest)."""
-        self._check_valid(match)
-        for h in match.hashes:
-            entry = self._by_hash[h]
-            entry.pins += 1
-            self._evictable.pop(entry.block_id, None)
+        ...
 
-    def unpin(self, match: PrefixMatch) -> None:
-        self._check_valid(match)
-        for h in match.hashes:
-            if self._by_hash[h].pins == 0:
-                raise ValueError(f"unpin of block {self._by_hash[h].block_id} that is not pinned")
-        # Tail first, so that a chain's deeper blocks are evicted before its head.
-        for h in reversed(match.hashes):
-            entry = self._by_hash[h]
-            entry.pins -= 1
-            self._maybe_evictable(entry.block_id)
-
-    def _check_valid(self, match: PrefixMatch) -> None:
-        for b, h in zip(match.block_ids, match.hashes, strict=True):
-            entry = self._by_hash.get(h)
-            if entry is None or entry.block_id != b:
-                raise ValueError(f"prefix match is stale: block {b} is no longer cached")
-
-    # -- insertion and release -------------------------------------------------------------------
+    def unpin(self, match: PrefixMatch) -> None: ...
 
     def insert(
         self,
@@ -213,77 +104,18 @@ class PrefixCache:
         first_block: int = 0,
         parent_hash: int = 0,
     ) -> list[int]:
-        """Index the full blocks ``first_block..`` of a sequence whose KV is computed.
-
-        ``token_ids`` are the sequence's tokens with computed KV (only whole blocks count),
-        ``block_ids`` its block table, ``parent_hash`` the hash of block ``first_block - 1``.
-        Returns the hashes of the blocks considered (so the caller can continue the chain).
-        A block whose prefix is already cached under another block id stays uncached (the
-        sequence keeps using its own copy).
-        """
-        hashes = block_hashes(token_ids, self.block_size, parent_hash, first_block)
-        if first_block + len(hashes) > len(block_ids):
-            raise ValueError(
-                f"{first_block + len(hashes)} full blocks of tokens but the block "
-                f"table has {len(block_ids)}"
-            )
-        bs = self.block_size
-        parent = parent_hash
-        for i, h in enumerate(hashes):
-            idx = first_block + i
-            b = block_ids[idx]
-            if h not in self._by_hash and b not in self._hash_of_block:
-                if self.allocator.refcount(b) == 0:
-                    raise ValueError(f"cannot cache free block {b}")
-                self.allocator.incref([b])  # the cache's own reference
-                self._by_hash[h] = _Entry(b, parent, tuple(token_ids[idx * bs : (idx + 1) * bs]))
-                self._hash_of_block[b] = h
-            parent = h
-        return hashes
+        """Cache the full blocks ``first_block..`` of a sequence whose KV is computed; returns
+        their chained hashes (``parent_hash``: the hash of block ``first_block - 1``)."""
+        ...
 
     def release(self, block_ids: Sequence[int]) -> list[int]:
-        """Drop one reference per block (a sequence finishing); returns blocks that became free.
-
-        Blocks are handled tail first so that, among a chain's blocks, the deepest become the
-        least recently used and are evicted before the blocks their chain starts with.
-        """
-        freed: list[int] = []
-        for b in reversed(list(block_ids)):
-            freed += self.allocator.decref([b])
-            self._maybe_evictable(b)
-        return freed
-
-    def _maybe_evictable(self, block_id: int) -> None:
-        h = self._hash_of_block.get(block_id)
-        if h is None:
-            return
-        if self._by_hash[h].pins == 0 and self.allocator.refcount(block_id) == 1:
-            self._evictable[block_id] = None
-            self._evictable.move_to_end(block_id)
-
-    # -- allocation with eviction ------------------------------------------------------------------
-
-    def evict(self, n: int) -> int:
-        """Evict up to ``n`` least recently used unreferenced, unpinned blocks; returns how many."""
-        done = 0
-        while done < n and self._evictable:
-            b, _ = self._evictable.popitem(last=False)
-            h = self._hash_of_block.pop(b)
-            del self._by_hash[h]
-            self.allocator.decref([b])
-            done += 1
-        self.num_evicted += done
-        return done
+        """Drop one reference per block (a request finishing); returns blocks that became free."""
+        ...
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` blocks for a sequence, evicting LRU cached blocks when the free list is short."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            if short > len(self._evictable):
-                raise OutOfBlocks(n, self.num_available, self.allocator.num_blocks)
-            self.evict(short)
-        return self.allocator.allocate(n)
+        """``n`` fresh blocks, evicting cached ones when the free list is short."""
+        ...
 
     def clear(self) -> int:
-        """Evict everything evictable (referenced or pinned blocks stay cached)."""
-        return self.evict(len(self._evictable))
+        """Evict everything evictable; returns how many blocks."""
+        ...

@@ -1,4 +1,6 @@
-"""Named POSIX shared-memory segments (``/dev/shm/pdd-*``) that another process can map by name.
+"""Named POSIX shared-memory segments (``/dev/shm/pdd-*``) that another process can map by name:
+the one module that creates, attaches, names, finds and unlinks them (the KV pool lives in one,
+the shm KV backend writes into a peer's, the cluster launcher removes a dead daemon's).
 
 A segment is what later stands in for an RDMA-registered memory region: the owner creates it,
 a peer attaches to the same bytes by name and writes into them directly (a one-sided write).
@@ -22,6 +24,7 @@ import os
 import re
 import secrets
 import weakref
+from collections.abc import Iterable
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "pdd-"
@@ -48,6 +51,25 @@ def unique_segment_name(tag: str = "kv") -> str:
 
 def segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, segment_name(name))
+
+
+def segments_of(pids: Iterable[int]) -> list[str]:
+    """The pdd-* segments named after one of ``pids`` (``unique_segment_name`` embeds its
+    creator's PID: pdd-<tag>-<pid>-<random>), sorted."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    marks = [f"-{pid}-" for pid in pids]
+    return sorted(n for n in names if n.startswith(NAME_PREFIX) and any(m in n for m in marks))
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment by its full name (as ``segments_of`` lists it), e.g. one whose creator
+    died: nobody else ever will. Gone already is fine; processes mapping it keep their mapping."""
+    if not name.startswith(NAME_PREFIX) or "/" in name:
+        raise SharedMemoryError(f"not a pddnet shared-memory segment name: {name!r}")
+    _unlink_quietly(os.path.join(SHM_DIR, name))
 
 
 def _unlink_quietly(path: str) -> None:

@@ -3,7 +3,7 @@
 P needs MD's prefix hit *before* MD answers: to route a request and to choose its pipeline (the
 incremental KV is (n - hit) tokens). MD tells P what its cache inserted and evicted in
 CACHE_EVENTS notices piggy-backed on frames it sends anyway, as chained block hashes at MD's block
-size (``pddnet.kv.prefix_cache.block_hashes``); the hash of block i names the whole prefix up to
+size (``pddnet.kv.block_hash.chained_hashes``); the hash of block i names the whole prefix up to
 it, so the estimated hit of a prompt is its longest leading chain of hashes the view knows.
 
 The view is only advice. MD's KV_ALLOC_RESPONSE is authoritative: P sends whatever MD lacks, and
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from itertools import repeat, takewhile
 from typing import Protocol
 
-from pddnet.kv.radix import chained_hashes
+from pddnet.kv.block_hash import chained_hashes
 
 
 class CacheEventsLike(Protocol):

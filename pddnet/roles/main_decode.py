@@ -38,7 +38,8 @@ from pddnet.config import ClusterConfig
 from pddnet.engine.engine import Engine, KVReservation, StepOutput
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.engine.sequence import FinishReason
-from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache
+from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS
+from pddnet.kv.radix import RadixCache
 from pddnet.kv.transfer import ExportedKV, KVExportMeta, import_kv
 from pddnet.protocol import (
     CacheEvents,

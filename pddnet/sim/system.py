@@ -26,8 +26,11 @@ from typing import Any
 
 from pddnet.device.cost import InstanceCost
 from pddnet.kv.allocator import BlockAllocator
+from pddnet.kv.block_hash import chained_hashes
+from pddnet.kv.cache_events import CacheEventBatch
+from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS
 from pddnet.kv.prefix_cache import PrefixMatch
-from pddnet.kv.radix import HIT_INTERVAL_LABELS, CacheEventBatch, RadixCache, chained_hashes
+from pddnet.kv.radix import RadixCache
 from pddnet.policy.admission import RelayAdmission
 from pddnet.policy.cache_view import DecodeCacheView, HitPrediction
 from pddnet.policy.estimators import BandwidthEstimator, RttEstimator, WanBacklog

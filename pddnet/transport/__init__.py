@@ -5,8 +5,8 @@
     server = Server(host, 0, role="main_decode", instance_id="md-0", secret=s, on_connection=h)
 
 See connection.py (dial, Server, Connection; it runs pddnet/protocol/handshake.py, the sans-IO
-HELLO/AUTH machine), stripes.py (KV chunks over parallel bulk lanes) and shm_region.py (one-sided writes into a
-peer's shared-memory KV pool).
+HELLO/AUTH machine), stripes.py (KV chunks over parallel bulk lanes), kv_backend.py and backends/
+(KV transfer backends: shm, tcp, mooncake).
 """
 
 from .connection import (
@@ -26,17 +26,6 @@ from .connection import (
 )
 from .stripes import LaneFailed, StripedSender, choose_lane
 
-
-def __getattr__(name: str):
-    # RemoteKVRegion needs torch (through the KV pool); import it only when asked, so that a
-    # process that only routes messages (the router) does not load torch for the transport.
-    if name == "RemoteKVRegion":
-        from .shm_region import RemoteKVRegion
-
-        return RemoteKVRegion
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "LANES",
     "LANE_LIMITS",
@@ -54,5 +43,4 @@ __all__ = [
     "StripedSender",
     "LaneFailed",
     "choose_lane",
-    "RemoteKVRegion",
 ]

@@ -40,8 +40,8 @@ from typing import Any
 
 import aiohttp
 
-from pddnet.cluster.launcher import SHM_DIR, shm_segments_of
 from pddnet.cluster.local import LocalCluster
+from pddnet.kv.shm import segments_of, unlink_segment
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "results" / "chaos"
@@ -545,10 +545,10 @@ async def find_leaks(
             ):
                 leaks.append(f"{role}: {now.tasks} asyncio tasks, {base.tasks} before")
         live = [d.pid for d in cluster.daemons.values() if pid_alive(d.pid)]
-        extra = shm_segments_of(sorted(p for p in dead_pids if not pid_alive(p)))
+        extra = segments_of(sorted(p for p in dead_pids if not pid_alive(p)))
         relay_pids = [d.pid for r, d in cluster.daemons.items() if r == "relay"]
-        live_segments = shm_segments_of(live)
-        pools = shm_segments_of(relay_pids)
+        live_segments = segments_of(live)
+        pools = segments_of(relay_pids)
         if extra:
             leaks.append(f"/dev/shm segments of killed daemons left: {extra}")
         if len(live_segments) > len(pools) or len(pools) > len(relay_pids):
@@ -561,10 +561,9 @@ async def find_leaks(
 def remove_segments_of(pids: set[int]) -> list[str]:
     """Unlink /dev/shm segments of daemons we killed (after counting them): nothing of ours
     may stay on the machine, and the launcher only cleans up after the daemons it still knows."""
-    names = shm_segments_of(sorted(p for p in pids if not pid_alive(p)))
+    names = segments_of(sorted(p for p in pids if not pid_alive(p)))
     for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
+        unlink_segment(name)
     return names
 
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pddnet.cluster.launcher import ClusterStartError, read_run_file, shm_segments_of
+from pddnet.cluster.launcher import ClusterStartError, read_run_file
 from pddnet.cluster.local import LocalCluster
+from pddnet.kv.shm import segments_of
 from tests.chaos.harness import link_chaos, mixed_workload, run_case, when_phase
 from tests.polling import wait_for
 
@@ -135,4 +136,4 @@ async def test_a_daemon_dying_in_the_readiness_window_fails_the_start_cleanly(tm
     pids = [d["pid"] for d in info["daemons"]]
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists(), f"daemon {pid} outlived the failed start"
-    assert not shm_segments_of(pids), "a shared-memory segment outlived the failed start"
+    assert not segments_of(pids), "a shared-memory segment outlived the failed start"
