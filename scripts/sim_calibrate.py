@@ -138,7 +138,7 @@ def interleaved_workload(
     fit stream (its own seed and wider prompt range) and the compare stream (--seed). Each
     gets its share of the total rate, so both span the same window and see the same outside
     load; a merge of Poisson streams is Poisson at the summed rate."""
-    from pddnet.bench.workload import poisson_long_prompts
+    from pddnet.workload.poisson import poisson_long_prompts
 
     total = n_fit + n_cmp
     fit = poisson_long_prompts(
@@ -273,7 +273,7 @@ async def run_testbed(args: argparse.Namespace, prof: Any, fit_seed: int) -> dic
 
 def probe_requests(prompt_len: tuple[int, int], max_tokens: int, seed: int) -> list[Any]:
     """PROBE_REQUESTS prompts of lengths spread evenly over the range (random tokens)."""
-    from pddnet.bench.workload import BenchRequest
+    from pddnet.workload.poisson import BenchRequest
 
     rng = random.Random(seed)
     lo, hi = prompt_len
