@@ -15,7 +15,8 @@ import pytest
 
 import pddnet
 from pddnet.bench.cli import BENCHES
-from pddnet.cli import DefaultsHelpFormatter, build_parser, main, walk_parsers
+from pddnet.cli import build_parser, main, walk_parsers
+from pddnet.cli_format import DefaultsHelpFormatter
 
 try:
     import tomllib
@@ -130,7 +131,7 @@ def test_bench_help_pages_render(bench: str) -> None:
     if not issubclass(parser.formatter_class, DefaultsHelpFormatter):
         pytest.skip(
             "pddnet/bench/cli.py builds `pdd bench NAME` parsers with argparse's plain "
-            "formatter (give them formatter_class=pddnet.cli.DefaultsHelpFormatter)"
+            "formatter (give them formatter_class=pddnet.cli_format.DefaultsHelpFormatter)"
         )
     check_defaults(f"pdd bench {bench}", parser)
 

@@ -36,7 +36,7 @@ class BenchSpec:
         return mod
 
     def parser(self) -> argparse.ArgumentParser:
-        from pddnet.cli import DefaultsHelpFormatter
+        from pddnet.cli_format import DefaultsHelpFormatter
 
         mod = self.load()
         p = argparse.ArgumentParser(
