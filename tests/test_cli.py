@@ -108,6 +108,7 @@ def test_the_walk_finds_every_command() -> None:
         "pdd sim run",
         "pdd sim plan",
         "pdd sim reproduce",
+        "pdd sim calibrate",
     ):
         assert expected in names
 
@@ -122,6 +123,18 @@ def test_help_keeps_raw_descriptions() -> None:
     bench = dict(PARSERS)["pdd bench"]
     assert issubclass(bench.formatter_class, argparse.RawDescriptionHelpFormatter)
     assert "\n  ttft " in bench.format_help()  # the listing stays one benchmark a line
+
+
+def test_sim_calibrate_checks_its_options_before_any_testbed(capsys, tmp_path: Path) -> None:
+    assert main(["sim", "calibrate", "--target-util", "1"]) == 2
+    assert "--target-util must be in (0, 1)" in capsys.readouterr().err
+    assert main(["sim", "calibrate", "--sim-draws", "-1"]) == 2
+    assert "--sim-draws must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no saved testbed run"):
+        main(["sim", "calibrate", "--reuse", "--out", str(tmp_path)])
+    (tmp_path / "calibration_runs.json").write_text(json.dumps({"args": {}, "run": {}}))
+    with pytest.raises(SystemExit, match="not an interleaved run"):
+        main(["sim", "calibrate", "--reuse", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("bench", sorted(BENCHES))

@@ -20,7 +20,7 @@ where
   copy per layer; it now reads the pool in place, pddnet/model/paged_attention.py, so a refit
   would give smaller terms), so on a CPU a decode step grows with the batch and its context far
   faster than the bytes read (batch 1 -> 16: ~3x). Both default to 0, so GPU profiles (fused,
-  batched attention kernels) are pure roofline; a profile fitted by ``scripts/sim_calibrate.py``
+  batched attention kernels) are pure roofline; a profile fitted by ``pdd sim calibrate``
   sets them.
 A chip's ``step_jitter_cv`` (default 0: none) multiplies every decode / extend step by a random
 factor of mean 1 and that coefficient of variation (log-normal, so never negative), drawn from a
