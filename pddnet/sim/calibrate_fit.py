@@ -9,6 +9,8 @@ import math
 import statistics
 from typing import Any
 
+from pddnet.device.cost import prefill_flops
+
 Gap = tuple[int, int, float, bool, float]  # (batch, context tokens, gap, P busy, midpoint)
 STALL_QUANTILE = 0.99  # decode gaps above this quantile are stalls, not steps
 P_FITS = ("total", "lstsq", "relative-total", "relative")  # --p-fit: residuals, scale
@@ -24,12 +26,6 @@ def lstsq(cols: list[list[float]], ys: list[float]) -> list[float]:
 
     coef, *_ = np.linalg.lstsq(np.array(cols, dtype=float).T, np.array(ys, dtype=float), rcond=None)
     return [float(c) for c in coef]
-
-
-def prefill_flops(prof: Any, n: int) -> float:
-    """FLOPs of a prefill of n uncached tokens, as pddnet/device/cost.py counts them."""
-    attn = 4.0 * prof.num_layers * prof.num_heads * prof.head_dim
-    return 2.0 * prof.active_params * n + attn * n * (n + 1) / 2
 
 
 def isolated_prefills(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

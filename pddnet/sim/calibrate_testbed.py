@@ -13,7 +13,8 @@ import statistics
 import time
 from typing import Any
 
-from pddnet.sim.calibrate_fit import lstsq, ok_records, prefill_flops
+from pddnet.device.cost import prefill_flops
+from pddnet.sim.calibrate_fit import lstsq, ok_records
 
 PROBE_REQUESTS = 10
 
