@@ -43,11 +43,12 @@ def walk_parsers(
 
 def build_parser() -> argparse.ArgumentParser:
     import pddnet
-    from emulation.cli import register_testbed, register_wan
+    from emulation.testbed_cli import register as register_testbed
+    from emulation.wan_cli import register as register_wan
     from pddnet.bench.cli import register as register_bench
     from pddnet.cluster.cli import register as register_cluster
-    from pddnet.engine.cli import register_generate
-    from pddnet.model.cli import register_model
+    from pddnet.engine.cli import register as register_generate
+    from pddnet.model.cli import register as register_model
     from pddnet.sim.cli import register as register_sim
 
     parser = argparse.ArgumentParser(

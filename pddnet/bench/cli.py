@@ -19,7 +19,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ BENCHES: dict[str, BenchSpec] = {
 }
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Add `bench`, `demo` and `trace` to the `pdd` subcommands."""
     listing = "\n".join(f"  {s.name:<14} {s.help}" for s in BENCHES.values())
     b = sub.add_parser(
