@@ -39,7 +39,6 @@ from emulation.effects import (
     validate_effects,
 )
 
-DIRECTIONS = ("a_to_b", "b_to_a")
 DROP_CAUSES = ("partition", "blackhole", "loss", "burst_loss", "queue_full")
 
 

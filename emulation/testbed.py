@@ -28,8 +28,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from emulation import lifetime, netns
 from emulation.faults import ProcessFaults
@@ -42,8 +42,6 @@ SIDES = ("a", "b")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_TIMEOUT_S = 20.0
-
-T = TypeVar("T")
 
 
 def current_state_dir() -> str:
@@ -572,10 +570,6 @@ class Testbed:
         )
         _save_state(self._state, self.state_dir)
         return proc
-
-    def run_in(self, side: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Call fn inside namespace `side` (in a helper thread) and return its result."""
-        return netns.run_in_netns(self.ns(side), fn, *args, **kwargs)
 
     def socket(
         self, side: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM

@@ -30,6 +30,18 @@ class ClusterMode(str, enum.Enum):
     CROSS_DC = "cross-dc"  # P in A, decode in B, KV over the WAN only: the naive design
     SAME_DC = "same-dc"  # P and one decode instance in A over shared memory: the ideal
 
+    @property
+    def model_roles(self) -> tuple[str, ...]:
+        """The roles that run a model in this mode (same-dc's decode instance is `relay`)."""
+        return _MODEL_ROLES[self]
+
+
+_MODEL_ROLES = {
+    ClusterMode.PDD: ("prefill", "relay", "main_decode"),
+    ClusterMode.SAME_DC: ("prefill", "relay"),
+    ClusterMode.CROSS_DC: ("prefill", "main_decode"),
+}
+
 
 PIPELINE_CHOICES = ("auto", "p_rld_md", "p_md", "p_rld")
 INTRA_DC_TRANSPORTS = ("shm", "mooncake")  # P -> RLD

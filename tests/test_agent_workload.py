@@ -7,16 +7,14 @@ import statistics
 
 import pytest
 
-from pddnet.bench.agent_workload import (
+from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS
+from pddnet.workload.agent import (
     AgentWorkloadParams,
     follow_up_prompt,
     generate_agent_workload,
-    hit_distribution,
-    ideal_hit_ratios,
-    token_weighted_hit,
     uniform_ids,
 )
-from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS
+from pddnet.workload.hits import hit_distribution, ideal_hit_ratios, token_weighted_hit
 
 PARAMS = AgentWorkloadParams(num_conversations=200)
 

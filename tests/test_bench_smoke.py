@@ -442,9 +442,9 @@ async def test_drivers_stretch_the_workload_by_the_dilation():
     from aiohttp import ClientSession, web
     from aiohttp.test_utils import TestServer
 
-    from pddnet.bench.agent_workload import AgentRequest
     from pddnet.bench.drive import drive_agent, drive_poisson, warm_up
-    from pddnet.bench.workload import BenchRequest
+    from pddnet.workload.agent import AgentRequest
+    from pddnet.workload.poisson import BenchRequest
 
     async def completions(request):
         body = await request.json()

@@ -15,7 +15,8 @@ import pytest
 
 import pddnet
 from pddnet.bench.cli import BENCHES
-from pddnet.cli import DefaultsHelpFormatter, build_parser, main, walk_parsers
+from pddnet.cli import build_parser, main, walk_parsers
+from pddnet.cli_format import DefaultsHelpFormatter
 
 try:
     import tomllib
@@ -107,6 +108,7 @@ def test_the_walk_finds_every_command() -> None:
         "pdd sim run",
         "pdd sim plan",
         "pdd sim reproduce",
+        "pdd sim calibrate",
     ):
         assert expected in names
 
@@ -123,6 +125,18 @@ def test_help_keeps_raw_descriptions() -> None:
     assert "\n  ttft " in bench.format_help()  # the listing stays one benchmark a line
 
 
+def test_sim_calibrate_checks_its_options_before_any_testbed(capsys, tmp_path: Path) -> None:
+    assert main(["sim", "calibrate", "--target-util", "1"]) == 2
+    assert "--target-util must be in (0, 1)" in capsys.readouterr().err
+    assert main(["sim", "calibrate", "--sim-draws", "-1"]) == 2
+    assert "--sim-draws must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no saved testbed run"):
+        main(["sim", "calibrate", "--reuse", "--out", str(tmp_path)])
+    (tmp_path / "calibration_runs.json").write_text(json.dumps({"args": {}, "run": {}}))
+    with pytest.raises(SystemExit, match="not an interleaved run"):
+        main(["sim", "calibrate", "--reuse", "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize("bench", sorted(BENCHES))
 def test_bench_help_pages_render(bench: str) -> None:
     parser = BENCHES[bench].parser()
@@ -130,7 +144,7 @@ def test_bench_help_pages_render(bench: str) -> None:
     if not issubclass(parser.formatter_class, DefaultsHelpFormatter):
         pytest.skip(
             "pddnet/bench/cli.py builds `pdd bench NAME` parsers with argparse's plain "
-            "formatter (give them formatter_class=pddnet.cli.DefaultsHelpFormatter)"
+            "formatter (give them formatter_class=pddnet.cli_format.DefaultsHelpFormatter)"
         )
     check_defaults(f"pdd bench {bench}", parser)
 

@@ -24,7 +24,7 @@ from pddnet.device.dilation import (
     wallclock,
     wire_rate,
 )
-from pddnet.device.emulated import Emulation, EmulationError, active_roles, parse_device_flags
+from pddnet.device.emulated import Emulation, EmulationError, parse_device_flags
 from pddnet.device.line import ModelledLine
 from pddnet.device.pacer import VALID_OVERRUN_SHARE, StepPacer, dilation_for
 from pddnet.device.profiles import load_chip, load_model
@@ -457,7 +457,7 @@ def test_mode_needs_only_its_roles_devices(mode, devices):
         **{f"{r}.gpus": 8 for r in devices},
     }
     config = load_config(None, overrides)
-    assert active_roles(config) == devices
+    assert config.mode.model_roles == devices
     emulation = config.emulation()
     assert emulation is not None and tuple(emulation.devices) == devices
 

@@ -24,7 +24,7 @@ from pddnet.model import (
     load_model,
     save_hf,
 )
-from pddnet.model.cli import register_model
+from pddnet.model.cli import register as register_model
 
 IDS = torch.tensor([256, 72, 101, 108, 108, 111, 44, 32, 80, 68, 68])
 
@@ -307,7 +307,7 @@ def test_export_command_writes_loadable_folder(tmp_path: Path, capsys) -> None:
 
 def test_cli_registration_does_not_import_torch() -> None:
     code = (
-        "import sys, argparse; from pddnet.model.cli import register_model; "
+        "import sys, argparse; from pddnet.model.cli import register as register_model; "
         "register_model(argparse.ArgumentParser().add_subparsers()); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

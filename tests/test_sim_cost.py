@@ -2,7 +2,7 @@
 
 import pytest
 
-from pddnet.device.cost import InstanceCost
+from pddnet.device.cost import InstanceCost, prefill_flops
 from pddnet.device.profiles import list_profiles, load_chip, load_model
 from pddnet.model.config import ModelConfig
 
@@ -47,6 +47,8 @@ def test_prefill_time_is_its_flops_over_compute(unit):
     want = (2e9 * 1000 + 4 * 2 * 4 * 16 * 1000 * 1001 / 2) / 1e12
     assert unit.prefill_chunk_time(0, 1000) == pytest.approx(want)
     assert unit.prefill_time(0, 1000, chunk=1000) == pytest.approx(want)
+    # the calibration fits P's rate to these FLOPs: the very ones the cost model charges
+    assert prefill_flops(unit.model, 1000) / 1e12 == pytest.approx(want)
 
 
 def test_decode_step_time_is_its_bytes_over_bandwidth(unit):

@@ -25,7 +25,7 @@ from pddnet.policy.cache_view import DecodeCacheView
 from pddnet.sim.config import parse_config
 from pddnet.sim.reproduce import scenario
 from pddnet.sim.system import ReqState, SimulatedSystem
-from pddnet.sim.workload import SimRequest
+from pddnet.workload.units import SimRequest
 
 
 @settings(max_examples=60, deadline=None)

@@ -18,7 +18,7 @@ from pddnet.sim.cli import dumps, register
 from pddnet.sim.config import parse_config
 from pddnet.sim.runner import Schedule, run_systems, simulate, simulate_all
 from pddnet.sim.system import SimulatedSystem
-from pddnet.sim.workload import trace_stream
+from pddnet.workload.trace import trace_stream
 
 
 def small(requests=160, **over):
@@ -67,10 +67,9 @@ def test_the_simulator_drives_the_daemons_policy_objects():
         assert type(d.cache.allocator) is pddnet.kv.allocator.BlockAllocator
     assert type(sim.prefill[0].cache) is pddnet.kv.radix.RadixCache
     assert type(sim.wan.link) is emulation.link.Link
-    from pddnet.bench import agent_workload
-    from pddnet.sim import workload
+    from pddnet.workload import agent, agent_stream
 
-    assert workload.generate_agent_workload is agent_workload.generate_agent_workload
+    assert agent_stream.generate_agent_workload is agent.generate_agent_workload
 
 
 def test_pipeline_decisions_go_through_the_daemons_planner_and_policy(monkeypatch):
@@ -262,7 +261,7 @@ def test_open_arrivals_count_turns_sent_before_their_predecessor_finished():
 
 
 def trace_like(n):
-    from pddnet.sim.workload import SimRequest
+    from pddnet.workload.units import SimRequest
 
     return [SimRequest(i, i % 2, float(i), (i, i + 1), 1024, 64, (7,)) for i in range(n)]
 

@@ -19,7 +19,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class BenchSpec:
         return mod
 
     def parser(self) -> argparse.ArgumentParser:
-        from pddnet.cli import DefaultsHelpFormatter
+        from pddnet.cli_format import DefaultsHelpFormatter
 
         mod = self.load()
         p = argparse.ArgumentParser(
@@ -86,7 +85,7 @@ BENCHES: dict[str, BenchSpec] = {
 }
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     """Add `bench`, `demo` and `trace` to the `pdd` subcommands."""
     listing = "\n".join(f"  {s.name:<14} {s.help}" for s in BENCHES.values())
     b = sub.add_parser(

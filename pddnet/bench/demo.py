@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from pddnet.bench import metrics
-from pddnet.bench.agent_workload import AgentWorkloadParams, generate_agent_workload
 from pddnet.bench.plots import cdf_plot, stacked_bars
 from pddnet.bench.results import write_result
-from pddnet.bench.workload import poisson_long_prompts
 from pddnet.device import flags as device_flags
+from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
+from pddnet.workload.poisson import poisson_long_prompts
 
 MODES = ("pdd", "cross-dc", "same-dc")
 

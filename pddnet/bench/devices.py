@@ -72,7 +72,7 @@ def setup_devices(
     from pddnet.config import load_config
     from pddnet.device import flags
     from pddnet.device.dilation import real_kv_bytes_per_token
-    from pddnet.device.emulated import DEVICE_ROLES, active_roles
+    from pddnet.device.emulated import DEVICE_ROLES
 
     if (
         getattr(args, "target_model", None) is None
@@ -87,7 +87,7 @@ def setup_devices(
     configs = {label: load_config(None, {**base, **dev}) for label, base in clusters.items()}
     auto = args.dilation == "auto"
     if auto:
-        probe = max(configs.values(), key=lambda c: len(active_roles(c)))
+        probe = max(configs.values(), key=lambda c: len(c.mode.model_roles))
         flags.resolve_auto(probe, args, log=log)
         dev["dilation"] = probe.dilation
         configs = {label: load_config(None, {**base, **dev}) for label, base in clusters.items()}

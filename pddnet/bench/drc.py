@@ -26,15 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from pddnet.bench import metrics
-from pddnet.bench.agent_workload import (
-    AgentWorkloadParams,
-    generate_agent_workload,
-    hit_distribution,
-    ideal_hit_ratios,
-)
 from pddnet.bench.results import percentile, write_result
 from pddnet.device import flags as device_flags
 from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS, hit_interval
+from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
+from pddnet.workload.hits import hit_distribution, ideal_hit_ratios
 
 QUICK = AgentWorkloadParams(
     num_conversations=4,

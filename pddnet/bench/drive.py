@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pddnet.bench.agent_workload import AgentRequest, follow_up_prompt
 from pddnet.bench.client import StreamRecord, stream_completion
-from pddnet.bench.workload import BenchRequest
+from pddnet.workload.agent import AgentRequest, follow_up_prompt
+from pddnet.workload.poisson import BenchRequest
 
 
 def _body(model: str, prompt: Sequence[int], max_tokens: int, **extra: Any) -> dict[str, Any]:

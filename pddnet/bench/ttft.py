@@ -2,7 +2,7 @@
 
 Each system is brought up in turn as a real LocalCluster (separate daemon processes, the
 emulated WAN between the datacenters) and fed the same two seeded workloads: Poisson arrivals
-of long prompts, then multi-turn agent conversations (pddnet.bench.agent_workload; each turn's
+of long prompts, then multi-turn agent conversations (pddnet.workload.agent; each turn's
 prompt is built from what the previous turn really returned). Everything is measured from the
 client's side, under vLLM's names and definitions (pddnet.bench.metrics, docs/benchmarks.md
 "Metrics": ttft, tpot, itl, e2el stats, request_goodput under --goodput's SLOs,
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from pddnet.bench import metrics
-from pddnet.bench.agent_workload import AgentWorkloadParams, generate_agent_workload
 from pddnet.bench.client import StreamRecord
 from pddnet.bench.devices import (
     UNPACED,
@@ -40,8 +39,9 @@ from pddnet.bench.drive import drive_agent, drive_poisson, warm_up
 from pddnet.bench.plots import cdf_plot
 from pddnet.bench.progress import progress
 from pddnet.bench.results import write_result
-from pddnet.bench.workload import poisson_long_prompts
 from pddnet.device import flags as device_flags
+from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
+from pddnet.workload.poisson import poisson_long_prompts
 
 MODES = ("same-dc", "cross-dc", "pdd")
 WORKLOADS = ("long", "agent")

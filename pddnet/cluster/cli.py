@@ -22,7 +22,7 @@ SERVE_ROLES = {
 }
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser(
         "up",
         help="start a whole local cluster (router, P, RLD, MD, the WAN between them)",

@@ -20,7 +20,7 @@ where
   copy per layer; it now reads the pool in place, pddnet/model/paged_attention.py, so a refit
   would give smaller terms), so on a CPU a decode step grows with the batch and its context far
   faster than the bytes read (batch 1 -> 16: ~3x). Both default to 0, so GPU profiles (fused,
-  batched attention kernels) are pure roofline; a profile fitted by ``scripts/sim_calibrate.py``
+  batched attention kernels) are pure roofline; a profile fitted by ``pdd sim calibrate``
   sets them.
 A chip's ``step_jitter_cv`` (default 0: none) multiplies every decode / extend step by a random
 factor of mean 1 and that coefficient of variation (log-normal, so never negative), drawn from a
@@ -106,7 +106,7 @@ class InstanceCost:
             "_bandwidth",
             self.gpus * self.chip.memory_bw_gbs * 1e9 * self.chip.bandwidth_efficiency,
         )
-        object.__setattr__(self, "_attn", 4.0 * m.num_layers * m.num_heads * m.head_dim)
+        object.__setattr__(self, "_attn", attention_flops_per_pair(m))
         object.__setattr__(
             self, "_dense_bytes", (m.total_params - m.expert_params) * m.weight_bytes_per_param
         )
@@ -295,3 +295,17 @@ class SharedHost:
 def jitter_seed(chip_name: str) -> str:
     """Seed of a chip's step-jitter stream (a str seed: stable across runs and processes)."""
     return f"pddnet-sim-step-jitter:{chip_name}"
+
+
+def attention_flops_per_pair(model: ModelProfile) -> float:
+    """QK^T and AV of one (new token, token it attends to) pair, over every layer and head."""
+    return 4.0 * model.num_layers * model.num_heads * model.head_dim
+
+
+def prefill_flops(model: ModelProfile, tokens: int) -> float:
+    """FLOPs of a prefill of ``tokens`` uncached tokens: the compute term of
+    ``InstanceCost.prefill_chunk_time(0, tokens)``, which the calibration fits P's rate to."""
+    return (
+        2.0 * model.active_params * tokens
+        + attention_flops_per_pair(model) * tokens * (tokens + 1) / 2
+    )

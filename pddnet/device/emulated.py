@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pddnet.device.cost import InstanceCost
 from pddnet.device.profiles import ModelProfile, list_profiles, load_chip, load_model
-
-if TYPE_CHECKING:  # pragma: no cover
-    from pddnet.config import ClusterConfig
 
 DEVICE_ROLES = ("prefill", "relay", "main_decode")  # the roles that run a model
 ROLE_OF_FLAG = {
@@ -40,6 +37,41 @@ class EmulationError(ValueError):
     """The emulated devices are misconfigured; the message says which setting and why."""
 
 
+# What emulation reads from a cluster config (pddnet.config.ClusterConfig), said as protocols:
+# the config validates its emulation by calling this module, so this one must not import it.
+class _RoleDevices(Protocol):
+    @property
+    def device(self) -> str: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+
+
+class _Mode(Protocol):
+    @property
+    def value(self) -> str: ...
+    @property
+    def model_roles(self) -> tuple[str, ...]: ...
+
+
+class EmulatedCluster(Protocol):
+    @property
+    def target_model(self) -> str: ...
+    @property
+    def dilation(self) -> float: ...
+    @property
+    def mode(self) -> _Mode: ...
+    @property
+    def prefill(self) -> _RoleDevices: ...
+    @property
+    def relay(self) -> _RoleDevices: ...
+    @property
+    def main_decode(self) -> _RoleDevices: ...
+
+
 @dataclass(frozen=True)
 class Emulation:
     target: ModelProfile
@@ -47,10 +79,10 @@ class Emulation:
     devices: dict[str, InstanceCost]  # role section name -> the modelled instance
 
     @classmethod
-    def from_config(cls, config: ClusterConfig) -> Emulation | None:
+    def from_config(cls, config: EmulatedCluster) -> Emulation | None:
         """The cluster's emulation, or None when no target model is set (then no device may be
         set either: a device without a model to pace would be silently ignored)."""
-        roles = active_roles(config)
+        roles = config.mode.model_roles
         devices = {r: getattr(config, r).device for r in DEVICE_ROLES if getattr(config, r).device}
         for role in sorted(set(devices) - set(roles)):
             # a role this mode does not run may keep its device (one set of flags serves the
@@ -123,17 +155,6 @@ class Emulation:
             "target_kv_bytes_per_token": self.target.kv_bytes_per_token,
             "devices": {r: f"{c.gpus} x {c.chip.name}" for r, c in self.devices.items()},
         }
-
-
-def active_roles(config: ClusterConfig) -> tuple[str, ...]:
-    """The model-running roles of the config's mode (same-dc's decode instance is `relay`)."""
-    from pddnet.config import ClusterMode
-
-    return {
-        ClusterMode.PDD: DEVICE_ROLES,
-        ClusterMode.SAME_DC: ("prefill", "relay"),
-        ClusterMode.CROSS_DC: ("prefill", "main_decode"),
-    }[config.mode]
 
 
 def check_dilation(k: Any) -> float:

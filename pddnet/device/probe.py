@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pddnet.device.emulated import EmulationError, active_roles
+from pddnet.device.emulated import EmulationError
 from pddnet.device.pacer import dilation_for
 
 PROBE_BATCH = 4
@@ -68,7 +68,7 @@ def probe_dilation(
             "--dilation auto needs emulated devices: set --target-model and --device ROLE=CHIP"
         )
     t0 = time.monotonic()
-    roles = active_roles(config)
+    roles = config.mode.model_roles
     model, tokenizer = load_model(config.model.name, config.model.dtype, config.model.seed)
     decode_pool = min(
         getattr(config, r).num_blocks * getattr(config, r).block_size

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 
-def register_generate(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "generate",
         help="generate a completion with the colocated reference engine",

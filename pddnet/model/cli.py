@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
-from typing import Any
 
 DTYPE_CHOICES = ("float64", "float32", "bfloat16")
 # Tokenizer files travel with the weights when exporting from a folder.
@@ -20,7 +19,7 @@ _TOKENIZER_FILES = (
 )
 
 
-def register_model(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("model", help="model utilities (export a preset as an HF folder)")
     model_sub = parser.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     export = model_sub.add_parser(

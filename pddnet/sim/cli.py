@@ -1,4 +1,4 @@
-"""`pdd sim run | plan | reproduce`: the cluster simulator's commands (see docs/simulator.md).
+"""`pdd sim run | plan | reproduce | calibrate`: the simulator's commands (docs/simulator.md).
 
 Registration imports nothing heavy; handlers import the simulator when they run.
 """
@@ -63,6 +63,90 @@ def register(sub: argparse._SubParsersAction) -> None:
     _jobs_arg(rp)
     _compiled_arg(rp)
     rp.set_defaults(handler=cmd_reproduce)
+
+    cal = ss.add_parser(
+        "calibrate",
+        help="fit the simulator to the real testbed and compare TTFT / ITL (heavy)",
+        description="Calibrate the simulator against the real testbed: same workload, TTFT "
+        "and ITL side by side (see docs/simulator.md and pddnet/sim/calibrate.py). Heavy: "
+        "~(requests / rate) s of both cores plus ~1 min; run it wrapped in `timeout -s INT`.",
+    )
+    _calibrate_args(cal)
+    cal.set_defaults(handler=cmd_calibrate)
+
+
+def _calibrate_args(parser: argparse.ArgumentParser) -> None:
+    from pddnet.sim.calibrate_fit import P_FITS  # light: the fits import numpy when they run
+
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--requests", type=int, default=240, help="compare-tagged requests")
+    parser.add_argument("--fit-requests", type=int, default=120, help="fit-tagged requests")
+    parser.add_argument(
+        "--rate",
+        default="auto",
+        help="requests/s of both runs, or 'auto' (--target-util of P's probe time)",
+    )
+    parser.add_argument("--target-util", type=float, default=0.5)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(256, 768))
+    parser.add_argument("--fit-prompt-len", type=int, nargs=2, default=(128, 1024))
+    parser.add_argument("--max-tokens", type=int, nargs=2, default=(16, 48))
+    parser.add_argument("--rtt-ms", type=float, default=30.0)
+    parser.add_argument("--jitter-ms", type=float, default=2.0)
+    parser.add_argument("--bw-mbit", type=float, default=100.0)
+    parser.add_argument("--seed", type=int, default=0, help="compare run (fit run: seed + 1000)")
+    parser.add_argument("--out", default="results/sim")
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=900.0,
+        help="cap on the arrival window: request counts shrink to fit it",
+    )
+    parser.add_argument(
+        "--step-jitter",
+        choices=("fit", "off"),
+        default="fit",
+        help="decode-step spread in the fitted profiles (step_jitter_cv): the fit "
+        "run's measured spread, or none",
+    )
+    parser.add_argument(
+        "--contention",
+        choices=("load", "neighbours", "off"),
+        default="load",
+        help="the shared host's contention, explicit terms fitted from the fit "
+        "run: 'neighbours' (P slower per decoding neighbour, decode slower "
+        "while P prefills), 'load' (also slower per unit of the recorded load "
+        "average above its floor: outside jobs), or 'off' (every profile "
+        "averaged over the run)",
+    )
+    parser.add_argument(
+        "--p-fit",
+        choices=P_FITS,
+        default="total",
+        help="P's busy-period line: least squares on the lengths ('lstsq') or on "
+        "relative errors ('relative'); '-total'/'total': then scaled so the "
+        "fit periods' predicted total is their measured total (P's "
+        "utilisation, which its queue answers to)",
+    )
+    parser.add_argument(
+        "--export-wait",
+        choices=("fit", "off"),
+        default="fit",
+        help="a finished prompt's KV copy waiting for P's next step when that one "
+        "starts at once (PrefillInstance export_wait): the fit run's share, "
+        "or never",
+    )
+    parser.add_argument(
+        "--sim-draws",
+        type=int,
+        default=0,
+        help="also simulate N more draws of the random streams (step jitter, "
+        "export waits) and print the errors' range",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="re-fit and re-simulate OUT/calibration_runs.json (no testbed)",
+    )
 
 
 def _jobs_arg(parser: argparse.ArgumentParser) -> None:
@@ -334,3 +418,19 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         plans = data["ours"]["cost_table"]["plans"]
         print(f"wrote {plot_frontier(plans, path.with_name(path.stem + '-frontier.png'))}")
     return 0 if all(data["checks"].values()) else 1
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    if not 0 < args.target_util < 1:
+        print("pdd sim calibrate: --target-util must be in (0, 1)", file=sys.stderr)
+        return 2
+    if args.sim_draws < 0:
+        print("pdd sim calibrate: --sim-draws must be >= 0", file=sys.stderr)
+        return 2
+    from pddnet.sim.calibrate import calibrate
+
+    # only the calibration's own options (not pdd's handler and argv): they are saved with the
+    # testbed run, and --reuse reads them back
+    own = argparse.ArgumentParser(add_help=False)
+    _calibrate_args(own)
+    return calibrate(argparse.Namespace(**{a.dest: getattr(args, a.dest) for a in own._actions}))

@@ -33,7 +33,6 @@ from pathlib import Path
 COMPILED_MODULES: tuple[str, ...] = (
     "emulation.effects",
     "emulation.link",
-    "pddnet.bench.agent_workload",
     "pddnet.device.cost",
     "pddnet.kv.allocator",
     "pddnet.kv.block_hash",
@@ -56,7 +55,10 @@ COMPILED_MODULES: tuple[str, ...] = (
     "pddnet.sim.runner",
     "pddnet.sim.system",
     "pddnet.sim.wan",
-    "pddnet.sim.workload",
+    "pddnet.workload.agent",
+    "pddnet.workload.agent_stream",
+    "pddnet.workload.trace",
+    "pddnet.workload.units",
 )
 PACKAGES = ("pddnet", "emulation")  # copied whole: the compiled copy is self-contained
 TREE_ENV = "PDDNET_COMPILED_TREE"  # set in a process re-executed on the copy

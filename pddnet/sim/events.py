@@ -53,9 +53,6 @@ class EventLoop:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def next_time(self) -> float | None:
-        return self._heap[0].t if self._heap else None
-
     def run(self, until: float | None = None, max_events: int | None = None) -> int:
         """Process events in time order; returns how many ran. Stops when the heap is empty,
         the next event is after ``until`` (now becomes ``until``) or ``max_events`` ran."""

@@ -17,12 +17,9 @@ from typing import Any
 
 from pddnet.sim.config import SimConfig
 from pddnet.sim.system import SimulatedSystem
-from pddnet.sim.workload import (
-    SimRequest,
-    agent_params_in_units,
-    agent_stream,
-    trace_stream,
-)
+from pddnet.workload.agent_stream import agent_params_in_units, agent_stream
+from pddnet.workload.trace import trace_stream
+from pddnet.workload.units import SimRequest
 
 BASELINE = "same-dc"
 

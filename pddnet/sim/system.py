@@ -43,7 +43,7 @@ from pddnet.sim.events import EventLoop
 from pddnet.sim.metrics import Histogram, Series
 from pddnet.sim.prefill import PrefillInstance
 from pddnet.sim.wan import Transfer, WanLine
-from pddnet.sim.workload import SimRequest
+from pddnet.workload.units import SimRequest
 
 # Conversations whose last prompt's chained block hashes are kept, so a next turn (its prompt
 # extends the previous one) hashes only what it appends. Speed only: the hashes are the same.

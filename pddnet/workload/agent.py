@@ -6,8 +6,7 @@ short, sometimes a large file or search dump). So prompts only ever grow by appe
 ideal prefix cache holding every finished request (prompt + generated tokens) hits all but the
 new tail. With the default parameters that reproduces the source report's skew: about 90%
 average prefix hit, 70-80% of requests hitting more than 95%, the rest spread over the lower
-intervals by large tool outputs and first turns. ``ideal_hit_ratios`` measures it against an
-unlimited RadixCache; ``hit_distribution`` bins it in the source's seven intervals.
+intervals by large tool outputs and first turns (pddnet.workload.hits measures it).
 
 Each request carries the assistant output the conversation history records (``output_token_ids``,
 exactly ``max_tokens`` long). A live benchmark whose model produces other tokens (with
@@ -22,10 +21,6 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-
-from pddnet.kv.allocator import BlockAllocator
-from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS, hit_interval
-from pddnet.kv.radix import RadixCache
 
 
 @dataclass(frozen=True)
@@ -145,40 +140,3 @@ def follow_up_prompt(
     if request.turn == 0:
         return request.prompt_token_ids
     return tuple(previous_prompt) + tuple(previous_output) + request.appended_token_ids
-
-
-def ideal_hit_ratios(requests: Sequence[AgentRequest], block_size: int = 16) -> list[float]:
-    """Per request (in the given order) the prefix hit ratio against an unlimited RadixCache
-    that holds every earlier request's KV (prompt + output but its last token, which is sampled,
-    never computed) and matches like MD (whole blocks, never the block of the last token)."""
-    need = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // block_size) for r in requests)
-    cache = RadixCache(BlockAllocator(max(need, 1)), block_size)
-    ratios = []
-    for r in requests:
-        prompt = r.prompt_token_ids
-        m = cache.match_prefix(prompt, max_blocks=(len(prompt) - 1) // block_size)
-        cache.lock(m.handle)
-        ratios.append(m.hit_tokens / len(prompt))
-        with_kv = prompt + r.output_token_ids[:-1]
-        table = list(m.block_ids) + cache.allocate(
-            -(-len(with_kv) // block_size) - len(m.block_ids)
-        )
-        cache.insert_finished(with_kv, table)
-    return ratios
-
-
-def hit_distribution(ratios: Sequence[float]) -> dict[str, float]:
-    """Fraction of requests in each of the source's seven hit intervals (0-20% ... 95-100%)."""
-    if not ratios:
-        raise ValueError("no hit ratios to bin")
-    counts = [0] * len(HIT_INTERVAL_LABELS)
-    for r in ratios:
-        counts[hit_interval(r)] += 1
-    return {label: c / len(ratios) for label, c in zip(HIT_INTERVAL_LABELS, counts, strict=True)}
-
-
-def token_weighted_hit(requests: Sequence[AgentRequest], ratios: Sequence[float]) -> float:
-    """Hit tokens / prompt tokens over the run: 1 - this is the share of KV that must cross."""
-    total = sum(len(r.prompt_token_ids) for r in requests)
-    hit = sum(round(x * len(r.prompt_token_ids)) for r, x in zip(requests, ratios, strict=True))
-    return hit / total

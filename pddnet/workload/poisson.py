@@ -1,4 +1,4 @@
-"""Seeded workloads for the benchmarks: the same prompts and arrival times for every system."""
+"""Seeded long prompts at Poisson arrivals: the same prompts and times for every system."""
 
 from __future__ import annotations
 
