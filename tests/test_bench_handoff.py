@@ -92,7 +92,7 @@ async def test_both_transports_leave_md_token_exact(tiny, prep):
         await kvd.setup()
         chunks = [wire(c) for c in kv_chunks(prep, n, "t-kv", 4)]
         early = asyncio.create_task(kvd.on_chunk(chunks[-1], 1.0))  # it overtook the ids
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a deliberately idle period: the chunk must still wait
         assert not early.done() and not kvd.done.done()  # it waits for MD's reservation
         await kvd.on_handoff(wire(cut(prep, n, "t-kv")), 2.0)
         await early

@@ -28,6 +28,7 @@ from pddnet.engine.sampling import SamplingParams
 from pddnet.kv.shm import segments_of
 from pddnet.model.loader import load_model
 from tests.conftest import root_netns_missing_reason
+from tests.polling import wait_for, wait_for_sync
 
 WAN = {"rtt_ms": 30.0, "jitter_ms": 2.0, "bw_mbit": 4.0}
 CONCURRENCY = 8
@@ -168,15 +169,14 @@ def event_time(pdd: dict, name: str) -> float | None:
 
 
 async def wait_kv_free(cluster: LocalCluster, roles: list[str], timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+    used: dict = {}
+
+    async def all_free() -> dict | None:
         stats = {r: await cluster.stats(r) for r in roles}
-        used = {r: s["kv_blocks"]["used"] for r, s in stats.items()}
-        if not any(used.values()):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"KV blocks still in use after {timeout:g} s: {used}")
-        await asyncio.sleep(0.2)
+        used.update({r: s["kv_blocks"]["used"] for r, s in stats.items()})
+        return None if any(used.values()) else stats
+
+    return await wait_for(all_free, timeout, lambda: f"KV blocks free, in use: {used}", step=0.2)
 
 
 # -- PDD, each handoff mode -------------------------------------------------------------------
@@ -384,17 +384,16 @@ def test_pdd_up_then_sigterm_leaves_nothing(tmp_path):
         cwd=tmp_path,
     )
     try:
-        deadline = time.monotonic() + 90
-        info = None
-        while time.monotonic() < deadline:
+
+        def run_file_up() -> dict | None:
             assert up.poll() is None, up.communicate()
             try:
                 info = json.loads((run_dir / "run.json").read_text())
             except (FileNotFoundError, ValueError):
-                info = None
-            if info and info["state"] == "up":
-                break
-            time.sleep(0.2)
+                return None
+            return info if info["state"] == "up" else None
+
+        info = wait_for_sync(run_file_up, 90, "the run file to say up", step=0.2)
         assert info and info["state"] == "up"
         # Issue 23: "up" means ready, so a request sent at once is routed by the policy (not
         # kept on RLD because P's lanes to MD were still being dialled).

@@ -19,6 +19,8 @@ import pytest
 from emulation.control import ControlClient, ControlError, make_control_app, start_control_server
 from emulation.link import Link
 from emulation.proxy import WanProxy
+from tests.link_measurement import assert_measured
+from tests.polling import wait_for
 
 LOOP = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +45,7 @@ class Rig:
                 assert await reader.readexactly(8) == payload
                 self.rtts.append((t0, (time.monotonic() - t0) * 1000))
                 i += 1
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.005)  # paces the probes: traffic all the time, not a flood
         except asyncio.CancelledError:
             writer.close()
             raise
@@ -85,7 +87,12 @@ async def rig() -> AsyncIterator[tuple[Rig, ControlClient, WanProxy]]:
 
 async def test_get_shows_both_directions_with_counters(rig) -> None:
     r, client, _ = rig
-    await asyncio.sleep(0.2)
+
+    async def probed() -> bool:
+        snap = await client.show()
+        return all(snap[d]["counters"]["packets_out"] > 5 for d in ("a_to_b", "b_to_a"))
+
+    await wait_for(probed, 5, "a few probes through both directions")
     snap = await client.show()
     assert set(snap) >= {"a_to_b", "b_to_a"}
     for name in ("a_to_b", "b_to_a"):
@@ -98,19 +105,27 @@ async def test_get_shows_both_directions_with_counters(rig) -> None:
     assert list(one) == ["b_to_a"]
 
 
+@pytest.mark.link_measurement
 async def test_patch_changes_the_live_link_and_duration_reverts(rig) -> None:
     r, client, _ = rig
     changed = time.monotonic()
     reply = await client.set("a_to_b", duration=0.6, delay_ms=40)
     assert reply["link"]["a_to_b"]["effects"]["delay_ms"] == 40
     assert reply["link"]["a_to_b"]["pending"]["reverts"][0]["effects"] == ["delay_ms"]
-    await asyncio.sleep(0.4)
+    # Probes take ~50 ms each now: five of them fit well inside the change's 0.6 s.
+    await wait_for(lambda: len(r.rtts_since(changed + 0.05)) >= 5, 5, "probes on the slow link")
     slow = r.rtts_since(changed + 0.05)
-    assert slow and statistics.median(slow) == pytest.approx(45, abs=3)
-    await asyncio.sleep(0.5)
-    assert (await client.show("a_to_b"))["a_to_b"]["effects"]["delay_ms"] == 5
+    assert slow
+    assert_measured(statistics.median(slow), 45 - 3, 45 + 3, "RTT median while changed (ms)")
+
+    async def reverted() -> bool:
+        return (await client.show("a_to_b"))["a_to_b"]["effects"]["delay_ms"] == 5
+
+    await wait_for(reverted, 5, "the change to revert after its 0.6 s")
+    await wait_for(lambda: len(r.rtts_since(changed + 0.7)) >= 5, 5, "probes after the revert")
     back = r.rtts_since(changed + 0.7)
-    assert back and statistics.median(back) == pytest.approx(10, abs=3)
+    assert back
+    assert_measured(statistics.median(back), 10 - 3, 10 + 3, "RTT median after revert (ms)")
 
 
 async def test_post_and_delete(rig) -> None:
@@ -137,21 +152,27 @@ async def test_schedule_steps_and_trace(rig, tmp_path: Path) -> None:
     r, client, _ = rig
     loaded = time.monotonic()
     await client.load_schedule(steps=[{"at": 0.2, "delay_ms": 30, "duration": 0.3}])
-    await asyncio.sleep(0.35)
-    assert (await client.show())["a_to_b"]["effects"]["delay_ms"] == 30
-    await asyncio.sleep(0.3)
-    assert (await client.show())["a_to_b"]["effects"]["delay_ms"] == 5
+
+    async def delay_is(ms: float) -> bool:
+        return (await client.show())["a_to_b"]["effects"]["delay_ms"] == ms
+
+    await wait_for(lambda: delay_is(30), 5, "the step at 0.2 s to apply")
+    await wait_for(lambda: delay_is(5), 5, "the step to end after its 0.3 s")
     during = [rtt for t0, rtt in r.rtts if loaded + 0.25 <= t0 <= loaded + 0.4]
     assert during and min(during) >= 60 - 1
     trace = tmp_path / "trace.csv"
     trace.write_text("time,rate_mbit,delay_ms\n0,50,7\n0.2,20,9\n")
     reply = await client.load_schedule(trace=str(trace), loop=True)
     assert reply["link"]["a_to_b"]["pending"]["schedule"]["period_s"] == pytest.approx(0.4)
-    await asyncio.sleep(0.3)
-    fx = (await client.show())["b_to_a"]["effects"]
-    assert (fx["rate_mbit"], fx["delay_ms"]) == (20, 9)
+
+    async def second_row() -> bool:
+        fx = (await client.show())["b_to_a"]["effects"]
+        return (fx["rate_mbit"], fx["delay_ms"]) == (20, 9)
+
+    await wait_for(second_row, 5, "the trace's second row on b_to_a")
 
 
+@pytest.mark.link_measurement
 async def test_chaos_verbs_with_durations(rig) -> None:
     r, client, _ = rig
     await client.chaos("latency-spike", 0.3, add_ms=50)
@@ -163,27 +184,31 @@ async def test_chaos_verbs_with_durations(rig) -> None:
         and snap["b_to_a"]["effects"]["rate_mbit"] == 100
     )
     await client.chaos("jitter-storm", 0.3, jitter_ms=2)
-    await asyncio.sleep(0.4)
-    fx = (await client.show())["a_to_b"]["effects"]
-    assert (fx["delay_ms"], fx["rate_mbit"], fx["jitter_ms"]) == (5, 100, 0)
+
+    async def all_reverted() -> bool:
+        fx = (await client.show())["a_to_b"]["effects"]
+        return (fx["delay_ms"], fx["rate_mbit"], fx["jitter_ms"]) == (5, 100, 0)
+
+    await wait_for(all_reverted, 5, "the three chaos verbs to revert after their 0.3 s")
     start = time.monotonic()
     await client.chaos("partition", 0.5)
     assert (await client.show())["a_to_b"]["effects"]["partition"] is True
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # the partition's first 0.3 s, watched by the probe
     done = [t0 + rtt / 1000 for t0, rtt in r.rtts]
-    assert not [t for t in done if start + 0.03 < t < start + 0.3]  # no reply got through
+    through = [t for t in done if start + 0.03 < t < start + 0.3]
+    assert_measured(len(through), 0, 0, "replies through the partition")
     await client.heal()
-    await asyncio.sleep(0.2)
     assert (await client.show())["a_to_b"]["effects"]["partition"] is False
+    await wait_for(lambda: r.rtts_since(start + 0.3), 5, "a probe after the heal")
     assert r.rtts_since(start + 0.3)  # the same probe connection carries on
     assert not r.errors
 
 
 async def test_reset_connections(rig) -> None:
     r, client, proxy = rig
-    await asyncio.sleep(0.1)
+    await wait_for(lambda: r.rtts, 5, "the probe's connection to carry traffic")
     assert (await client.reset_connections()) == {"ok": True, "reset": 1}
-    await asyncio.sleep(0.1)
+    await wait_for(lambda: r.errors, 5, "the probe to see its connection reset")
     assert r.errors and isinstance(r.errors[0], (ConnectionResetError, asyncio.IncompleteReadError))
     assert proxy.connections == 0
 
@@ -236,7 +261,7 @@ async def test_bad_requests_get_400_naming_the_problem_while_traffic_flows(
     rig, method: str, path: str, body, message: str
 ) -> None:
     r, client, _ = rig
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: r.rtts, 5, "traffic on the link")
     before = len(r.rtts)
     async with aiohttp.ClientSession() as s:
         kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
@@ -245,7 +270,7 @@ async def test_bad_requests_get_400_naming_the_problem_while_traffic_flows(
             assert message in (await resp.json())["error"]
     fx = (await client.show())["a_to_b"]["effects"]
     assert fx["delay_ms"] == 5 and fx["loss_pct"] == 0 and fx["partition"] is False
-    await asyncio.sleep(0.1)
+    await wait_for(lambda: len(r.rtts) > before + 3, 5, "more probes through the link")
     assert len(r.rtts) > before + 3 and not r.errors  # the link kept running
 
 

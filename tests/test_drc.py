@@ -4,7 +4,6 @@ eviction, admission control against a flood, and the singular-traffic filter's c
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
@@ -15,6 +14,7 @@ from pddnet.engine.engine import Engine
 from pddnet.engine.sampling import SamplingParams
 from pddnet.model.loader import load_model
 from pddnet.protocol import Submit
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.timeout(150)
 MD_BS = 8  # make_config's MD block size
@@ -172,7 +172,6 @@ async def test_pipeline_decision_and_inputs_reach_the_timeline(tiny):
         choice = col.pipelines["d1"]
         assert choice.pipeline == "p_md" and choice.prompt_tokens == 60
         assert choice.incremental_bytes == 60 * kv_bytes_per_token(daemons)
-        await asyncio.sleep(0)
         await all_free(daemons)
 
 
@@ -218,11 +217,10 @@ async def test_pipelines_over_the_emulated_wan(tiny):
 
         # Its next turn hits MD's tree: only the tail crosses, directly P->MD.
         async def notice_in(hashes: int) -> None:
-            for _ in range(100):
-                if (await cluster.stats("prefill"))["planner"]["view"]["hashes"] >= hashes:
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError("MD's cache notice never reached P")
+            async def noticed() -> bool:
+                return (await cluster.stats("prefill"))["planner"]["view"]["hashes"] >= hashes
+
+            await wait_for(noticed, 10, "MD's cache notice to reach P")
 
         await notice_in((2000 + n_a) // 16 - 1)
         b = a + out_a + rand_prompt(21, 30)
@@ -242,22 +240,31 @@ async def test_pipelines_over_the_emulated_wan(tiny):
         out_d, pd = await _complete(cluster, d, 40)
         exact(d, 40, out_d)
         assert pd["pipeline"] == "p_rld_md" and pd["main_tokens"] == 0
-        await asyncio.sleep(0.5)
+
+        async def d_cancelled() -> bool:
+            return (await cluster.stats("prefill"))["counters"]["wan_transfers_cancelled"] >= 1
+
+        await wait_for(d_cancelled, 10, "P to cancel D's WAN copy")
+
+        async def frees_its_kv(role: str) -> None:
+            last: dict = {}
+
+            async def holds_nothing() -> bool:
+                s = last["stats"] = await cluster.stats(role)
+                return (
+                    s["requests"]["active"] == 0
+                    and s["kv_blocks"]["free"] == s["kv_blocks"]["total"]
+                )
+
+            await wait_for(holds_nothing, 10, lambda: f"{role} to free its KV: {last}")
+
+        for role in ("prefill", "relay", "main_decode"):
+            await frees_its_kv(role)
+        # Read once everything is free, so no byte of D's copy can come after.
         p_stats = await cluster.stats("prefill")
         assert p_stats["counters"]["wan_transfers_cancelled"] >= 1
         sent = p_stats["lanes"]["bulk"]["bytes_out"]
         assert sent < (2000 + 30 + 2000 + 2000) * kvb + 2 * 2000 * kvb  # D's copy was cut short
-        for role in ("prefill", "relay", "main_decode"):
-            for _ in range(100):
-                s = await cluster.stats(role)
-                if (
-                    s["requests"]["active"] == 0
-                    and s["kv_blocks"]["free"] == s["kv_blocks"]["total"]
-                ):
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError(f"{role} still holds KV: {s}")
         assert p_stats["planner"]["bandwidth_samples"] >= 1
 
 

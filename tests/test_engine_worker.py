@@ -11,6 +11,7 @@ from pddnet.engine.engine import Engine
 from pddnet.engine.sampling import SamplingParams
 from pddnet.engine.worker import EngineWorker, WorkerClosed
 from pddnet.model.loader import load_model
+from tests.polling import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ async def test_loop_stays_responsive_during_a_long_step(tiny):
     async def ticker() -> None:
         nonlocal ticks_during_step
         while not stop.is_set():
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # the loop's heartbeat: what the test counts
             ticks_during_step += worker.in_step
 
     task = asyncio.create_task(ticker())
@@ -167,9 +168,13 @@ async def test_no_spin_when_no_progress_is_possible(tiny):
     rid = await worker.call(
         engine.add_request, prompts(tok)[0], 4, None, "held", hold=True, ignore_eos=True
     )
-    await asyncio.sleep(0.2)
+
+    async def prompt_computed() -> bool:  # asked on the worker's thread, between its steps
+        return not await worker.call(engine.has_work)
+
+    await wait_for(prompt_computed, 10, "the held request's prompt to be computed")
     steps = worker.num_steps
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a deliberately idle period: no step may run in it
     assert worker.num_steps == steps, "the worker kept stepping with nothing to do"
     await worker.call(engine.set_hold, rid, False)
     await col.wait_for(lambda: rid in col.finished)
@@ -206,10 +211,7 @@ async def test_a_broken_engine_is_reported_and_later_calls_fail_fast(tiny):
     worker.wake()
     await col.wait_for(lambda: col.errors)
     assert isinstance(col.errors[0], TypeError)
-    for _ in range(200):
-        if not worker.alive:
-            break
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: not worker.alive, 2, "the broken worker to stop", step=0.01)
     assert not worker.alive
     with pytest.raises(WorkerClosed):
         await worker.call(lambda: 1)

@@ -14,6 +14,7 @@ from conftest import root_netns_missing_reason
 from emulation import kernel_shell, netns
 from emulation.effects import DEFAULT_EFFECTS
 from emulation.probes import UdpEcho, udp_rtts
+from tests.link_measurement import assert_measured
 
 root = pytest.mark.skipif(
     root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
@@ -86,6 +87,7 @@ def test_veth_pair_joins_the_namespaces_without_touching_the_host(pair):
 
 
 @root
+@pytest.mark.link_measurement
 async def test_kernel_shell_delay_and_rate(tmp_path, monkeypatch):
     reason = kernel_shell.netem_unavailable_reason()
     if reason is not None:
@@ -100,10 +102,11 @@ async def test_kernel_shell_delay_and_rate(tmp_path, monkeypatch):
         echo = UdpEcho(server)
         try:
             got = await asyncio.to_thread(udp_rtts, client, (tb.addr_b, 7301), 50, 0.005)
-            assert abs(statistics.median(got) - 30.0) <= 1.0
+            assert_measured(statistics.median(got), 30.0 - 1.0, 30.0 + 1.0, "RTT median (ms)")
             await tb.link.set(delay_ms=25)  # runtime change reaches the qdiscs
             got = await asyncio.to_thread(udp_rtts, client, (tb.addr_b, 7301), 20, 0.005)
-            assert abs(statistics.median(got) - 50.0) <= 1.0
+            median = statistics.median(got)
+            assert_measured(median, 50.0 - 1.0, 50.0 + 1.0, "RTT median after the change (ms)")
         finally:
             echo.stop()
             server.close()

@@ -6,7 +6,6 @@ pool must end up exactly as if the export had been imported into it directly.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import threading
@@ -34,6 +33,7 @@ from pddnet.transport.kv_backend import (
     plan_write,
 )
 from pddnet.transport.stripes import StripedSender
+from tests.polling import wait_for
 
 SECRET = b"kv-backend-secret"
 
@@ -259,10 +259,7 @@ async def test_tcp_backend_stripes_chunks_that_the_sink_imports():
             total += await xfer.write(exported)
         done = xfer.completion()
         assert done.num_chunks == 3 + 3 == len(set(range(done.num_chunks)))
-        for _ in range(200):  # bounded wait for the last frames
-            if len(rx.chunks) == done.num_chunks:
-                break
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: len(rx.chunks) == done.num_chunks, 4, "the last frames", step=0.02)
         assert rx.errors == [] and sum(rx.chunks) == done.num_bytes == total
         assert torch.equal(dst.data, ref.data)
         with pytest.raises(BadRegion, match="configured for tcp"):
@@ -272,18 +269,14 @@ async def test_tcp_backend_stripes_chunks_that_the_sink_imports():
         bad = WriteTarget((3, 3, 3, 3, 3, 3, 3, 3), 4, writable_from=5)
         rogue = writer.begin("r-rogue", bad)
         await rogue.write(export_kv(src, list(range(8)), 8, 12))
-        for _ in range(200):
-            if rx.errors:
-                break
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: rx.errors, 4, "the receiver to refuse the chunk", step=0.02)
         assert rx.errors and "names blocks" in rx.errors[0]
         assert torch.equal(dst.data, before)
         # A dead lane is the same error family as any backend's dead peer.
         await rx.server.close()
-        for _ in range(200):
-            if any(lane.peer_closed for lane in lanes):
-                break
-            await asyncio.sleep(0.02)
+        await wait_for(
+            lambda: any(lane.peer_closed for lane in lanes), 4, "a lane to see the close", step=0.02
+        )
         with pytest.raises(PeerUnreachable):
             await xfer.write(export_kv(src, list(range(8)), 5, 9))
     finally:

@@ -293,7 +293,7 @@ async def test_receiver_stopped_before_the_first_write_hangs_the_handshake_not_t
     async def ticker() -> None:
         nonlocal ticks
         while True:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the loop's heartbeat: what the test counts
             ticks += 1
 
     tick_task = asyncio.create_task(ticker())

@@ -6,12 +6,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import root_netns_missing_reason
 
 from emulation import netns, tun
+from tests.polling import wait_for_sync
 
 root = pytest.mark.skipif(
     root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
@@ -107,10 +107,7 @@ def test_kill_all_in_ends_the_processes_inside_and_only_those(ns):
         netns.exec_argv(ns, [sys.executable, "-c", "import time; time.sleep(30)"])
     )
     try:
-        deadline = time.monotonic() + 10
-        while inside.pid not in netns.pids_in(ns):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_sync(lambda: inside.pid in netns.pids_in(ns), 10, "the process inside", 0.02)
         assert outside.pid not in netns.pids_in(ns)
         ended = netns.kill_all_in(ns, grace_s=0.5)
         assert ended == [inside.pid]
@@ -133,16 +130,15 @@ def test_tun_device_is_configured_and_vanishes_with_its_fd(ns):
         s = netns.socket_in(ns, socket.AF_INET, socket.SOCK_DGRAM)
         with s:
             s.sendto(b"hello", ("10.99.0.2", 9))
-            deadline = time.monotonic() + 2
-            while True:
+
+            def udp_packet() -> bytes | None:
                 try:
                     pkt = os.read(fd, 65536)
                 except BlockingIOError:
-                    assert time.monotonic() < deadline, "nothing came out of the TUN device"
-                    time.sleep(0.01)
-                    continue
-                if pkt[0] >> 4 == 4 and pkt[9] == socket.IPPROTO_UDP:
-                    break
+                    return None
+                return pkt if pkt[0] >> 4 == 4 and pkt[9] == socket.IPPROTO_UDP else None
+
+            pkt = wait_for_sync(udp_packet, 2, "a UDP packet out of the TUN device", step=0.01)
         assert pkt[16:20] == socket.inet_aton("10.99.0.2") and pkt.endswith(b"hello")
     finally:
         os.close(fd)

@@ -22,6 +22,7 @@ from pddnet.roles.openai_api import (
     models_response,
     parse_completion_request,
 )
+from tests.polling import wait_for
 
 TOK = ByteTokenizer()
 MODEL = ModelInfo(
@@ -286,9 +287,9 @@ async def scripted_router(**router_overrides):
     await router.start()
     try:
         await router.wait_connected(10)
-        for d in daemons.values():
-            while not d.conns:
-                await asyncio.sleep(0.01)
+        await wait_for(
+            lambda: all(d.conns for d in daemons.values()), 10, "the router at every daemon", 0.01
+        )
         yield router, daemons
     finally:
         await router.close()
@@ -440,7 +441,6 @@ async def test_health_is_ok_only_when_every_daemon_reports_all_its_links_up():
     """Issue 23: /health aggregates the daemons' LINK_STATE; a daemon missing a link keeps it
     503, naming the link, since when and why."""
     from pddnet.protocol import messages as m
-    from tests.polling import wait_for
 
     async def health(http, status):
         async with http.get(router.url + "/health") as r:
@@ -477,7 +477,6 @@ async def test_a_request_p_handed_to_rld_is_replayed_at_once_when_rld_is_lost(or
     and RLD dies before its own rld_kv_complete. The router replays it on MD at once, in
     either order of the two news, instead of at the 30 s stall timer."""
     from pddnet.protocol import messages as m
-    from tests.polling import wait_for
 
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
         p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
@@ -923,9 +922,9 @@ async def test_router_n_choices_have_derived_seeds_and_logprobs():
             )
         )
         p = daemons["prefill"]
-        while sum(isinstance(x, m.Submit) for x in p.received) < 2:
-            await p.wait_for(m.Submit)
-            await asyncio.sleep(0.01)
+        await wait_for(
+            lambda: sum(isinstance(x, m.Submit) for x in p.received) >= 2, 5, "two SUBMITs", 0.01
+        )
         subs = [x for x in p.received if isinstance(x, m.Submit)]
         assert [s.seed for s in subs] == [41, 42] and all(s.logprobs == 1 for s in subs)
         for i, sub in enumerate(subs):
@@ -991,6 +990,13 @@ async def test_router_chat_stream_shape():
             assert r.status == 400 and err["param"] == "tools"
 
 
+def _sse_chunks(body: bytes) -> list[dict]:
+    """The complete JSON events of a partly read SSE body."""
+    return [
+        json.loads(line[6:]) for line in body.split(b"\n\n")[:-1] if line.startswith(b"data: {")
+    ]
+
+
 async def test_router_streams_n_choices_each_to_its_end():
     from pddnet.protocol import messages as m
 
@@ -1010,9 +1016,9 @@ async def test_router_streams_n_choices_each_to_its_end():
             )
         )
         p = daemons["prefill"]
-        while sum(isinstance(x, m.Submit) for x in p.received) < 2:
-            await p.wait_for(m.Submit)
-            await asyncio.sleep(0.01)
+        await wait_for(
+            lambda: sum(isinstance(x, m.Submit) for x in p.received) >= 2, 5, "two SUBMITs", 0.01
+        )
         subs = [x for x in p.received if isinstance(x, m.Submit)]
         assert [s.seed for s in subs] == [None, None]  # greedy: both choices alike
         await _token(daemons["relay"], subs[1].request_id, 0, b"xyz")  # choice 1 ends first
@@ -1026,7 +1032,14 @@ async def test_router_streams_n_choices_each_to_its_end():
                 time=time.time(),
             )
         )
-        await asyncio.sleep(0.1)
+        # Choice 1's end reaches the client before choice 0 goes on (RLD's and MD's connections
+        # to the router are not ordered with each other).
+        resp = await asyncio.wait_for(post, 5)
+        head = b""
+        while not [c for c in _sse_chunks(head) if c["choices"][0]["finish_reason"] == "length"]:
+            more = await asyncio.wait_for(resp.content.readany(), 5)
+            assert more, "the stream ended before choice 1 did"
+            head += more
         await _token(daemons["relay"], subs[0].request_id, 0, b"xy")
         await _token(daemons["main_decode"], subs[0].request_id, 2, b"z", "main_decode")
         await daemons["main_decode"].send(
@@ -1039,10 +1052,9 @@ async def test_router_streams_n_choices_each_to_its_end():
                 time=time.time(),
             )
         )
-        resp = await asyncio.wait_for(post, 5)
         chunks = [
             json.loads(line[6:])
-            for line in (await resp.read()).split(b"\n\n")
+            for line in (head + await resp.read()).split(b"\n\n")
             if line.startswith(b"data: {")
         ]
         texts = {0: "", 1: ""}

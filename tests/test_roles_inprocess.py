@@ -38,6 +38,7 @@ from pddnet.roles.main_decode import MainDecodeDaemon
 from pddnet.roles.prefill import PrefillDaemon
 from pddnet.roles.relay import RelayDaemon
 from pddnet.transport import dial
+from tests.polling import wait_for, wait_for_sync
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "test-secret-roles"
@@ -266,22 +267,21 @@ async def run_workload(tiny, collector: Collector, reqs: list[dict]) -> None:
 
 
 async def all_free(daemons: dict, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = {name: d.stats() for name, d in daemons.items()}
+    last: dict = {}
+
+    def free() -> bool:
+        stats = last["stats"] = {name: d.stats() for name, d in daemons.items()}
         json.dumps(stats)  # JSON-able, as `pdd status` needs
         # and P's WAN backlog (bytes MD has not acknowledged) released however requests ended
-        ok = all(
+        return all(
             s["kv_blocks"]["free"] == s["kv_blocks"]["total"]
             and s["requests"]["active"] == 0
             and s.get("planner", {}).get("wan_backlog_bytes", 0) == 0
             and s.get("planner", {}).get("wan_backlog_requests", 0) == 0
             for s in stats.values()
         )
-        if ok:
-            return
-        assert time.monotonic() < deadline, f"KV not freed everywhere: {stats}"
-        await asyncio.sleep(0.05)
+
+    await wait_for(free, timeout, lambda: f"KV freed everywhere: {last['stats']}")
 
 
 def handoff_frames(md: MainDecodeDaemon) -> int:
@@ -361,9 +361,12 @@ def settle_engine_between_calls(daemon) -> None:
 
     async def compute(fn, *args, **kwargs):
         result = await original(fn, *args, **kwargs)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and await original(daemon.engine.has_work):
-            await asyncio.sleep(0.002)
+
+        async def idle() -> bool:
+            return not await original(daemon.engine.has_work)
+
+        with contextlib.suppress(AssertionError):  # at most 5 s: a settle, not a check
+            await wait_for(idle, 5.0, "the engine to settle", step=0.002)
         return result
 
     daemon.compute = compute
@@ -518,7 +521,7 @@ async def test_cancel_right_after_submit_frees_everything(tiny):
                     ignore_eos=True,
                 ),
             )
-            if i % 2:
+            if i % 2:  # the CANCEL lands at a different point of each request's start
                 await asyncio.sleep(0.01 * i)
             for name in ("relay", "main_decode", "prefill"):
                 await col.send(name, Cancel(request_id=rid, reason="client disconnected"))
@@ -561,10 +564,7 @@ async def test_a_failing_engine_step_fails_its_requests_and_frees_their_blocks(
                 ignore_eos=True,
             ),
         )
-        deadline = time.monotonic() + 30
-        while not col.errors:
-            assert time.monotonic() < deadline, "no ERROR for the request of the broken step"
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: col.errors, 30, "an ERROR for the request of the broken step", 0.02)
         assert fired == ["doomed"]
         (err,) = col.errors
         assert err.request_id == "doomed" and err.code == "engine_failed", err
@@ -656,14 +656,15 @@ def test_run_role_serves_until_sigterm_and_cleans_up(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def listening() -> bool:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
+                    return True
             assert proc.poll() is None, "relay exited early"
-            assert time.monotonic() < deadline, "relay never listened"
-            time.sleep(0.1)
+            return False
+
+        wait_for_sync(listening, 60, "the relay to listen", step=0.1)
         segments = [
             n for n in os.listdir("/dev/shm") if n.startswith(f"pdd-t-roles-relay-{proc.pid}-")
         ]
@@ -706,7 +707,7 @@ async def test_a_finished_prefill_is_copied_to_rld_while_the_next_prefill_runs(t
         async def after_a_prefilled(p, msg):
             if msg.request_id == "A":
                 await col.wait_until(lambda: "prefill_end" in col.events("A"), what="A prefilled")
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # the injected delay: B's last step is running
             await answer(p, msg)
 
         relay._alloc = after_a_prefilled

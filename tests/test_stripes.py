@@ -10,6 +10,7 @@ import pytest
 from pddnet.protocol import KvChunk, payload_from_array
 from pddnet.transport import Server, dial
 from pddnet.transport.stripes import LaneFailed, StripedSender, choose_lane
+from tests.polling import wait_for
 
 SECRET = b"stripes-secret"
 HOST = "127.0.0.1"
@@ -89,10 +90,7 @@ async def test_striping_spreads_chunks_across_lanes_and_all_arrive():
     used = [await sender.send(c) for c in sent]
     assert set(used) == {0, 1, 2}
     assert sum(sender.chunks_sent) == 30 and min(sender.chunks_sent) >= 5
-    for _ in range(300):  # bounded wait for the last frames to be read
-        if len(rx.received()) == 30:
-            break
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: len(rx.received()) == 30, 3, "the last frames to be read", step=0.01)
     got = sorted(rx.received(), key=lambda m: m.chunk_index)
     assert got == sent  # every chunk arrived intact (payload bytes compared)
     assert len(rx.by_conn) == 3 and all(rx.by_conn.values())
@@ -107,10 +105,7 @@ async def test_concurrent_senders_share_lanes():
     sender = StripedSender(await open_lanes(port, 2))
     sent = [chunk(i, tokens=512) for i in range(20)]
     await asyncio.gather(*(sender.send(c) for c in sent))
-    for _ in range(300):
-        if len(rx.received()) == 20:
-            break
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: len(rx.received()) == 20, 3, "the last frames to be read", step=0.01)
     assert sorted(m.chunk_index for m in rx.received()) == list(range(20))
     assert all(n > 0 for n in sender.chunks_sent)
     await sender.close()
@@ -124,7 +119,7 @@ async def test_a_dead_lane_fails_the_transfer():
     with pytest.raises(LaneFailed, match="bulk lane 1") as exc:
         for i in range(500):  # bounded: the peer's close is noticed within a few sends
             await sender.send(chunk(i))
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # paces the sends: the lane's reader runs in between
     assert exc.value.lane_index == 1
     await sender.close()
     await rx.server.close()

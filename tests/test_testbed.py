@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import root_netns_missing_reason
@@ -17,6 +16,8 @@ from conftest import root_netns_missing_reason
 from emulation import netns
 from emulation.probes import UdpEcho, udp_rtts
 from emulation.testbed import Testbed, find_emulators, load_state, status_processes, teardown
+from tests.link_measurement import assert_measured
+from tests.polling import wait_for, wait_for_sync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 root = pytest.mark.skipif(
@@ -119,12 +120,11 @@ def test_down_cleans_up_after_the_emulator_was_killed(state_dir):
     )
     try:
         state = load_state(name, state_dir)
-        deadline = time.monotonic() + 10
-        while sleeper.pid not in netns.pids_in(f"{name}-a"):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_sync(
+            lambda: sleeper.pid in netns.pids_in(f"{name}-a"), 10, "the sleeper in a", step=0.02
+        )
         os.kill(state["emulator"]["pid"], signal.SIGKILL)
-        time.sleep(0.2)
+        wait_for_sync(lambda: not find_emulators(name), 10, "the emulator to die")
         assert cli("status", "--name", name).returncode == 1  # reported as broken
     finally:
         report = teardown(name, state_dir)
@@ -144,10 +144,11 @@ async def test_down_finds_leftovers_by_name_without_a_state_file(state_dir):
     report = teardown(name, state_dir)
     assert report["emulators"] == [tb.emulator_pid]
     assert sorted(report["namespaces"]) == [f"{name}-a", f"{name}-b"]
-    deadline = time.monotonic() + 5
-    while machine(name, state_dir) != before:
-        assert time.monotonic() < deadline, machine(name, state_dir)
-        await asyncio.sleep(0.05)
+    await wait_for(
+        lambda: machine(name, state_dir) == before,
+        5,
+        lambda: f"the machine as before, still {machine(name, state_dir)}",
+    )
     os.waitpid(tb.emulator_pid, 0)  # our child: reap it
 
 
@@ -174,7 +175,7 @@ async def main():
     tb.adopt_namespace(sys.argv[1] + "-h")   # as a LocalCluster's one-namespace-per-host does
     netns.create(sys.argv[1] + "-h")
     print(tb.emulator_pid, flush=True)
-    await asyncio.sleep(60)
+    await asyncio.sleep(60)  # alive until the test kills it
 
 asyncio.run(main())
 """
@@ -191,10 +192,8 @@ async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_
         emulator = int(owner.stdout.readline())
         owner.kill()  # no cleanup runs in the owner
         owner.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while find_emulators(name):  # PR_SET_PDEATHSIG: the emulator goes with its owner
-            assert time.monotonic() < deadline, f"emulator {emulator} outlived its owner"
-            await asyncio.sleep(0.05)
+        # PR_SET_PDEATHSIG: the emulator goes with its owner.
+        await wait_for(lambda: not find_emulators(name), 10, f"emulator {emulator} to go too")
         assert netns.exists(f"{name}-h") and load_state(name, state_dir) is not None
         # Starting any testbed removes the dead owner's: namespaces, adopted ones, state.
         async with Testbed(name="pddtt-next", shell="packet", die_with_parent=True):
@@ -223,6 +222,7 @@ async def median_rtt(tb: Testbed, port: int) -> float:
 
 
 @root
+@pytest.mark.link_measurement
 async def test_two_testbeds_with_the_same_addresses_coexist(state_dir):
     async with (
         Testbed(name="pddtt-one", rtt_ms=20, shell="packet") as one,
@@ -230,10 +230,12 @@ async def test_two_testbeds_with_the_same_addresses_coexist(state_dir):
     ):
         assert one.addr_b == two.addr_b and one.control_url != two.control_url
         r1, r2 = await median_rtt(one, 7100), await median_rtt(two, 7100)
-        assert 20 <= r1 < 22 and 2 <= r2 < 4, (r1, r2)
+        assert_measured(r1, 20, 22, "RTT median on one (ms)")
+        assert_measured(r2, 2, 4, "RTT median on two (ms)")
         await two.link.set(delay_ms=5)  # changing one leaves the other alone
         r1, r2 = await median_rtt(one, 7101), await median_rtt(two, 7101)
-        assert 20 <= r1 < 22 and 10 <= r2 < 12, (r1, r2)
+        assert_measured(r1, 20, 22, "RTT median on one after two changed (ms)")
+        assert_measured(r2, 10, 12, "RTT median on two after its change (ms)")
 
 
 ECHO_SERVER = """

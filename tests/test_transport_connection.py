@@ -37,6 +37,7 @@ from pddnet.transport import (
     dial,
     dial_with_retry,
 )
+from tests.polling import wait_for
 
 SECRET = b"cluster-secret-for-tests"
 HOST = "127.0.0.1"
@@ -263,10 +264,7 @@ async def test_garbage_closes_that_connection_and_the_server_keeps_serving(when)
         assert replies[-1].fatal and replies[-1].code == "bad_frame"
         assert "bad magic" in replies[-1].message
         if when == "after_auth":
-            for _ in range(100):
-                if echo.ended:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_for(lambda: echo.ended, 2, "the server to end that connection", step=0.01)
             assert any("protocol error from peer (bad_frame)" in r for r in echo.ended)
         else:
             assert echo.server.handshakes_failed == 1
@@ -347,7 +345,7 @@ async def test_dial_refused_and_dial_with_retry():
     )
 
     async def start_late() -> None:
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # deliberately late: the dialer must retry meanwhile
         await server.start()
 
     starter = asyncio.create_task(start_late())
@@ -444,14 +442,12 @@ async def test_a_cancelled_recv_loses_nothing():
     reader, writer = await raw_authenticated(port)
     msg = Submit(request_id="r-9", prompt_token_ids=list(range(300)), max_tokens=4)
     frame = encode_bytes(msg)
-    for part in (frame[:10], frame[10:60]):  # inside the header, then inside the metadata
+    # Inside the header, then inside the metadata: each part waits out one 0.1 s recv.
+    for n, part in enumerate((frame[:10], frame[10:60]), 1):
         writer.write(part)
-        await asyncio.sleep(0.3)
+        await wait_for(lambda n=n: len(timeouts) >= n, 3, f"recv {n} to time out", step=0.01)
     writer.write(frame[60:] + encode_bytes(Ping(nonce=5, time=0.0)))
-    for _ in range(300):
-        if len(got) == 2:
-            break
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: len(got) == 2, 3, "both messages", step=0.01)
     assert timeouts == [True, True]
     assert got == [msg, Ping(nonce=5, time=0.0)]
     writer.close()
@@ -504,7 +500,8 @@ async def test_close_drops_the_socket_when_the_peer_never_takes_the_last_bytes()
     assert conn._writer.transport.get_write_buffer_size() > 0
     async with asyncio.timeout(5):
         await conn.close("stripe replaced")
-    await asyncio.sleep(0.05)  # the transport closes on the next turn
+    # The transport closes on the next turn.
+    await wait_for(lambda: sock.fileno() == -1, 2, "the socket to close", step=0.01)
     assert sock.fileno() == -1, "the socket is still open"
     stop.set()
     await server.close()

@@ -42,6 +42,7 @@ import aiohttp
 
 from pddnet.cluster.local import LocalCluster
 from pddnet.kv.shm import segments_of, unlink_segment
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "results" / "chaos"
@@ -754,10 +755,9 @@ def sigkill(role: str, at: Trigger, restart: bool = True) -> Fault:
         d = cluster.daemons[role]
         if d.proc.poll() is None and d.pid not in killed:
             return  # the moment never came: nothing was killed
-        for _ in range(100):  # the kernel reaps it at once; wait for the zombie to be collected
-            if d.proc.poll() is not None:
-                break
-            await asyncio.sleep(0.05)
+        # The kernel reaps it at once; wait (at most 5 s, as a settle) for the zombie to go.
+        with contextlib.suppress(AssertionError):
+            await wait_for(lambda: d.proc.poll() is not None, 5, f"{role}'s zombie to go")
         if restart:
             await restart_daemon(cluster, role)
             fault.mark_healed()  # the new process serves (its peers may still be redialling)

@@ -3,7 +3,6 @@ what they added, and that the /health poller keeps the router's first non-200 an
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -11,6 +10,7 @@ from aiohttp import web
 
 import tests.chaos.harness as harness
 from tests.chaos.harness import HealthWatch, Outcome, added_latency, after, link_chaos
+from tests.polling import wait_for
 
 
 def _done(
@@ -69,13 +69,10 @@ async def test_health_watch_keeps_the_first_unready_answer():
     watch = HealthWatch(f"http://127.0.0.1:{port}", period_s=0.01)
     try:
         watch.start()
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: watch.polls >= 2, 5, "the watch to poll a healthy router", 0.01)
         fault_at = time.monotonic()
         state["ok"] = False
-        for _ in range(200):  # bounded: a few polls suffice
-            if watch.unready:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: watch.unready, 2, "the watch to see the router unready", 0.01)
     finally:
         await watch.stop()
         await runner.cleanup()
