@@ -198,6 +198,10 @@ def _pool(data: Any, chips: dict[str, ChipProfile], where: str) -> Pool:
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}")
     chip = data.get("chip")
+    if not isinstance(chip, str):
+        raise ValueError(
+            f"{where}.chip: expected a role of [chips] or a profile name, got {chip!r}"
+        )
     if chip not in chips:
         try:
             prof = load_chip(chip)
