@@ -46,6 +46,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "pddnet.policy.planner",
     "pddnet.sim.decode",
     "pddnet.sim.events",
+    "pddnet.sim.handoff",
     "pddnet.sim.metrics",
     "pddnet.sim.prefill",
     "pddnet.sim.runner",
