@@ -18,6 +18,8 @@ MD extends per step. Where the simulator's model is coarser, that test pins the 
   all, one more in the streamed part, one fewer after the cut.
 - No forwarding: while streaming, RelayHandoff forwards each further `chunk` of tokens RLD
   makes; the simulator sends them all with the final cut (it has no per-token events on RLD).
+- MD knows at once when RLD finished a request: it sends no TAKEOVER then, where MD's daemon
+  may send one that crosses RLD's cancel (and that RLD ignores).
 """
 
 from __future__ import annotations
