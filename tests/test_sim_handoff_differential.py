@@ -81,11 +81,11 @@ class Record:
 
 class Clock:
     def __init__(self) -> None:
-        self.q: list[tuple[int, int, int, Callable[..., None], tuple[Any, ...]]] = []
+        self.q: list[tuple[int, int, int, Callable[..., object], tuple[Any, ...]]] = []
         self.seq = itertools.count()
         self.now = 0
 
-    def at(self, tick: int, order: int, fn: Callable[..., None], *args: Any) -> None:
+    def at(self, tick: int, order: int, fn: Callable[..., object], *args: Any) -> None:
         heapq.heappush(self.q, (tick, order, next(self.seq), fn, args))
 
     def run(self) -> None:

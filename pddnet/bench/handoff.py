@@ -199,8 +199,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await loop.run_in_executor(rld_ex, prepare_prompt, model, tok, i, prompt, n_max, sp)
             )
         await rig.start(args)
-        for path in PATHS:  # warm-up (torch, lanes, proxy), not recorded
-            await handoff_once(rig, path, f"warm-{path}", preps[0], min(args.relay_tokens), 0.0)
+        for kind in PATHS:  # warm-up (torch, lanes, proxy), not recorded
+            await handoff_once(rig, kind, f"warm-{kind}", preps[0], min(args.relay_tokens), 0.0)
         total = len(args.conditions) * args.repeats * len(args.relay_tokens) * len(PATHS)
         with progress(total, "handoff", unit="handoff", enabled=not args.no_progress) as bar:
             for ci, name in enumerate(args.conditions):

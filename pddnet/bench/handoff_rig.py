@@ -232,14 +232,15 @@ class Rig:
         md_port = await self.main.server.start()
         self.wan = WanLink(md_port, args)
         await self.wan.start()
-        assert self.wan.port is not None
+        port = self.wan.port
+        assert port is not None
 
         async def lane(role: str, instance: str, kind: str) -> Any:
             conn = await dial(
                 HOST,
-                self.wan.port,
+                port,
                 role=role,
-                instance_id=instance,  # type: ignore[union-attr]
+                instance_id=instance,
                 lane=kind,
                 secret=secret,
                 timeout=10.0,
