@@ -35,6 +35,7 @@ from pddnet.protocol.handoff import (
     SendHandoff,
     SendTakeover,
     SetChunk,
+    StopSequence,
 )
 from pddnet.sim.handoff import (
     TAKEOVER_CUT,
@@ -136,7 +137,7 @@ def through_machines(tr: Trace) -> Record:
                 rec.ended_by = "rld"
             elif isinstance(a, CancelPeer):
                 clock.at(clock.now + tr.delay, ARRIVAL, main.cancel)
-            elif type(a).__name__ == "StopSequence":
+            elif isinstance(a, StopSequence):
                 rld_stopped[0] = True
 
     def rld_token(index: int) -> None:
