@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pddnet.bench import handoff
+from pddnet.bench import handoff, handoff_setup, handoff_sides, handoff_summary
+from pddnet.bench.handoff_setup import KV_DIRECT, PATHS, TOKEN_ID
 from pddnet.engine.sampling import SamplingParams
 from pddnet.kv.transfer import export_kv
 from pddnet.model.loader import load_model
@@ -30,8 +31,12 @@ def tiny():
 @pytest.fixture(scope="module")
 def prep(tiny):
     model, tok = tiny
-    prompt = handoff.make_prompts(1, 32, model.config.vocab_size, model.config.bos_token_id, 3)[0]
-    p = handoff.prepare_prompt(model, tok, 0, prompt, 12, SamplingParams(temperature=0.8, seed=5))
+    prompt = handoff_setup.make_prompts(
+        1, 32, model.config.vocab_size, model.config.bos_token_id, 3
+    )[0]
+    p = handoff_setup.prepare_prompt(
+        model, tok, 0, prompt, 12, SamplingParams(temperature=0.8, seed=5)
+    )
     yield p
     p.rld_engine.close()
 
@@ -80,7 +85,7 @@ async def test_both_transports_leave_md_token_exact(tiny, prep):
     model, tok = tiny
     n = 9
     with ThreadPoolExecutor(1) as md:
-        tid = handoff.MainTrial(handoff.TOKEN_ID, "t-tok", n, prep, model, tok, md)
+        tid = handoff_sides.MainTrial(TOKEN_ID, "t-tok", n, prep, model, tok, md)
         await tid.setup()
         await tid.on_handoff(wire(cut(prep, n, "t-tok")), 0.0)
         got = await tid.done
@@ -88,7 +93,7 @@ async def test_both_transports_leave_md_token_exact(tiny, prep):
         assert got["tokens"] == prep.reference[n + 1 : n + 3]
         assert got["forward_tokens"] == n + 1  # P's first token + n relay tokens, one extend
 
-        kvd = handoff.MainTrial(handoff.KV_DIRECT, "t-kv", n, prep, model, tok, md)
+        kvd = handoff_sides.MainTrial(KV_DIRECT, "t-kv", n, prep, model, tok, md)
         await kvd.setup()
         chunks = [wire(c) for c in kv_chunks(prep, n, "t-kv", 4)]
         early = asyncio.create_task(kvd.on_chunk(chunks[-1], 1.0))  # it overtook the ids
@@ -110,14 +115,14 @@ async def test_md_rejects_a_handoff_that_is_not_the_cut(tiny, prep):
 
     model, tok = tiny
     with ThreadPoolExecutor(1) as md:
-        trial = handoff.MainTrial(handoff.TOKEN_ID, "t-bad", 5, prep, model, tok, md)
+        trial = handoff_sides.MainTrial(TOKEN_ID, "t-bad", 5, prep, model, tok, md)
         await trial.setup()
         with pytest.raises(ValueError, match="is not RLD's cut at 5"):
             await trial.on_handoff(cut(prep, 4, "t-bad"), 0.0)
         with pytest.raises(ValueError, match="KV_CHUNK on a token-id handoff"):
             await trial.on_chunk(kv_chunks(prep, 5, "t-bad", 8)[0], 0.0)
         await trial.close()
-        kvd = handoff.MainTrial(handoff.KV_DIRECT, "t-bad2", 5, prep, model, tok, md)
+        kvd = handoff_sides.MainTrial(KV_DIRECT, "t-bad2", 5, prep, model, tok, md)
         await kvd.setup()
         outside = kv_chunks(prep, 9, "t-bad2", 8)[1]  # positions past the cut at 5
         with pytest.raises(ValueError, match="outside"):
@@ -142,18 +147,18 @@ def test_summaries_and_ratios_from_trials():
             "token_exact": True,
         }
 
-    trials = [t("quiet", handoff.TOKEN_ID, 10, x, 100) for x in (1.0, 1.0, 1.0, 1.0)]
-    trials += [t("quiet", handoff.KV_DIRECT, 10, x, 5000) for x in (1.0, 1.0, 1.0, 5.0)]
-    trials += [t("quiet", p, 120, 2.0, 200) for p in handoff.PATHS]
-    trials += [t("jitter", handoff.TOKEN_ID, n, 2.0, 200) for n in (10, 120)]
-    trials += [t("jitter", handoff.KV_DIRECT, n, 6.0, 200) for n in (10, 120)]
-    rows = handoff.summarise(trials, ["quiet", "jitter"], [120, 10])
+    trials = [t("quiet", TOKEN_ID, 10, x, 100) for x in (1.0, 1.0, 1.0, 1.0)]
+    trials += [t("quiet", KV_DIRECT, 10, x, 5000) for x in (1.0, 1.0, 1.0, 5.0)]
+    trials += [t("quiet", p, 120, 2.0, 200) for p in PATHS]
+    trials += [t("jitter", TOKEN_ID, n, 2.0, 200) for n in (10, 120)]
+    trials += [t("jitter", KV_DIRECT, n, 6.0, 200) for n in (10, 120)]
+    rows = handoff_summary.summarise(trials, ["quiet", "jitter"], [120, 10])
     (r10, r120) = rows["quiet"]
     assert [r10["relay_tokens"], r120["relay_tokens"]] == [10, 120]
-    assert r10[handoff.TOKEN_ID]["max_over_mean"] == 1.0
-    assert r10[handoff.KV_DIRECT]["max_over_mean"] == pytest.approx(5.0 / 2.0)
+    assert r10[TOKEN_ID]["max_over_mean"] == 1.0
+    assert r10[KV_DIRECT]["max_over_mean"] == pytest.approx(5.0 / 2.0)
     # vLLM's stat keys, in ms: KV-direct's 1, 1, 1, 5 s
-    kv10 = r10[handoff.KV_DIRECT]
+    kv10 = r10[KV_DIRECT]
     assert kv10["mean_handoff_latency_ms"] == pytest.approx(2000.0)
     assert kv10["median_handoff_latency_ms"] == pytest.approx(1000.0)
     assert kv10["std_handoff_latency_ms"] == pytest.approx(3**0.5 * 1000.0)  # population
@@ -162,12 +167,12 @@ def test_summaries_and_ratios_from_trials():
     q = r10["kv_direct_over_token_id"]
     assert q["payload"] == 50 and q["mean_handoff_latency_ms"] == pytest.approx(2.0)
     assert q["max_handoff_latency_ms"] == 5.0 and q["max_wire_ms"] == 5.0
-    head = handoff.headline(rows)
+    head = handoff_summary.headline(rows)
     assert head["relay_tokens"] == 120  # nearest to the source's 100 tokens
     assert head["conditions"]["quiet"]["kv_direct_over_token_id"]["mean_handoff_latency_ms"] == 1.0
     grew = head["conditions"]["jitter"]["over_quiet"]  # what the disturbance added
-    assert grew[handoff.TOKEN_ID]["mean_handoff_latency_ms"] == 1.0
-    assert grew[handoff.KV_DIRECT]["max_handoff_latency_ms"] == 3.0
+    assert grew[TOKEN_ID]["mean_handoff_latency_ms"] == 1.0
+    assert grew[KV_DIRECT]["max_handoff_latency_ms"] == 3.0
     assert "over_quiet" not in head["conditions"]["quiet"]
 
 
@@ -244,3 +249,36 @@ async def test_quick_run_is_consistent(tmp_path):
     head = data["headline"]
     assert head["relay_tokens"] == max(counts) and head["payload_ratio"] > 1
     assert r["plots"] and all(Path(png).stat().st_size > 0 for png in r["plots"])
+
+
+async def test_the_machines_cut_md_takes_over_token_exact(tiny, prep):
+    """The bench's sides as the daemons: MD's machine asks (TAKEOVER), RLD's machine cuts with
+    one final one-shot HANDOFF from index 0 (P's first token and the relay tokens), and MD's
+    machine applies it and emits from the cut on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pddnet.protocol.handoff import SendHandoff
+
+    model, tok = tiny
+    n = 7
+    with ThreadPoolExecutor(1) as md:
+        trial = handoff_sides.MainTrial(TOKEN_ID, "t-fsm", n, prep, model, tok, md)
+        takeover = await trial.setup()
+        assert takeover.ready_position == len(prep.prompt)
+        relay = handoff_sides.relay_machine(prep, n)
+        actions = relay.takeover(takeover.ready_position, takeover.chunk_tokens, 0.0)
+        (send,) = [a for a in actions if isinstance(a, SendHandoff)]
+        assert (send.start_index, send.final, send.mode) == (0, True, "one-shot")
+        assert list(send.token_ids) == prep.relay[: n + 1]
+        msg = Handoff(
+            request_id="t-fsm",
+            start_index=send.start_index,
+            token_ids=send.token_ids,
+            final=send.final,
+            mode=send.mode,
+        )
+        await trial.on_handoff(wire(msg), 0.0)
+        got = await trial.done
+        await trial.close()
+        assert got["tokens"] == prep.reference[n + 1 : n + 3]
+        assert trial.fsm.next_index == n + 1 and trial.fsm.known[: n + 1] == prep.relay[: n + 1]

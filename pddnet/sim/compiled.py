@@ -50,6 +50,7 @@ COMPILED_MODULES: tuple[str, ...] = (
     "pddnet.policy.planner",
     "pddnet.sim.decode",
     "pddnet.sim.events",
+    "pddnet.sim.handoff",
     "pddnet.sim.metrics",
     "pddnet.sim.prefill",
     "pddnet.sim.runner",

@@ -40,6 +40,13 @@ from pddnet.policy.planner import PipelinePlanner
 from pddnet.sim.config import Deployment, SimConfig
 from pddnet.sim.decode import DecodeInstance, Member
 from pddnet.sim.events import EventLoop
+from pddnet.sim.handoff import (
+    TAKEOVER_CUT,
+    TAKEOVER_PARK,
+    first_cut,
+    md_extend_chunk,
+    takeover_step,
+)
 from pddnet.sim.metrics import Histogram, Series
 from pddnet.sim.prefill import PrefillInstance
 from pddnet.sim.wan import Transfer, WanLine
@@ -689,19 +696,19 @@ class SimulatedSystem:
         """MD has the KV (first TAKEOVER) or has digested what it got (streaming)."""
         if st.finished or st.rld_done:
             return
-        if not st.rld_started:
+        step = takeover_step(st.rld_started, st.mode)
+        if step == TAKEOVER_PARK:
             st.takeover_pending = True
             return
-        rld = self.relay[st.rld_idx]
-        if st.mode is not None:  # streaming: MD caught up, make the final cut
+        if step == TAKEOVER_CUT:  # streaming: MD caught up, make the final cut
             self._rld_cut(now, st)
             return
         assert st.rld_member is not None, "a takeover's request decodes on RLD"
-        backlog = 1 + rld.tokens_made(st.rld_member, now)
-        decision = self.handoff_policy.decide(backlog, self.admission[st.rld_idx].load)
-        st.mode = decision.mode
-        self.handoffs[decision.mode.value] += 1
-        if decision.mode is HandoffMode.ONE_SHOT:
+        backlog = 1 + self.relay[st.rld_idx].tokens_made(st.rld_member, now)
+        mode, cut_now = first_cut(self.handoff_policy, backlog, self.admission[st.rld_idx].load)
+        st.mode = mode
+        self.handoffs[mode.value] += 1
+        if cut_now:
             self._rld_cut(now, st)
         else:
             st.sent_ids = backlog
@@ -758,13 +765,14 @@ class SimulatedSystem:
         if m is None:
             m = Member(st, st.req.prompt_tokens, 0, -1.0, self._md_finished)
             st.md_member = m
+        assert st.mode is not None, "decided before any HANDOFF leaves"
+        chunk = md_extend_chunk(st.mode, ids, self.handoff_policy.chunk)
         if final:
             m.remaining = st.req.output_tokens - st.rld_tokens - 1
             m.prev_user = st.last_user
-            one_shot = st.mode is HandoffMode.ONE_SHOT
-            inst.extend(m, ids, ids if one_shot else self.handoff_policy.chunk, True)
+            inst.extend(m, ids, chunk, True)
         else:
-            inst.extend(m, ids, self.handoff_policy.chunk, False, self._md_digested)
+            inst.extend(m, ids, chunk, False, self._md_digested)
 
     def _md_digested(self, m: Member, t: float) -> None:
         self.wan.message("b_to_a", HEADER_BYTES, self._rld_takeover, m.state)

@@ -1,0 +1,392 @@
+"""handoff bench: the rig, started in order and closed in reverse: MD's server, the emulated WAN
+(`pdd wan proxy` in its own process, changed at run time through its control API), RLD's lanes
+through it, and the competing bulk traffic; then one handoff, and one link condition's handoffs,
+run on it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import re
+import secrets
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pddnet.bench.handoff_setup import PATHS, Prepared
+from pddnet.bench.handoff_sides import (
+    BULK_PREFIX,
+    HOST,
+    MainSide,
+    MainTrial,
+    RelaySide,
+    relay_machine,
+)
+
+# Link conditions: which of the two disturbances each one turns on.
+CONDITIONS: dict[str, dict[str, bool]] = {
+    "quiet": {"jitter": False, "bulk": False},
+    "jitter": {"jitter": True, "bulk": False},
+    "bulk": {"jitter": False, "bulk": True},
+    "jitter+bulk": {"jitter": True, "bulk": True},
+}
+TRIAL_TIMEOUT_S = 60.0
+
+# -- competing traffic ----------------------------------------------------------------------------
+
+
+@dataclass
+class BulkStats:
+    transfers: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class BulkSender:
+    """Other requests' KV crossing to MD on its own bulk lane: transfers of 1..2m-1 chunks
+    (mean `mean_bytes`) arriving as a Poisson process whose offered load is `load` of the link
+    rate. Bounded: it stops when `stop` is set or after `max_seconds`."""
+
+    def __init__(
+        self,
+        conn: Any,
+        spec: Any,
+        mean_bytes: float,
+        load: float,
+        rate_mbit: float,
+        seed: int,
+        max_seconds: float,
+    ) -> None:
+        import torch
+
+        from pddnet.protocol import payload_from_tensor
+
+        self.conn = conn
+        self.rng = random.Random(seed)
+        self.max_seconds = max_seconds
+        tokens = 64
+        g = torch.Generator().manual_seed(seed)
+        kv = torch.randn(
+            (spec.num_layers, 2, tokens, spec.num_kv_heads, spec.head_dim), generator=g
+        ).to(spec.torch_dtype)
+        self.payload, self.dtype, self.shape = payload_from_tensor(kv)
+        self.tokens = tokens
+        self.mean_chunks = max(1, round(mean_bytes / self.payload.nbytes))
+        mean_transfer = self.mean_chunks * self.payload.nbytes
+        self.mean_gap_s = mean_transfer * 8 / (load * rate_mbit * 1e6)
+        self.stats = BulkStats()
+
+    async def run(self, stop: asyncio.Event) -> BulkStats:
+        from pddnet.protocol import KvChunk
+
+        t0 = time.perf_counter()
+        next_at = t0 + self.rng.expovariate(1 / self.mean_gap_s)
+        while not stop.is_set() and time.perf_counter() - t0 < self.max_seconds:
+            wait = next_at - time.perf_counter()
+            if wait > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait)
+                continue
+            rid = f"{BULK_PREFIX}{self.stats.transfers}"
+            for j in range(self.rng.randint(1, 2 * self.mean_chunks - 1)):
+                await self.conn.send(
+                    KvChunk(
+                        request_id=rid,
+                        chunk_index=j,
+                        token_start=j * self.tokens,
+                        token_end=(j + 1) * self.tokens,
+                        layer_start=0,
+                        layer_end=self.shape[0],
+                        dtype=self.dtype,
+                        shape=self.shape,
+                        payload=self.payload,
+                    )
+                )
+                self.stats.bytes += self.payload.nbytes
+            self.stats.transfers += 1
+            next_at += self.rng.expovariate(1 / self.mean_gap_s)
+        self.stats.seconds = time.perf_counter() - t0
+        return self.stats
+
+
+# -- the emulated WAN: `pdd wan proxy` in its own process -----------------------------------------
+
+_PROXY_LINE = re.compile(r"wan proxy: (\S+):(\d+) -> .*; control (http://\S+)")
+
+
+class WanLink:
+    """The proxy-shell emulator between RLD (dc-a) and MD (dc-b), and its control API."""
+
+    def __init__(self, upstream_port: int, args: argparse.Namespace) -> None:
+        self.upstream_port = upstream_port
+        self.args = args
+        self.proc: Any = None
+        self.port: int | None = None
+        self.control_url: str | None = None
+        self._log: Any = None
+
+    @property
+    def initial_effects(self) -> dict[str, Any]:
+        a = self.args
+        queue = max(1500, int(a.bw_mbit * 1e6 / 8 * a.queue_ms / 1e3))
+        return {"delay_ms": a.rtt_ms / 2, "rate_mbit": a.bw_mbit, "queue_bytes": queue}
+
+    async def start(self) -> None:
+        from pddnet.cluster.wan_setup import child_env, popen
+
+        fx = self.initial_effects
+        argv = [
+            sys.executable,
+            "-m",
+            "pddnet",
+            "wan",
+            "proxy",
+            "--listen",
+            f"{HOST}:0",
+            "--upstream",
+            f"{HOST}:{self.upstream_port}",
+            "--control",
+            f"{HOST}:0",
+            "--rtt-ms",
+            repr(self.args.rtt_ms),
+            "--bw-mbit",
+            repr(fx["rate_mbit"]),
+            "--queue-bytes",
+            str(fx["queue_bytes"]),
+            "--seed",
+            str(self.args.seed),
+        ]
+        self._log = tempfile.TemporaryFile()  # not a pipe: a full pipe would stall the proxy
+        self.proc = popen(argv, stdout=self._log, stderr=self._log, env=child_env(1))
+        deadline = time.monotonic() + 30.0
+        while True:
+            self._log.seek(0)
+            text = self._log.read().decode(errors="replace")
+            m = _PROXY_LINE.search(text)
+            if m:
+                self.port, self.control_url = int(m.group(2)), m.group(3)
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the WAN proxy did not start (exit {self.proc.poll()}): "
+                    f"{text.strip()[-400:]!r}"
+                )
+            await asyncio.sleep(0.05)
+
+    def client(self) -> Any:
+        from emulation.control import ControlClient
+
+        assert self.control_url is not None
+        return ControlClient(self.control_url)
+
+    async def set_condition(self, name: str) -> dict[str, Any]:
+        """Back to the initial link, then the condition's jitter; returns a_to_b's effects."""
+        client = self.client()
+        await client.clear()
+        if CONDITIONS[name]["jitter"] and self.args.jitter_ms > 0:
+            await client.set("both", jitter_ms=self.args.jitter_ms, jitter_dist="normal")
+        return (await client.show("a_to_b"))["a_to_b"]["effects"]
+
+    async def counters(self) -> dict[str, Any]:
+        return (await self.client().show("a_to_b"))["a_to_b"]["counters"]
+
+    async def close(self) -> None:
+        from pddnet.cluster.wan_setup import stop_processes
+
+        if self.proc is not None:
+            await asyncio.to_thread(stop_processes, [self.proc])
+            self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+# -- one run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rig:
+    """Everything a handoff needs, started in order and closed in reverse."""
+
+    model: Any
+    tok: Any
+    md_executor: ThreadPoolExecutor
+    rld_executor: ThreadPoolExecutor
+    main: MainSide | None = None
+    wan: WanLink | None = None
+    relay: RelaySide | None = None
+    bulk_conn: Any = None
+    conns: list[Any] = field(default_factory=list)
+
+    async def start(self, args: argparse.Namespace) -> None:
+        from pddnet.transport import dial
+
+        secret = secrets.token_bytes(32)
+        self.main = MainSide(secret)
+        md_port = await self.main.server.start()
+        self.wan = WanLink(md_port, args)
+        await self.wan.start()
+        port = self.wan.port
+        assert port is not None
+
+        async def lane(role: str, instance: str, kind: str) -> Any:
+            conn = await dial(
+                HOST,
+                port,
+                role=role,
+                instance_id=instance,
+                lane=kind,
+                secret=secret,
+                timeout=10.0,
+            )
+            self.conns.append(conn)
+            return conn
+
+        control = await lane("relay", "rld-bench", "control")
+        bulk = await lane("relay", "rld-bench", "bulk")
+        self.bulk_conn = await lane("prefill", "p-bulk", "bulk")
+        self.relay = RelaySide(control, bulk, self.rld_executor, args.chunk_tokens)
+
+    async def close(self) -> None:
+        for conn in self.conns:
+            await conn.close("benchmark done")
+        if self.main is not None:
+            for trial in list(self.main.trials.values()):
+                await trial.close()
+            await self.main.server.close()
+        if self.wan is not None:
+            await self.wan.close()
+
+
+# -- one handoff, one condition --------------------------------------------------------------------
+
+
+async def handoff_once(
+    rig: Rig, path: str, rid: str, prep: Prepared, n: int, pause_s: float
+) -> dict[str, Any]:
+    """One handoff: MD's and RLD's state (untimed), a random pause, MD's TAKEOVER reaching
+    RLD's machine, which cuts; MD's first tokens."""
+    assert rig.main is not None and rig.relay is not None
+    trial = MainTrial(path, rid, n, prep, rig.model, rig.tok, rig.md_executor)
+    rig.main.trials[rid] = trial
+    try:
+        takeover = await trial.setup()
+        relay = relay_machine(prep, n)
+        await asyncio.sleep(pause_s)
+        before = rig.relay.bytes_out()
+        t_cut = await rig.relay.cut(path, rid, relay, takeover, prep)
+        try:
+            got = await asyncio.wait_for(asyncio.shield(trial.done), TRIAL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"handoff {rid}: MD had not sampled {TRIAL_TIMEOUT_S:g} s after "
+                f"the cut (messages lost on the link?)"
+            ) from None
+        after = rig.relay.bytes_out()
+    finally:
+        rig.main.trials.pop(rid, None)
+        await trial.close()
+    sent = {
+        k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) > before.get(k, 0)
+    }
+    expected = prep.reference[n + 1 : n + 3]
+    return {
+        "path": path,
+        "request_id": rid,
+        "relay_tokens": n,
+        "prompt": prep.index,
+        "latency_s": got["t_sampled"] - t_cut,
+        "wire_s": got["t_arrived"] - t_cut,
+        "md_s": got["t_sampled"] - got["t_arrived"],
+        "forward_s": got["forward_s"],
+        "forward_tokens": got["forward_tokens"],
+        "import_s": trial.import_s,
+        "payload_bytes": sum(sent.values()),
+        "frames_bytes": sent,
+        "kv_bytes_received": trial.kv_bytes,
+        "tokens": got["tokens"],
+        "expected": expected,
+        "token_exact": got["tokens"] == expected,
+    }
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not on Linux
+        return None
+
+
+async def run_condition(
+    rig: Rig,
+    args: argparse.Namespace,
+    ci: int,
+    name: str,
+    preps: list[Prepared],
+    rng: random.Random,
+    bar: Any,
+    spec: Any,
+) -> dict[str, Any]:
+    assert rig.wan is not None and rig.main is not None
+    load_before = _loadavg()
+    effects = await rig.wan.set_condition(name)
+    stop = asyncio.Event()
+    bulk_task = None
+    sink_before = rig.main.bulk_bytes
+    if CONDITIONS[name]["bulk"]:
+        sender = BulkSender(
+            rig.bulk_conn,
+            spec,
+            args.bulk_mib * (1 << 20),
+            args.bulk_load,
+            args.bw_mbit,
+            args.seed + 1000 + ci,
+            max_seconds=3600.0,
+        )
+        bulk_task = asyncio.create_task(sender.run(stop), name=f"bulk {name}")
+        await asyncio.sleep(min(1.0, 4 * sender.mean_gap_s))  # let the traffic get going
+    trials = []
+    try:
+        for rep in range(args.repeats):
+            prep = preps[rep % len(preps)]
+            for n in rng.sample(list(args.relay_tokens), len(args.relay_tokens)):
+                for path in rng.sample(PATHS, len(PATHS)):
+                    if bulk_task is not None and bulk_task.done():
+                        bulk_task.result()  # the sender died: say why
+                    rid = f"c{ci}-n{n}-r{rep}-{path}"
+                    t = await handoff_once(
+                        rig, path, rid, prep, n, rng.uniform(0, args.pause_ms / 1e3)
+                    )
+                    t["condition"] = name
+                    trials.append(t)
+                    bar.update(1)
+                    bar.set_postfix(cond=name, n=n, ms=f"{t['latency_s'] * 1e3:.0f}")
+    finally:
+        stop.set()
+        bulk = await bulk_task if bulk_task is not None else None
+    if bulk is not None:  # drain what is still crossing before the next condition starts
+        deadline = time.monotonic() + 60
+        while rig.main.bulk_bytes - sink_before < bulk.bytes and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    info: dict[str, Any] = {
+        "effects": effects,
+        "bulk": None,
+        "link_a_to_b": await rig.wan.counters(),
+        "loadavg_1min": {"before": load_before, "after": _loadavg()},
+    }
+    if bulk is not None:
+        info["bulk"] = {
+            "transfers": bulk.transfers,
+            "bytes": bulk.bytes,
+            "seconds": bulk.seconds,
+            "received_bytes": rig.main.bulk_bytes - sink_before,
+            "offered_load": args.bulk_load,
+            "measured_load": bulk.bytes * 8 / max(bulk.seconds, 1e-9) / (args.bw_mbit * 1e6),
+        }
+    return {"trials": trials, "info": info}

@@ -1,0 +1,86 @@
+"""handoff bench: what each handoff starts from, computed once per prompt and not timed: P's
+prompt KV, RLD's relay tokens (decoded once to the largest relay count; a cut at n replays its
+first n) and the colocated reference engine's output, the oracle MD's tokens are checked against."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+TOKEN_ID = "token-id"
+KV_DIRECT = "kv-direct"
+PATHS = (TOKEN_ID, KV_DIRECT)
+BLOCK_SIZE = 16
+
+# -- setup per prompt (RLD's thread; not timed) ---------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """One prompt's state: what P computed, what RLD decoded, and the reference's tokens."""
+
+    index: int
+    prompt: list[int]
+    sampling: Any  # SamplingParams
+    prompt_kv: Any  # ExportedKV of positions [0, prompt): P's copy, as MD gets it
+    relay: list[int]  # output indices 0..n_max: P's first token, then RLD's tokens
+    reference: list[int]  # the colocated engine's output, indices 0..n_max + 2
+    rld_engine: Any
+    rld_request: str
+
+    @property
+    def first(self) -> int:
+        return self.relay[0]
+
+
+def engine_for(model: Any, tok: Any, tokens: int) -> Any:
+    from pddnet.engine.engine import Engine
+
+    return Engine(model, tok, num_blocks=-(-tokens // BLOCK_SIZE) + 4, block_size=BLOCK_SIZE)
+
+
+def prepare_prompt(
+    model: Any, tok: Any, index: int, prompt: list[int], n_max: int, sampling: Any
+) -> Prepared:
+    from pddnet.kv.transfer import export_kv, import_kv
+
+    length = len(prompt)
+    total = n_max + 3  # MD samples indices n+1 and n+2 after a cut at n
+    ref_engine = engine_for(model, tok, length + total)
+    try:
+        reference = ref_engine.generate(prompt, total, sampling, ignore_eos=True)
+    finally:
+        ref_engine.close()
+    p = engine_for(model, tok, length + 1)
+    try:
+        pid = p.add_request(prompt, 1, sampling, keep_blocks=True, ignore_eos=True)
+        first = [t for out in p.step() for t in out.new_token_ids]
+        prompt_kv = export_kv(p.pool, p.get_sequence(pid).block_table, 0, length)
+        p.release(pid)
+    finally:
+        p.close()
+    rld = engine_for(model, tok, length + total)
+    res = rld.reserve_kv(prompt, total)
+    import_kv(rld.pool, prompt_kv, res.block_ids)
+    rid = rld.add_request(
+        prompt, total, sampling, f"relay-{index}", ignore_eos=True, output_token_ids=first, kv=res
+    )
+    relay = list(first)
+    while len(relay) < n_max + 1:
+        relay += [t for out in rld.step() for t in out.new_token_ids]
+    if relay != reference[: n_max + 1]:
+        rld.close()
+        at = next(i for i, (a, b) in enumerate(zip(relay, reference, strict=False)) if a != b)
+        raise RuntimeError(
+            f"prompt {index}: RLD's tokens differ from the reference engine's "
+            f"from output index {at} on"
+        )
+    return Prepared(index, prompt, sampling, prompt_kv, relay, reference, rld, rid)
+
+
+def make_prompts(count: int, length: int, vocab: int, bos: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [bos] + [rng.randrange(min(256, vocab)) for _ in range(length - 1)] for _ in range(count)
+    ]
