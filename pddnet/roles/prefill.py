@@ -23,7 +23,7 @@ from pddnet.engine.engine import StepOutput
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.lifecycle import prefill_request as pr
 from pddnet.lifecycle.prefill_request import MAIN, RELAY, TargetState
-from pddnet.policy.pipeline import Pipeline, PipelinePolicy
+from pddnet.policy.pipeline import Pipeline
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.protocol import (
     CacheEvents,
@@ -39,17 +39,16 @@ from pddnet.protocol import (
     Submit,
 )
 from pddnet.transport import Connection
-from pddnet.transport.kv_backend import TransferError
 from pddnet.transport.kv_paths import KVPaths
 
 from .common import Daemon, Serial, kv_done_logprob, log, now, sampling_fields, sampling_of
 from .peer import Peer
+from .prefill_planning import FED, feed, make_planner, md_answered, plan_request
 from .prefill_transfers import PATH_OF, PrefillTransfers, RequestKV
 from .readiness import Link
 
 BULK_LINK = "main-decode bulk"  # the WAN stripes that carry KV_CHUNK to MD (tcp backend)
 FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pipeline.RLD_ONLY}
-LIVE = (TargetState.SHIPPING, TargetState.DONE_QUEUED)  # a target P still writes to
 
 
 @dataclass
@@ -88,25 +87,9 @@ class PrefillDaemon(Daemon):
             await self.kv.kv_paths.close()
             raise
 
-    def _make_planner(self) -> PipelinePlanner:
-        cfg, pol = self.config, self.config.policy
-        mbit = pol.wan_bw_mbit or cfg.wan.bw_mbit or 1000.0
-        policy = PipelinePolicy(
-            direct_budget_s=pol.direct_budget_s,
-            singular_filter=pol.singular_filter,
-            singular_margin=pol.singular_margin,
-        )
-        return PipelinePlanner(
-            policy,
-            self.engine.pool.spec.bytes_per_token,
-            bandwidth_bps=mbit * 1e6 / 8,
-            rtt_s=max(cfg.wan.rtt_ms, 1.0) / 1e3,
-            rld_step_s=pol.rld_step_s,
-        )
-
     async def dial_peers(self) -> None:
         if self.config.mode is ClusterMode.PDD:
-            self.planner = self._make_planner()
+            self.planner = make_planner(self.config, self.engine.pool.spec.bytes_per_token)
         if RELAY in self.targets:
             self.control[RELAY] = self.peer(self.config.relay.dial_address(), "relay control")
             await self.control[RELAY].connect_first()
@@ -129,9 +112,7 @@ class PrefillDaemon(Daemon):
         """Also MD's bulk stripes, which come and go with its control lane."""
         links = super().links()
         if MAIN in self.control:
-            md = links[self.control[MAIN].name]
-            up = md.up and self.kv.stripes is not None and self.kv.stripes.alive
-            links[BULK_LINK] = Link(up, md.since, "" if up else md.detail or "not dialled yet")
+            links[BULK_LINK] = self.kv.bulk_link(links[self.control[MAIN].name])
         return links
 
     def link_changed(self, name: str) -> None:
@@ -153,7 +134,7 @@ class PrefillDaemon(Daemon):
         if isinstance(msg, Submit):
             self._submit(msg)
         elif isinstance(msg, KvAllocResponse):
-            self._allocated(self._target_of(conn), msg)
+            self._allocated(conn.peer_role, msg)
         elif isinstance(msg, CacheEvents):
             if self.planner is not None:
                 view = self.planner.view
@@ -176,11 +157,6 @@ class PrefillDaemon(Daemon):
             log.warning(
                 "%s: unexpected %s from %s", self.instance_id, msg.TYPE.name, conn.peer_role
             )
-
-    def _target_of(self, conn: Connection) -> str:
-        if conn.peer_role not in (RELAY, MAIN):
-            raise ValueError(f"KV_ALLOC_RESPONSE from a {conn.peer_role}, not a decode tier")
-        return conn.peer_role
 
     def _submit(self, sub: Submit) -> None:
         rid = sub.request_id
@@ -207,22 +183,21 @@ class PrefillDaemon(Daemon):
             if len(down) > 1:
                 self.error(rid, "no_decode_tier", "neither relay nor main decode is reachable")
                 return
-            forced = self.config.policy.pipeline
-            force = None if forced == "auto" else Pipeline.from_wire(forced)
             why = None
             if down:  # the other decode tier is the fallback while one is unreachable
-                force = Pipeline.RLD_ONLY if down == [MAIN] else Pipeline.P_MD
-                why = f"{down[0]} unreachable: {self.control[down[0]].link().describe(self.control[down[0]].name)}"[
-                    :300
-                ]
+                peer = self.control[down[0]]
+                why = f"{down[0]} unreachable: {peer.link().describe(peer.name)}"[:300]
                 self.counters[f"{down[0]}_down_rerouted"] += 1
-            plan = self.planner.plan(sub.prompt_token_ids, sub.max_tokens, force=force, why=why)
+            configured = self.config.policy.pipeline
+            plan = plan_request(self.planner, configured, sub, down[0] if down else None, why)
             machine = pr.PrefillRequest(len(sub.prompt_token_ids), plan.pipeline, plan=plan)
         serial = {t: Serial(f"{rid} -> {t}", self._tasks) for t in (*machine.targets, "engine")}
         req = self.requests[rid] = _Request(sub, machine, serial, RequestKV(rid))
         self._run(req, machine.start())
 
     def _allocated(self, target: str, msg: KvAllocResponse) -> None:
+        if target not in (RELAY, MAIN):
+            raise ValueError(f"KV_ALLOC_RESPONSE from a {target}, not a decode tier")
         req = self.requests.get(msg.request_id)
         if req is None:
             if msg.accepted:  # the request ended meanwhile: give the blocks back
@@ -243,8 +218,7 @@ class PrefillDaemon(Daemon):
         seen = recheck = None
         if target == MAIN and m.plan is not None and self.planner is not None:
             # MD's hit is authoritative: repair P's view and recheck the pipeline with it
-            seen = self.planner.md_answered(m.plan, msg.hit_tokens, msg.block_size)
-            recheck = self.planner.recheck(m.plan, msg.hit_tokens)
+            seen, recheck = md_answered(self.planner, m.plan, msg.hit_tokens, msg.block_size)
         self._run(req, m.allocated(target, msg.hit_tokens, time.monotonic(), seen, recheck))
 
     # -- engine progress ---------------------------------------------------------------------------
@@ -324,14 +298,8 @@ class PrefillDaemon(Daemon):
                 self.to_router(
                     PipelineChange(request_id=rid, pipeline=wire, reason=reason, time=now())
                 )
-            elif self.planner is None:  # the WAN backlog and goodput are the planner's
-                continue
-            elif isinstance(a, pr.CommitWan):
-                self.planner.wan_committed(rid, a.num_tokens * self.planner.kv_bytes_per_token)
-            elif isinstance(a, pr.ReleaseWan):
-                self.planner.wan_released(rid)
-            elif isinstance(a, pr.ObserveWanTransfer):
-                self.planner.observe_transfer(a.num_bytes, a.seconds)
+            elif isinstance(a, FED) and self.planner is not None:  # WAN backlog, goodput
+                feed(self.planner, rid, a)
 
     def _ask(self, req: _Request, a: pr.AskAllocation) -> None:
         """KV_ALLOC_REQUEST to one target, naming the request's current pipeline."""
@@ -354,27 +322,7 @@ class PrefillDaemon(Daemon):
         )
 
     async def _transfer(self, req: _Request, a: pr.Transfer) -> None:
-        rid, m = req.submit.request_id, req.machine
-
-        def wanted() -> bool:  # a target left out gets no more writes (it was told KV_ABORT)
-            return not m.over and m.state(a.target) in LIVE
-
-        def began(backend: str) -> None:
-            self.timeline(rid, "kv_transport", None, f"{a.target}={backend}")
-
-        if not wanted():
-            return
-        try:
-            written = await self.kv.write(
-                req.kv, a.target, a.start, a.end, self.engine, wanted, began
-            )
-        except TransferError as exc:
-            self.kv.failed(req.kv, a.target, exc)
-            why = f"KV transfer to {a.target} failed ({type(exc).__name__}): {exc}"
-            self.timeline(rid, "kv_transfer_failed", None, why[:256])
-            self._run(req, m.transfer_failed(a.target, why))
-            return
-        m.kv_written(a.target, written)
+        self._run(req, await self.kv.ship(req.kv, req.machine, a, self.engine))
 
     async def _kv_done(self, req: _Request, a: pr.SendKvDone) -> None:
         m = req.machine
@@ -433,13 +381,12 @@ class PrefillDaemon(Daemon):
             for k, v in self.counters.items()
             if k.startswith("pipeline_") and "_to_" not in k
         }
-        lanes = out["lanes"]
-        bulk = lanes.get("bulk", {}).get("bytes_out", 0)
-        out["wan_bytes"] = {
-            "out": {"kv": bulk, "control": lanes.get("control", {}).get("bytes_out", 0)}
+        sent = {
+            lane: out["lanes"].get(lane, {}).get("bytes_out", 0) for lane in ("bulk", "control")
         }
-        self.kv.stats(out)
+        out["wan_bytes"] = {"out": {"kv": sent["bulk"], "control": sent["control"]}}
+        self.kv.stats(out)  # (the bulk lanes' figures from the stripes themselves)
         if self.emulation is not None:  # what the target model's KV bytes would have been
-            kv = lanes.get("bulk", {}).get("bytes_out", 0)
+            kv = out["lanes"].get("bulk", {}).get("bytes_out", 0)
             out["wan_bytes"]["out"]["kv_target"] = round(kv / self.wire_scale)
         return out

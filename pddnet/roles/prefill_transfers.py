@@ -21,6 +21,7 @@ from typing import Any
 
 from pddnet.engine.engine import Engine
 from pddnet.kv.transfer import ExportedKV, export_kv
+from pddnet.lifecycle.prefill_request import Action, PrefillRequest, TargetState, Timeline, Transfer
 from pddnet.protocol import KvAllocResponse
 from pddnet.transport import Connection
 from pddnet.transport.backends.call_thread import CallThread
@@ -39,6 +40,9 @@ from pddnet.transport.kv_paths import KVPaths
 from pddnet.transport.stripes import StripedSender
 
 from .common import log
+from .readiness import Link
+
+LIVE = (TargetState.SHIPPING, TargetState.DONE_QUEUED)  # the targets P still writes to
 
 PATH_OF = {"relay": "intra_dc", "main_decode": "wan"}  # a target's KV path ([transport] key)
 
@@ -92,6 +96,11 @@ class PrefillTransfers:
         if old is not None:
             self._spawn(old.close(), "close old stripes")
 
+    def bulk_link(self, md: Link) -> Link:
+        """MD's bulk stripes: up while its control lane is and they are alive."""
+        up = md.up and self.stripes is not None and self.stripes.alive
+        return Link(up, md.since, "" if up else md.detail or "not dialled yet")
+
     def drop_stripes(self) -> None:
         """MD's control lane is gone: its bulk lanes go with it."""
         if self.stripes is not None:
@@ -110,41 +119,42 @@ class PrefillTransfers:
             return str(exc)
         return ""
 
-    async def write(
-        self,
-        kv: RequestKV,
-        target: str,
-        start: int,
-        end: int,
-        engine: Engine,
-        wanted: Callable[[], bool],
-        began: Callable[[str], None],
-    ) -> int:
-        """Ship positions [start, end) to ``target``; the bytes written (0: no longer
-        ``wanted``). ``began`` hears the backend's name on the request's first write there.
-        Raises TransferError."""
-        xfer = kv.xfers.get(target)
-        if xfer is None:
-            region = kv.regions.get(target)
-            if region is None:
-                return 0
-            writer = await self._writer(target, region[0])
-            if not wanted():
-                return 0
-            xfer = kv.xfers[target] = writer.begin(kv.request_id, region[1])
-            began(writer.backend)
-        exported = await self.export(kv, engine, start, end)
-        if not wanted():
-            return 0
-        written = await xfer.write(exported)
-        self._counters[f"kv_bytes_{PATH_OF[target]}"] += written
-        return written
+    async def ship(
+        self, kv: RequestKV, m: PrefillRequest, a: Transfer, engine: Engine
+    ) -> list[Action]:
+        """Run the machine's Transfer: positions [a.start, a.end) to ``a.target``, unless the
+        request is over or the target was left out meanwhile (it was told KV_ABORT). Gives the
+        actions to run next (the timeline of the transport used; a failure's fallback)."""
 
-    def failed(self, kv: RequestKV, target: str, exc: TransferError) -> None:
-        self._counters[f"transfer_errors_{PATH_OF[target]}"] += 1
-        xfer = kv.xfers.get(target)
-        if isinstance(exc, (PeerUnreachable, TransferTimeout)) and xfer is not None:
-            self.forget_writer(target, xfer.writer)  # the peer is gone: do not reuse it
+        def wanted() -> bool:
+            return not m.over and m.state(a.target) in LIVE
+
+        out: list[Action] = []
+        try:
+            xfer = kv.xfers.get(a.target)
+            if xfer is None:
+                region = kv.regions.get(a.target)
+                if region is None or not wanted():
+                    return out
+                writer = await self._writer(a.target, region[0])
+                if not wanted():
+                    return out
+                xfer = kv.xfers[a.target] = writer.begin(kv.request_id, region[1])
+                out.append(Timeline("kv_transport", None, f"{a.target}={writer.backend}"))
+            exported = await self.export(kv, engine, a.start, a.end)
+            if wanted():
+                written = await xfer.write(exported)
+                self._counters[f"kv_bytes_{PATH_OF[a.target]}"] += written
+                m.kv_written(a.target, written)
+        except TransferError as exc:  # the receiver is dead, hung, or refused it
+            self._counters[f"transfer_errors_{PATH_OF[a.target]}"] += 1
+            xfer = kv.xfers.get(a.target)
+            if isinstance(exc, (PeerUnreachable, TransferTimeout)) and xfer is not None:
+                self.forget_writer(a.target, xfer.writer)  # the peer is gone: do not reuse it
+            why = f"KV transfer to {a.target} failed ({type(exc).__name__}): {exc}"
+            out.append(Timeline("kv_transfer_failed", None, why[:256]))
+            out += m.transfer_failed(a.target, why)
+        return out
 
     def stop(self, kv: RequestKV, target: str, reason: str) -> None:
         """Stop the request's writes to ``target`` (its peer is gone: nothing to tell it)."""
