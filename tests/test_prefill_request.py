@@ -342,6 +342,15 @@ def test_engine_failure_fails_only_a_prefill_in_progress():
     assert done.engine_failed("oom") == []
 
 
+def test_answers_after_the_target_was_dropped():
+    m = relayed()
+    m.peer_lost(MAIN, "md gone")  # dropped while its transfer was on
+    assert m.refused(MAIN, "late") == []
+    assert m.allocation_unusable(MAIN, "late") == [AbortTarget(MAIN, "unusable allocation: late")]
+    # whatever it reserved is given back (a dropped target may have been asked, not answered)
+    assert m.allocated(MAIN, 0, now=2.0) == [AbortTarget(MAIN, "request no longer active")]
+
+
 def test_unusable_allocation_is_given_back_then_refused():
     m = started(10, P_RLD_MD)
     m.allocated(RELAY, 0, now=0.0)

@@ -338,7 +338,7 @@ class PrefillRequest:
 
     def refused(self, target: str, error: str) -> list[Action]:
         t = self._target(target)
-        if self.over:
+        if self.over or t.state is D:  # a late answer: nothing was reserved, nothing to do
             if t.state is A:
                 self._move(target, "refused")
             return []
