@@ -36,14 +36,6 @@ from pddnet.protocol.handoff import (
     StartSequence,
     StopSequence,
 )
-from pddnet.protocol.request_flow import (
-    AbortTarget,
-    FailRequest,
-    PrefillFlow,
-    ReleaseBlocks,
-    SendKvDone,
-    Transfer,
-)
 
 
 @dataclass
@@ -395,64 +387,6 @@ def test_main_reports_progress_only_when_idle_during_streaming():
         ReleaseHold(),
         HandoffEnded("one-shot", 2),
     ]
-
-
-# -- P's request flow -------------------------------------------------------------------------
-
-
-def test_prefill_flow_ships_each_range_once_from_the_hit_and_releases_last():
-    flow = PrefillFlow(40, ("relay", "main_decode"))
-    assert flow.computed_upto(16) == []  # nobody allocated yet
-    assert flow.allocated("relay", 0) == [Transfer("relay", 0, 16)]
-    assert flow.computed_upto(32) == [Transfer("relay", 16, 32)]
-    assert flow.allocated("main_decode", 24) == [Transfer("main_decode", 24, 32)]  # from its hit
-    assert flow.computed_upto(40) == [Transfer("relay", 32, 40), Transfer("main_decode", 32, 40)]
-    assert flow.first_token_sampled(7) == [SendKvDone("relay", 7), SendKvDone("main_decode", 7)]
-    assert flow.target_finished("relay") == []  # MD's copy still going out
-    assert flow.target_finished("main_decode") == [ReleaseBlocks()]
-    assert flow.cancel("late") == []
-
-
-def test_prefill_flow_late_allocation_gets_everything_and_done_at_once():
-    flow = PrefillFlow(10, ("main_decode",))
-    flow.computed_upto(10)
-    assert flow.first_token_sampled(3) == []
-    assert flow.allocated("main_decode", 0) == [
-        Transfer("main_decode", 0, 10),
-        SendKvDone("main_decode", 3),
-    ]
-
-
-def test_prefill_flow_refusals_and_cancel():
-    both = ("relay", "main_decode")
-    md_full = PrefillFlow(10, both)
-    md_full.allocated("relay", 0)
-    assert md_full.refused("main_decode", "no room", others_suffice=True) == []
-    assert md_full.computed_upto(10) == [Transfer("relay", 0, 10)]
-    assert md_full.first_token_sampled(1) == [SendKvDone("relay", 1)]
-    assert md_full.target_finished("relay") == [ReleaseBlocks()]
-
-    rld_full = PrefillFlow(10, both)
-    rld_full.allocated("main_decode", 0)
-    actions = rld_full.refused("relay", "no room")
-    assert isinstance(actions[0], FailRequest) and "relay refused: no room" in actions[0].message
-    assert actions[1:] == [AbortTarget("main_decode", "relay refused the request"), ReleaseBlocks()]
-
-    cancelled = PrefillFlow(10, both)
-    cancelled.allocated("relay", 0)
-    assert cancelled.cancel("client went away") == [
-        AbortTarget("relay", "client went away"),
-        AbortTarget("main_decode", "client went away"),
-        ReleaseBlocks(),
-    ]
-    # an allocation answered after the cancel is given back at once
-    assert cancelled.allocated("main_decode", 0) == [
-        AbortTarget("main_decode", "request no longer active")
-    ]
-    with pytest.raises(ValueError, match="not a target"):
-        cancelled.allocated("router", 0)
-    with pytest.raises(ValueError, match="hit_tokens 10 outside"):
-        PrefillFlow(10, both).allocated("relay", 10)
 
 
 def test_relay_finishes_alone_when_main_decode_is_lost_mid_stream():
