@@ -197,7 +197,7 @@ def _pool(data: Any, chips: dict[str, ChipProfile], where: str) -> Pool:
     unknown = sorted(set(data) - {"chip", "instances", "gpus"})
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}")
-    chip = data.get("chip")
+    chip: Any = data.get("chip")  # checked below: a role of [chips] or a profile name
     if chip not in chips:
         try:
             prof = load_chip(chip)
