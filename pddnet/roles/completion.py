@@ -201,7 +201,7 @@ class Completion:
             except asyncio.TimeoutError:
                 if time.monotonic() >= deadline:
                     continue
-                t, up = router.clock(), router.connected()
+                t, up = router.clock(), router.lanes.connected()
                 for state in live:
                     actions = state.stalled(t, stall, up)
                     if actions:

@@ -140,7 +140,7 @@ class HttpFront:
         return web.json_response(models_response(self.model, self.created))
 
     async def _health(self, request: web.Request) -> web.Response:
-        ready = self.router.readiness()
+        ready = self.router.lanes.readiness()
         ok = ready["ready"]
         body = {
             "status": "ok" if ok else "degraded",
@@ -229,7 +229,7 @@ class HttpFront:
             )
         # P prefills every request; one live decode tier can serve it (pdd mode: RLD is the
         # fallback while MD is down, MD while RLD is).
-        up = router.connected()
+        up = router.lanes.connected()
         if "prefill" not in up or not up & {"relay", "main_decode"}:
             missing = [r for r in router.peers if r not in up]
             raise unavailable(

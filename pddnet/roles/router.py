@@ -36,12 +36,9 @@ from pddnet.lifecycle.router_request import (
 from pddnet.obs.metrics import RouterMetrics
 from pddnet.protocol import messages as m
 from pddnet.roles.assembler import StreamAssembler
+from pddnet.roles.event_lanes import EventLanes
 from pddnet.roles.http_api import HttpFront
 from pddnet.roles.openai_api import ChoiceText, CompletionRequest
-from pddnet.roles.outbox import Outbox
-from pddnet.roles.peer import Peer, PeerHost
-from pddnet.roles.readiness import DaemonLinks
-from pddnet.transport import Connection, ConnectionClosed, dial
 
 log = logging.getLogger("pddnet.router")
 
@@ -97,20 +94,25 @@ class Router:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.tokens_by_producer: dict[str, int] = {}
         self.metrics = RouterMetrics()
-        self.links = {r: DaemonLinks() for r in PEERS_BY_MODE[config.mode]}  # their LINK_STATE
-        self.peers = {r: self._peer(r) for r in self.links}
+        self.lanes = EventLanes(
+            config,
+            PEERS_BY_MODE[config.mode],
+            self.instance_id,
+            self._on_message,
+            self._on_lost,
+            self._spawn,
+            self.counters,
+        )
+        self.peers = self.lanes.peers
         self._wakers: dict[str, asyncio.Event] = {}  # request id -> its HTTP request's event
         self._tasks: set[asyncio.Task] = set()
-        self._peer_tasks: set[asyncio.Task] = set()
-        self._closing = False
         self._stop = asyncio.Event()
         self.http = HttpFront(self)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        for peer in self.peers.values():
-            peer.start()
+        self.lanes.start()
         await self.http.start()
 
     @property
@@ -129,7 +131,6 @@ class Router:
 
     async def close(self) -> None:
         self._stop.set()
-        self._closing = True  # ends the redial loops (see Peer._reconnect)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -137,12 +138,7 @@ class Router:
             state.assembler.fail("the router is shutting down")
             self._wake(state)
         await self.http.close()
-        # all at once: each close may wait up to a second for its peer to take the last bytes
-        await asyncio.gather(*(peer.close() for peer in self.peers.values()))
-
-    def connected(self) -> frozenset[str]:
-        """The daemons whose events lane is up now."""
-        return frozenset(r for r, p in self.peers.items() if p.alive)
+        await self.lanes.close()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -154,91 +150,10 @@ class Router:
             "active_requests": len(self.requests),
             **self.counters,
             "tokens_by_producer": dict(self.tokens_by_producer),
-            "peers": {
-                r: {
-                    "connected": p.alive,
-                    "address": f"{p.address[0]}:{p.address[1]}",
-                    "connects": p.connects,
-                    "last_error": None if p.alive else (p.last_loss or None),
-                }
-                for r, p in self.peers.items()
-            },
-        }
-
-    def readiness(self) -> dict[str, Any]:
-        """Ready when every daemon is connected and reports all its links up; otherwise what
-        it waits for, one line per link (pddnet/roles/readiness.py)."""
-        waiting: list[str] = []
-        up = self.connected()
-        for role, peer in self.peers.items():
-            if role not in up:
-                waiting.append(
-                    f"{role}: the router's events lane is not connected"
-                    + (f" ({peer.last_loss})" if peer.last_loss else "")
-                )
-            else:
-                waiting += self.links[role].waiting_for(role)
-        return {
-            "ready": not waiting,
-            "waiting_for": waiting,
-            "peers": {r: r in up and self.links[r].ready for r in self.peers},
-            "links": {r: links.to_json() for r, links in self.links.items()},
+            "peers": self.lanes.stats(),
         }
 
     # -- the daemons' events lanes ----------------------------------------------------------------
-
-    def _peer(self, role: str) -> Peer:
-        cfg = self.config
-
-        async def dial_once(address: tuple[str, int], lane: str) -> Connection:
-            host, port = address
-            secret = cfg.secret.encode()
-            return await dial(
-                host, port, role="router", instance_id=self.instance_id, lane=lane, secret=secret
-            )
-
-        host = PeerHost(
-            name=self.instance_id,
-            dial=dial_once,  # unused: the router's peers dial in the background (Peer.start)
-            dial_once=dial_once,
-            serve=lambda conn: self._read(role, conn),
-            outbox=lambda conn, name: Outbox(conn, f"{self.instance_id} -> {name}"),
-            forget_outbox=self._forget_outbox,
-            spawn=self._spawn_peer,
-            closing=lambda: self._closing,
-            link_changed=self._link_changed,
-            counters=self.counters,
-        )
-        wan = cfg.wan
-        return Peer(
-            host,
-            getattr(cfg, role).dial_address(),
-            role,
-            heartbeat_s=wan.heartbeat_s,
-            deadline_s=wan.heartbeat_deadline_s,
-            lane="events",
-            backoff=(0.05, 1.0),
-        )
-
-    async def _read(self, role: str, conn: Connection) -> None:
-        """One events lane until it closes: heartbeats answered at once, LINK_STATE kept for
-        /health, the rest to the requests' machines."""
-        try:
-            async for msg in conn:
-                if isinstance(msg, m.Ping):
-                    with contextlib.suppress(ConnectionClosed):
-                        await conn.send(m.Pong(nonce=msg.nonce, time=msg.time))
-                elif isinstance(msg, m.Pong):
-                    self.peers[role].pong(msg)
-                elif isinstance(msg, m.LinkState):
-                    self.links[role].apply(msg)
-                    if not msg.up:
-                        log.info("%s: %s down (%s)", role, msg.link, msg.detail)
-                else:
-                    await self._on_message(role, msg)
-        except Exception as exc:  # a handler's bug: the lane is lost (and redialled), not the loop
-            log.exception("events lane to %s failed", role)
-            await conn.close(f"{type(exc).__name__}: {exc}")
 
     async def _on_message(self, role: str, msg: m.Message) -> None:
         rid = getattr(msg, "request_id", None)
@@ -249,19 +164,15 @@ class Router:
             elif rid is not None:
                 self.counters["unknown_request_events"] += 1
             return
-        await self.apply(state, state.receive(msg, role, self.clock(), self.connected()))
+        await self.apply(state, state.receive(msg, role, self.clock(), self.lanes.connected()))
 
-    def _link_changed(self, role: str) -> None:
-        """A daemon's events lane went up or down. Down (dead, hung past the heartbeat deadline,
-        cut off): the requests it carried are replayed elsewhere; the others go on (a daemon
-        that depended on it reports those itself)."""
-        peer = self.peers[role]
-        if peer.up.is_set():
-            return
-        self.links[role].reset()
-        now, up = self.clock(), self.connected()
+    def _on_lost(self, role: str, why: str) -> None:
+        """A daemon's events lane is gone (dead, hung past the heartbeat deadline, cut off):
+        the requests it carried are replayed elsewhere; the others go on (a daemon that
+        depended on it reports those itself)."""
+        now, up = self.clock(), self.lanes.connected()
         for state in list(self.requests.values()):
-            actions = state.peer_lost(role, peer.last_loss, now, up)
+            actions = state.peer_lost(role, why, now, up)
             self._wake(state)
             if actions:
                 self._spawn(self.apply(state, actions), f"replay {state.request_id}")
@@ -272,7 +183,7 @@ class Router:
             if isinstance(action, Replay):
                 self.counters["replays"] = self.counters.get("replays", 0) + 1
                 try:
-                    await self.send(action.target, action.submit)
+                    await self.lanes.send(action.target, action.submit)
                 except Exception as exc:
                     state.replay_failed(action, str(exc))
             elif isinstance(action, CancelAll):
@@ -284,36 +195,21 @@ class Router:
                 self.metrics.stall_replays.inc()
         self._wake(state)
 
-    async def send(self, role: str, msg: m.Message) -> None:
-        conn = self.peers[role].conn
-        if conn is None:
-            raise ConnectionError(f"not connected to {role}")
-        await conn.send(msg)
-
     async def cancel(self, state: RouterRequest, reason: str) -> None:
         await self._cancel(state.cancel_all(reason))
 
     async def _cancel(self, action: CancelAll) -> None:
         for role in self.peers:
             with contextlib.suppress(Exception):
-                await self.send(role, m.Cancel(request_id=action.request_id, reason=action.reason))
+                await self.lanes.send(
+                    role, m.Cancel(request_id=action.request_id, reason=action.reason)
+                )
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    def _spawn_peer(self, coro: Awaitable[Any], name: str) -> asyncio.Task:
-        """The peers' keepers: closed last (Peer.close), after the HTTP front."""
-        task = asyncio.get_running_loop().create_task(coro, name=name)  # type: ignore[arg-type]
-        self._peer_tasks.add(task)
-        task.add_done_callback(self._peer_tasks.discard)
-        return task
-
-    def _forget_outbox(self, box: Outbox | None) -> None:
-        if box is not None:
-            self._spawn(box.close(), f"close {box.name}")
 
     def _wake(self, state: RouterRequest) -> None:
         waker = self._wakers.get(state.request_id)
@@ -363,7 +259,7 @@ class Router:
     async def submit(self, state: RouterRequest) -> None:
         """The request to P (raises ConnectionError when P is not connected)."""
         req = state.req
-        await self.send(
+        await self.lanes.send(
             "prefill",
             m.Submit(
                 request_id=state.request_id,
