@@ -65,6 +65,26 @@ class Served:
     handoff_bytes: int = 0
     prefix_hit_tokens: int = 0
 
+    def record(self, event: str, number: int | None, label: str | None) -> None:
+        """The figures riding on a TIMELINE milestone (its detail_int and detail_str)."""
+        if event == "prefill_start" and label and self.pipeline is None:
+            self.pipeline = label  # P's PIPELINE_CHOICE, when it came first, stays
+        elif event in ("handoff_start", "handoff_end") and label:
+            self.handoff_mode = label
+        elif event == "kv_transport" and label and "=" in label:
+            path, _, backend = label.partition("=")  # e.g. "relay=mooncake"
+            self.transport[path] = backend
+        if number is None:
+            return
+        if event == "handoff_end":
+            self.handoff_bytes = number
+        elif event == "md_kv_complete":
+            self.wan_kv_bytes = number  # what MD received: authoritative
+        elif event == "wan_kv_sent" and self.wan_kv_bytes is None:
+            self.wan_kv_bytes = number
+        elif event == "prefix_hit_tokens":
+            self.prefix_hit_tokens = number
+
 
 @dataclass(frozen=True)
 class RouterFacts:

@@ -1,20 +1,17 @@
 """The router's view of one request, sans-IO: daemons' messages and clock events in, actions out.
 
-One `RouterRequest` per choice of an HTTP request (n > 1: n of them). Its inputs are the decoded
-messages the daemons send about it (`receive`), the loss of a daemon (`peer_lost`), the stall
-clock (`stalled`), the request timeout (`time_out`); every input takes the router's clock
-(`now`) and which daemons are connected (`up`), so it never reads a clock or a socket. Its
-outputs are actions for the shell (pddnet/roles/router.py): `Replay` (a SUBMIT by token ids to
-another decode tier), `CancelAll`, `TokenGaps` (the inter-token gaps the client saw), `Stalled`.
-Tokens are assembled by a `StreamAssembler` (in order, exactly once, whoever produced them); the
-text and stop strings by a `ChoiceText`; how it was served (the `pdd` object) by `Served`.
+One `RouterRequest` per choice of an HTTP request. Inputs: the daemons' messages about it
+(`receive`), a lost daemon (`peer_lost`), the stall clock (`stalled`), the request timeout
+(`time_out`); each takes the router's clock (`now`) and the connected daemons (`up`). Outputs:
+actions for the shell (pddnet/roles/router.py): `Replay`, `CancelAll`, `TokenGaps`, `Stalled`.
+Tokens are assembled by a `StreamAssembler`, the text (stop strings) by a `ChoiceText`, the `pdd`
+object's figures by `Served`.
 
-Carriers. The daemon producing the request now is its owner (P until a decode tier holds its
-KV); a lost owner means the request is replayed by token ids elsewhere (once). Who carries it
-moves on the milestones of `CARRIER_MOVES`, a table you can read; from RLD's handoff_start on MD
-carries it too (RLD may have cut before MD's news reaches us). After a replay only the replay
-target carries it, and what the replaced attempt still says (an error, a lost carrier) is
-stale: recorded on the timeline, not acted on.
+Carriers. The daemon producing the request is its owner (P until a decode tier holds its KV); a
+lost owner means a replay by token ids elsewhere (once). Who carries it moves on the milestones
+of `CARRIER_MOVES`; from RLD's handoff_start on MD carries it too (RLD may have cut before MD's
+news reaches us). After a replay only its target carries the request: what the replaced attempt
+still says (an error, a lost carrier) is stale, recorded on the timeline, not acted on.
 """
 
 from __future__ import annotations
@@ -59,8 +56,7 @@ CARRIER_MOVES: dict[str, CarrierMove] = {
 
 @dataclass(frozen=True)
 class Replay:
-    """Send `submit` (the request by token ids) to `target`; on a send failure call
-    `RouterRequest.replay_failed(self, error)`."""
+    """Send `submit` (by token ids) to `target`; if that fails, call `replay_failed`."""
 
     target: str
     submit: m.Submit
@@ -78,7 +74,7 @@ class CancelAll:
 
 @dataclass(frozen=True)
 class TokenGaps:
-    """Tokens were released to the client: the gaps since the previous release (modelled s)."""
+    """Tokens went to the client: the gaps since the previous release (modelled seconds)."""
 
     gaps: tuple[float, ...]
 
@@ -340,7 +336,7 @@ class RouterRequest:
             before = self.carriers()
             self._move(move, msg.producer or sender)
             self._replay_if_a_new_carrier_is_gone(self.carriers() - before, msg.event, now, up, out)
-        self._record_figures(msg.event, number, label)
+        self.served.record(msg.event, number, label)
 
     def _move(self, move: CarrierMove, reporter: str) -> None:
         if move.pipeline is not None and self.served.pipeline != move.pipeline:
@@ -350,27 +346,6 @@ class RouterRequest:
         if move.to is not None:
             self.owner = reporter if move.to == REPORTER else move.to
         self.md_carries = self.md_carries or move.md_too
-
-    def _record_figures(self, event: str, number: int | None, label: str | None) -> None:
-        """Figures of the `pdd` object riding on the milestone they belong to."""
-        s = self.served
-        if event == "prefill_start" and label and s.pipeline is None:
-            s.pipeline = label
-        elif event in ("handoff_start", "handoff_end") and label:
-            s.handoff_mode = label
-        elif event == "kv_transport" and label and "=" in label:
-            path, _, backend = label.partition("=")  # e.g. "relay=mooncake"
-            s.transport[path] = backend
-        if number is None:
-            return
-        if event == "handoff_end":
-            s.handoff_bytes = number
-        elif event == "md_kv_complete":
-            s.wan_kv_bytes = number  # what MD received: authoritative
-        elif event == "wan_kv_sent" and s.wan_kv_bytes is None:
-            s.wan_kv_bytes = number
-        elif event == "prefix_hit_tokens":
-            s.prefix_hit_tokens = number
 
     def _replay_if_a_new_carrier_is_gone(
         self, new: set[str], event: str, now: float, up: Container[str], out: list[Action]
