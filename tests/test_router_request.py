@@ -15,7 +15,8 @@ from pddnet.lifecycle.router_request import (
 from pddnet.model.tokenizer import ByteTokenizer
 from pddnet.protocol import messages as m
 from pddnet.roles.assembler import StreamAssembler
-from pddnet.roles.openai_api import ChoiceText, CompletionRequest
+from pddnet.roles.choice_text import ChoiceText
+from pddnet.roles.openai_api import CompletionRequest
 
 TOK = ByteTokenizer()
 ALL = frozenset({"prefill", "relay", "main_decode"})

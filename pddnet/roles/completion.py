@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from pddnet.lifecycle.router_request import RouterRequest
-from pddnet.roles.openai_api import (
-    ApiError,
+from pddnet.roles.openai_api import ApiError
+from pddnet.roles.openai_responses import (
     ChoiceResult,
     chat_logprobs,
     completion_chunk,

@@ -22,15 +22,9 @@ from pddnet.model.chat_template import (
     load_chat_template,
 )
 from pddnet.roles.completion import Completion
-from pddnet.roles.openai_api import (
-    ApiError,
-    CompletionRequest,
-    ModelInfo,
-    bad_request,
-    models_response,
-    parse_chat_request,
-    parse_completion_request,
-)
+from pddnet.roles.openai_api import ApiError, CompletionRequest, ModelInfo, bad_request
+from pddnet.roles.openai_parse import parse_chat_request, parse_completion_request
+from pddnet.roles.openai_responses import models_response
 
 if TYPE_CHECKING:
     from pddnet.roles.router import Router

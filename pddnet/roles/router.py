@@ -36,9 +36,10 @@ from pddnet.lifecycle.router_request import (
 from pddnet.obs.metrics import RouterMetrics
 from pddnet.protocol import messages as m
 from pddnet.roles.assembler import StreamAssembler
+from pddnet.roles.choice_text import ChoiceText
 from pddnet.roles.event_lanes import EventLanes
 from pddnet.roles.http_api import HttpFront
-from pddnet.roles.openai_api import ChoiceText, CompletionRequest
+from pddnet.roles.openai_api import CompletionRequest
 
 log = logging.getLogger("pddnet.router")
 
