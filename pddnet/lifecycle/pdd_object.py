@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pddnet.protocol import messages as m
+from pddnet.roles.assembler import StreamAssembler
 
 # What P's PIPELINE_CHOICE reports as the inputs of its decision, by name.
 DECISION_INPUTS = (
@@ -129,20 +130,18 @@ class Pdd:
 
 def build_pdd(
     facts: RouterFacts,
-    *,
     request_id: str,
     seed: int | None,
     arrival: float,
-    first_token_time: float | None,
     served: Served,
-    tokens_by_producer: dict[str, int],
+    assembler: StreamAssembler,
     replays: int,
-    finish_reason: str | None,
-    warnings: list[str],
     timeline: list[Event],
 ) -> Pdd:
     k = facts.dilation
     wan = served.wan_kv_bytes or 0
+    first_token_time = assembler.first_token_time
+    tokens_by_producer = assembler.counts_by_producer()
     return Pdd(
         request_id=request_id,
         mode=facts.mode,
@@ -162,8 +161,8 @@ def build_pdd(
         transport=dict(served.transport),
         pipeline_decision=None if served.decision is None else pipeline_record(served.decision),
         pipeline_changes=[{"pipeline": c.pipeline, "reason": c.reason} for c in served.changes],
-        finish_reason=finish_reason,
-        warnings=list(warnings),
+        finish_reason=assembler.finish_reason,
+        warnings=list(assembler.warnings),
         timeline=[
             {**dataclasses.asdict(e), "t_s": (e.time - arrival) / k}
             for e in sorted(timeline, key=lambda e: e.time)

@@ -160,20 +160,10 @@ class RouterRequest:
         )
 
     def pdd(self) -> Pdd:
-        asm = self.assembler
         return build_pdd(
-            self.facts,
-            request_id=self.request_id,
-            seed=self.seed,
-            arrival=self.arrival,
-            first_token_time=asm.first_token_time,
-            served=self.served,
-            tokens_by_producer=asm.counts_by_producer(),
-            replays=self.replays,
-            finish_reason=asm.finish_reason,
-            warnings=asm.warnings,
-            timeline=self.timeline,
-        )
+            self.facts, self.request_id, self.seed, self.arrival, self.served, self.assembler,
+            self.replays, self.timeline,
+        )  # fmt: skip
 
     # -- inputs ------------------------------------------------------------------------------------
 
