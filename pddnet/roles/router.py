@@ -1,10 +1,10 @@
 """The router: OpenAI-compatible HTTP in front of the PDD daemons (datacenter A).
 
-It dials P, RLD and MD on the "events" lane (role "router", one `Peer` each: heartbeats, redial),
-sends SUBMIT to P and CANCEL to all, and receives TOKEN_EVENT / TIMELINE / REQUEST_DONE / ERROR /
-PIPELINE_* back. This file is the shell: each message goes to its request's machine
-(pddnet/lifecycle/router_request.py: owners, replays, assembling, the `pdd` object) and the
-machine's actions come out here (a replay's SUBMIT, CANCELs, metrics). The HTTP front is
+It dials P, RLD and MD on the "events" lane (pddnet/roles/event_lanes.py: one `Peer` each,
+heartbeats, redial), sends SUBMIT to P and CANCEL to all, and receives TOKEN_EVENT / TIMELINE /
+REQUEST_DONE / ERROR / PIPELINE_* back. This file is the shell: each message goes to its request's
+machine (pddnet/lifecycle/router_request.py: owners, replays, assembling, the `pdd` object) and
+the machine's actions come out here (a replay's SUBMIT, CANCELs, metrics). The HTTP front is
 pddnet/roles/http_api.py; answering one completion (whole or SSE) pddnet/roles/completion.py.
 
 Which daemons a mode needs: pdd -> P, RLD, MD; same-dc -> P and the decode instance in A (a relay
