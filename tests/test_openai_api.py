@@ -13,15 +13,10 @@ import aiohttp
 import pytest
 
 from pddnet.model.tokenizer import ByteTokenizer
-from pddnet.roles.openai_api import (
-    ApiError,
-    IncrementalDetokenizer,
-    ModelInfo,
-    completion_chunk,
-    completion_response,
-    models_response,
-    parse_completion_request,
-)
+from pddnet.roles.choice_text import IncrementalDetokenizer
+from pddnet.roles.openai_api import ApiError, ModelInfo
+from pddnet.roles.openai_parse import parse_completion_request
+from pddnet.roles.openai_responses import completion_chunk, completion_response, models_response
 from tests.polling import wait_for
 
 TOK = ByteTokenizer()
@@ -647,7 +642,7 @@ def test_extension_fields_parse_and_travel_in_the_sampling_fields():
 
 def parse_chat(body, limit=4096, template=None):
     from pddnet.model.chat_template import load_chat_template
-    from pddnet.roles.openai_api import parse_chat_request
+    from pddnet.roles.openai_parse import parse_chat_request
 
     template = template or load_chat_template(None, TOK)
 
@@ -739,7 +734,7 @@ def test_bad_chat_bodies_get_400_naming_the_field(extra, param, fragment):
 
 
 def test_choice_text_stop_strings_as_vllm():
-    from pddnet.roles.openai_api import ChoiceText
+    from pddnet.roles.choice_text import ChoiceText
 
     def decode(ids):
         return TOK.decode(ids)
@@ -766,7 +761,7 @@ def test_choice_text_stop_strings_as_vllm():
 
 
 def test_chat_and_logprob_shapes():
-    from pddnet.roles.openai_api import (
+    from pddnet.roles.openai_responses import (
         ChoiceResult,
         chat_logprobs,
         completion_logprobs,

@@ -461,3 +461,72 @@ async def start_metrics_server(
     server = MetricsServer(host, port, collect, role)
     await server.start()
     return server
+
+
+class RouterMetrics:
+    """The router's own Prometheus metrics (its GET /metrics): it has no stats() to translate,
+    the figures are observed as completions end."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pdd_router_requests",
+            "completions by how they ended",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "pdd_router_output_tokens",
+            "output tokens by producer",
+            ["producer"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "pdd_router_ttft_seconds",
+            "time to first token at the router",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.active = Gauge(
+            "pdd_router_active_requests", "requests in flight", registry=self.registry
+        )
+        self.inter_token = Histogram(
+            "pdd_router_inter_token_seconds",
+            "gap between token releases to the client",
+            buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=self.registry,
+        )
+        self.by_pipeline = Counter(
+            "pdd_router_requests_by_pipeline",
+            "completions by the pipeline that served them",
+            ["pipeline", "finish_reason"],
+            registry=self.registry,
+        )
+        self.replays = Counter(
+            "pdd_router_replays",
+            "requests replayed by token ids after the daemon producing them was lost",
+            registry=self.registry,
+        )
+        self.stall_replays = Counter(
+            "pdd_router_stall_replays",
+            "replays by the last resort: no progress for "
+            "router.stall_timeout_s (expected 0: a lost daemon is "
+            "replayed within its heartbeat deadline)",
+            registry=self.registry,
+        )
+
+    def observe_gaps(self, gaps: Sequence[float]) -> None:
+        for g in gaps:
+            self.inter_token.observe(g)
+
+    def observe(self, finish_reason: str, tokens: dict[str, int], ttft: float | None) -> None:
+        self.requests.labels(finish_reason).inc()
+        for producer, n in tokens.items():
+            self.tokens.labels(producer).inc(n)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+
+    def render(self) -> tuple[bytes, str]:
+        return render(self.registry)

@@ -42,7 +42,8 @@ from pddnet.protocol import (
 from pddnet.protocol.messages import MAX_LOGPROB_TOKENS, SamplingFields, Timeline
 from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
 
-from .peer import Peer
+from .outbox import Outbox
+from .peer import Peer, PeerHost
 from .readiness import STARTED, Link, all_up
 
 log = logging.getLogger("pddnet.roles")
@@ -164,51 +165,6 @@ def step_end_reasons(out: StepOutput, stop_token_ids: tuple[int, ...]) -> list[s
     if out.finished and reasons:
         reasons[-1] = DONE_REASON[out.finish_reason]
     return reasons
-
-
-class Outbox:
-    """Ordered, non-blocking sends on one connection: handlers post, one task writes (and waits
-    for the connection's backpressure), so a slow peer never stalls the code that posts."""
-
-    def __init__(self, conn: Connection, name: str) -> None:
-        self.conn = conn
-        self.name = name
-        self.dropped = 0
-        self._queue: deque[Message] = deque()
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"outbox {name}")
-
-    @property
-    def alive(self) -> bool:
-        return not self.conn.closed and not self._task.done()
-
-    def post(self, msg: Message) -> None:
-        if not self.alive:
-            self.dropped += 1
-            log.debug("%s: dropping %s, connection closed", self.name, msg.TYPE.name)
-            return
-        self._queue.append(msg)
-        self._wakeup.set()
-
-    async def _run(self) -> None:
-        while True:
-            while self._queue:
-                msg = self._queue.popleft()
-                try:
-                    await self.conn.send(msg)
-                except ConnectionClosed as exc:
-                    self.dropped += 1 + len(self._queue)
-                    self._queue.clear()
-                    log.info("%s: connection closed (%s)", self.name, exc)
-                    return
-            self._wakeup.clear()
-            await self._wakeup.wait()
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._task
-        await self.conn.close("daemon closing")
 
 
 class Serial:
@@ -441,8 +397,20 @@ class Daemon:
     ) -> Peer:
         """A control lane this daemon dials and keeps up (heartbeats, redial)."""
         wan = self.config.wan
+        host = PeerHost(
+            name=self.instance_id,
+            dial=self.dial,
+            dial_once=self.dial_once,
+            serve=self._serve,
+            outbox=self.outbox,
+            forget_outbox=self.forget_outbox,
+            spawn=self.spawn,
+            closing=lambda: self.closing,
+            link_changed=self.link_changed,
+            counters=self.counters,
+        )
         p = Peer(
-            self,
+            host,
             address,
             name,
             heartbeat_s=wan.heartbeat_s,

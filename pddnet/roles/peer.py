@@ -1,12 +1,15 @@
-"""A connection a daemon dials and keeps: heartbeats with a deadline, redial after a loss.
+"""A connection a process dials and keeps: heartbeats with a deadline, redial after a loss.
 
-The dialling side of every control lane (P -> RLD, P -> MD, RLD -> MD) is a Peer. While it is up
-it sends PING every `heartbeat_s`; a PONG that does not come within `deadline_s` (a hung or
-partitioned peer: TCP alone would wait for minutes) closes the connection with that reason.
-Either way a lost connection runs the daemon's `connection_lost` (which fails or re-routes the
-requests that depended on it), and the Peer redials with backoff until the daemon closes, so a
-restarted peer rejoins without restarting anybody else. `on_up(conn)` runs after every
-(re)connect, before messages are read, e.g. P dials the bulk lanes that go with MD's control lane.
+The dialling side of every control lane (P -> RLD, P -> MD, RLD -> MD) and of the router's
+events lanes (router -> P, RLD, MD) is a Peer; what it needs from the process that keeps it (a
+daemon, the router) is a `PeerHost`. While it is up it sends PING every `heartbeat_s`; a PONG that
+does not come within `deadline_s` (a hung or partitioned peer: TCP alone would wait for minutes)
+closes the connection with that reason. Either way a lost connection ends the host's `serve` (a
+daemon's `connection_lost` fails or re-routes the requests that depended on it) and runs its
+`link_changed` (the router replays the requests the peer carried); the Peer redials with backoff
+until the host closes, so a restarted peer rejoins without restarting anybody else. `on_up(conn)`
+runs after every (re)connect, before messages are read, e.g. P dials the bulk lanes that go with
+MD's control lane.
 """
 
 from __future__ import annotations
@@ -15,18 +18,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
 
 from pddnet.protocol import Message, Ping, Pong
 from pddnet.transport import Connection
 
+from .outbox import Outbox
 from .readiness import Link
 
 log = logging.getLogger("pddnet.roles")
-
-if TYPE_CHECKING:
-    from .common import Daemon, Outbox
 
 
 async def silent_past_deadline(
@@ -35,8 +37,7 @@ async def silent_past_deadline(
     """How long a peer has been silent, when that makes it lost (else None): no PONG for
     `deadline_s` and two PINGs unanswered (a stall of our own event loop is not the peer's),
     judged again after the readers had a turn (PONGs that arrived during such a stall may still
-    wait to be read: this timer can run first). The one rule for P's, RLD's and the router's
-    heartbeats."""
+    wait to be read: this timer can run first)."""
     if time.monotonic() - last_pong() <= deadline_s or unanswered() < 2:
         return None
     await asyncio.sleep(0.05)
@@ -44,26 +45,47 @@ async def silent_past_deadline(
     return silent if silent > deadline_s and unanswered() >= 2 else None
 
 
+@dataclass(frozen=True)
+class PeerHost:
+    """What a Peer needs from the process that keeps it (a daemon's: Daemon.peer; the router
+    builds its own)."""
+
+    name: str  # who keeps the peer, for logs and task names
+    dial: Callable[[tuple[str, int], str], Awaitable[Connection]]  # the first dial, retrying
+    dial_once: Callable[[tuple[str, int], str], Awaitable[Connection]]  # one redial attempt
+    serve: Callable[[Connection], Awaitable[None]]  # read the connection until it closes
+    outbox: Callable[[Connection, str], Outbox]
+    forget_outbox: Callable[[Outbox | None], None]  # a lost connection's outbox
+    spawn: Callable[[Awaitable[Any], str], asyncio.Task]
+    closing: Callable[[], bool]  # ends the redial loop (see Peer._reconnect)
+    link_changed: Callable[[str], None]  # the lane `name` went up or down
+    counters: MutableMapping[str, int]  # where "heartbeat_deadlines" are counted
+
+
 class Peer:
     def __init__(
         self,
-        daemon: Daemon,
+        host: PeerHost,
         address: tuple[str, int],
         name: str,
         *,
         heartbeat_s: float,
         deadline_s: float,
         on_up: Callable[[Connection], Awaitable[None]] | None = None,
+        lane: str = "control",
+        backoff: tuple[float, float] = (0.1, 2.0),  # the redial's first and longest wait
     ) -> None:
         if heartbeat_s <= 0 or deadline_s <= heartbeat_s:
             raise ValueError(f"need 0 < heartbeat_s < deadline_s, got {heartbeat_s}, {deadline_s}")
-        self.daemon = daemon
+        self.host = host
         self.address = address
         self.name = name
         self.heartbeat_s = heartbeat_s
         self.deadline_s = deadline_s
         self.on_up = on_up
-        self.box: Outbox | None = None
+        self.lane = lane
+        self.backoff = backoff
+        self.box: Outbox | None = None  # None while the lane is down
         self.up = asyncio.Event()
         self.changed_at = time.time()  # when `up` last changed (wall clock, for readiness)
         self.connects = 0
@@ -75,7 +97,7 @@ class Peer:
         self._unanswered = 0
         self._task: asyncio.Task | None = None
 
-    # -- what the daemon uses ------------------------------------------------------------------
+    # -- what the host uses ----------------------------------------------------------------------
 
     @property
     def conn(self) -> Connection | None:
@@ -97,17 +119,29 @@ class Peer:
         self._unanswered = 0
         return max(0.0, self._last_pong - msg.time)
 
-    async def connect_first(self, lane: str = "control") -> Connection:
+    async def connect_first(self) -> Connection:
         """The first connection (retrying while the peer starts), then keep it up."""
-        conn = await self.daemon.dial(self.address, lane)
+        conn = await self.host.dial(self.address, self.lane)
         await self._adopt(conn)
-        self._task = self.daemon.spawn(
-            self._keep(conn), f"{self.daemon.instance_id} keeps {self.name}"
-        )
+        self._task = self.host.spawn(self._keep(conn), f"{self.host.name} keeps {self.name}")
         return conn
 
+    def start(self) -> None:
+        """Dial in the background (with the redial's backoff) and keep the lane up: for a host
+        that must not wait for its peer, e.g. the router, which answers /health meanwhile."""
+        self._task = self.host.spawn(self._keep(None), f"{self.host.name} keeps {self.name}")
+
+    async def close(self) -> None:
+        """Stop keeping the lane and close it (once the host's `closing` is true)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.box is not None:
+            await self.box.close()
+
     def link(self) -> Link:
-        """This lane as a link the daemon needs (its readiness)."""
+        """This lane as a link the host needs (its readiness)."""
         up = self.up.is_set()
         detail = "" if up else (self.last_loss or f"dialling {self.address[0]}:{self.address[1]}")
         return Link(up, self.changed_at, detail)
@@ -125,50 +159,55 @@ class Peer:
     # -- internals -------------------------------------------------------------------------------
 
     async def _adopt(self, conn: Connection) -> None:
-        self.box = self.daemon.outbox(conn, self.name)
+        self.box = self.host.outbox(conn, self.name)
         self._last_pong = time.monotonic()
         self._unanswered = 0
         self.connects += 1
         if self.on_up is not None:
             await self.on_up(conn)
         self.up.set()
+        log.info("%s: connected to %s at %s:%d", self.host.name, self.name, *self.address)
         self._changed()
 
     def _changed(self) -> None:
         self.changed_at = time.time()
-        self.daemon.link_changed(self.name)
+        self.host.link_changed(self.name)
 
-    async def _keep(self, conn: Connection) -> None:
+    async def _keep(self, conn: Connection | None) -> None:
+        if conn is None:
+            conn = await self._reconnect()
         while True:
             beat = asyncio.get_running_loop().create_task(self._heartbeat(conn))
             try:
-                await self.daemon._serve(conn)  # returns when the connection closed
+                await self.host.serve(conn)  # returns when the connection closed
             finally:
                 beat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat
             self.up.clear()
-            if self.daemon.closing:
-                return  # the daemon is shutting down: nothing to keep up any more
+            if self.host.closing():
+                return  # the host is shutting down: nothing to keep up any more
             self.losses += 1
             self.last_loss = conn.close_reason or "closed"
+            box, self.box = self.box, None
+            self.host.forget_outbox(box)
             self._changed()
-            self.daemon.forget_outbox(self.box)
             conn = await self._reconnect()
 
     async def _reconnect(self) -> Connection:
         from pddnet.transport import DialError
 
-        backoff = 0.1
-        while not self.daemon.closing:
+        backoff, longest = self.backoff
+        # `closing`, not only the task's cancel: Python 3.11's wait_for can swallow the cancel
+        # (when the awaited close of a lost lane finishes in the same step), and this loop then
+        # redialled a stopped peer for ever.
+        while not self.host.closing():
             try:
-                conn = await self.daemon.dial_once(self.address, "control")
+                conn = await self.host.dial_once(self.address, self.lane)
             except DialError as exc:
                 self.last_loss = f"redial: {exc}"
             except Exception as exc:  # whatever it was: a keeper that dies leaves the link down
-                log.exception(
-                    "%s: redialling %s failed unexpectedly", self.daemon.instance_id, self.name
-                )
+                log.exception("%s: redialling %s failed unexpectedly", self.host.name, self.name)
                 self.last_loss = f"redial: {type(exc).__name__}: {exc}"
             else:
                 try:
@@ -176,10 +215,11 @@ class Peer:
                     return conn
                 except (DialError, OSError) as exc:  # e.g. P's bulk lanes to MD
                     self.last_loss = f"reconnect: {exc}"
-                    self.daemon.forget_outbox(self.box)
+                    box, self.box = self.box, None
+                    self.host.forget_outbox(box)
                     await conn.close(f"reconnect failed: {exc}")
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, longest)
         raise asyncio.CancelledError  # closing: end the keeper quietly
 
     async def _heartbeat(self, conn: Connection) -> None:
@@ -189,7 +229,9 @@ class Peer:
                 lambda: self._last_pong, lambda: self._unanswered, self.deadline_s
             )
             if silent is not None:
-                self.daemon.counters["heartbeat_deadlines"] += 1
+                self.host.counters["heartbeat_deadlines"] = (
+                    self.host.counters.get("heartbeat_deadlines", 0) + 1
+                )
                 await conn.close(
                     f"heartbeat deadline: no PONG from {self.name} for "
                     f"{silent:.1f} s (deadline {self.deadline_s:g} s)"
