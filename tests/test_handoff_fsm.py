@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pddnet.policy.handoff import HandoffPolicy
-from pddnet.protocol.handoff import (
+from pddnet.lifecycle.handoff import (
     AppendTokens,
     CancelPeer,
     EmitTokens,
@@ -456,7 +456,7 @@ def test_prefill_flow_refusals_and_cancel():
 
 
 def test_relay_finishes_alone_when_main_decode_is_lost_mid_stream():
-    from pddnet.protocol.handoff import HandoffAbandoned
+    from pddnet.lifecycle.handoff import HandoffAbandoned
 
     fsm = RelayHandoff(10, HandoffPolicy(mode="streaming", chunk=2))
     for i in range(4):

@@ -1,7 +1,7 @@
 """The shell every PDD daemon (P, RLD, MD) shares: listen, dial peers, route messages, emit to the
 router, run per-request engine work in order, count, and close without leaving anything behind.
 
-A daemon is thin: protocol decisions live in pddnet.protocol.handoff / request_flow (sans-IO),
+A daemon is thin: protocol decisions live in pddnet.lifecycle.handoff / request_flow (sans-IO),
 compute in the engine behind an EngineWorker (one thread), bytes in pddnet.transport. What is
 left here is glue: which connection a message came on, and where an action's message goes.
 """

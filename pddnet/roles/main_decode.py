@@ -6,7 +6,7 @@ order over the stripes; when KV_DONE and every chunk are in, the copy is complet
 (pipeline p_rld_md) MD then sends TAKEOVER, stays held until RLD's final HANDOFF, extends the
 handed-over token ids (at most `chunk` per step when streaming) and decodes from the cut on;
 without one (p_md, the cross-dc baseline) it decodes and emits from index 0. The per-request
-decisions are pddnet.protocol.handoff.MainHandoff's.
+decisions are pddnet.lifecycle.handoff.MainHandoff's.
 
 The decode-side RadixCache (DRC, main_decode.prefix_cache = "radix"): reserve_kv matches and pins
 the prompt's cached prefix, so P sends only positions past MD's hit; every computed full block
@@ -56,7 +56,7 @@ from pddnet.protocol import (
     Takeover,
     encode_bytes,
 )
-from pddnet.protocol.handoff import (
+from pddnet.lifecycle.handoff import (
     Action,
     AppendTokens,
     EmitTokens,

@@ -3,7 +3,7 @@
 It reserves blocks for P's one-sided writes (KV_ALLOC_REQUEST -> reserve_kv, answered with the
 block ids and the region's name), starts decoding the moment P's completion (KV_DONE) arrives,
 and streams every token to the router at once (eager). In pdd mode MD's TAKEOVER starts the
-handoff; RLD alone decides the cut (pddnet.protocol.handoff.RelayHandoff): one-shot stops at
+handoff; RLD alone decides the cut (pddnet.lifecycle.handoff.RelayHandoff): one-shot stops at
 once, streaming forwards tokens while MD catches up. In same-dc mode (pipeline p_rld) it is the
 decode instance and never hands off.
 
@@ -50,7 +50,7 @@ from pddnet.protocol import (
     Takeover,
     encode_bytes,
 )
-from pddnet.protocol.handoff import (
+from pddnet.lifecycle.handoff import (
     Action,
     CancelPeer,
     EmitTokens,
