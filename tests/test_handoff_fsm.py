@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pddnet.policy.handoff import HandoffPolicy
 from pddnet.lifecycle.handoff import (
     AppendTokens,
     CancelPeer,
@@ -36,6 +35,7 @@ from pddnet.lifecycle.handoff import (
     StartSequence,
     StopSequence,
 )
+from pddnet.policy.handoff import HandoffPolicy
 from pddnet.protocol.request_flow import (
     AbortTarget,
     FailRequest,

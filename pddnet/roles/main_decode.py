@@ -21,9 +21,6 @@ straight into the reserved blocks; the copy is complete on KV_DONE, which P send
 engine acknowledged every write). A mooncake write may still be in flight when MD drops a
 request before its KV_DONE: the reservation is fenced (kept) until P's KV_ABORT says the writes
 stopped, or a bound passes (see RelayDaemon).
-
-Test hook: ``kv_arrival_delay_s`` delays the import of every KV chunk (with mooncake: the completion) by that many seconds, so
-that an in-process test without the WAN emulator sees MD's copy complete well after RLD's.
 """
 
 from __future__ import annotations
@@ -39,23 +36,6 @@ from pddnet.engine.engine import Engine, KVReservation, StepOutput
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.engine.sequence import FinishReason
 from pddnet.kv.radix import HIT_INTERVAL_LABELS, RadixCache
-from pddnet.kv.transfer import ExportedKV, KVExportMeta, import_kv
-from pddnet.protocol import (
-    CacheEvents,
-    Cancel,
-    Handoff,
-    KvAbort,
-    KvAllocRequest,
-    KvAllocResponse,
-    KvChunk,
-    KvDone,
-    KvReceived,
-    Message,
-    RequestDone,
-    Submit,
-    Takeover,
-    encode_bytes,
-)
 from pddnet.lifecycle.handoff import (
     Action,
     AppendTokens,
@@ -72,7 +52,25 @@ from pddnet.lifecycle.handoff import (
     StartSequence,
     StopSequence,
 )
+from pddnet.protocol import (
+    CacheEvents,
+    Cancel,
+    Handoff,
+    KvAbort,
+    KvAllocRequest,
+    KvAllocResponse,
+    KvChunk,
+    KvDone,
+    KvReceived,
+    Message,
+    RequestDone,
+    Submit,
+    Takeover,
+    encode_bytes,
+)
 from pddnet.transport import Connection
+from pddnet.transport.backends.tcp import TcpSink
+from pddnet.transport.kv_backend import TransferError, WriteTarget
 
 from .common import (
     Outbox,
@@ -137,11 +135,8 @@ class MainDecodeDaemon(KvReceiver):
     section_name = "main_decode"
     kv_path = "wan"
 
-    def __init__(self, config: ClusterConfig, *, kv_arrival_delay_s: float = 0.0) -> None:
+    def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)
-        if kv_arrival_delay_s < 0:
-            raise ValueError(f"kv_arrival_delay_s must be >= 0, got {kv_arrival_delay_s}")
-        self.kv_arrival_delay_s = kv_arrival_delay_s
         self.chunk_tokens = config.policy.handoff_chunk
         self.rld: Outbox | None = None
         self.requests: dict[str, _Request] = {}
@@ -220,9 +215,13 @@ class MainDecodeDaemon(KvReceiver):
         self._drain_cache_events()
         return res
 
-    def _import_in_engine(self, exported: ExportedKV, block_ids: list[int]) -> None:
-        import_kv(self.engine.pool, exported, block_ids)
+    def _import_in_engine(self, msg: KvChunk, target: WriteTarget) -> int:
+        """In the engine thread: the tcp sink checks and imports the chunk (its payload bytes)."""
+        sink = self.sink
+        assert isinstance(sink, TcpSink)
+        nbytes = sink.receive(msg, target)
         self._drain_cache_events()
+        return nbytes
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -367,10 +366,9 @@ class MainDecodeDaemon(KvReceiver):
             return
         res = req.reservation
         assert res is not None
-        try:
-            exported = self._check_chunk(req, res, msg)
-        except ValueError as exc:
-            self._abort(req, f"bad KV_CHUNK {msg.chunk_index}: {exc}")
+        fault = self._chunk_fault(req, res, msg)
+        if fault is not None:
+            self._abort(req, f"bad KV_CHUNK {msg.chunk_index}: {fault}")
             return
         req.chunks.add(msg.chunk_index)
         req.imports_pending += 1
@@ -378,59 +376,29 @@ class MainDecodeDaemon(KvReceiver):
         if req.first_chunk_at is None:
             req.first_chunk_at, req.first_chunk_bytes = arrived, msg.payload.nbytes
         req.last_chunk_at = arrived
-        if self.kv_arrival_delay_s:
-            self.spawn(
-                self._import_later(req, res, exported, msg.payload.nbytes),
-                f"delayed import {msg.request_id}",
-            )
-        else:
-            await self._import(req, res, exported, msg.payload.nbytes)
+        await self._import(req, res, msg)
 
-    def _check_chunk(self, req: _Request, res: KVReservation, msg: KvChunk) -> ExportedKV:
-        alloc = req.alloc
+    @staticmethod
+    def _chunk_fault(req: _Request, res: KVReservation, msg: KvChunk) -> str | None:
+        """This request's accounting of a chunk (the pool's checks are the sink's)."""
         if msg.chunk_index in req.chunks:
-            raise ValueError("duplicate chunk index")
-        if not res.num_cached_tokens <= msg.token_start < msg.token_end <= alloc.num_tokens:
-            raise ValueError(
+            return "duplicate chunk index"
+        if not res.num_cached_tokens <= msg.token_start < msg.token_end <= req.alloc.num_tokens:
+            return (
                 f"positions [{msg.token_start}, {msg.token_end}) outside the "
-                f"uncached range [{res.num_cached_tokens}, {alloc.num_tokens})"
+                f"uncached range [{res.num_cached_tokens}, {req.alloc.num_tokens})"
             )
-        bs = self.engine.block_size
-        touched = res.block_ids[msg.token_start // bs : (msg.token_end - 1) // bs + 1]
-        if msg.block_ids and list(msg.block_ids) != touched:
-            raise ValueError(
-                f"names blocks {list(msg.block_ids)[:8]} but the positions lie in "
-                f"this request's blocks {touched[:8]}"
-            )
-        meta = KVExportMeta(
-            dtype=msg.dtype,
-            shape=msg.shape,
-            token_start=msg.token_start,
-            token_end=msg.token_end,
-            block_size=alloc.block_size,
-            layer_start=msg.layer_start,
-        )
-        spec = self.engine.spec
-        if meta.layer_end > spec.num_layers or meta.shape[3:] != (spec.num_kv_heads, spec.head_dim):
-            raise ValueError(
-                f"shape {list(msg.shape)} from layer {msg.layer_start} does not fit "
-                f"the model ({spec.num_layers} layers, {spec.num_kv_heads} kv heads "
-                f"x {spec.head_dim})"
-            )
-        return ExportedKV.from_payload(meta, msg.payload)
+        return None
 
-    async def _import_later(
-        self, req: _Request, res: KVReservation, exported: ExportedKV, nbytes: int
-    ) -> None:
-        await asyncio.sleep(self.kv_arrival_delay_s)
-        await self._import(req, res, exported, nbytes)
-
-    async def _import(
-        self, req: _Request, res: KVReservation, exported: ExportedKV, nbytes: int
-    ) -> None:
+    async def _import(self, req: _Request, res: KVReservation, msg: KvChunk) -> None:
         if req.reservation is not res:  # dropped meanwhile
             return
-        await self.compute(self._import_in_engine, exported, res.block_ids)
+        target = WriteTarget(tuple(res.block_ids), self.engine.block_size, res.num_cached_tokens)
+        try:
+            nbytes = await self.compute(self._import_in_engine, msg, target)
+        except TransferError as exc:
+            self._abort(req, f"bad KV_CHUNK {msg.chunk_index}: {exc}")
+            return
         req.imports_pending -= 1
         req.bytes_in += nbytes
         self._check_complete(req)
@@ -459,15 +427,6 @@ class MainDecodeDaemon(KvReceiver):
             arrived = time.monotonic()
             req.first_chunk_at, req.last_chunk_at = arrived, arrived
             req.bytes_in = msg.num_bytes
-            if self.kv_arrival_delay_s:
-                req.imports_pending += 1
-                self.spawn(self._complete_later(req), f"delayed completion {req.rid}")
-                return
-        self._check_complete(req)
-
-    async def _complete_later(self, req: _Request) -> None:
-        await asyncio.sleep(self.kv_arrival_delay_s)
-        req.imports_pending -= 1
         self._check_complete(req)
 
     def _check_complete(self, req: _Request) -> None:
@@ -761,7 +720,6 @@ class MainDecodeDaemon(KvReceiver):
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
-        out["kv_arrival_delay_s"] = self.kv_arrival_delay_s
         out["max_extend_tokens"] = dict(self.max_extend_tokens)
         out["handoffs"] = dict(self.handoffs_by_mode)
         out["active_phases"] = self.active_phases(self.requests)

@@ -35,6 +35,19 @@ from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import KVReservation, StepOutput
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.kv.shm import segment_name
+from pddnet.lifecycle.handoff import (
+    Action,
+    CancelPeer,
+    EmitTokens,
+    FinishRequest,
+    HandoffAbandoned,
+    HandoffError,
+    HandoffStarted,
+    RelayHandoff,
+    RelayPhase,
+    SendHandoff,
+    StopSequence,
+)
 from pddnet.policy.admission import RelayAdmission
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.protocol import (
@@ -49,19 +62,6 @@ from pddnet.protocol import (
     Submit,
     Takeover,
     encode_bytes,
-)
-from pddnet.lifecycle.handoff import (
-    Action,
-    CancelPeer,
-    EmitTokens,
-    FinishRequest,
-    HandoffAbandoned,
-    HandoffError,
-    HandoffStarted,
-    RelayHandoff,
-    RelayPhase,
-    SendHandoff,
-    StopSequence,
 )
 from pddnet.transport import Connection
 
