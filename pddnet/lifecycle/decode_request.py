@@ -96,8 +96,10 @@ TRANSITIONS: dict[tuple[Role, Phase, str], frozenset[Phase]] = {
         (M, RX, "engine_step"): {END},
         (M, CUT, "engine_step"): {CUT, END},  # digesting handed-over tokens, reporting
         (M, DEC, "engine_step"): {DEC, END},
-        (M, RX, "peer_lost"): {END},  # no relay, no cut: free the copy (RLD finishes or
-        (M, CUT, "peer_lost"): {END},  # the router replays); past the cut MD carries on
+        # RLD's lane closed: no cut will come, free the copy (RLD finishes the request or the
+        # router replays it); past the cut MD carries on. RX stays: p_md has no relay.
+        (M, RX, "peer_lost"): {RX, END},
+        (M, CUT, "peer_lost"): {END},
     }.items()
 }
 for _role in Role:
