@@ -98,7 +98,7 @@ class Slot:
 
 class DecodeTier(KvReceiver):
     """Base of RelayDaemon and MainDecodeDaemon. Subclasses set ``request_role`` and implement
-    ``alloc``, ``handle_own`` (their own messages) and ``decode_peer`` (where CANCEL,
+    ``_alloc``, ``handle_own`` (their own messages) and ``decode_peer`` (where CANCEL,
     HANDOFF / TAKEOVER and forwarded REQUEST_DONEs go)."""
 
     request_role: Role
@@ -128,7 +128,7 @@ class DecodeTier(KvReceiver):
                 self._apply(old, old.machine.replaced())
             self.replays.start(msg, old.serial if old is not None else None)
         elif isinstance(msg, KvAllocRequest):
-            await self.alloc(self._p_outbox(conn), msg)
+            await self._alloc(self._p_outbox(conn), msg)
         elif isinstance(msg, KvDone):
             if not self.unfence(msg.request_id):
                 self.event(msg.request_id, lambda m: m.kv_done(msg, time.monotonic()))
@@ -147,7 +147,7 @@ class DecodeTier(KvReceiver):
         """A message only this tier takes; False if it is not one."""
         return False
 
-    async def alloc(self, p: Outbox, msg: KvAllocRequest) -> None:  # pragma: no cover
+    async def _alloc(self, p: Outbox, msg: KvAllocRequest) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def _p_outbox(self, conn: Connection) -> Outbox:

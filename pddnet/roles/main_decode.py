@@ -123,7 +123,7 @@ class MainDecodeDaemon(DecodeTier):
             return False
         return True
 
-    async def alloc(self, p: Outbox, msg: KvAllocRequest) -> None:
+    async def _alloc(self, p: Outbox, msg: KvAllocRequest) -> None:
         assert self.engine is not None
         await self._sink_ready.wait()  # P may ask while the pool is being registered
         assert self.sink is not None

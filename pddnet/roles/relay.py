@@ -119,7 +119,7 @@ class RelayDaemon(DecodeTier):
             self._hold(self.hold.park(msg, time.monotonic()))
         # else: ended here (cut, finished or cancelled: MD was told) or a late report
 
-    async def alloc(self, p: Outbox, msg: KvAllocRequest) -> None:
+    async def _alloc(self, p: Outbox, msg: KvAllocRequest) -> None:
         rid = msg.request_id
         engine = self.engine
         assert engine is not None
