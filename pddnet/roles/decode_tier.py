@@ -9,13 +9,13 @@ dropped reservation that one-sided writes may still reach, and replays (roles/re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pddnet.config import ClusterConfig
 from pddnet.engine.engine import Engine, KVReservation, StepOutput
 from pddnet.engine.sequence import FinishReason
-from pddnet.kv.allocator import OutOfBlocks
 from pddnet.lifecycle.decode_request import (
     DecodeAction,
     DecodeRequest,
@@ -97,13 +97,11 @@ class Slot:
 
 
 class DecodeTier(KvReceiver):
-    """Base of RelayDaemon and MainDecodeDaemon. Subclasses set ``request_role`` and implement
+    """Base of RelayDaemon and MainDecodeDaemon. Subclasses implement
     ``_alloc``, ``handle_own`` (their own messages) and ``decode_peer`` (where CANCEL,
     HANDOFF / TAKEOVER and forwarded REQUEST_DONEs go)."""
 
-    request_role: Role
-
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)
         self.requests: dict[str, Slot] = {}
         self.replays = Replays(self)
@@ -178,77 +176,7 @@ class DecodeTier(KvReceiver):
         """A request dropped before its allocation was made (True: it was waiting here)."""
         return False
 
-    # -- allocation ----------------------------------------------------------------------------
-
-    def refuse_alloc(self, p: Outbox, rid: str, error: str) -> None:
-        engine = self.engine
-        assert engine is not None
-        self.counters["refused"] += 1
-        p.post(
-            KvAllocResponse(
-                request_id=rid,
-                accepted=False,
-                hit_tokens=0,
-                block_ids=(),
-                block_size=engine.block_size,
-                dtype=engine.spec.dtype,
-                error=error[:4096],
-            )
-        )
-
-    async def reserve_for(
-        self,
-        p: Outbox,
-        msg: KvAllocRequest,
-        known: Container[str],
-        on_refuse: Callable[[], None] | None = None,
-        on_short: Callable[[], None] | None = None,
-    ) -> KVReservation | None:
-        """On KV_ALLOC_REQUEST: check the id and the model shape, reserve blocks (reusing the
-        prefix cache), and recheck for a cancel that came meanwhile. Returns the reservation, or
-        None after sending P the refusal (`on_refuse` runs first). With `on_short`, a pool that
-        is only short *now* (the request fits in it once others free their blocks) calls
-        `on_short()` instead of refusing: the caller keeps the request waiting."""
-        rid, engine = msg.request_id, self.engine
-        assert engine is not None
-        spec = engine.spec
-
-        def refuse(error: str) -> None:
-            if on_refuse is not None:
-                on_refuse()
-            self.refuse_alloc(p, rid, error)
-
-        if rid in known or rid in self.ended:
-            refuse(f"request id {rid!r} is already known here (duplicate or cancelled)")
-            return None
-        shape = (msg.num_layers, msg.num_kv_heads, msg.head_dim)
-        if shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
-            refuse(
-                f"model shape {shape} (layers, kv heads, head dim) does not match this "
-                f"{self.role}'s {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}"
-            )
-            return None
-        try:
-            res = await self.compute(self.reserve_in_engine, msg.prompt_token_ids, msg.max_tokens)
-        except OutOfBlocks as exc:
-            if on_short is not None and exc.requested <= exc.total and rid not in self.ended:
-                on_short()
-            else:
-                refuse(f"cannot reserve KV: {exc}")
-            return None
-        except ValueError as exc:
-            refuse(f"cannot reserve KV: {exc}")
-            return None
-        if rid in self.ended:  # cancelled while the reservation was being made
-            await self.compute(engine.free_reservation, res)
-            refuse("request was cancelled")
-            return None
-        return res
-
-    def reserve_in_engine(self, token_ids: tuple[int, ...], max_tokens: int) -> KVReservation:
-        """In the engine thread: the reservation (MD also drains its cache events here, in the
-        same call, so that the notice it sends with its answer is current)."""
-        return self.engine.reserve_kv(token_ids, max_tokens)
+    # -- allocation (the pool's reservations: KvReceiver) ----------------------------------------
 
     def accept(
         self, p: Outbox, msg: KvAllocRequest, res: KVReservation, machine: DecodeRequest, **extra

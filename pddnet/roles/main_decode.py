@@ -48,7 +48,6 @@ class MainDecodeDaemon(DecodeTier):
     role = "main_decode"
     section_name = "main_decode"
     kv_path = "wan"
-    request_role = Role.MAIN
 
     def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)

@@ -60,7 +60,6 @@ class RelayDaemon(DecodeTier):
     role = "relay"
     section_name = "relay"
     kv_path = "intra_dc"
-    request_role = Role.RELAY
 
     def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)
