@@ -62,17 +62,18 @@ class Phase(enum.Enum):
 
 
 R, M = Role.RELAY, Role.MAIN
-RX, DEC, STR, CUT, END = (
+RX, DEC, STR, WAIT, END = (
     Phase.RECEIVING_KV,
     Phase.DECODING,
     Phase.STREAMING,
     Phase.WAITING_CUT,
     Phase.ENDED,
 )
-_ANY_LIVE = {RX, DEC, STR, CUT}
+_ANY_LIVE = {RX, DEC, STR, WAIT}
 
 # (role, phase, event) -> phases the event may lead to. Anything not here is a stale event.
-# cancel / kv_abort / replaced / abort end a live request in any phase (listed below the table).
+# cancel (router CANCEL, P's KV_ABORT, the other tier's REQUEST_DONE), replaced and abort end
+# a live request in any phase (added below the table).
 TRANSITIONS: dict[tuple[Role, Phase, str], frozenset[Phase]] = {
     k: frozenset(v)
     for k, v in {
@@ -88,23 +89,23 @@ TRANSITIONS: dict[tuple[Role, Phase, str], frozenset[Phase]] = {
         (R, STR, "peer_lost"): {DEC},
         # MD: chunks (tcp) or one-sided writes, KV_DONE, then TAKEOVER and the held sequence.
         (M, RX, "kv_chunk"): {RX, END},
-        (M, RX, "chunk_imported"): {RX, CUT, DEC, END},
-        (M, RX, "kv_done"): {RX, CUT, DEC, END},  # RX: chunks still on the bulk lanes
+        (M, RX, "chunk_imported"): {RX, WAIT, DEC, END},
+        (M, RX, "kv_done"): {RX, WAIT, DEC, END},  # RX: chunks still on the bulk lanes
         (M, RX, "handoff"): {END},  # a HANDOFF before MD asked: a protocol error
-        (M, CUT, "handoff"): {CUT, DEC, END},  # DEC: the final one
+        (M, WAIT, "handoff"): {WAIT, DEC, END},  # DEC: the final one
         (M, DEC, "handoff"): {END},
         (M, RX, "engine_step"): {END},
-        (M, CUT, "engine_step"): {CUT, END},  # digesting handed-over tokens, reporting
+        (M, WAIT, "engine_step"): {WAIT, END},  # digesting handed-over tokens, reporting
         (M, DEC, "engine_step"): {DEC, END},
         # RLD's lane closed: no cut will come, free the copy (RLD finishes the request or the
         # router replays it); past the cut MD carries on. RX stays: p_md has no relay.
         (M, RX, "peer_lost"): {RX, END},
-        (M, CUT, "peer_lost"): {END},
+        (M, WAIT, "peer_lost"): {END},
     }.items()
 }
 for _role in Role:
     for _phase in _ANY_LIVE:
-        for _event in ("cancel", "kv_abort", "replaced", "abort"):
+        for _event in ("cancel", "replaced", "abort"):
             TRANSITIONS[(_role, _phase, _event)] = frozenset({END})
 
 
