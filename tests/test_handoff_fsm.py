@@ -15,8 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pddnet.policy.handoff import HandoffPolicy
-from pddnet.protocol.handoff import (
+from pddnet.lifecycle.handoff import (
     AppendTokens,
     CancelPeer,
     EmitTokens,
@@ -36,6 +35,7 @@ from pddnet.protocol.handoff import (
     StartSequence,
     StopSequence,
 )
+from pddnet.policy.handoff import HandoffPolicy
 
 
 @dataclass
@@ -390,7 +390,7 @@ def test_main_reports_progress_only_when_idle_during_streaming():
 
 
 def test_relay_finishes_alone_when_main_decode_is_lost_mid_stream():
-    from pddnet.protocol.handoff import HandoffAbandoned
+    from pddnet.lifecycle.handoff import HandoffAbandoned
 
     fsm = RelayHandoff(10, HandoffPolicy(mode="streaming", chunk=2))
     for i in range(4):

@@ -4,7 +4,7 @@ no KV block, task or shared-memory segment left behind.
 
 A tiny event collector stands in for the router: it dials every daemon's events lane as role
 "router", sends SUBMIT to P and collects TOKEN_EVENT / TIMELINE / REQUEST_DONE / ERROR.
-MD's copy is made to arrive after RLD's with MainDecodeDaemon(kv_arrival_delay_s=...).
+MD's copy is made to arrive after RLD's with SlowKvMainDecode (KV frames held back on arrival).
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from pddnet.model.loader import load_model
 from pddnet.protocol import (
     Cancel,
     ErrorMessage,
+    KvChunk,
+    KvDone,
     LinkState,
+    Message,
     Ping,
     Pong,
     RequestDone,
@@ -37,7 +40,7 @@ from pddnet.protocol.messages import PipelineChoice, Timeline
 from pddnet.roles.main_decode import MainDecodeDaemon
 from pddnet.roles.prefill import PrefillDaemon
 from pddnet.roles.relay import RelayDaemon
-from pddnet.transport import dial
+from pddnet.transport import Connection, dial
 from tests.polling import wait_for, wait_for_sync
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,6 +161,28 @@ def make_config(mode: ClusterMode, handoff: str = "dynamic", **policy) -> Cluste
     return cfg.validate()
 
 
+class SlowKvMainDecode(MainDecodeDaemon):
+    """MD whose KV arrives `kv_arrival_delay_s` late: each KV_CHUNK (and, on a one-sided path,
+    the KV_DONE that completes the copy) is handed to MD that much after it came, so an
+    in-process test without the WAN emulator sees MD's copy complete well after RLD's."""
+
+    def __init__(self, config: ClusterConfig, kv_arrival_delay_s: float = 0.0) -> None:
+        super().__init__(config)
+        self.kv_arrival_delay_s = kv_arrival_delay_s
+
+    async def handle(self, conn: Connection, msg: Message) -> None:
+        kv_arrival = isinstance(msg, KvChunk) or (isinstance(msg, KvDone) and self.one_sided)
+        if not kv_arrival or not self.kv_arrival_delay_s:
+            await super().handle(conn, msg)
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(self.kv_arrival_delay_s)
+            await super(SlowKvMainDecode, self).handle(conn, msg)
+
+        self.spawn(later(), f"delayed {msg.TYPE.name} {msg.request_id}")
+
+
 @contextlib.asynccontextmanager
 async def running(cfg: ClusterConfig, md_delay: float = 0.0):
     """Start MD, RLD, P as the mode needs (in dial order, ports 0), plus the collector."""
@@ -165,7 +190,7 @@ async def running(cfg: ClusterConfig, md_delay: float = 0.0):
     collector = Collector()
     try:
         if cfg.mode is not ClusterMode.SAME_DC:
-            md = daemons["main_decode"] = MainDecodeDaemon(cfg, kv_arrival_delay_s=md_delay)
+            md = daemons["main_decode"] = SlowKvMainDecode(cfg, md_delay)
             await md.start()
             cfg.main_decode.port = md.port
         if cfg.mode is not ClusterMode.CROSS_DC:

@@ -24,8 +24,7 @@ from typing import Any
 
 import pytest
 
-from pddnet.policy.handoff import HandoffMode, HandoffPolicy
-from pddnet.protocol.handoff import (
+from pddnet.lifecycle.handoff import (
     AppendTokens,
     CancelPeer,
     FinishRequest,
@@ -37,6 +36,7 @@ from pddnet.protocol.handoff import (
     SetChunk,
     StopSequence,
 )
+from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.sim.handoff import (
     TAKEOVER_CUT,
     TAKEOVER_PARK,

@@ -17,8 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pddnet.bench.handoff_setup import BLOCK_SIZE, KV_DIRECT, TOKEN_ID, Prepared, engine_for
-from pddnet.policy.handoff import HandoffMode, HandoffPolicy
-from pddnet.protocol.handoff import (
+from pddnet.lifecycle.handoff import (
     AppendTokens,
     FirstMainToken,
     MainHandoff,
@@ -29,6 +28,7 @@ from pddnet.protocol.handoff import (
     SetChunk,
     StartSequence,
 )
+from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 
 BULK_PREFIX = "bulk-"
 HOST = "127.0.0.1"
@@ -162,7 +162,7 @@ class MainTrial:
         await self._maybe_decode()
 
     def _extend(self, edits: tuple[SequenceEdit, ...]) -> tuple[Any, list[int], float]:
-        from pddnet.roles.main_decode import edit_sequence
+        from pddnet.roles.decode_tier import edit_sequence
 
         md = self.engine
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """The shell every PDD daemon (P, RLD, MD) shares: listen, dial peers, route messages, emit to the
 router, run per-request engine work in order, count, and close without leaving anything behind.
 
-A daemon is thin: protocol decisions live in pddnet.protocol.handoff / request_flow (sans-IO),
+A daemon is thin: a request's decisions live in pddnet.lifecycle's machines (sans-IO),
 compute in the engine behind an EngineWorker (one thread), bytes in pddnet.transport. What is
 left here is glue: which connection a message came on, and where an action's message goes.
 """
@@ -15,28 +15,23 @@ import logging
 import re
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Awaitable, Callable, Container
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pddnet.config import ClusterConfig, DaemonSection
 from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
 from pddnet.device.pacer import StepPacer
-from pddnet.engine.engine import Engine, KVReservation, StepOutput
+from pddnet.engine.engine import Engine, StepOutput
 from pddnet.engine.sampling import SamplingParams, TokenLogprob
-from pddnet.engine.sequence import FinishReason
 from pddnet.engine.worker import EngineWorker
-from pddnet.kv.allocator import OutOfBlocks
 from pddnet.model.loader import load_model
 from pddnet.obs.step_times import StepTimes
 from pddnet.protocol import (
     ErrorMessage,
-    KvAllocRequest,
-    KvAllocResponse,
     Message,
     Ping,
     Pong,
     RequestDone,
-    Submit,
     TokenEvent,
 )
 from pddnet.protocol.messages import MAX_LOGPROB_TOKENS, SamplingFields, Timeline
@@ -48,8 +43,6 @@ from .readiness import STARTED, Link, all_up
 
 log = logging.getLogger("pddnet.roles")
 
-# How a finished engine sequence ends on the wire (REQUEST_DONE.reason).
-DONE_REASON = {FinishReason.STOP: "eos", FinishReason.LENGTH: "length"}
 CANCELLED_MEMORY = 4096  # recently ended request ids, so a late message cannot resurrect one
 INBOX_LIMIT = 4096  # messages read ahead of the handler on one connection
 
@@ -105,17 +98,6 @@ def event_logprobs(
     }
 
 
-def take_logprobs(
-    store: dict[int, TokenLogprob], fields: SamplingFields, index: int, n: int
-) -> list[TokenLogprob | None] | None:
-    """The logprob entries of output indices [index, index + n) for a TOKEN_EVENT, taken out
-    of a request's store (index -> entry, filled as the engine samples); None when the request
-    does not ask for logprobs."""
-    if fields.logprobs is None:
-        return None
-    return [store.pop(i, None) for i in range(index, index + n)]
-
-
 def kv_done_logprob(entry: TokenLogprob | None) -> dict[str, Any]:
     """KV_DONE's fields for the first token's logprobs (P samples it)."""
     if entry is None:
@@ -125,46 +107,6 @@ def kv_done_logprob(entry: TokenLogprob | None) -> dict[str, Any]:
         "first_top_ids": entry.top_ids,
         "first_top_logprobs": entry.top_logprobs,
     }
-
-
-def first_token_logprob(done: Any) -> TokenLogprob | None:
-    """The first token's logprobs as KV_DONE carries them (None: not requested)."""
-    if done.first_logprob is None:
-        return None
-    return TokenLogprob(
-        done.first_token_id,
-        done.first_logprob,
-        tuple(done.first_top_ids),
-        tuple(done.first_top_logprobs),
-    )
-
-
-def first_token_ends(token: int, fields: SamplingFields, eos: int | None) -> str | None:
-    """REQUEST_DONE reason when P's first token already ends the request, else None."""
-    if not fields.ignore_eos and eos is not None and token == eos:
-        return "eos"
-    if token in fields.stop_token_ids:
-        return "stop"
-    if fields.max_tokens <= 1:
-        return "length"
-    return None
-
-
-def step_end_reasons(out: StepOutput, stop_token_ids: tuple[int, ...]) -> list[str | None] | None:
-    """Per new token of a step: the REQUEST_DONE reason it ends the request with, or None.
-    None for the whole step when it is the engine reporting our own abort. The engine knows
-    EOS and max_tokens; extra stop tokens (SUBMIT.stop_token_ids) are checked here, the same
-    way on every tier, and the caller then aborts the engine sequence."""
-    if out.finished and out.finish_reason not in DONE_REASON:
-        return None
-    reasons: list[str | None] = [None] * len(out.new_token_ids)
-    for i, tok in enumerate(out.new_token_ids):
-        if tok in stop_token_ids:
-            reasons[i] = "stop"
-            return reasons[: i + 1]
-    if out.finished and reasons:
-        reasons[-1] = DONE_REASON[out.finish_reason]
-    return reasons
 
 
 class Serial:
@@ -259,7 +201,6 @@ class Daemon:
         self._outboxes: list[Outbox] = []
         self.peers: list[Peer] = []
         self.metrics: Any = None  # pddnet.obs.metrics.MetricsServer, when enabled
-        self.replays: dict[str, Submit] = {}  # decode tiers: requests replayed by token ids
         self._tasks: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
         self._closing = False
@@ -473,11 +414,6 @@ class Daemon:
 
     async def _handle_in_order(self, conn: Connection, inbox: asyncio.Queue) -> None:
         while (msg := await inbox.get()) is not None:
-            if conn.peer_role != "router" and getattr(msg, "request_id", None) in self.replays:
-                # About the attempt that was lost (e.g. MD cancelling its half of a request the
-                # router now replays here): the replay belongs to the router alone.
-                self.counters["stale_messages_for_replays"] += 1
-                continue
             try:
                 await self.handle(conn, msg)
             except Exception as exc:  # one bad request must not end the connection
@@ -599,157 +535,6 @@ class Daemon:
     def error(self, rid: str | None, code: str, message: str) -> None:
         self.to_router(ErrorMessage(request_id=rid, code=code, message=message[:4096]))
 
-    # -- replay by token ids (the two decode tiers) ----------------------------------------------
-
-    def replay(self, sub: Submit, serial: Serial | None = None) -> None:
-        """The router lost the daemon that was producing this request and replays it here:
-        prompt + the tokens the client already has (``output_token_ids``), recomputed by one
-        prefill/extend, then decoding on from index len(output_token_ids). Sampling is a pure
-        function of (seed, position), so the continuation is token-exact. ``serial``: the
-        request's own operation queue when this daemon still held it (its stop goes first)."""
-        rid = sub.request_id
-        if rid in self.replays:
-            self.error(rid, "duplicate_request", f"request {rid!r} is already being replayed")
-            return
-        self.replays[rid] = sub
-        self.counters["replays"] += 1
-        self.timeline(rid, "replay_start", len(sub.output_token_ids), self.role)
-        (serial or Serial(f"replay {rid}", self._tasks)).submit(lambda: self._start_replay(sub))
-
-    async def _start_replay(self, sub: Submit) -> None:
-        rid = sub.request_id
-        if self.replays.get(rid) is not sub:
-            return  # cancelled meanwhile
-        try:
-            await self.compute(
-                self.engine.add_request,
-                sub.prompt_token_ids,
-                sub.max_tokens,
-                sampling_of(sub),
-                rid,
-                ignore_eos=sub.ignore_eos,
-                output_token_ids=list(sub.output_token_ids),
-            )
-        except ValueError as exc:
-            self.replays.pop(rid, None)
-            self.error(rid, "replay_refused", f"{self.role} cannot replay the request: {exc}")
-            return
-        self.wake()
-
-    def replay_step(self, out: StepOutput) -> bool:
-        """Engine output for a replayed request: emit, finish. False if `out` is not one."""
-        sub = self.replays.get(out.request_id)
-        if sub is None:
-            return False
-        reasons = step_end_reasons(out, sub.stop_token_ids)
-        if reasons is None:
-            return True  # our own abort
-        new = out.new_token_ids[: len(reasons)]
-        if new:
-            self.emit_tokens(
-                out.request_id,
-                out.output_index,
-                new,
-                out.logprobs[: len(new)] if out.logprobs else None,
-            )
-        reason = reasons[-1] if reasons else None
-        if reason is not None:
-            del self.replays[out.request_id]
-            self.ended.add(out.request_id)
-            self.request_done(
-                out.request_id, reason, len(sub.prompt_token_ids), out.output_index + len(new)
-            )
-            if not out.finished:  # an extra stop token: the engine does not know it
-                self.spawn(self.compute(self.engine.abort, out.request_id), "replay stop")
-        return True
-
-    def drop_replay(self, rid: str) -> bool:
-        """Cancel a replayed request (router CANCEL). False if it is not one."""
-        if self.replays.pop(rid, None) is None:
-            return False
-        self.ended.add(rid)
-        self.spawn(self.compute(self.engine.abort, rid), f"replay cancel {rid}")
-        return True
-
-    def replays_failed(self, reason: str) -> None:
-        """The engine step failed: fail the replayed requests too."""
-        for rid in list(self.replays):
-            self.replays.pop(rid)
-            self.error(rid, "engine_failed", reason)
-
-    # -- KV allocation (the two decode tiers) ---------------------------------------------------
-
-    def refuse_alloc(self, p: Outbox, rid: str, error: str) -> None:
-        engine = self.engine
-        assert engine is not None
-        self.counters["refused"] += 1
-        p.post(
-            KvAllocResponse(
-                request_id=rid,
-                accepted=False,
-                hit_tokens=0,
-                block_ids=(),
-                block_size=engine.block_size,
-                dtype=engine.spec.dtype,
-                error=error[:4096],
-            )
-        )
-
-    async def reserve_for(
-        self,
-        p: Outbox,
-        msg: KvAllocRequest,
-        known: Container[str],
-        on_refuse: Callable[[], None] | None = None,
-        on_short: Callable[[], None] | None = None,
-    ) -> KVReservation | None:
-        """What RLD and MD both do on KV_ALLOC_REQUEST: check the id and the model shape, reserve
-        blocks (reusing the prefix cache), and recheck for a cancel that came meanwhile. Returns
-        the reservation, or None after sending P the refusal (`on_refuse` runs first). With
-        `on_short`, a pool that is only short *now* (the request fits in it once others free
-        their blocks) calls `on_short()` instead of refusing: the caller keeps the request
-        waiting and asks again later."""
-        rid, engine = msg.request_id, self.engine
-        assert engine is not None
-        spec = engine.spec
-
-        def refuse(error: str) -> None:
-            if on_refuse is not None:
-                on_refuse()
-            self.refuse_alloc(p, rid, error)
-
-        if rid in known or rid in self.ended:
-            refuse(f"request id {rid!r} is already known here (duplicate or cancelled)")
-            return None
-        shape = (msg.num_layers, msg.num_kv_heads, msg.head_dim)
-        if shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
-            refuse(
-                f"model shape {shape} (layers, kv heads, head dim) does not match this "
-                f"{self.role}'s {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}"
-            )
-            return None
-        try:
-            res = await self.compute(self.reserve_in_engine, msg.prompt_token_ids, msg.max_tokens)
-        except OutOfBlocks as exc:
-            if on_short is not None and exc.requested <= exc.total and rid not in self.ended:
-                on_short()
-            else:
-                refuse(f"cannot reserve KV: {exc}")
-            return None
-        except ValueError as exc:
-            refuse(f"cannot reserve KV: {exc}")
-            return None
-        if rid in self.ended:  # cancelled while the reservation was being made
-            await self.compute(engine.free_reservation, res)
-            refuse("request was cancelled")
-            return None
-        return res
-
-    def reserve_in_engine(self, token_ids: tuple[int, ...], max_tokens: int) -> KVReservation:
-        """In the engine thread: the reservation (MD also drains its cache events here, in the
-        same call, so that the notice it sends with its answer is current)."""
-        return self.engine.reserve_kv(token_ids, max_tokens)
-
     # -- the engine ------------------------------------------------------------------------------
 
     async def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -849,15 +634,3 @@ class Daemon:
 
     def request_stats(self) -> dict[str, int]:  # pragma: no cover
         raise NotImplementedError
-
-    def decode_request_stats(self, requests: dict[str, Any], *counters: str) -> dict[str, int]:
-        """RLD's and MD's request counts: live ones plus the named counters."""
-        return {
-            "active": len(requests) + len(self.replays),
-            **{name: self.counters[name] for name in counters},
-        }
-
-    @staticmethod
-    def active_phases(requests: dict[str, Any], limit: int = 16) -> dict[str, str]:
-        """Where live requests stand (a few), so a leak report says which phase they are stuck in."""
-        return {rid: r.fsm.phase.value for rid, r in list(requests.items())[:limit]}

@@ -2,7 +2,8 @@
 
 It owns that path's backend (created before the engine, so a backend that cannot run here
 fails the start, not the first request), the pool's registration as the path's sink (its
-descriptor goes into KV_ALLOC_RESPONSE), and the fencing of dropped requests whose one-sided
+descriptor goes into KV_ALLOC_RESPONSE), the reservation of blocks for a request's KV (or the
+refusal P is answered with), and the fencing of dropped requests whose one-sided
 writes may still land: such a reservation is kept until P's KV_ABORT / KV_DONE says its writes
 have ended, or until they must have (deadline + abort grace).
 """
@@ -10,13 +11,16 @@ have ended, or until they must have (deadline + abort grace).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Container
 
 from pddnet.config import ClusterConfig
 from pddnet.engine.engine import KVReservation
+from pddnet.kv.allocator import OutOfBlocks
+from pddnet.protocol import KvAllocRequest, KvAllocResponse
 from pddnet.transport.kv_backend import KVSink
 from pddnet.transport.kv_paths import KVPaths
 
-from .common import Daemon
+from .common import Daemon, Outbox
 
 
 class KvReceiver(Daemon):
@@ -55,6 +59,78 @@ class KvReceiver(Daemon):
             await self.sink.close()
         if self.kv_paths is not None:
             await self.kv_paths.close()
+
+    # -- reservations: the pool's blocks for one request's KV ----------------------------------
+
+    def refuse_alloc(self, p: Outbox, rid: str, error: str) -> None:
+        engine = self.engine
+        assert engine is not None
+        self.counters["refused"] += 1
+        p.post(
+            KvAllocResponse(
+                request_id=rid,
+                accepted=False,
+                hit_tokens=0,
+                block_ids=(),
+                block_size=engine.block_size,
+                dtype=engine.spec.dtype,
+                error=error[:4096],
+            )
+        )
+
+    async def reserve_for(
+        self,
+        p: Outbox,
+        msg: KvAllocRequest,
+        known: Container[str],
+        on_refuse: Callable[[], None] | None = None,
+        on_short: Callable[[], None] | None = None,
+    ) -> KVReservation | None:
+        """On KV_ALLOC_REQUEST: check the id and the model shape, reserve blocks (reusing the
+        prefix cache), and recheck for a cancel that came meanwhile. Returns the reservation, or
+        None after sending P the refusal (`on_refuse` runs first). With `on_short`, a pool that
+        is only short *now* (the request fits in it once others free their blocks) calls
+        `on_short()` instead of refusing: the caller keeps the request waiting."""
+        rid, engine = msg.request_id, self.engine
+        assert engine is not None
+        spec = engine.spec
+
+        def refuse(error: str) -> None:
+            if on_refuse is not None:
+                on_refuse()
+            self.refuse_alloc(p, rid, error)
+
+        if rid in known or rid in self.ended:
+            refuse(f"request id {rid!r} is already known here (duplicate or cancelled)")
+            return None
+        shape = (msg.num_layers, msg.num_kv_heads, msg.head_dim)
+        if shape != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
+            refuse(
+                f"model shape {shape} (layers, kv heads, head dim) does not match this "
+                f"{self.role}'s {(spec.num_layers, spec.num_kv_heads, spec.head_dim)}"
+            )
+            return None
+        try:
+            res = await self.compute(self.reserve_in_engine, msg.prompt_token_ids, msg.max_tokens)
+        except OutOfBlocks as exc:
+            if on_short is not None and exc.requested <= exc.total and rid not in self.ended:
+                on_short()
+            else:
+                refuse(f"cannot reserve KV: {exc}")
+            return None
+        except ValueError as exc:
+            refuse(f"cannot reserve KV: {exc}")
+            return None
+        if rid in self.ended:  # cancelled while the reservation was being made
+            await self.compute(engine.free_reservation, res)
+            refuse("request was cancelled")
+            return None
+        return res
+
+    def reserve_in_engine(self, token_ids: tuple[int, ...], max_tokens: int) -> KVReservation:
+        """In the engine thread: the reservation (MD also drains its cache events here, in the
+        same call, so that the notice it sends with its answer is current)."""
+        return self.engine.reserve_kv(token_ids, max_tokens)
 
     @property
     def one_sided(self) -> bool:

@@ -1,7 +1,7 @@
 """The simulator's token-id handoff on counts: RelayHandoff's and MainHandoff's rules, without
 their per-token calls.
 
-The daemons' machines (pddnet.protocol.handoff) take a call per token and keep the token ids.
+The daemons' machines (pddnet.lifecycle.handoff) take a call per token and keep the token ids.
 The simulator has neither (its decode instances run in segments of steps, tokens are counts),
 and a 1M-request run cannot afford a machine object and a token list per request, so
 SimulatedSystem keeps these rules instead. tests/test_sim_handoff_differential.py drives random
