@@ -7,23 +7,18 @@ prefill/extend and decodes on; what to emit and when it ends is ReplayRequest's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pddnet.engine.engine import StepOutput
 from pddnet.lifecycle.decode_request import ReplayRequest
 from pddnet.lifecycle.handoff import EmitTokens, FinishRequest, StopSequence
 from pddnet.protocol import Submit
 
-from .common import Serial, sampling_of
-
-if TYPE_CHECKING:
-    from .decode_tier import DecodeTier
+from .common import Daemon, Serial, sampling_of
 
 
 class Replays:
-    """The requests replayed on one decode daemon, by request id."""
+    """The requests replayed on one decode daemon (RLD or MD), by request id."""
 
-    def __init__(self, daemon: DecodeTier) -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self._live: dict[str, tuple[Submit, ReplayRequest]] = {}
 
