@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -25,9 +25,7 @@ from pddnet.roles.openai_responses import (
     usage,
     usage_chunk,
 )
-
-if TYPE_CHECKING:
-    from pddnet.roles.router import Router
+from pddnet.roles.router_face import RouterFace
 
 DONE_GRACE_S = 2.0  # after the last token, how long to wait for REQUEST_DONE / last TIMELINEs
 
@@ -36,7 +34,7 @@ class Completion:
     """The choices of one HTTP request (`states`), woken by `changed`."""
 
     def __init__(
-        self, router: Router, rid: str, states: list[RouterRequest], changed: asyncio.Event
+        self, router: RouterFace, rid: str, states: list[RouterRequest], changed: asyncio.Event
     ) -> None:
         self.router = router
         self.rid = rid
@@ -280,7 +278,11 @@ class Completion:
             return None, offset
         tokens = state.assembler.tokens[start:end]
         entries = [state.logprobs.get(i) for i in range(start, end)]
-        token_text = self.router.http.token_text
+        tokenizer = self.router.tokenizer
+
+        def token_text(token_id: int) -> str:
+            return tokenizer.decode([token_id], skip_special=False)
+
         if req.chat:
             return chat_logprobs(tokens, entries, token_text), offset
         return completion_logprobs(tokens, entries, token_text, offset)

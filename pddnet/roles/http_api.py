@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -21,23 +21,22 @@ from pddnet.model.chat_template import (
     ChatTemplateUnavailable,
     load_chat_template,
 )
+from pddnet.model.tokenizer import Tokenizer
 from pddnet.roles.completion import Completion
 from pddnet.roles.openai_api import ApiError, CompletionRequest, ModelInfo, bad_request
 from pddnet.roles.openai_parse import parse_chat_request, parse_completion_request
 from pddnet.roles.openai_responses import models_response
-
-if TYPE_CHECKING:
-    from pddnet.roles.router import Router
+from pddnet.roles.router_face import RouterFace
 
 
-def model_info_and_tokenizer(spec: str) -> tuple[ModelInfo, Any]:
+def model_info_and_tokenizer(spec: str) -> tuple[ModelInfo, Tokenizer]:
     """The served model's vocabulary, context length and tokenizer -- without its weights."""
     from pddnet.model.config import PRESETS
     from pddnet.model.tokenizer import ByteTokenizer, load_tokenizer
 
     if spec in PRESETS:
         cfg = PRESETS[spec]
-        tok: Any = ByteTokenizer()
+        tok: Tokenizer = ByteTokenizer()
     else:
         path = Path(spec)
         if not path.is_dir():
@@ -60,7 +59,7 @@ def model_info_and_tokenizer(spec: str) -> tuple[ModelInfo, Any]:
     return info, tok
 
 
-def chat_template_for(spec: str, tokenizer: Any) -> ChatTemplate:
+def chat_template_for(spec: str, tokenizer: Tokenizer) -> ChatTemplate:
     """The model folder's chat template; the documented fallback for presets."""
     from pddnet.model.config import PRESETS
 
@@ -74,10 +73,10 @@ def unavailable(message: str, code: str) -> ApiError:
 class HttpFront:
     """The router's aiohttp application; `port` once started."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: RouterFace) -> None:
         self.router = router
         self.config = router.config
-        self.model, self.tokenizer = model_info_and_tokenizer(self.config.model.name)
+        self.model, self.tokenizer = router.model, router.tokenizer
         self.chat_template = chat_template_for(self.config.model.name, self.tokenizer)
         self.created = int(time.time())
         self.port: int | None = None
@@ -109,9 +108,6 @@ class HttpFront:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special=False)
 
     # -- handlers ---------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ heartbeats, redial), sends SUBMIT to P and CANCEL to all, and receives TOKEN_EVE
 REQUEST_DONE / ERROR / PIPELINE_* back. This file is the shell: each message goes to its request's
 machine (pddnet/lifecycle/router_request.py: owners, replays, assembling, the `pdd` object) and
 the machine's actions come out here (a replay's SUBMIT, CANCELs, metrics). The HTTP front is
-pddnet/roles/http_api.py; answering one completion (whole or SSE) pddnet/roles/completion.py.
+pddnet/roles/http_api.py; answering one completion (whole or SSE) pddnet/roles/completion.py;
+both see the router only through pddnet/roles/router_face.py's `RouterFace`.
 
 Which daemons a mode needs: pdd -> P, RLD, MD; same-dc -> P and the decode instance in A (a relay
 role); cross-dc -> P and MD.
@@ -38,7 +39,7 @@ from pddnet.protocol import messages as m
 from pddnet.roles.assembler import StreamAssembler
 from pddnet.roles.choice_text import ChoiceText
 from pddnet.roles.event_lanes import EventLanes
-from pddnet.roles.http_api import HttpFront
+from pddnet.roles.http_api import HttpFront, model_info_and_tokenizer
 from pddnet.roles.openai_api import CompletionRequest
 
 log = logging.getLogger("pddnet.router")
@@ -108,6 +109,8 @@ class Router:
         self._wakers: dict[str, asyncio.Event] = {}  # request id -> its HTTP request's event
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
+        # The served model, without weights: the router's own (admit, stats), and its HTTP front's
+        self.model, self.tokenizer = model_info_and_tokenizer(config.model.name)
         self.http = HttpFront(self)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -146,7 +149,7 @@ class Router:
             "role": "router",
             "instance_id": self.instance_id,
             "mode": self.config.mode.value,
-            "model": self.http.model.name,
+            "model": self.model.name,
             "port": self.port,
             "active_requests": len(self.requests),
             **self.counters,
@@ -229,7 +232,7 @@ class Router:
         seed = req.seed
         if seed is None and req.temperature > 0:
             seed = secrets.randbits(63)
-        tokenizer = self.http.tokenizer
+        tokenizer = self.tokenizer
         states = []
         for i in range(req.n):
             sub_id = rid if req.n == 1 else f"{rid}-{i}"
@@ -238,7 +241,7 @@ class Router:
                 req,
                 None if seed is None else choice_seed(seed, i),
                 StreamAssembler(
-                    req.max_tokens, self.http.model.eos_token_id, req.stop_token_ids, req.ignore_eos
+                    req.max_tokens, self.model.eos_token_id, req.stop_token_ids, req.ignore_eos
                 ),
                 ChoiceText(
                     lambda ids: tokenizer.decode(ids, skip_special=True),
