@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pddnet.roles.assembler import StreamAssembler
+from pddnet.lifecycle.assembler import StreamAssembler
 
 EOS = 257
 

@@ -12,11 +12,11 @@ import time
 import aiohttp
 import pytest
 
+from pddnet.api.parse import parse_completion_request
+from pddnet.api.responses import completion_chunk, completion_response, models_response
+from pddnet.api.types import ApiError, ModelInfo
+from pddnet.lifecycle.choice_text import IncrementalDetokenizer
 from pddnet.model.tokenizer import ByteTokenizer
-from pddnet.roles.choice_text import IncrementalDetokenizer
-from pddnet.roles.openai_api import ApiError, ModelInfo
-from pddnet.roles.openai_parse import parse_completion_request
-from pddnet.roles.openai_responses import completion_chunk, completion_response, models_response
 from tests.polling import wait_for
 
 TOK = ByteTokenizer()
@@ -641,8 +641,8 @@ def test_extension_fields_parse_and_travel_in_the_sampling_fields():
 
 
 def parse_chat(body, limit=4096, template=None):
+    from pddnet.api.parse import parse_chat_request
     from pddnet.model.chat_template import load_chat_template
-    from pddnet.roles.openai_parse import parse_chat_request
 
     template = template or load_chat_template(None, TOK)
 
@@ -734,7 +734,7 @@ def test_bad_chat_bodies_get_400_naming_the_field(extra, param, fragment):
 
 
 def test_choice_text_stop_strings_as_vllm():
-    from pddnet.roles.choice_text import ChoiceText
+    from pddnet.lifecycle.choice_text import ChoiceText
 
     def decode(ids):
         return TOK.decode(ids)
@@ -761,7 +761,7 @@ def test_choice_text_stop_strings_as_vllm():
 
 
 def test_chat_and_logprob_shapes():
-    from pddnet.roles.openai_responses import (
+    from pddnet.api.responses import (
         ChoiceResult,
         chat_logprobs,
         completion_logprobs,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pddnet.api.types import CompletionRequest
+from pddnet.lifecycle.assembler import StreamAssembler
+from pddnet.lifecycle.choice_text import ChoiceText
 from pddnet.lifecycle.pdd_object import RouterFacts
 from pddnet.lifecycle.router_request import (
     CancelAll,
@@ -14,9 +17,6 @@ from pddnet.lifecycle.router_request import (
 )
 from pddnet.model.tokenizer import ByteTokenizer
 from pddnet.protocol import messages as m
-from pddnet.roles.assembler import StreamAssembler
-from pddnet.roles.choice_text import ChoiceText
-from pddnet.roles.openai_api import CompletionRequest
 
 TOK = ByteTokenizer()
 ALL = frozenset({"prefill", "relay", "main_decode"})

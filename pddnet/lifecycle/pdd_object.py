@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pddnet.lifecycle.assembler import StreamAssembler
 from pddnet.protocol import messages as m
-from pddnet.roles.assembler import StreamAssembler
 
 # What P's PIPELINE_CHOICE reports as the inputs of its decision, by name.
 DECISION_INPUTS = (

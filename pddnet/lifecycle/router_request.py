@@ -20,12 +20,12 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
+from pddnet.api.responses import LogprobEntry
+from pddnet.api.types import CompletionRequest
+from pddnet.lifecycle.assembler import StreamAssembler
+from pddnet.lifecycle.choice_text import ChoiceText
 from pddnet.lifecycle.pdd_object import Event, Pdd, RouterFacts, Served, build_pdd
 from pddnet.protocol import messages as m
-from pddnet.roles.assembler import StreamAssembler
-from pddnet.roles.choice_text import ChoiceText
-from pddnet.roles.openai_api import CompletionRequest
-from pddnet.roles.openai_responses import LogprobEntry
 
 DECODE_TIERS = ("relay", "main_decode")  # where a replay can go, in order of preference
 REPORTER = "<reporter>"  # a carrier move to the daemon that reported the milestone

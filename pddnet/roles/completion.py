@@ -14,9 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pddnet.lifecycle.router_request import RouterRequest
-from pddnet.roles.openai_api import ApiError
-from pddnet.roles.openai_responses import (
+from pddnet.api.responses import (
     ChoiceResult,
     chat_logprobs,
     completion_chunk,
@@ -25,6 +23,8 @@ from pddnet.roles.openai_responses import (
     usage,
     usage_chunk,
 )
+from pddnet.api.types import ApiError
+from pddnet.lifecycle.router_request import RouterRequest
 from pddnet.roles.router_face import RouterFace
 
 DONE_GRACE_S = 2.0  # after the last token, how long to wait for REQUEST_DONE / last TIMELINEs

@@ -1,5 +1,5 @@
 """The router's HTTP front (aiohttp): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/stats, /metrics. Requests are parsed by pddnet/roles/openai_api.py, admitted and submitted by the
+/stats, /metrics. Requests are parsed by pddnet/api/types.py, admitted and submitted by the
 router (pddnet/roles/router.py), answered by pddnet/roles/completion.py.
 """
 
@@ -15,6 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
+from pddnet.api.parse import parse_chat_request, parse_completion_request
+from pddnet.api.responses import models_response
+from pddnet.api.types import ApiError, CompletionRequest, ModelInfo, bad_request
 from pddnet.model.chat_template import (
     ChatTemplate,
     ChatTemplateError,
@@ -23,9 +26,6 @@ from pddnet.model.chat_template import (
 )
 from pddnet.model.tokenizer import Tokenizer
 from pddnet.roles.completion import Completion
-from pddnet.roles.openai_api import ApiError, CompletionRequest, ModelInfo, bad_request
-from pddnet.roles.openai_parse import parse_chat_request, parse_completion_request
-from pddnet.roles.openai_responses import models_response
 from pddnet.roles.router_face import RouterFace
 
 

@@ -23,8 +23,11 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pddnet.api.types import CompletionRequest
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
+from pddnet.lifecycle.assembler import StreamAssembler
+from pddnet.lifecycle.choice_text import ChoiceText
 from pddnet.lifecycle.pdd_object import RouterFacts
 from pddnet.lifecycle.router_request import (
     Action,
@@ -36,11 +39,8 @@ from pddnet.lifecycle.router_request import (
 )
 from pddnet.obs.metrics import RouterMetrics
 from pddnet.protocol import messages as m
-from pddnet.roles.assembler import StreamAssembler
-from pddnet.roles.choice_text import ChoiceText
 from pddnet.roles.event_lanes import EventLanes
 from pddnet.roles.http_api import HttpFront, model_info_and_tokenizer
-from pddnet.roles.openai_api import CompletionRequest
 
 log = logging.getLogger("pddnet.router")
 

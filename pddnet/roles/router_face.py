@@ -10,12 +10,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pddnet.api.types import CompletionRequest, ModelInfo
     from pddnet.config import ClusterConfig
     from pddnet.lifecycle.router_request import Action, RouterRequest
     from pddnet.model.tokenizer import Tokenizer
     from pddnet.obs.metrics import RouterMetrics
     from pddnet.roles.event_lanes import EventLanes
-    from pddnet.roles.openai_api import CompletionRequest, ModelInfo
     from pddnet.roles.peer import Peer
 
 

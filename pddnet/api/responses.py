@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pddnet.roles.openai_api import CompletionRequest, ModelInfo
+from pddnet.api.types import CompletionRequest, ModelInfo
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 

@@ -4,7 +4,7 @@
 `CompletionRequest` or raise `ApiError`. Sampling fields beyond OpenAI's are vLLM's: `top_k`,
 `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`;
 their semantics are in pddnet.engine.sampling (applied on whichever daemon samples), stop strings
-in pddnet/roles/choice_text.py (the router). Nothing here touches a socket, a clock or a random
+in pddnet/lifecycle/choice_text.py (the router). Nothing here touches a socket, a clock or a random
 generator: the caller passes them in.
 """
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pddnet.roles.openai_api import ApiError, CompletionRequest, ModelInfo, bad_request
-from pddnet.roles.openai_fields import (
+from pddnet.api.fields import (
     MAX_LOGPROBS,
     bool_field,
     check_max_tokens,
@@ -21,6 +20,7 @@ from pddnet.roles.openai_fields import (
     sampling_request,
     type_name,
 )
+from pddnet.api.types import ApiError, CompletionRequest, ModelInfo, bad_request
 
 # Fields OpenAI takes that pddnet accepts only at their neutral value (a 400 names the field
 # otherwise). Empty values (null, [], {}, "") count as neutral too.

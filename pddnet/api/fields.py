@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pddnet.roles.openai_api import CompletionRequest, ModelInfo, bad_request
+from pddnet.api.types import CompletionRequest, ModelInfo, bad_request
 
 U64 = 1 << 64
 HANDOFF_CHOICES = ("one-shot", "streaming", "dynamic")

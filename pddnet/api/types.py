@@ -1,9 +1,9 @@
 """OpenAI completions and chat completions API: the types both sides share (sans-IO).
 
-A request is parsed (pddnet/roles/openai_parse.py) into a `CompletionRequest`, or an `ApiError`
+A request is parsed (pddnet/api/parse.py) into a `CompletionRequest`, or an `ApiError`
 whose `body()` is OpenAI's error format ({"error": {message, type, param, code}}); responses are
-shaped by pddnet/roles/openai_responses.py; a choice's text and stop strings are
-pddnet/roles/choice_text.py's `ChoiceText`.
+shaped by pddnet/api/responses.py; a choice's text and stop strings are
+pddnet/lifecycle/choice_text.py's `ChoiceText`.
 """
 
 from __future__ import annotations
