@@ -5,7 +5,7 @@ python scripts/bench_drc.py [--quick]      (same as: pdd bench drc [--quick])
 
 import sys
 
-from pddnet.bench.drc import main
+from pddnet.bench.cli import BENCHES, run_spec
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_spec(BENCHES["drc"], sys.argv[1:]))

@@ -2,7 +2,7 @@
 
 import sys
 
-from pddnet.bench.ttft import main
+from pddnet.bench.cli import BENCHES, run_spec
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_spec(BENCHES["ttft"], sys.argv[1:]))

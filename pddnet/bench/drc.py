@@ -19,7 +19,6 @@ ttft, tpot, itl, e2el, request_goodput and output_throughput are reported under 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import time
 from pathlib import Path
@@ -328,14 +327,3 @@ def print_table(r: dict[str, Any]) -> None:
         label="run",
     )
     print(f"results: {r['path']}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        asyncio.run(run(args))
-    except ValueError as exc:
-        p.error(str(exc))
-    return 0

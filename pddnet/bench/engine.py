@@ -391,10 +391,3 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--repeats, --block-size and --gpus must be >= 1")
     if args.max_old_gib <= 0:
         raise ValueError("--max-old-gib must be > 0")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    add_arguments(p)
-    asyncio.run(run(p.parse_args(argv)))
-    return 0

@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -275,14 +274,3 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "consistency": consistency,
         "plots": pngs,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    add_arguments(p)
-    asyncio.run(run(p.parse_args(argv)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

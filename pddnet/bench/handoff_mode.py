@@ -28,10 +28,8 @@ the WAN rates set through the control API are computed on this box's clock and r
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import statistics
-import time
 from typing import Any
 
 from pddnet.bench import metrics
@@ -511,16 +509,3 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--backlogs must be >= 1 and --repeats, --chunk >= 1")
     if args.prompt_len < 2:
         raise ValueError(f"--prompt-len must be >= 2, got {args.prompt_len}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    t0 = time.monotonic()
-    try:
-        asyncio.run(run(args))
-    except ValueError as exc:
-        p.error(str(exc))
-    print(f"({time.monotonic() - t0:.0f} s)")
-    return 0

@@ -518,14 +518,3 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--wan-seconds must be in [0.5, 30], got {args.wan_seconds}")
     if args.decode_prompt_len < 2 or args.decode_max_tokens < 1:
         raise ValueError("--decode-prompt-len must be >= 2 and --decode-max-tokens >= 1")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        asyncio.run(run(args))
-    except ValueError as exc:
-        p.error(str(exc))
-    return 0

@@ -19,7 +19,6 @@ kept up (a run that overran more than 1% of its forwards is flagged NOT VALID).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import re
 import time
 from collections.abc import Sequence
@@ -458,14 +457,3 @@ def print_table(
     print(f"\nwrote {path}")
     for f in files:
         print(f"wrote {f}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        asyncio.run(run(args))
-    except ValueError as exc:
-        p.error(str(exc))
-    return 0
