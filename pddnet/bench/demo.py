@@ -397,6 +397,8 @@ def print_table(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pddnet.bench import ttft
+
     p.add_argument("--quick", action="store_true", help="tiny model, a handful of requests")
     p.add_argument("--model", default="small")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -408,16 +410,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     p.add_argument("--conversations", type=int, default=1, help="agent conversations per mode")
     metrics.add_arguments(p)
-    p.add_argument("--wan", default="auto", choices=("auto", "kernel", "packet", "proxy"))
-    p.add_argument("--rtt-ms", type=float, default=30.0)
-    p.add_argument("--jitter-ms", type=float, default=2.0)
-    p.add_argument(
-        "--bw-mbit",
-        type=float,
-        default=None,
-        help="WAN rate per direction, in the modelled world when devices are "
-        "emulated (default 100; --quick: 4)",
-    )
+    ttft.add_wan_arguments(p, wan="auto")
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")

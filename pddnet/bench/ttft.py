@@ -263,6 +263,20 @@ async def run_mode(
     return out
 
 
+def add_wan_arguments(p: argparse.ArgumentParser, wan: str) -> None:
+    """The emulated WAN of the benchmark's clusters (`pdd demo` drives them too)."""
+    p.add_argument("--rtt-ms", type=float, default=30.0)
+    p.add_argument("--jitter-ms", type=float, default=2.0)
+    p.add_argument(
+        "--bw-mbit",
+        type=float,
+        default=None,
+        help="WAN rate per direction, in the modelled world when devices are "
+        "emulated (default 100; --quick: 4)",
+    )
+    p.add_argument("--wan", default=wan, choices=("auto", "kernel", "packet", "proxy"))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, few requests (smoke test)")
     p.add_argument("--model", default="small")
@@ -277,16 +291,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--conversation-rate", type=float, default=0.4, help="new agent conversations per second"
     )
     metrics.add_arguments(p)
-    p.add_argument("--rtt-ms", type=float, default=30.0)
-    p.add_argument("--jitter-ms", type=float, default=2.0)
-    p.add_argument(
-        "--bw-mbit",
-        type=float,
-        default=None,
-        help="WAN rate per direction, in the modelled world when devices are "
-        "emulated (default 100; --quick: 4)",
-    )
-    p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
+    add_wan_arguments(p, wan="proxy")
     p.add_argument("--handoff", default="dynamic", choices=("one-shot", "streaming", "dynamic"))
     p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument("--seed", type=int, default=0)
