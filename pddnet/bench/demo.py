@@ -28,7 +28,7 @@ from typing import Any
 
 from pddnet.bench import metrics
 from pddnet.bench.plots import cdf_plot, stacked_bars
-from pddnet.bench.results import write_result
+from pddnet.bench.results import run_config, write_result
 from pddnet.device import flags as device_flags
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
 from pddnet.workload.poisson import poisson_long_prompts
@@ -150,9 +150,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 {rec.pdd["request_id"]: rec.token_times},
             )
         )
-    config = {
-        k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "handler"
-    }
+    config = run_config(args)
     config["wan_shell"] = {m: r.get("wan_shell") for m, r in per_mode.items()}
     config["dilation_k"] = devices.dilation
     config["goodput_slos_ms"] = slos

@@ -34,7 +34,7 @@ from typing import Any
 
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import write_result
+from pddnet.bench.results import run_config, write_result
 
 PATHS = ("gather", "paged")
 GIB = 2**30
@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     setup.close()
     finally:
         torch.set_num_threads(threads)
-    config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
+    config = run_config(args)
     data = {
         "config": config,
         "torch_threads": 1,

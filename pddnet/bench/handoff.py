@@ -66,7 +66,7 @@ from pddnet.bench.handoff_setup import (
 )
 from pddnet.bench.handoff_summary import headline, plot, print_table, summarise
 from pddnet.bench.progress import progress
-from pddnet.bench.results import write_result
+from pddnet.bench.results import run_config, write_result
 
 # -- options --------------------------------------------------------------------------------------
 
@@ -215,7 +215,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         md_ex.shutdown()
     rows = summarise(trials, args.conditions, args.relay_tokens)
     head = headline(rows)
-    cfg = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
+    cfg = run_config(args)
     consistency = {
         "all_token_exact": all(t["token_exact"] for t in trials),
         "token_id_payload_below_kv_direct": all(

@@ -45,7 +45,7 @@ from pddnet.bench.devices import (
 from pddnet.bench.drive import warm_up
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import write_result
+from pddnet.bench.results import run_config, write_result
 from pddnet.device import flags as device_flags
 
 MODES = ("one-shot", "streaming", "dynamic")
@@ -335,7 +335,7 @@ def finish(
     report = device_report(stats)
     agg = aggregate(rows, list(args.modes))
     finding = threshold_finding(agg)
-    config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
+    config = run_config(args)
     consistency = {
         "tokens_complete": all(
             r["relay_tokens"] + r["main_tokens"] == r["max_tokens"] for r in rows if r["ok"]

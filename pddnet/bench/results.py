@@ -7,6 +7,7 @@ import math
 import os
 import platform
 import time
+from argparse import Namespace
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,15 @@ def machine_info() -> dict[str, Any]:
     except OSError:  # pragma: no cover
         pass
     return info
+
+
+def run_config(args: Namespace) -> dict[str, Any]:
+    """The run's options as its JSON stores them: the parsed flags, without the CLI's own."""
+    return {
+        k: (list(v) if isinstance(v, tuple) else v)
+        for k, v in vars(args).items()
+        if k not in ("handler", "bench_spec")
+    }
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -44,7 +44,7 @@ from pddnet.bench.metrics import DEFAULT_PERCENTILES, serving_metrics
 from pddnet.bench.metrics import add_arguments as add_metric_arguments
 from pddnet.bench.plots import grouped_bars
 from pddnet.bench.progress import progress
-from pddnet.bench.results import write_result
+from pddnet.bench.results import run_config, write_result
 from pddnet.device import flags as device_flags
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -361,7 +361,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if devices.emulated:
         decode["daemon_over_device_busy"] = daemon["device_busy_s"] / daemon["duration"]
-    config = {k: v for k, v in vars(args).items() if k not in ("handler", "bench_spec")}
+    config = run_config(args)
     config["dilation_k"] = devices.dilation
     path = write_result(
         "transport",

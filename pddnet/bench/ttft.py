@@ -37,7 +37,7 @@ from pddnet.bench.devices import (
 from pddnet.bench.drive import drive_agent, drive_poisson, warm_up
 from pddnet.bench.plots import cdf_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import write_result
+from pddnet.bench.results import run_config, write_result
 from pddnet.device import flags as device_flags
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
 from pddnet.workload.poisson import poisson_long_prompts
@@ -351,11 +351,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for w in workloads
     }
     ratios = {w: ttft_ratios(summaries[w]) for w in workloads}
-    config = {
-        k: (list(v) if isinstance(v, tuple) else v)
-        for k, v in vars(args).items()
-        if k not in ("handler", "bench_spec")
-    }
+    config = run_config(args)
     config["wan_shell"] = {m: per_mode[m].get("wan_shell") for m in args.modes}
     config["dilation_k"] = devices.dilation
     config["goodput_slos_ms"] = slos
