@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -212,7 +211,7 @@ async def serve(
 
     from emulation.control import make_control_app, start_control_server
     from emulation.link import Link
-    from emulation.packet_shell import write_json_atomic
+    from emulation.packet_shell import announce
 
     reason = netem_unavailable_reason()
     if reason is not None:
@@ -243,23 +242,19 @@ async def serve(
 
     app.router.add_get("/kernel", kernel_stats)
     runner, port = await start_control_server(app, control_host, control_port)
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if ready_file:
-        write_json_atomic(
-            ready_file,
-            {
-                "pid": os.getpid(),
-                "shell": "kernel",
-                "ifname": ifname,
-                "control_url": f"http://{control_host}:{port}",
-                "mtu": mtu,
-                "addr_a": addr_a,
-                "addr_b": addr_b,
-            },
-        )
+    announce(
+        ready_file,
+        stop,
+        {
+            "shell": "kernel",
+            "ifname": ifname,
+            "control_url": f"http://{control_host}:{port}",
+            "mtu": mtu,
+            "addr_a": addr_a,
+            "addr_b": addr_b,
+        },
+    )
     try:
         while not stop.is_set():
             try:

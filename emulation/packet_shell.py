@@ -274,21 +274,18 @@ async def serve(
         app.router.add_get("/emulator", lambda request: _emulator_info(request, fwd, cfg))
         runner, port = await start_control_server(app, cfg.control_host, cfg.control_port)
         stop = stop or asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        if ready_file:
-            write_json_atomic(
-                ready_file,
-                {
-                    "pid": os.getpid(),
-                    "shell": "packet",
-                    "control_url": f"http://{cfg.control_host}:{port}",
-                    "ifname": cfg.ifname,
-                    "mtu": cfg.mtu,
-                    "addr_a": cfg.addr_a,
-                    "addr_b": cfg.addr_b,
-                },
-            )
+        announce(
+            ready_file,
+            stop,
+            {
+                "shell": "packet",
+                "control_url": f"http://{cfg.control_host}:{port}",
+                "ifname": cfg.ifname,
+                "mtu": cfg.mtu,
+                "addr_a": cfg.addr_a,
+                "addr_b": cfg.addr_b,
+            },
+        )
         await stop.wait()
     finally:
         if fwd is not None:
@@ -313,6 +310,16 @@ async def _emulator_info(request: Any, fwd: PacketForwarder, cfg: PacketShellCon
             "cpu_s": _cpu_seconds(),
         }
     )
+
+
+def announce(ready_file: str | None, stop: asyncio.Event, info: dict[str, Any]) -> None:
+    """An emulator process is up: SIGTERM/SIGINT set `stop`, and the ready file (if any) tells
+    the parent waiting for it the pid, the control URL and the link (`info`)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready_file:
+        write_json_atomic(ready_file, {"pid": os.getpid(), **info})
 
 
 def write_json_atomic(path: str, data: dict[str, Any]) -> None:

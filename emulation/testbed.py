@@ -320,14 +320,9 @@ class LinkHandle:
     async def chaos(self, kind: str, duration: float, **params: Any) -> dict:
         return await self.client.chaos(kind, duration, **params)
 
-    async def schedule(
-        self,
-        steps: list[dict] | None = None,
-        trace: str | None = None,
-        loop: bool = False,
-        period: float | None = None,
-    ) -> dict:
-        return await self.client.load_schedule(steps, trace, loop, period)
+    async def schedule(self, steps: list[dict] | None = None, **options: Any) -> dict:
+        """Load a schedule: steps, or trace=; loop=, period= (ControlClient.load_schedule)."""
+        return await self.client.load_schedule(steps, **options)
 
     async def reset_connections(self) -> dict:
         return await self.client.reset_connections()
