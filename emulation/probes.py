@@ -11,9 +11,27 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 _PROBE = struct.Struct("!Qd")  # sequence number, send time
+
+T = TypeVar("T")
+
+
+def _until_stopped(stop: threading.Event, wait: Callable[[], T]) -> Iterator[T]:
+    """What `wait` (a socket call with a timeout) returns, over and over, until `stop` is set or
+    the socket fails (closed under it): the loop of every thread here. A timeout only gives the
+    loop a chance to see `stop`."""
+    while not stop.is_set():
+        try:
+            got = wait()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        yield got
 
 
 class UdpEcho:
@@ -27,13 +45,7 @@ class UdpEcho:
         self.thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data, peer = self.sock.recvfrom(65535)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
+        for data, peer in _until_stopped(self._stop, lambda: self.sock.recvfrom(65535)):
             self.sock.sendto(data, peer)
 
     def stop(self) -> None:
@@ -145,30 +157,22 @@ class TcpSink:
         self._acceptor.start()
 
     def _accept(self) -> None:
-        while not self._stop.is_set() and len(self.arrivals) < self.max_conns:
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
+        if self.max_conns < 1:
+            return
+        for conn, _ in _until_stopped(self._stop, self.listener.accept):
             log: list[tuple[float, int]] = []
             self.arrivals.append(log)
             t = threading.Thread(target=self._drain, args=(conn, log), daemon=True)
             t.start()
             self._threads.append(t)
+            if len(self.arrivals) >= self.max_conns:
+                return
 
     def _drain(self, conn: socket.socket, log: list[tuple[float, int]]) -> None:
         buf = bytearray(1 << 20)
         conn.settimeout(0.2)
         with conn:
-            while not self._stop.is_set():
-                try:
-                    n = conn.recv_into(buf)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
+            for n in _until_stopped(self._stop, lambda: conn.recv_into(buf)):
                 if not n:
                     return
                 log.append((time.monotonic(), n))
@@ -214,26 +218,14 @@ class TcpEcho:
         self.thread.start()
 
     def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
+        for conn, _ in _until_stopped(self._stop, self.listener.accept):
             threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     def _echo(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.settimeout(0.2)
         with conn:
-            while not self._stop.is_set():
-                try:
-                    data = conn.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
+            for data in _until_stopped(self._stop, lambda: conn.recv(65536)):
                 if not data:
                     return
                 conn.sendall(data)
