@@ -12,7 +12,6 @@ import os
 import random
 import re
 import secrets
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -138,21 +137,11 @@ class WanLink:
         return {"delay_ms": a.rtt_ms / 2, "rate_mbit": a.bw_mbit, "queue_bytes": queue}
 
     async def start(self) -> None:
-        from pddnet.cluster.wan_setup import child_env, popen
+        from pddnet.cluster.wan_setup import child_env, popen, proxy_argv
 
         fx = self.initial_effects
         argv = [
-            sys.executable,
-            "-m",
-            "pddnet",
-            "wan",
-            "proxy",
-            "--listen",
-            f"{HOST}:0",
-            "--upstream",
-            f"{HOST}:{self.upstream_port}",
-            "--control",
-            f"{HOST}:0",
+            *proxy_argv(f"{HOST}:0", f"{HOST}:{self.upstream_port}", f"{HOST}:0"),
             "--rtt-ms",
             repr(self.args.rtt_ms),
             "--bw-mbit",

@@ -159,6 +159,23 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
+def proxy_argv(listen: str, upstream: str, control: str) -> list[str]:
+    """The command line of a proxy-shell WAN process (`pdd wan proxy`), without its effects."""
+    return [
+        sys.executable,
+        "-m",
+        "pddnet",
+        "wan",
+        "proxy",
+        "--listen",
+        listen,
+        "--upstream",
+        upstream,
+        "--control",
+        control,
+    ]
+
+
 def popen(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
     """Start a daemon: its own session (a terminal's Ctrl-C reaches only the launcher, which
     stops everything in order) and tied to the launcher's life."""
@@ -248,17 +265,11 @@ class ProxyPlacement(Placement):
     async def start(self) -> None:
         wan = wallclock(self.config).wan  # an emulated cluster's line, dilated and byte-scaled
         argv = [
-            sys.executable,
-            "-m",
-            "pddnet",
-            "wan",
-            "proxy",
-            "--listen",
-            f"{LOOPBACK}:{self.listen_port}",
-            "--upstream",
-            f"{LOOPBACK}:{self.config.main_decode.port}",
-            "--control",
-            f"{LOOPBACK}:{self.control_port}",
+            *proxy_argv(
+                f"{LOOPBACK}:{self.listen_port}",
+                f"{LOOPBACK}:{self.config.main_decode.port}",
+                f"{LOOPBACK}:{self.control_port}",
+            ),
             "--rtt-ms",
             repr(wan.rtt_ms),
             "--jitter-ms",
