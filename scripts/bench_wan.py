@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,10 +50,11 @@ def measure(
     connect_port: Any,
     seconds: float,
     probes: int,
-    emulator_pid: int | None,
+    emulator_pid: Callable[[], int | None],
 ) -> dict[str, Any]:
     """Goodput (Mbit/s), RTT median/p99 (ms) and emulator CPU seconds during the bulk run.
-    `connect_port(server_port)` maps the server's port to where the client connects (a proxy)."""
+    `connect_port(server_port)` maps the server's port to where the client connects (a proxy);
+    `emulator_pid()` is asked after that (a proxy's process is known only then)."""
     out: dict[str, Any] = {}
     echo_ls = listener(make_server, server_addr)
     echo = TcpEcho(echo_ls)
@@ -69,11 +71,12 @@ def measure(
     sink = TcpSink(sink_ls)
     try:
         dst = (connect_addr or server_addr, connect_port(sink_ls.getsockname()[1]))
-        cpu0 = proc_cpu_seconds(emulator_pid) if emulator_pid else None
+        pid = emulator_pid()
+        cpu0 = proc_cpu_seconds(pid) if pid else None
         start = time.monotonic()
         tcp_send_for(make_client(), dst, seconds)
         time.sleep(0.2)
-        cpu1 = proc_cpu_seconds(emulator_pid) if emulator_pid else None
+        cpu1 = proc_cpu_seconds(pid) if pid else None
     finally:
         sink.stop()
         sink_ls.close()
@@ -99,7 +102,9 @@ def bench_veth(seconds: float, probes: int, mtu: int) -> dict[str, Any]:
         netns.create(b)
         kernel_shell.create_veth(a, b, "10.77.0.1", "10.77.0.2", mtu)
         server, client = in_ns(a, b)
-        return measure(server, client, "10.77.0.2", None, lambda p: p, seconds, probes, None)
+        return measure(
+            server, client, "10.77.0.2", None, lambda p: p, seconds, probes, lambda: None
+        )
     finally:
         for n in (a, b):
             netns.kill_all_in(n)
@@ -119,7 +124,7 @@ def bench_testbed(shell: str, seconds: float, probes: int, mtu: int) -> dict[str
                 lambda p: p,
                 seconds,
                 probes,
-                tb.emulator_pid,
+                lambda: tb.emulator_pid,
             )
             res["link_counters"] = {
                 d: {k: v for k, v in x["counters"].items() if k != "delay"}
@@ -171,8 +176,10 @@ def bench_proxy(seconds: float, probes: int) -> dict[str, Any]:
         return socket.socket()
 
     try:
-        # The CPU pid is resolved after the proxy for the sink started: measure() reads it then.
-        res = measure_proxy(make, port_via_proxy, cpu_pid, seconds, probes)
+        # The CPU pid is the proxy's in front of the sink: measure() asks for it once it started.
+        res = measure(
+            make, make, "127.0.0.1", None, port_via_proxy, seconds, probes, lambda: cpu_pid[0]
+        )
     finally:
         for p in procs:
             if p.stdin:
@@ -185,49 +192,11 @@ def bench_proxy(seconds: float, probes: int) -> dict[str, Any]:
     return res
 
 
-def measure_proxy(
-    make: Any, port_via_proxy: Any, cpu_pid: list[int], seconds: float, probes: int
-) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    echo_ls = listener(make, "127.0.0.1")
-    echo = TcpEcho(echo_ls)
-    try:
-        port = port_via_proxy(echo_ls.getsockname()[1])
-        tcp_rtts(make(), ("127.0.0.1", port), 20, 0.001)
-        rtts = sorted(tcp_rtts(make(), ("127.0.0.1", port), probes, 0.002))
-    finally:
-        echo.stop()
-        echo_ls.close()
-    out["rtt_median_ms"] = statistics.median(rtts)
-    out["rtt_p99_ms"] = rtts[int(0.99 * (len(rtts) - 1))]
-    sink_ls = listener(make, "127.0.0.1")
-    sink = TcpSink(sink_ls)
-    try:
-        port = port_via_proxy(sink_ls.getsockname()[1])
-        cpu0 = proc_cpu_seconds(cpu_pid[0])
-        start = time.monotonic()
-        tcp_send_for(make(), ("127.0.0.1", port), seconds)
-        time.sleep(0.2)
-        cpu1 = proc_cpu_seconds(cpu_pid[0])
-    finally:
-        sink.stop()
-        sink_ls.close()
-    received = sink.total()
-    out["goodput_mbit"] = (
-        sink.bytes_between(start + 0.3, start + seconds) * 8 / (seconds - 0.3) / 1e6
-    )
-    out["bytes"] = received
-    if cpu0 is not None and cpu1 is not None and received:
-        out["emulator_cpu_s"] = cpu1 - cpu0
-        out["emulator_cpu_s_per_gb"] = (cpu1 - cpu0) / (received / 1e9)
-    return out
-
-
 def bench_loopback(seconds: float, probes: int) -> dict[str, Any]:
     def make() -> socket.socket:
         return socket.socket()
 
-    return measure(make, make, "127.0.0.1", None, lambda p: p, seconds, probes, None)
+    return measure(make, make, "127.0.0.1", None, lambda p: p, seconds, probes, lambda: None)
 
 
 def compare(shell: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
