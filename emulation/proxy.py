@@ -26,11 +26,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import socket
 import struct
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from emulation.effects import LOSSY_EFFECTS
@@ -376,3 +380,49 @@ class WanProxy:
             # The peer reset or vanished: reset the other side too, as a middlebox would.
             conn.abort(rst=True)
             self._conns.pop(conn.id, None)
+
+
+# A WanProxy in a process of its own (so its CPU time is measured apart from the traffic's),
+# on the loop `pdd wan proxy` runs; it ends when its stdin closes.
+_PROCESS = """
+import asyncio, json, sys
+sys.path.insert(0, sys.argv[1])
+from emulation.link import Link
+from emulation.proxy import WanProxy
+async def main():
+    upstream = ("127.0.0.1", int(sys.argv[2]))
+    async with WanProxy(("127.0.0.1", 0), upstream, Link(**json.loads(sys.argv[3]))) as proxy:
+        print(proxy.port, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+try:
+    from uvloop import run
+except ImportError:
+    from asyncio import run
+run(main())
+"""
+
+
+@contextlib.contextmanager
+def proxy_process(upstream_port: int, **effects: Any) -> Iterator[tuple[int, int]]:
+    """A proxy-shell link with `effects` in its own process, in front of 127.0.0.1:upstream_port:
+    yields (the port to connect to, the process's pid); ended on leaving."""
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PROCESS, root, str(upstream_port), json.dumps(effects)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the WAN proxy did not start (printed {line!r})")
+        yield int(line), proc.pid
+    finally:
+        if proc.stdin:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 
 from emulation import kernel_shell, netns  # noqa: E402
 from emulation.probes import TcpEcho, TcpSink, tcp_rtts, tcp_send_for  # noqa: E402
+from emulation.proxy import proxy_process  # noqa: E402
 from emulation.testbed import Testbed, proc_cpu_seconds, unavailable_reason  # noqa: E402
 
 
@@ -136,60 +137,24 @@ def bench_testbed(shell: str, seconds: float, probes: int, mtu: int) -> dict[str
     return asyncio.run(run())
 
 
-PROXY_SERVER = """
-import asyncio, sys
-sys.path.insert(0, sys.argv[1])
-from emulation.link import Link
-from emulation.proxy import WanProxy
-async def main():
-    async with WanProxy(("127.0.0.1", 0), ("127.0.0.1", int(sys.argv[2])), Link()) as proxy:
-        print(proxy.port, flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-try:
-    import uvloop
-    uvloop.run(main())
-except ImportError:
-    asyncio.run(main())
-"""
-
-
 def bench_proxy(seconds: float, probes: int) -> dict[str, Any]:
     """One proxy process per measured server (echo, then sink): WanProxy has one upstream."""
-    procs: list[subprocess.Popen] = []
     cpu_pid: list[int] = []
-
-    def port_via_proxy(server_port: int) -> int:
-        p = subprocess.Popen(
-            [sys.executable, "-c", PROXY_SERVER, ROOT, str(server_port)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        procs.append(p)
-        cpu_pid[:] = [p.pid]
-        line = p.stdout.readline() if p.stdout else ""
-        if not line.strip().isdigit():
-            raise RuntimeError(f"the proxy did not start (got {line!r})")
-        return int(line)
 
     def make() -> socket.socket:
         return socket.socket()
 
-    try:
+    with contextlib.ExitStack() as procs:
+
+        def port_via_proxy(server_port: int) -> int:
+            port, pid = procs.enter_context(proxy_process(server_port))
+            cpu_pid[:] = [pid]
+            return port
+
         # The CPU pid is the proxy's in front of the sink: measure() asks for it once it started.
-        res = measure(
+        return measure(
             make, make, "127.0.0.1", None, port_via_proxy, seconds, probes, lambda: cpu_pid[0]
         )
-    finally:
-        for p in procs:
-            if p.stdin:
-                p.stdin.close()
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    return res
 
 
 def bench_loopback(seconds: float, probes: int) -> dict[str, Any]:

@@ -25,10 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from pddnet.bench.devices import (
@@ -46,9 +43,6 @@ from pddnet.bench.plots import grouped_bars
 from pddnet.bench.progress import progress
 from pddnet.bench.results import run_config, write_result
 from pddnet.device import flags as device_flags
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 # -- 1. shared memory -----------------------------------------------------------------------
 
@@ -115,26 +109,13 @@ def bench_shm(model: str, tokens: int, repeats: int) -> dict[str, Any]:
 
 # -- 2. the WAN -----------------------------------------------------------------------------
 
-PROXY = """
-import asyncio, json, sys
-sys.path.insert(0, sys.argv[1])
-from emulation.link import Link
-from emulation.proxy import WanProxy
-async def main():
-    effects = json.loads(sys.argv[3])
-    async with WanProxy(("127.0.0.1", 0), ("127.0.0.1", int(sys.argv[2])), Link(**effects)) as p:
-        print(p.port, flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-asyncio.run(main())
-"""
-
 
 def bench_wan_rate(rate_mbit: float, rtt_ms: float, seconds: float) -> dict[str, Any]:
     """Bulk TCP through a proxy-shell emulator (its own process) at `rate_mbit`."""
-    import json
     import socket
 
     from emulation.probes import TcpSink, tcp_send_for
+    from emulation.proxy import proxy_process
 
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -142,27 +123,12 @@ def bench_wan_rate(rate_mbit: float, rtt_ms: float, seconds: float) -> dict[str,
     ls.listen(8)
     sink = TcpSink(ls)
     effects = {"rate_mbit": rate_mbit, "delay_ms": rtt_ms / 2}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PROXY, str(ROOT), str(ls.getsockname()[1]), json.dumps(effects)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line.strip().isdigit():
-            raise RuntimeError(f"the WAN proxy did not start (printed {line!r})")
-        start = time.monotonic()
-        sent = tcp_send_for(socket.socket(), ("127.0.0.1", int(line)), seconds)
-        time.sleep(0.3 + rtt_ms / 1e3)
+        with proxy_process(ls.getsockname()[1], **effects) as (port, _pid):
+            start = time.monotonic()
+            sent = tcp_send_for(socket.socket(), ("127.0.0.1", port), seconds)
+            time.sleep(0.3 + rtt_ms / 1e3)
     finally:
-        if proc.stdin:
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         sink.stop()
         ls.close()
     warm = min(0.5, seconds / 3)  # skip slow start and the first burst of the bucket
