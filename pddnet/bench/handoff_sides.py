@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -98,18 +98,23 @@ class MainTrial:
         md = self.engine = engine_for(self.model, self.tok, len(prep.prompt) + 2 * self.n + 8)
         res = md.reserve_kv(prep.prompt, self.max_tokens)
         import_kv(md.pool, prep.prompt_kv, res.block_ids)
-        md.add_request(
+        self._start_sequence(start.output_token_ids, res, hold=start.hold)
+        if md.has_work():
+            raise AssertionError("MD's held sequence has work before the cut")
+
+    def _start_sequence(self, known: Sequence[int], kv: Any, hold: bool = False) -> None:
+        """StartSequence on MD's engine: the prompt and every token known so far, on `kv`."""
+        prep = self.prep
+        self.engine.add_request(
             prep.prompt,
             self.max_tokens,
             prep.sampling,
             self.rid,
             ignore_eos=True,
-            output_token_ids=list(start.output_token_ids),
-            kv=res,
-            hold=start.hold,
+            output_token_ids=list(known),
+            kv=kv,
+            hold=hold,
         )
-        if md.has_work():
-            raise AssertionError("MD's held sequence has work before the cut")
 
     def _setup_kv_direct(self) -> None:
         """KV-direct defers StartSequence to the cut, when the relay tokens' KV has come: until
@@ -226,17 +231,9 @@ class MainTrial:
     def _decode(self) -> tuple[Any, list[int], float]:
         """The deferred StartSequence: every token MD's machine knows, on the reservation the
         relay tokens' KV was imported into, not held; one ordinary decode of the last one."""
-        prep, md = self.prep, self.engine
+        md = self.engine
         t0 = time.perf_counter()
-        md.add_request(
-            prep.prompt,
-            self.max_tokens,
-            prep.sampling,
-            self.rid,
-            ignore_eos=True,
-            output_token_ids=list(self.fsm.known),
-            kv=self.reservation,
-        )
+        self._start_sequence(self.fsm.known, self.reservation)
         self.reservation = None
         (out,) = md.step()
         return self._then_one_more(out, t0)
