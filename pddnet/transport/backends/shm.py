@@ -72,7 +72,7 @@ class RemoteKVRegion:
     def closed(self) -> bool:
         return self._pool is None
 
-    def check_write(
+    def write(
         self,
         allowed_block_ids: Sequence[int],
         dest_block_table: Sequence[int],
@@ -80,10 +80,15 @@ class RemoteKVRegion:
         token_start: int,
         *,
         min_position: int = 0,
-    ) -> None:
-        """Raise a precise ValueError unless positions [token_start, token_start + n) of the
-        export fit `dest_block_table`, lie at or after `min_position` (the receiver's prefix
-        hit: those blocks may be shared) and land only in blocks listed in `allowed_block_ids`."""
+    ) -> int:
+        """Write `exported` into the region at positions token_start.. of a sequence whose block
+        table (at the region's block size) is `dest_block_table`, converting dtype and block
+        size. Returns the bytes written into the region.
+
+        Checked first, a refused write changes nothing: a precise ValueError unless the positions
+        [token_start, token_start + n) fit `dest_block_table`, lie at or after `min_position`
+        (the receiver's prefix hit: those blocks may be shared) and land only in blocks listed in
+        `allowed_block_ids`."""
         spec = self.pool.spec
         n = exported.meta.num_tokens
         end = token_start + n
@@ -103,7 +108,7 @@ class RemoteKVRegion:
                 f"{spec.block_size} hold positions [0, {capacity})"
             )
         if n == 0:
-            return
+            return 0
         touched = list(
             dest_block_table[token_start // spec.block_size : (end - 1) // spec.block_size + 1]
         )
@@ -121,23 +126,6 @@ class RemoteKVRegion:
                 f"one-sided write would touch block(s) {outside} outside the "
                 f"region's {self.pool.num_blocks} blocks"
             )
-
-    def write(
-        self,
-        allowed_block_ids: Sequence[int],
-        dest_block_table: Sequence[int],
-        exported: ExportedKV,
-        token_start: int,
-        *,
-        min_position: int = 0,
-    ) -> int:
-        """Write `exported` into the region at positions token_start.. of a sequence whose block
-        table (at the region's block size) is `dest_block_table`, converting dtype and block
-        size. Checked first (see check_write): a refused write changes nothing. Returns the
-        bytes written into the region."""
-        self.check_write(
-            allowed_block_ids, dest_block_table, exported, token_start, min_position=min_position
-        )
         pool = self.pool
         import_kv(pool, exported, dest_block_table, dest_start=token_start)
         layers, _, n, heads, dim = exported.meta.shape
