@@ -56,9 +56,9 @@ async def _cancel_mid_stream(
     tokens: list[int] = []
     async with session.post(url + "/v1/completions", json={"model": "tiny", **body}) as r:
         if r.status != 200:
-            from tests.chaos.harness import judge
+            from tests.chaos.harness import Answer, judge
 
-            return judge(index, body, [], await r.json(content_type=None), r.status)
+            return judge(index, body, Answer([], await r.json(content_type=None), r.status))
         chunks = 0
         async for raw in r.content:
             line = raw.strip()

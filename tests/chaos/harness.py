@@ -233,33 +233,43 @@ def is_clear_error(err: Any, need_code: bool = True) -> bool:
     return not need_code or (isinstance(code, str) and bool(code))
 
 
-def judge(
-    index: int,
-    body: dict[str, Any],
-    tokens: list[int],
-    error: dict[str, Any] | None,
-    http_status: int | None,
-    pdd: dict[str, Any] | None = None,
-    detail: str = "",
+@dataclass
+class Answer:
+    """What the client got for one request, before a verdict: the token ids, the error (None
+    when the answer ended well), the HTTP status, the router's pdd object and a note."""
+
+    tokens: list[int]
+    error: dict[str, Any] | None = None
+    http_status: int | None = 200
+    pdd: dict[str, Any] | None = None
+    detail: str = ""
+
+
+def _outcome(
+    index: int, body: dict[str, Any], answer: Answer, status: str, expected_len: int
 ) -> Outcome:
-    want = reference_tokens(body)
-    complete = error is None
-    dup, skip, repl = token_diff(want, tokens, complete)
-    out = Outcome(
+    """The Outcome of request `index`, with what every verdict records of its body and answer."""
+    return Outcome(
         index=index,
-        status="exact",
-        tokens=tokens,
-        expected_len=len(want),
-        http_status=http_status,
-        error=error,
-        duplicated=dup,
-        skipped=skip,
-        replaced=repl,
-        detail=detail,
+        status=status,
+        tokens=answer.tokens,
+        expected_len=expected_len,
+        http_status=answer.http_status,
+        error=answer.error,
+        detail=answer.detail,
         prompt_len=len(body["prompt"]),
         stream=bool(body.get("stream")),
-        pdd=pdd,
+        pdd=answer.pdd,
     )
+
+
+def judge(index: int, body: dict[str, Any], answer: Answer) -> Outcome:
+    """Against the reference engine's tokens: exact, a clear or unclear error, or wrong."""
+    want = reference_tokens(body)
+    tokens, error, pdd = answer.tokens, answer.error, answer.pdd
+    dup, skip, repl = token_diff(want, tokens, error is None)
+    out = _outcome(index, body, answer, "exact", len(want))
+    out.duplicated, out.skipped, out.replaced = dup, skip, repl
     if dup or skip or repl:
         out.status = "wrong"
     elif error is not None:
@@ -274,33 +284,14 @@ def judge(
     return out
 
 
-Verdict = Callable[..., Outcome]
+Verdict = Callable[[int, dict[str, Any], Answer], Outcome]
 
 
-def count_only(
-    index: int,
-    body: dict[str, Any],
-    tokens: list[int],
-    error: dict[str, Any] | None,
-    http_status: int | None,
-    pdd: dict[str, Any] | None = None,
-    detail: str = "",
-) -> Outcome:
+def count_only(index: int, body: dict[str, Any], answer: Answer) -> Outcome:
     """A verdict without the reference engine (for the no-fault latency pass, whose bodies
     have no precomputed reference): "completed" when all max_tokens came without an error."""
-    ok = error is None and len(tokens) == body["max_tokens"]
-    return Outcome(
-        index=index,
-        status="completed" if ok else "failed",
-        tokens=tokens,
-        expected_len=body["max_tokens"],
-        http_status=http_status,
-        error=error,
-        detail=detail,
-        prompt_len=len(body["prompt"]),
-        stream=bool(body.get("stream")),
-        pdd=pdd,
-    )
+    ok = answer.error is None and len(answer.tokens) == body["max_tokens"]
+    return _outcome(index, body, answer, "completed" if ok else "failed", body["max_tokens"])
 
 
 async def send(
@@ -334,30 +325,23 @@ async def _send_bounded(
     timeout_s: float,
     verdict: Verdict,
 ) -> Outcome:
-    expected = len(reference_tokens(body)) if verdict is judge else body["max_tokens"]
     try:
         async with asyncio.timeout(timeout_s):
             return await _send(session, url, index, body, read_late_s, read_pause_s, verdict)
     except TimeoutError:
-        return Outcome(
-            index=index,
-            status="lost",
-            tokens=[],
-            expected_len=expected,
-            prompt_len=len(body["prompt"]),
-            stream=bool(body.get("stream")),
-            detail=f"no answer within {timeout_s:g} s: the request hung",
+        hung = Answer(
+            [], http_status=None, detail=f"no answer within {timeout_s:g} s: the request hung"
         )
+        return _lost(index, body, hung, verdict)
     except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
-        return Outcome(
-            index=index,
-            status="lost",
-            tokens=[],
-            expected_len=expected,
-            prompt_len=len(body["prompt"]),
-            stream=bool(body.get("stream")),
-            detail=f"the connection ended without an answer: {type(exc).__name__}: {exc}",
-        )
+        why = f"the connection ended without an answer: {type(exc).__name__}: {exc}"
+        return _lost(index, body, Answer([], http_status=None, detail=why), verdict)
+
+
+def _lost(index: int, body: dict[str, Any], answer: Answer, verdict: Verdict) -> Outcome:
+    """A request whose answer never ended: lost, whatever the verdict."""
+    expected = len(reference_tokens(body)) if verdict is judge else body["max_tokens"]
+    return _outcome(index, body, answer, "lost", expected)
 
 
 async def _send(
@@ -377,11 +361,11 @@ async def _send(
                 err = json.loads(text)
             except ValueError:
                 err = {"unparsed": text[:500]}
-            return verdict(index, body, [], err, r.status)
+            return verdict(index, body, Answer([], err, r.status))
         if not body.get("stream"):
             data = await r.json()
             choice = data["choices"][0]
-            return verdict(index, body, list(choice["token_ids"]), None, 200, data.get("pdd"))
+            return verdict(index, body, Answer(list(choice["token_ids"]), pdd=data.get("pdd")))
         if read_late_s:
             await asyncio.sleep(read_late_s)
         tokens: list[int] = []
@@ -392,14 +376,9 @@ async def _send(
             if not line:
                 continue
             if not line.startswith(b"data: "):
-                return verdict(
-                    index,
-                    body,
-                    tokens,
-                    {"unparsed": line[:200].decode(errors="replace")},
-                    200,
-                    detail="a stream line that is not an SSE data event",
-                )
+                unparsed = {"unparsed": line[:200].decode(errors="replace")}
+                why = "a stream line that is not an SSE data event"
+                return verdict(index, body, Answer(tokens, unparsed, detail=why))
             data = line[6:]
             if data == b"[DONE]":
                 done = True
@@ -413,29 +392,13 @@ async def _send(
             if read_pause_s:
                 await asyncio.sleep(read_pause_s)
         if not done:
-            return Outcome(
-                index=index,
-                status="lost",
-                tokens=tokens,
-                expected_len=len(reference_tokens(body))
-                if verdict is judge
-                else body["max_tokens"],
-                prompt_len=len(body["prompt"]),
-                stream=True,
-                http_status=200,
-                error=error,
-                detail="the stream ended without [DONE]",
-            )
+            cut = Answer(tokens, error, detail="the stream ended without [DONE]")
+            return _lost(index, body, cut, verdict)
         if error is None and (last is None or last["choices"][0].get("finish_reason") is None):
-            return verdict(
-                index,
-                body,
-                tokens,
-                {"unparsed": "no finish_reason"},
-                200,
-                detail="[DONE] without a final chunk",
-            )
-        return verdict(index, body, tokens, error, 200, (last or {}).get("pdd"))
+            unended = {"unparsed": "no finish_reason"}
+            why = "[DONE] without a final chunk"
+            return verdict(index, body, Answer(tokens, unended, detail=why))
+        return verdict(index, body, Answer(tokens, error, pdd=(last or {}).get("pdd")))
 
 
 # -- daemon state: the leak baseline ---------------------------------------------------------------
