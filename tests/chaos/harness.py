@@ -111,6 +111,19 @@ def reference_tokens(body: dict[str, Any]) -> list[int]:
 # -- the workload ----------------------------------------------------------------------------------
 
 
+def sampling_fields(rng: random.Random, seeded: bool, temperature: float) -> dict[str, Any]:
+    """A body's sampling: greedy, or seeded sampling at `temperature` with top_p and top_k drawn
+    from `rng` (so both kinds of request check the daemons against the reference engine)."""
+    if not seeded:
+        return {"temperature": 0.0}
+    return {
+        "temperature": temperature,
+        "top_p": rng.choice([1.0, 0.9]),
+        "top_k": rng.choice([0, 40]),
+        "seed": rng.randrange(2**63),
+    }
+
+
 def mixed_workload(
     n: int,
     seed: int,
@@ -135,16 +148,8 @@ def mixed_workload(
             "ignore_eos": rng.random() < 0.85,
             "return_token_ids": True,
             "stream": i % 3 != 2,
+            **sampling_fields(rng, seeded=i % 2 == 1, temperature=0.8),
         }
-        if i % 2:
-            body.update(
-                temperature=0.8,
-                top_p=rng.choice([1.0, 0.9]),
-                top_k=rng.choice([0, 40]),
-                seed=rng.randrange(2**63),
-            )
-        else:
-            body["temperature"] = 0.0
         bodies.append(body)
     return bodies
 
