@@ -313,34 +313,17 @@ async def send(
     `read_late_s`: a slow client that starts reading the stream only that long after the
     answer began; `read_pause_s` between chunks."""
     started = time.monotonic()
-    out = await _send_bounded(
-        session, url, index, body, read_late_s, read_pause_s, timeout_s, verdict
-    )
-    out.started_at, out.ended_at = started, time.monotonic()
-    return out
-
-
-async def _send_bounded(
-    session: aiohttp.ClientSession,
-    url: str,
-    index: int,
-    body: dict[str, Any],
-    read_late_s: float,
-    read_pause_s: float,
-    timeout_s: float,
-    verdict: Verdict,
-) -> Outcome:
     try:
         async with asyncio.timeout(timeout_s):
-            return await _send(session, url, index, body, read_late_s, read_pause_s, verdict)
+            out = await _send(session, url, index, body, read_late_s, read_pause_s, verdict)
     except TimeoutError:
-        hung = Answer(
-            [], http_status=None, detail=f"no answer within {timeout_s:g} s: the request hung"
-        )
-        return _lost(index, body, hung, verdict)
+        why = f"no answer within {timeout_s:g} s: the request hung"
+        out = _lost(index, body, Answer([], http_status=None, detail=why), verdict)
     except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
         why = f"the connection ended without an answer: {type(exc).__name__}: {exc}"
-        return _lost(index, body, Answer([], http_status=None, detail=why), verdict)
+        out = _lost(index, body, Answer([], http_status=None, detail=why), verdict)
+    out.started_at, out.ended_at = started, time.monotonic()
+    return out
 
 
 def _lost(index: int, body: dict[str, Any], answer: Answer, verdict: Verdict) -> Outcome:
