@@ -21,7 +21,9 @@ from pddnet.sim.system import SimulatedSystem
 from pddnet.workload.trace import trace_stream
 
 
-def small(requests=160, **over):
+def small_dict(requests=160, **over) -> dict:
+    """A small simulation (two chips, every system but cross-dc-no-drc, `requests` agent
+    turns) as the config dict `pdd sim run` reads; `over` replaces top-level keys."""
     cfg = {
         "seed": 3,
         "model": "qwen2.5-7b",
@@ -51,7 +53,11 @@ def small(requests=160, **over):
         },
     }
     cfg.update(over)
-    return parse_config(cfg)
+    return cfg
+
+
+def small(requests=160, **over):
+    return parse_config(small_dict(requests, **over))
 
 
 def test_the_simulator_drives_the_daemons_policy_objects():
