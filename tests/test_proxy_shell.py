@@ -24,12 +24,29 @@ from tests.polling import wait_for
 LOOP = "127.0.0.1"
 
 
-class Echo:
+class LoopbackServer:
+    """A server on LOOP for one test: `async with` gives its port; subclasses say what each
+    connection gets (`_handle`)."""
+
+    server: asyncio.base_events.Server | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> int:
+        self.server = await asyncio.start_server(self._handle, LOOP, 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+class Echo(LoopbackServer):
     """Loopback echo server that also notes when each connection saw EOF."""
 
     def __init__(self) -> None:
         self.eof_at: list[float] = []
-        self.server: asyncio.base_events.Server | None = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -42,22 +59,13 @@ class Echo:
         finally:
             writer.close()
 
-    async def __aenter__(self) -> int:
-        self.server = await asyncio.start_server(self._handle, LOOP, 0)
-        return self.server.sockets[0].getsockname()[1]
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        await self.server.wait_closed()
-
-
-class Sink:
+class Sink(LoopbackServer):
     """Loopback server that counts received bytes with timestamps per connection."""
 
     def __init__(self) -> None:
         self.flows: list[list[tuple[float, int]]] = []
         self.digests: list[str] = []
-        self.server: asyncio.base_events.Server | None = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         marks: list[tuple[float, int]] = []
@@ -74,14 +82,6 @@ class Sink:
         finally:
             self.digests.append(digest.hexdigest())
             writer.close()
-
-    async def __aenter__(self) -> int:
-        self.server = await asyncio.start_server(self._handle, LOOP, 0)
-        return self.server.sockets[0].getsockname()[1]
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        await self.server.wait_closed()
 
 
 def bytes_between(marks: list[tuple[float, int]], t0: float, t1: float) -> int:
