@@ -84,6 +84,19 @@ class Sink(LoopbackServer):
             writer.close()
 
 
+async def through_the_proxy(link: Link, data: bytes, timeout: float, **proxy_options) -> list[str]:
+    """Send `data` on one connection through a WanProxy over `link` into a Sink; the digests of
+    what the sink received once the stream has ended there (within `timeout` s)."""
+    sink = Sink()
+    async with sink as port, WanProxy((LOOP, 0), (LOOP, port), link, **proxy_options) as proxy:
+        _, writer = await asyncio.open_connection(LOOP, proxy.port)
+        writer.write(data)
+        await writer.drain()
+        writer.close()
+        await wait_for(lambda: sink.digests, timeout, "the sink to see the stream end", step=0.02)
+    return sink.digests
+
+
 def bytes_between(marks: list[tuple[float, int]], t0: float, t1: float) -> int:
     def at(t: float) -> int:
         return max([b for ts, b in marks if ts <= t] or [0])
@@ -155,17 +168,10 @@ async def test_jitter_std_matches_the_model_and_nothing_reorders(echo_port: int)
 
 async def test_a_stream_under_jitter_arrives_byte_exact() -> None:
     # Thousands of small chunks in flight with 5 ms jitter: any reordering would corrupt it.
-    sink = Sink()
     data = hashlib.sha256(b"seed").digest() * (3 * (1 << 20) // 32)
-    async with sink as port:
-        link = Link(seed=3, delay_ms=10, jitter_ms=5, rate_mbit=400)
-        async with WanProxy((LOOP, 0), (LOOP, port), link, chunk_bytes=4096) as proxy:
-            _, writer = await asyncio.open_connection(LOOP, proxy.port)
-            writer.write(data)
-            await writer.drain()
-            writer.close()
-            await wait_for(lambda: sink.digests, 4, "the sink to see the stream end", step=0.02)
-    assert sink.digests == [hashlib.sha256(data).hexdigest()]
+    link = Link(seed=3, delay_ms=10, jitter_ms=5, rate_mbit=400)
+    digests = await through_the_proxy(link, data, 4, chunk_bytes=4096)
+    assert digests == [hashlib.sha256(data).hexdigest()]
     held = link.a_to_b.counters()
     assert held["packets_in"] >= len(data) // 4096 and held["drops"]["queue_full"] == 0
 
@@ -314,17 +320,10 @@ async def test_lossy_effects_are_refused_by_the_proxy_shell(echo_port: int) -> N
 
 
 async def test_small_queue_applies_backpressure_without_drops() -> None:
-    sink = Sink()
     data = bytes(range(256)) * 4096  # 1 MiB
-    async with sink as port:
-        link = Link(rate_mbit=50, queue_bytes=20_000)  # smaller than a chunk
-        async with WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
-            _, writer = await asyncio.open_connection(LOOP, proxy.port)
-            writer.write(data)
-            await writer.drain()
-            writer.close()
-            await wait_for(lambda: sink.digests, 6, "the sink to see the data end", step=0.02)
-    assert sink.digests == [hashlib.sha256(data).hexdigest()]
+    link = Link(rate_mbit=50, queue_bytes=20_000)  # smaller than a chunk
+    digests = await through_the_proxy(link, data, 6)
+    assert digests == [hashlib.sha256(data).hexdigest()]
     c = link.a_to_b.counters()
     assert c["drops"]["queue_full"] == 0 and c["queue"]["max_bytes"] <= 20_000
 
