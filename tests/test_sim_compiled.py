@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pddnet.sim import compiled
-from tests.test_sim_system import small_dict
+from tests.test_sim_system import small_dict, write_conversation_trace
 
 pytestmark = pytest.mark.skipif(
     compiled.missing_tools() is not None, reason=f"cannot compile here: {compiled.missing_tools()}"
@@ -77,20 +77,16 @@ def _stressful_config(path: Path, trace: Path) -> None:
     """Every system, a jittery line with a small queue (queue_mb = 8), instances with a
     quarter of their memory (MD short of blocks: allocations wait), and a second workload
     replayed from a trace file."""
-    lines = []
-    for i in range(120):
-        conv, turn = divmod(i, 6)
-        ids = list(range(conv * 1000, conv * 1000 + 30 + 5 * turn))
-        lines.append(
-            {
-                "timestamp": i * 150,
-                "input_length": len(ids) * 256,
-                "output_length": 64 + 13 * (i % 9),
-                "hash_ids": ids,
-                "conversation": conv,
-            }
-        )
-    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    write_conversation_trace(
+        trace,
+        120,
+        turns=6,
+        prefix=30,
+        growth=5,
+        gap_ms=150,
+        block=256,
+        output_length=lambda i: 64 + 13 * (i % 9),
+    )
     base = small_dict(
         220,
         seed=11,
