@@ -116,6 +116,21 @@ async def send_for(port: int, seconds: float, block: bytes = b"\x00" * (1 << 16)
     return sent
 
 
+async def bulk_flows(link: Link, n: int) -> list[list[tuple[float, int]]]:
+    """`n` connections sending as fast as they can for 3.2 s through a WanProxy over `link`;
+    each flow's (time, bytes so far) marks at the sink, once every flow's tail has arrived."""
+    sink = Sink()
+    async with sink as port, WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
+        await asyncio.gather(*(send_for(proxy.port, 3.2) for _ in range(n)))
+        await wait_for(lambda: len(sink.digests) == n, 5, f"{n} flows' tails at the sink")
+    return sink.flows
+
+
+def goodput_mbit(marks: list[tuple[float, int]], t0: float) -> float:
+    """A flow's goodput in Mbit/s from 0.5 s to 3 s after `t0` (past slow start, before the end)."""
+    return bytes_between(marks, t0 + 0.5, t0 + 3.0) * 8 / 2.5 / 1e6
+
+
 async def probe_rtts(port: int, count: int, size: int = 64) -> list[float]:
     reader, writer = await asyncio.open_connection(LOOP, port)
     rtts = []
@@ -178,15 +193,9 @@ async def test_a_stream_under_jitter_arrives_byte_exact() -> None:
 
 @pytest.mark.link_measurement
 async def test_bulk_transfer_reaches_the_configured_rate() -> None:
-    sink = Sink()
-    async with sink as port:
-        link = Link(delay_ms=5, rate_mbit=200)
-        async with WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
-            await send_for(proxy.port, 3.2)
-            await wait_for(lambda: sink.digests, 5, "the queued tail to reach the sink")
-    (marks,) = sink.flows
-    t0 = marks[0][0]
-    got = bytes_between(marks, t0 + 0.5, t0 + 3.0) * 8 / 2.5 / 1e6
+    link = Link(delay_ms=5, rate_mbit=200)
+    (marks,) = await bulk_flows(link, 1)
+    got = goodput_mbit(marks, marks[0][0])
     print(f"bulk goodput {got:.1f} Mbit/s of 200 ({got / 2:.1f}%)")
     assert_measured(got, 0.90 * 200, 1.02 * 200, "bulk goodput (Mbit/s)")
     c = link.a_to_b.counters()
@@ -199,15 +208,10 @@ async def test_bulk_transfer_reaches_the_configured_rate() -> None:
 
 @pytest.mark.link_measurement
 async def test_two_flows_share_the_bottleneck() -> None:
-    sink = Sink()
-    async with sink as port:
-        link = Link(delay_ms=5, rate_mbit=200)
-        async with WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
-            await asyncio.gather(send_for(proxy.port, 3.2), send_for(proxy.port, 3.2))
-            await wait_for(lambda: len(sink.digests) == 2, 5, "both flows' tails at the sink")
-    assert len(sink.flows) == 2
-    t0 = max(m[0][0] for m in sink.flows)
-    rates = [bytes_between(m, t0 + 0.5, t0 + 3.0) * 8 / 2.5 / 1e6 for m in sink.flows]
+    flows = await bulk_flows(Link(delay_ms=5, rate_mbit=200), 2)
+    assert len(flows) == 2
+    t0 = max(m[0][0] for m in flows)
+    rates = [goodput_mbit(m, t0) for m in flows]
     print(f"two flows: {rates[0]:.1f} + {rates[1]:.1f} Mbit/s")
     assert_measured(sum(rates), 0.90 * 200, 1.02 * 200, "two flows' goodput (Mbit/s)")
     assert_measured(min(rates) / sum(rates), 0.35, 1.0, "the smaller flow's share")
