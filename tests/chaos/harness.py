@@ -250,7 +250,7 @@ class Answer:
     detail: str = ""
 
 
-def _outcome(
+def outcome_of(
     index: int, body: dict[str, Any], answer: Answer, status: str, expected_len: int
 ) -> Outcome:
     """The Outcome of request `index`, with what every verdict records of its body and answer."""
@@ -273,7 +273,7 @@ def judge(index: int, body: dict[str, Any], answer: Answer) -> Outcome:
     want = reference_tokens(body)
     tokens, error, pdd = answer.tokens, answer.error, answer.pdd
     dup, skip, repl = token_diff(want, tokens, error is None)
-    out = _outcome(index, body, answer, "exact", len(want))
+    out = outcome_of(index, body, answer, "exact", len(want))
     out.duplicated, out.skipped, out.replaced = dup, skip, repl
     if dup or skip or repl:
         out.status = "wrong"
@@ -296,7 +296,7 @@ def count_only(index: int, body: dict[str, Any], answer: Answer) -> Outcome:
     """A verdict without the reference engine (for the no-fault latency pass, whose bodies
     have no precomputed reference): "completed" when all max_tokens came without an error."""
     ok = answer.error is None and len(answer.tokens) == body["max_tokens"]
-    return _outcome(index, body, answer, "completed" if ok else "failed", body["max_tokens"])
+    return outcome_of(index, body, answer, "completed" if ok else "failed", body["max_tokens"])
 
 
 async def send(
@@ -329,7 +329,7 @@ async def send(
 def _lost(index: int, body: dict[str, Any], answer: Answer, verdict: Verdict) -> Outcome:
     """A request whose answer never ended: lost, whatever the verdict."""
     expected = len(reference_tokens(body)) if verdict is judge else body["max_tokens"]
-    return _outcome(index, body, answer, "lost", expected)
+    return outcome_of(index, body, answer, "lost", expected)
 
 
 async def _send(
