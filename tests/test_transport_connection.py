@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import struct
 import zlib
@@ -326,17 +327,12 @@ async def test_dial_refused_and_dial_with_retry():
     probe.close()  # nothing listens there now
     with pytest.raises(DialRefused, match=f"cannot connect to {HOST}:{port}"):
         await dial_echo(port)
+    # P dialling RLD's port, with a given patience
+    dial = functools.partial(
+        dial_with_retry, HOST, port, role="prefill", instance_id="p", lane="control", secret=SECRET
+    )
     with pytest.raises(DialRefused, match="gave up after 2 attempts"):
-        await dial_with_retry(
-            HOST,
-            port,
-            attempts=2,
-            delay=0.01,
-            role="prefill",
-            instance_id="p",
-            lane="control",
-            secret=SECRET,
-        )
+        await dial(attempts=2, delay=0.01)
     # The server comes up while the dialer retries.
     server = Server(
         HOST,
@@ -352,16 +348,7 @@ async def test_dial_refused_and_dial_with_retry():
         await server.start()
 
     starter = asyncio.create_task(start_late())
-    conn = await dial_with_retry(
-        HOST,
-        port,
-        attempts=100,
-        delay=0.05,
-        role="prefill",
-        instance_id="p",
-        lane="control",
-        secret=SECRET,
-    )
+    conn = await dial(attempts=100, delay=0.05)
     await starter
     assert conn.peer_role == "relay"
     await conn.close()
