@@ -69,6 +69,13 @@ def _sequence(cache: PrefixCache, tokens: list[int]) -> list[int]:
     return blocks
 
 
+def _finished(cache: PrefixCache, tokens: list[int]) -> list[int]:
+    """A sequence that ran and ended: its blocks released, the full ones left cached."""
+    blocks = _sequence(cache, tokens)
+    cache.release(blocks)
+    return blocks
+
+
 def test_chained_hashes_depend_on_the_whole_prefix():
     a = chained_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS)
     b = chained_hashes([9, 2, 3, 4, 5, 6, 7, 8], BS)
@@ -121,10 +128,8 @@ def test_eviction_is_lru_over_unreferenced_blocks_only(kind: type[PrefixCache]):
 def test_lru_order_and_tail_first(kind: type[PrefixCache]):
     a = BlockAllocator(4)
     cache = kind(a, BS)
-    old = _sequence(cache, list(range(8)))
-    cache.release(old)
-    new = _sequence(cache, list(range(50, 58)))
-    cache.release(new)
+    old = _finished(cache, list(range(8)))
+    _finished(cache, list(range(50, 58)))  # newer than `old`
     assert a.num_free == 0 and cache.num_evictable == 4
     got = cache.allocate(1)
     assert got == [old[1]]  # oldest chain first, and its tail before its head
@@ -142,8 +147,7 @@ def test_lru_order_and_tail_first(kind: type[PrefixCache]):
 def test_pinned_prefix_is_never_evicted_and_unpin_restores(kind: type[PrefixCache]):
     a = BlockAllocator(4)
     cache = kind(a, BS)
-    blocks = _sequence(cache, list(range(8)))
-    cache.release(blocks)
+    blocks = _finished(cache, list(range(8)))
     m = cache.match(list(range(8)))
     cache.pin(m)
     assert cache.num_evictable == 0 and cache.is_pinned(blocks[0])

@@ -5,6 +5,7 @@ with each other (never with wall-clock expectations)."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
@@ -279,24 +280,24 @@ def test_demo_quick(tmp_path, capsys):
 
 
 def record(times: list[float], pdd_obj: dict, sent_at: float = 0.0):
+    """A client's record of one stream (copies: ONE_SHOT_RUN serves several tests)."""
     from pddnet.bench.client import StreamRecord
 
     return StreamRecord(
         sent_at=sent_at,
         first_token_at=times[0],
-        token_times=times,
+        token_times=list(times),
         token_ids=list(range(len(times))),
-        pdd=pdd_obj,
+        pdd=copy.deepcopy(pdd_obj),
     )
 
 
-def test_handoff_metrics_stall_occupancy_and_duration():
-    from pddnet.bench.handoff_mode import handoff_metrics, rate_for_backlog
-
-    # RLD makes tokens 0..3 every 10 ms from t=1.0, TAKEOVER at backlog 3, the cut after
-    # token 3; MD's first token (index 4) comes 50 ms later, then every 10 ms.
-    times = [1.00, 1.01, 1.02, 1.03, 1.08, 1.09, 1.10]
-    pdd_obj = {
+# A one-shot handoff: RLD makes tokens 0..3 every 10 ms from t=1.0, TAKEOVER at backlog 3, the
+# cut after token 3; MD's first token (index 4) comes 50 ms later, then every 10 ms. (The
+# client's token times, the pdd object.)
+ONE_SHOT_RUN = (
+    [1.00, 1.01, 1.02, 1.03, 1.08, 1.09, 1.10],
+    {
         "relay_tokens": 4,
         "main_tokens": 3,
         "handoff_mode": "one-shot",
@@ -310,8 +311,14 @@ def test_handoff_metrics_stall_occupancy_and_duration():
             },
             {"event": "first_md_token", "time": 1.075, "producer": "main_decode"},
         ],
-    }
-    m = handoff_metrics(record(times, pdd_obj), prompt_len=100)
+    },
+)
+
+
+def test_handoff_metrics_stall_occupancy_and_duration():
+    from pddnet.bench.handoff_mode import handoff_metrics, rate_for_backlog
+
+    m = handoff_metrics(record(*ONE_SHOT_RUN), prompt_len=100)
     assert m["backlog"] == 3 and m["handed_off"]
     assert m["stall_s"] == pytest.approx(0.05)
     assert m["handoff_s"] == pytest.approx(0.05)
@@ -408,19 +415,8 @@ def test_stream_record_reports_modelled_durations():
         {"timeline": timeline, "emulation": {"dilation": 4.0}}
     ) == pytest.approx(0.1)
     # handoff-mode's figures: stall, handoff duration and RLD occupancy all / k
-    hm_times = [1.00, 1.01, 1.02, 1.03, 1.08, 1.09, 1.10]
-    pdd_obj = {
-        "relay_tokens": 4,
-        "main_tokens": 3,
-        "handoff_mode": "one-shot",
-        "timeline": [
-            {"event": "rld_kv_complete", "time": 0.99},
-            {"event": "handoff_start", "time": 1.025, "detail": {"value": 3}},
-            {"event": "first_md_token", "time": 1.075},
-        ],
-    }
-    one = handoff_metrics(record(hm_times, pdd_obj), prompt_len=100)
-    rec = record(hm_times, pdd_obj)
+    one = handoff_metrics(record(*ONE_SHOT_RUN), prompt_len=100)
+    rec = record(*ONE_SHOT_RUN)
     rec.dilation = 5.0
     five = handoff_metrics(rec, prompt_len=100)
     for key in (

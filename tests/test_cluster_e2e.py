@@ -23,10 +23,8 @@ import aiohttp
 import pytest
 
 from pddnet.cluster.local import LocalCluster
-from pddnet.engine.engine import Engine
-from pddnet.engine.sampling import SamplingParams
 from pddnet.kv.shm import segments_of
-from pddnet.model.loader import load_model
+from tests.chaos.harness import reference_tokens, sampling_fields
 from tests.conftest import root_netns_missing_reason
 from tests.polling import wait_for, wait_for_sync
 
@@ -49,49 +47,10 @@ def make_requests(n: int, seed: int, long_every: int = 10) -> list[dict]:
             "ignore_eos": rng.random() < 0.8,
             "return_token_ids": True,
             "stream": i % 3 == 1,
+            **sampling_fields(rng, seeded=i % 2 == 1, temperature=0.9),
         }
-        if i % 2:
-            body.update(
-                temperature=0.9,
-                top_p=rng.choice([1.0, 0.9]),
-                top_k=rng.choice([0, 40]),
-                seed=rng.randrange(2**63),
-            )
-        else:
-            body["temperature"] = 0.0
         out.append(body)
     return out
-
-
-_REFERENCE: dict[str, list[int]] = {}
-
-
-def reference(body: dict) -> list[int]:
-    """The colocated engine's tokens for a request (cached across tests)."""
-    key = json.dumps(body, sort_keys=True)
-    if key not in _REFERENCE:
-        model, tok = _tiny()
-        engine = Engine(model, tok, num_blocks=256, block_size=16)
-        sp = SamplingParams(
-            temperature=body["temperature"],
-            top_p=body.get("top_p", 1.0),
-            top_k=body.get("top_k", 0),
-            seed=body.get("seed"),
-        )
-        _REFERENCE[key] = engine.generate(
-            body["prompt"], body["max_tokens"], sp, ignore_eos=body["ignore_eos"]
-        )
-        engine.close()
-    return _REFERENCE[key]
-
-
-_MODEL: list = []
-
-
-def _tiny():
-    if not _MODEL:
-        _MODEL.append(load_model("tiny"))
-    return _MODEL[0]
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
@@ -148,7 +107,7 @@ def assert_token_exact(bodies: list[dict], results: list[dict]) -> None:
     mismatches = []
     for i, (body, res) in enumerate(zip(bodies, results, strict=True)):
         got = res["choices"][0]["token_ids"]
-        want = reference(body)
+        want = reference_tokens(body)
         if got != want:
             mismatches.append(
                 f"request {i} (prompt {len(body['prompt'])} tokens, max_tokens "
@@ -196,7 +155,7 @@ async def wait_kv_free(cluster: LocalCluster, roles: list[str], timeout: float =
 async def test_pdd_token_exact_eager_and_small_handoffs(handoff):
     bodies = make_requests(E2E_REQUESTS, seed=5)
     for b in bodies:  # computed before the cluster takes the cores
-        reference(b)
+        reference_tokens(b)
     async with LocalCluster(
         mode="pdd",
         wan="proxy",
@@ -253,7 +212,7 @@ async def test_hundred_token_handoff_is_under_2_kib():
         "temperature": 0.0,
         "return_token_ids": True,
     }
-    want = reference(body)
+    want = reference_tokens(body)
     async with LocalCluster(
         mode="pdd",
         wan="proxy",
@@ -277,7 +236,7 @@ async def test_hundred_token_handoff_is_under_2_kib():
 async def test_baselines_token_exact(mode):
     bodies = make_requests(E2E_REQUESTS, seed=5)
     for b in bodies:
-        reference(b)
+        reference_tokens(b)
     async with LocalCluster(mode=mode, wan="proxy", **WAN) as cluster:
         roles = set(cluster.daemons)
         if mode == "same-dc":
@@ -340,7 +299,7 @@ async def test_client_disconnect_frees_kv_on_every_daemon():
 async def test_packet_shell_token_exact():
     bodies = make_requests(50, seed=5)[:24]
     for b in bodies:
-        reference(b)
+        reference_tokens(b)
     async with LocalCluster(mode="pdd", wan="packet", **WAN) as cluster:
         assert cluster.wan["shell"] == "packet" and cluster.wan["testbed"]
         md = cluster.daemons["main_decode"]

@@ -170,11 +170,18 @@ def test_relay_first_token_that_ends_the_request_stops_p_and_md():
     ]
 
 
-def test_relay_one_shot_handoff_cuts_at_the_takeover():
-    m = relay("one-shot")
+def relay_decoding(mode: str, n: int) -> DecodeRequest:
+    """An RLD request (handoff `mode`) with its KV in and `n` tokens decoded (101, 102, ...)
+    after P's first token (100)."""
+    m = relay(mode)
     drive(m, "kv_done", kv_done(), 0.0)
-    for i in range(1, 5):
+    for i in range(1, n + 1):
         engine(m, step(i, [100 + i], PROMPT + i))
+    return m
+
+
+def test_relay_one_shot_handoff_cuts_at_the_takeover():
+    m = relay_decoding("one-shot", 4)
     acts = drive(m, "takeover", PROMPT, 4, 0.1)
     assert isinstance(acts[0], HandoffStarted) and acts[0].mode == "one-shot"
     assert acts[1:] == [StopSequence(), SendHandoff(0, (100, 101, 102, 103, 104), True, "one-shot")]
@@ -183,10 +190,7 @@ def test_relay_one_shot_handoff_cuts_at_the_takeover():
 
 
 def test_relay_streaming_handoff_forwards_then_cuts_when_md_keeps_pace():
-    m = relay("streaming")
-    drive(m, "kv_done", kv_done(), 0.0)
-    for i in range(1, 10):
-        engine(m, step(i, [100 + i], PROMPT + i))
+    m = relay_decoding("streaming", 9)
     acts = drive(m, "takeover", PROMPT, 4, 0.1)
     assert m.phase is Phase.STREAMING
     sent = [a for a in acts if isinstance(a, SendHandoff)]
@@ -212,10 +216,7 @@ def test_relay_takeover_before_kv_done_waits_for_p_first_token():
 
 
 def test_relay_finishes_alone_when_md_is_lost_mid_stream():
-    m = relay("streaming")
-    drive(m, "kv_done", kv_done(), 0.0)
-    for i in range(1, 10):
-        engine(m, step(i, [100 + i], PROMPT + i))
+    m = relay_decoding("streaming", 9)
     drive(m, "takeover", PROMPT, 4, 0.1)
     acts = drive(m, "peer_lost")
     assert acts == [HandoffAbandoned("main decode lost during a streaming handoff")]

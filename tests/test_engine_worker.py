@@ -61,6 +61,16 @@ class Collector:
                 await self.changed.wait()
 
 
+def started(tiny, name: str, **engine_options) -> tuple[Engine, EngineWorker, Collector]:
+    """A real Engine (64 blocks of 4 tokens unless `engine_options` say otherwise) stepped by
+    a worker `name` that hands its outputs and errors to a Collector."""
+    model, tok = tiny
+    col = Collector()
+    engine = Engine(model, tok, **({"num_blocks": 64, "block_size": 4} | engine_options))
+    worker = EngineWorker(engine, col.on_outputs, name=name, on_error=col.on_error)
+    return engine, worker, col
+
+
 def worker_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("pdd-")]
 
@@ -99,10 +109,9 @@ async def test_runs_requests_token_exact_vs_generate(tiny):
 
 
 async def test_loop_stays_responsive_during_a_long_step(tiny):
-    model, tok = tiny
-    col = Collector()
-    engine = Engine(model, tok, num_blocks=512, block_size=16, max_num_batched_tokens=4096)
-    worker = EngineWorker(engine, col.on_outputs, name="test-responsive")
+    engine, worker, col = started(
+        tiny, "test-responsive", num_blocks=512, block_size=16, max_num_batched_tokens=4096
+    )
     ticks_during_step = 0
     stop = asyncio.Event()
 
@@ -126,10 +135,7 @@ async def test_loop_stays_responsive_during_a_long_step(tiny):
 
 
 async def test_exceptions_reach_the_loop_and_the_thread_survives(tiny):
-    model, tok = tiny
-    col = Collector()
-    engine = Engine(model, tok, num_blocks=64, block_size=4)
-    worker = EngineWorker(engine, col.on_outputs, name="test-errors", on_error=col.on_error)
+    engine, worker, col = started(tiny, "test-errors")
     # A failing call raises here, in the caller.
     with pytest.raises(ValueError, match="outside the vocabulary"):
         await worker.call(engine.add_request, [10_000], 4)
@@ -144,7 +150,7 @@ async def test_exceptions_reach_the_loop_and_the_thread_survives(tiny):
         return real_step()
 
     engine.step = flaky_step  # type: ignore[method-assign]
-    await worker.call(engine.add_request, prompts(tok)[1], 4, None, "after", ignore_eos=True)
+    await worker.call(engine.add_request, prompts(tiny[1])[1], 4, None, "after", ignore_eos=True)
     await col.wait_for(lambda: col.errors)
     assert "simulated forward failure" in str(col.errors[0]) and worker.num_errors == 1
     assert worker.alive
@@ -160,13 +166,10 @@ async def test_exceptions_reach_the_loop_and_the_thread_survives(tiny):
 
 
 async def test_no_spin_when_no_progress_is_possible(tiny):
-    model, tok = tiny
-    col = Collector()
-    engine = Engine(model, tok, num_blocks=64, block_size=4)
-    worker = EngineWorker(engine, col.on_outputs, name="test-held")
+    engine, worker, col = started(tiny, "test-held")
     # A held request with its prompt computed has nothing to do until released.
     rid = await worker.call(
-        engine.add_request, prompts(tok)[0], 4, None, "held", hold=True, ignore_eos=True
+        engine.add_request, prompts(tiny[1])[0], 4, None, "held", hold=True, ignore_eos=True
     )
 
     async def prompt_computed() -> bool:  # asked on the worker's thread, between its steps
@@ -184,10 +187,9 @@ async def test_no_spin_when_no_progress_is_possible(tiny):
 
 
 async def test_close_fails_queued_calls_and_leaves_no_thread(tiny):
-    model, tok = tiny
-    engine = Engine(model, tok, num_blocks=512, block_size=16, max_num_batched_tokens=4096)
-    col = Collector()
-    worker = EngineWorker(engine, col.on_outputs, name="test-close")
+    engine, worker, col = started(
+        tiny, "test-close", num_blocks=512, block_size=16, max_num_batched_tokens=4096
+    )
     await worker.call(
         engine.add_request, [i % 250 for i in range(1, 1200)], 50, None, "busy", ignore_eos=True
     )
@@ -202,10 +204,7 @@ async def test_close_fails_queued_calls_and_leaves_no_thread(tiny):
 
 
 async def test_a_broken_engine_is_reported_and_later_calls_fail_fast(tiny):
-    model, tok = tiny
-    col = Collector()
-    engine = Engine(model, tok, num_blocks=64, block_size=4)
-    worker = EngineWorker(engine, col.on_outputs, name="test-broken", on_error=col.on_error)
+    engine, worker, col = started(tiny, "test-broken")
     engine.close()  # a real fault: the KV pool is gone, so the next step fails
     engine.scheduler.has_work = None  # and the scheduler itself is broken: has_work() raises
     worker.wake()

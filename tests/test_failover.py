@@ -5,6 +5,7 @@ daemon producing a request dies (the chaos suite in tests/chaos covers more faul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -138,21 +139,14 @@ async def _stream(url: str, body: dict, seen: list[int]) -> dict:
     return {}
 
 
-async def after_the_cut(cluster, seen: list[int]) -> None:
-    """Until MD has taken the request over and is the only producer (tokens past the cut)."""
-
-    async def cut() -> bool:
-        return (await cluster.stats("main_decode"))["requests"]["handoffs"] >= 1 and len(seen) > 20
-
-    await wait_for(cut, 20, "the handoff to MD")
-
-
-@pytest.mark.timeout(240)
-async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
+@contextlib.asynccontextmanager
+async def streaming_past_the_cut(prompt: list[int], max_tokens: int):
+    """A real-process PDD cluster (WAN proxy, one-shot handoff, 0.25 s heartbeats with a 1.5 s
+    deadline) streaming `prompt`; entered once MD has taken the request over and is the only
+    producer (tokens past the cut). Yields the cluster, the request body, the stream's task
+    (its pdd object) and the token ids seen so far."""
     from pddnet.cluster.local import LocalCluster
 
-    prompt = prompt_of(3, 120)
-    want = reference(tiny, prompt, 400)
     overrides = {
         "policy.pipeline": "p_rld_md",
         "policy.handoff": "one-shot",
@@ -166,14 +160,26 @@ async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
         body = {
             "model": "tiny",
             "prompt": prompt,
-            "max_tokens": 400,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
         }
         task = asyncio.create_task(_stream(cluster.url, body, seen))
-        await after_the_cut(cluster, seen)
-        md_pid = cluster.daemons["main_decode"].pid
-        os.kill(md_pid, signal.SIGKILL)
+
+        async def cut() -> bool:
+            stats = await cluster.stats("main_decode")
+            return stats["requests"]["handoffs"] >= 1 and len(seen) > 20
+
+        await wait_for(cut, 20, "the handoff to MD")
+        yield cluster, body, task, seen
+
+
+@pytest.mark.timeout(240)
+async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
+    prompt = prompt_of(3, 120)
+    want = reference(tiny, prompt, 400)
+    async with streaming_past_the_cut(prompt, 400) as (cluster, body, task, seen):
+        os.kill(cluster.daemons["main_decode"].pid, signal.SIGKILL)
         pdd = await asyncio.wait_for(task, 120)
         assert "error" not in pdd, pdd
         assert seen == want  # token-exact, no index twice, none skipped
@@ -203,29 +209,9 @@ async def test_router_replays_on_the_relay_when_md_dies_after_the_handoff(tiny):
 
 @pytest.mark.timeout(240)
 async def test_a_hung_md_is_detected_and_its_request_replayed(tiny):
-    from pddnet.cluster.local import LocalCluster
-
     prompt = prompt_of(5, 100)
     want = reference(tiny, prompt, 400)
-    overrides = {
-        "policy.pipeline": "p_rld_md",
-        "policy.handoff": "one-shot",
-        "wan.heartbeat_s": 0.25,
-        "wan.heartbeat_deadline_s": 1.5,
-    }
-    async with LocalCluster(
-        mode="pdd", wan="proxy", rtt_ms=10.0, jitter_ms=0.0, bw_mbit=200.0, overrides=overrides
-    ) as cluster:
-        seen: list[int] = []
-        body = {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": 400,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        task = asyncio.create_task(_stream(cluster.url, body, seen))
-        await after_the_cut(cluster, seen)
+    async with streaming_past_the_cut(prompt, 400) as (cluster, _, task, seen):
         md_pid = cluster.daemons["main_decode"].pid
         os.kill(md_pid, signal.SIGSTOP)  # hung, its sockets still open
         try:

@@ -92,12 +92,13 @@ def simulate(
     kv_tick: int,
     delay: int,
     chunk: int,
-    policy: HandoffPolicy,
+    policy: HandoffPolicy | None = None,  # default: streaming, MD's chunk
     stop_lag: int = 1,
     load: float = 0.0,
     max_ticks: int = 5000,
 ) -> Run:
     ref = [1000 + 7 * i for i in range(n_out)]
+    policy = policy or HandoffPolicy(mode="streaming", chunk=chunk)
     run = Run()
     rld = RelayHandoff(prompt_len, policy)
     md = MainHandoff(prompt_len, chunk)
@@ -232,14 +233,7 @@ def test_one_shot_single_final_handoff_and_one_extend():
 
 def test_streaming_never_extends_more_than_chunk_and_rld_keeps_decoding():
     chunk = 4
-    run = simulate(
-        n_out=120,
-        prompt_len=10,
-        kv_tick=40,
-        delay=3,
-        chunk=chunk,
-        policy=HandoffPolicy(mode="streaming", chunk=chunk),
-    )
+    run = simulate(n_out=120, prompt_len=10, kv_tick=40, delay=3, chunk=chunk)
     check_exactly_once(run, 120)
     assert run.done_by == "main"
     assert len(run.handoffs) > 3
@@ -265,14 +259,7 @@ def test_dynamic_picks_one_shot_for_small_backlog_and_streaming_for_large():
 
 
 def test_rld_finishing_first_cancels_md():
-    run = simulate(
-        n_out=15,
-        prompt_len=8,
-        kv_tick=100,
-        delay=3,
-        chunk=4,
-        policy=HandoffPolicy(mode="streaming", chunk=4),
-    )
+    run = simulate(n_out=15, prompt_len=8, kv_tick=100, delay=3, chunk=4)
     check_exactly_once(run, 15)
     assert run.done_by == "relay" and not run.handoffs
     # MD's copy completed after RLD finished: MD got the cancel and never emitted
@@ -280,14 +267,7 @@ def test_rld_finishing_first_cancels_md():
 
 def test_rld_finishing_during_streaming_handoff():
     # RLD is far ahead and MD extends 1 token per step: RLD reaches max_tokens first
-    run = simulate(
-        n_out=70,
-        prompt_len=4,
-        kv_tick=40,
-        delay=2,
-        chunk=1,
-        policy=HandoffPolicy(mode="streaming", chunk=1),
-    )
+    run = simulate(n_out=70, prompt_len=4, kv_tick=40, delay=2, chunk=1)
     check_exactly_once(run, 70)
     assert run.done_by == "relay" and run.handoffs and not any(h.final for h in run.handoffs)
     assert run.md_cancelled

@@ -80,12 +80,18 @@ def test_successful_handshake_both_sides_done_and_lane_agreed():
     assert c.hello.nonce != a.hello.nonce and len(c.hello.nonce) == 32
 
 
-def test_wrong_secret_gets_auth_fail():
-    c, a = pair(connector_secret=b"other")
+def hellos_crossed(**pair_options):
+    """A started pair (`pair`'s options) whose HELLOs have crossed: the connector, the acceptor
+    and what the connector answered (its AUTH)."""
+    c, a = pair(**pair_options)
     c.start()
     a.start()
     hello_back = a.receive(c.hello)
-    auth = c.receive(hello_back[0])
+    return c, a, c.receive(hello_back[0])
+
+
+def test_wrong_secret_gets_auth_fail():
+    c, a, auth = hellos_crossed(connector_secret=b"other")
     with pytest.raises(HandshakeFailed, match="bad AUTH mac") as exc:
         a.receive(auth[0])
     assert a.state is State.FAILED and not a.done
@@ -96,11 +102,7 @@ def test_wrong_secret_gets_auth_fail():
 
 
 def test_impostor_acceptor_is_detected_by_the_connector():
-    c, a = pair(acceptor_secret=b"impostor")
-    c.start()
-    a.start()
-    hello_back = a.receive(c.hello)
-    auth = c.receive(hello_back[0])
+    c, a, auth = hellos_crossed(acceptor_secret=b"impostor")
     # The impostor cannot produce mac_a; fake an AUTH_OK with its own key.
     fake = AuthOk(mac=compute_mac(b"impostor", Side.ACCEPTOR, c.hello, a.hello))
     with pytest.raises(HandshakeFailed, match="AUTH_OK mac is wrong"):

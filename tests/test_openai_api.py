@@ -17,6 +17,7 @@ from pddnet.api.responses import completion_chunk, completion_response, models_r
 from pddnet.api.types import ApiError, ModelInfo
 from pddnet.lifecycle.choice_text import IncrementalDetokenizer
 from pddnet.model.tokenizer import ByteTokenizer
+from pddnet.protocol import messages as m
 from tests.polling import wait_for
 
 TOK = ByteTokenizer()
@@ -246,8 +247,6 @@ class ScriptedDaemon:
         return await self.server.start()
 
     async def _on_conn(self, conn) -> None:
-        from pddnet.protocol import messages as m
-
         self.conns.append(conn)
         with contextlib.suppress(Exception):
             # as a real daemon does when the router connects: its links (here: just started)
@@ -292,60 +291,79 @@ async def scripted_router(**router_overrides):
             await d.server.close()
 
 
-async def test_router_assembles_out_of_order_tokens_from_two_producers():
-    from pddnet.protocol import messages as m
+async def send_tokens(daemon, rid, index, ids, producer="relay", **extra):
+    """The scripted daemon produces tokens `ids` at `index` of request `rid`."""
+    await daemon.send(
+        m.TokenEvent(
+            request_id=rid,
+            index=index,
+            token_ids=tuple(ids),
+            producer=producer,
+            time=time.time(),
+            **extra,
+        )
+    )
 
+
+async def send_done(daemon, rid, n, producer="relay"):
+    """The scripted daemon ends request `rid` after `n` tokens (3 prompt tokens, length)."""
+    await daemon.send(
+        m.RequestDone(
+            request_id=rid,
+            reason="length",
+            num_prompt_tokens=3,
+            num_output_tokens=n,
+            producer=producer,
+            time=time.time(),
+        )
+    )
+
+
+async def send_timeline(daemon, rid, event, producer, **detail):
+    """The scripted daemon reports timeline `event` of request `rid` (detail_int, detail_str)."""
+    await daemon.send(
+        m.Timeline(request_id=rid, event=event, time=time.time(), producer=producer, **detail)
+    )
+
+
+async def submits(daemon, n: int) -> list:
+    """The first `n` SUBMITs the scripted daemon receives (one per choice of an n > 1 request)."""
+
+    def got() -> list | None:
+        subs = [x for x in daemon.received if isinstance(x, m.Submit)]
+        return subs if len(subs) >= n else None
+
+    return await wait_for(got, 5, f"{n} SUBMITs", 0.01)
+
+
+def sse_events(body: bytes) -> list[dict]:
+    """The complete JSON events of an SSE body, read in whole or in part."""
+    return [
+        json.loads(line[6:]) for line in body.split(b"\n\n")[:-1] if line.startswith(b"data: {")
+    ]
+
+
+def post_completion(http, router, path="/v1/completions", **body):
+    """The client's POST of `body` (model "tiny"), running while the test scripts the daemons'
+    answers."""
+    return asyncio.ensure_future(http.post(router.url + path, json={"model": "tiny", **body}))
+
+
+async def test_router_assembles_out_of_order_tokens_from_two_producers():
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(
-            http.post(
-                router.url + "/v1/completions",
-                json={
-                    "model": "tiny",
-                    "prompt": "ab",
-                    "max_tokens": 5,
-                    "temperature": 0.5,
-                    "return_token_ids": True,
-                },
-            )
+        post = post_completion(
+            http, router, prompt="ab", max_tokens=5, temperature=0.5, return_token_ids=True
         )
         sub = await daemons["prefill"].wait_for(m.Submit)
         assert sub.prompt_token_ids == (256, 97, 98) and sub.seed is not None  # seed fixed
         rid = sub.request_id
         md, rld = daemons["main_decode"], daemons["relay"]
-        await md.send(
-            m.TokenEvent(
-                request_id=rid,
-                index=3,
-                token_ids=(100, 101),
-                producer="main_decode",
-                time=time.time(),
-            )
+        await send_tokens(md, rid, 3, (100, 101), "main_decode")
+        await send_timeline(
+            rld, rid, "handoff_end", "main_decode", detail_int=40, detail_str="one-shot"
         )
-        await rld.send(
-            m.Timeline(
-                request_id=rid,
-                event="handoff_end",
-                time=time.time(),
-                producer="main_decode",
-                detail_int=40,
-                detail_str="one-shot",
-            )
-        )
-        await rld.send(
-            m.TokenEvent(
-                request_id=rid, index=0, token_ids=(72, 105, 33), producer="relay", time=time.time()
-            )
-        )
-        await md.send(
-            m.RequestDone(
-                request_id=rid,
-                reason="length",
-                num_prompt_tokens=3,
-                num_output_tokens=5,
-                producer="main_decode",
-                time=time.time(),
-            )
-        )
+        await send_tokens(rld, rid, 0, (72, 105, 33))
+        await send_done(md, rid, 5, "main_decode")
         resp = await post
         body = await resp.json()
         assert resp.status == 200, body
@@ -364,22 +382,11 @@ async def test_router_assembles_out_of_order_tokens_from_two_producers():
 
 
 async def test_router_conflict_is_an_error_and_cancels_everywhere():
-    from pddnet.protocol import messages as m
-
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(
-            http.post(
-                router.url + "/v1/completions",
-                json={"model": "tiny", "prompt": [1, 2], "max_tokens": 4, "temperature": 0},
-            )
-        )
+        post = post_completion(http, router, prompt=[1, 2], max_tokens=4, temperature=0)
         rid = (await daemons["prefill"].wait_for(m.Submit)).request_id
-        await daemons["relay"].send(
-            m.TokenEvent(request_id=rid, index=0, token_ids=(5, 6), producer="relay", time=1.0)
-        )
-        await daemons["main_decode"].send(
-            m.TokenEvent(request_id=rid, index=1, token_ids=(7,), producer="main_decode", time=1.1)
-        )
+        await send_tokens(daemons["relay"], rid, 0, (5, 6))
+        await send_tokens(daemons["main_decode"], rid, 1, (7,), "main_decode")
         resp = await post
         body = await resp.json()
         assert resp.status == 500 and "conflict at token index 1" in body["error"]["message"]
@@ -388,8 +395,6 @@ async def test_router_conflict_is_an_error_and_cancels_everywhere():
 
 
 async def test_router_overload_disconnect_and_http_errors():
-    from pddnet.protocol import messages as m
-
     async with (
         scripted_router(max_concurrent_requests=1, max_body_bytes=4096) as (router, daemons),
         aiohttp.ClientSession() as http,
@@ -417,9 +422,7 @@ async def test_router_overload_disconnect_and_http_errors():
             },
         )
         rid = (await daemons["prefill"].wait_for(m.Submit)).request_id
-        await daemons["relay"].send(
-            m.TokenEvent(request_id=rid, index=0, token_ids=(65,), producer="relay", time=1.0)
-        )
+        await send_tokens(daemons["relay"], rid, 0, (65,))
         line = await first.content.readline()
         assert line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["text"] == "A"
         async with http.post(url, json={"model": "tiny", "prompt": "y"}) as r:
@@ -435,7 +438,6 @@ async def test_router_overload_disconnect_and_http_errors():
 async def test_health_is_ok_only_when_every_daemon_reports_all_its_links_up():
     """Issue 23: /health aggregates the daemons' LINK_STATE; a daemon missing a link keeps it
     503, naming the link, since when and why."""
-    from pddnet.protocol import messages as m
 
     async def health(http, status):
         async with http.get(router.url + "/health") as r:
@@ -471,16 +473,9 @@ async def test_a_request_p_handed_to_rld_is_replayed_at_once_when_rld_is_lost(or
     """Issue 23's silent requests: P has handed the request to RLD (KV_DONE out, P forgets it)
     and RLD dies before its own rld_kv_complete. The router replays it on MD at once, in
     either order of the two news, instead of at the 30 s stall timer."""
-    from pddnet.protocol import messages as m
-
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
         p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
-        post = asyncio.ensure_future(
-            http.post(
-                router.url + "/v1/completions",
-                json={"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "temperature": 0},
-            )
-        )
+        post = post_completion(http, router, prompt=[1, 2], max_tokens=3, temperature=0)
         rid = (await p.wait_for(m.Submit)).request_id
         handed = m.Timeline(
             request_id=rid, event="rld_kv_sent", time=time.time(), producer="prefill", detail_int=64
@@ -502,25 +497,8 @@ async def test_a_request_p_handed_to_rld_is_replayed_at_once_when_rld_is_lost(or
             await p.send(handed)
         replay = await md.wait_for(m.Submit, timeout=5)  # the stall timer would be 30 s
         assert replay.request_id == rid and replay.output_token_ids == ()
-        await md.send(
-            m.TokenEvent(
-                request_id=rid,
-                index=0,
-                token_ids=(72, 105, 33),
-                producer="main_decode",
-                time=time.time(),
-            )
-        )
-        await md.send(
-            m.RequestDone(
-                request_id=rid,
-                reason="length",
-                num_prompt_tokens=3,
-                num_output_tokens=3,
-                producer="main_decode",
-                time=time.time(),
-            )
-        )
+        await send_tokens(md, rid, 0, (72, 105, 33), "main_decode")
+        await send_done(md, rid, 3, "main_decode")
         resp = await post
         body = await resp.json()
         assert resp.status == 200 and body["choices"][0]["text"] == "Hi!", body
@@ -534,50 +512,17 @@ async def test_md_lost_right_after_rlds_cut_is_replayed_at_once():
     """The same window at the handoff: RLD has cut (handoff_start) and MD dies before any of
     its tokens or its handoff_end reach the router. MD is a carrier from handoff_start on, so
     its loss replays the request on RLD at once, not at the stall timer."""
-    from pddnet.protocol import messages as m
-
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
         p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
-        post = asyncio.ensure_future(
-            http.post(
-                router.url + "/v1/completions",
-                json={"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "temperature": 0},
-            )
-        )
+        post = post_completion(http, router, prompt=[1, 2], max_tokens=3, temperature=0)
         rid = (await p.wait_for(m.Submit)).request_id
-        await rld.send(
-            m.TokenEvent(
-                request_id=rid, index=0, token_ids=(72,), producer="relay", time=time.time()
-            )
-        )
-        await rld.send(
-            m.Timeline(
-                request_id=rid,
-                event="handoff_start",
-                time=time.time(),
-                producer="relay",
-                detail_int=1,
-                detail_str="one-shot",
-            )
-        )
+        await send_tokens(rld, rid, 0, (72,))
+        await send_timeline(rld, rid, "handoff_start", "relay", detail_int=1, detail_str="one-shot")
         await md.server.close()
         replay = await rld.wait_for(m.Submit, timeout=5)  # the stall timer would be 30 s
         assert replay.request_id == rid and replay.output_token_ids == (72,)
-        await rld.send(
-            m.TokenEvent(
-                request_id=rid, index=1, token_ids=(105, 33), producer="relay", time=time.time()
-            )
-        )
-        await rld.send(
-            m.RequestDone(
-                request_id=rid,
-                reason="length",
-                num_prompt_tokens=3,
-                num_output_tokens=3,
-                producer="relay",
-                time=time.time(),
-            )
-        )
+        await send_tokens(rld, rid, 1, (105, 33))
+        await send_done(rld, rid, 3)
         resp = await post
         body = await resp.json()
         assert resp.status == 200 and body["choices"][0]["text"] == "Hi!", body
@@ -827,64 +772,24 @@ def test_chat_and_logprob_shapes():
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["stop_reason"] == "\n"
 
 
-async def _token(daemon, rid, index, ids, producer="relay", **extra):
-    from pddnet.protocol import messages as m
-
-    await daemon.send(
-        m.TokenEvent(
-            request_id=rid,
-            index=index,
-            token_ids=tuple(ids),
-            producer=producer,
-            time=time.time(),
-            **extra,
-        )
-    )
-
-
-async def _done(daemon, rid, n, producer="relay"):
-    from pddnet.protocol import messages as m
-
-    await daemon.send(
-        m.RequestDone(
-            request_id=rid,
-            reason="length",
-            num_prompt_tokens=3,
-            num_output_tokens=n,
-            producer=producer,
-            time=time.time(),
-        )
-    )
-
-
 async def test_router_stop_string_ends_the_choice_and_cancels_the_daemons():
-    from pddnet.protocol import messages as m
-
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(
-            http.post(
-                router.url + "/v1/completions",
-                json={
-                    "model": "tiny",
-                    "prompt": "ab",
-                    "max_tokens": 50,
-                    "temperature": 0,
-                    "stop": ["!!", "zz"],
-                    "return_token_ids": True,
-                    "stream": True,
-                },
-            )
+        post = post_completion(
+            http,
+            router,
+            prompt="ab",
+            max_tokens=50,
+            temperature=0,
+            stop=["!!", "zz"],
+            return_token_ids=True,
+            stream=True,
         )
         rid = (await daemons["prefill"].wait_for(m.Submit)).request_id
-        await _token(daemons["relay"], rid, 0, b"Hi!")
-        await _token(daemons["main_decode"], rid, 4, b"yy", "main_decode")  # not released yet
-        await _token(daemons["relay"], rid, 3, b"!x")  # "Hi!!" completes "!!" at index 3
+        await send_tokens(daemons["relay"], rid, 0, b"Hi!")
+        await send_tokens(daemons["main_decode"], rid, 4, b"yy", "main_decode")  # not released yet
+        await send_tokens(daemons["relay"], rid, 3, b"!x")  # "Hi!!" completes "!!" at index 3
         resp = await post
-        lines = [
-            json.loads(line[6:])
-            for line in (await resp.read()).split(b"\n\n")
-            if line.startswith(b"data: {")
-        ]
+        lines = sse_events(await resp.read())
         text = "".join(c["choices"][0]["text"] for c in lines)
         ids = [t for c in lines for t in c["choices"][0].get("token_ids", [])]
         assert text == "Hi" and ids == list(b"Hi!!")  # the stop string is not in the text
@@ -898,32 +803,22 @@ async def test_router_stop_string_ends_the_choice_and_cancels_the_daemons():
 
 
 async def test_router_n_choices_have_derived_seeds_and_logprobs():
-    from pddnet.protocol import messages as m
-
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(
-            http.post(
-                router.url + "/v1/completions",
-                json={
-                    "model": "tiny",
-                    "prompt": "ab",
-                    "max_tokens": 2,
-                    "temperature": 0.7,
-                    "seed": 41,
-                    "n": 2,
-                    "logprobs": 1,
-                    "return_token_ids": True,
-                },
-            )
+        post = post_completion(
+            http,
+            router,
+            prompt="ab",
+            max_tokens=2,
+            temperature=0.7,
+            seed=41,
+            n=2,
+            logprobs=1,
+            return_token_ids=True,
         )
-        p = daemons["prefill"]
-        await wait_for(
-            lambda: sum(isinstance(x, m.Submit) for x in p.received) >= 2, 5, "two SUBMITs", 0.01
-        )
-        subs = [x for x in p.received if isinstance(x, m.Submit)]
+        subs = await submits(daemons["prefill"], 2)
         assert [s.seed for s in subs] == [41, 42] and all(s.logprobs == 1 for s in subs)
         for i, sub in enumerate(subs):
-            await _token(
+            await send_tokens(
                 daemons["relay"],
                 sub.request_id,
                 0,
@@ -932,7 +827,7 @@ async def test_router_n_choices_have_derived_seeds_and_logprobs():
                 top_logprob_ids=(65 + i, 66),
                 top_logprobs=(-0.25, -0.5),
             )
-            await _done(daemons["relay"], sub.request_id, 2)
+            await send_done(daemons["relay"], sub.request_id, 2)
         resp = await post
         body = await resp.json()
         assert resp.status == 200, body
@@ -947,32 +842,23 @@ async def test_router_n_choices_have_derived_seeds_and_logprobs():
 
 
 async def test_router_chat_stream_shape():
-    from pddnet.protocol import messages as m
-
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(
-            http.post(
-                router.url + "/v1/chat/completions",
-                json={
-                    "model": "tiny",
-                    "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 3,
-                    "temperature": 0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                },
-            )
+        post = post_completion(
+            http,
+            router,
+            "/v1/chat/completions",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         sub = await daemons["prefill"].wait_for(m.Submit)
         assert sub.prompt_token_ids == tuple(TOK.encode("user: hi\nassistant:", add_bos=True))
-        await _token(daemons["relay"], sub.request_id, 0, b"OK.")
-        await _done(daemons["relay"], sub.request_id, 3)
+        await send_tokens(daemons["relay"], sub.request_id, 0, b"OK.")
+        await send_done(daemons["relay"], sub.request_id, 3)
         resp = await post
-        chunks = [
-            json.loads(line[6:])
-            for line in (await resp.read()).split(b"\n\n")
-            if line.startswith(b"data: {")
-        ]
+        chunks = sse_events(await resp.read())
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "OK."}
         assert chunks[-2]["choices"][0]["finish_reason"] == "length" and "pdd" in chunks[-2]
@@ -985,73 +871,34 @@ async def test_router_chat_stream_shape():
             assert r.status == 400 and err["param"] == "tools"
 
 
-def _sse_chunks(body: bytes) -> list[dict]:
-    """The complete JSON events of a partly read SSE body."""
-    return [
-        json.loads(line[6:]) for line in body.split(b"\n\n")[:-1] if line.startswith(b"data: {")
-    ]
-
-
 async def test_router_streams_n_choices_each_to_its_end():
-    from pddnet.protocol import messages as m
-
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = asyncio.ensure_future(
-            http.post(
-                router.url + "/v1/completions",
-                json={
-                    "model": "tiny",
-                    "prompt": "ab",
-                    "max_tokens": 3,
-                    "temperature": 0,
-                    "n": 2,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                },
-            )
+        post = post_completion(
+            http,
+            router,
+            prompt="ab",
+            max_tokens=3,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
         )
-        p = daemons["prefill"]
-        await wait_for(
-            lambda: sum(isinstance(x, m.Submit) for x in p.received) >= 2, 5, "two SUBMITs", 0.01
-        )
-        subs = [x for x in p.received if isinstance(x, m.Submit)]
+        subs = await submits(daemons["prefill"], 2)
         assert [s.seed for s in subs] == [None, None]  # greedy: both choices alike
-        await _token(daemons["relay"], subs[1].request_id, 0, b"xyz")  # choice 1 ends first
-        await daemons["relay"].send(
-            m.RequestDone(
-                request_id=subs[1].request_id,
-                reason="length",
-                num_prompt_tokens=3,
-                num_output_tokens=3,
-                producer="relay",
-                time=time.time(),
-            )
-        )
+        await send_tokens(daemons["relay"], subs[1].request_id, 0, b"xyz")  # choice 1 ends first
+        await send_done(daemons["relay"], subs[1].request_id, 3)
         # Choice 1's end reaches the client before choice 0 goes on (RLD's and MD's connections
         # to the router are not ordered with each other).
         resp = await asyncio.wait_for(post, 5)
         head = b""
-        while not [c for c in _sse_chunks(head) if c["choices"][0]["finish_reason"] == "length"]:
+        while not [c for c in sse_events(head) if c["choices"][0]["finish_reason"] == "length"]:
             more = await asyncio.wait_for(resp.content.readany(), 5)
             assert more, "the stream ended before choice 1 did"
             head += more
-        await _token(daemons["relay"], subs[0].request_id, 0, b"xy")
-        await _token(daemons["main_decode"], subs[0].request_id, 2, b"z", "main_decode")
-        await daemons["main_decode"].send(
-            m.RequestDone(
-                request_id=subs[0].request_id,
-                reason="length",
-                num_prompt_tokens=3,
-                num_output_tokens=3,
-                producer="main_decode",
-                time=time.time(),
-            )
-        )
-        chunks = [
-            json.loads(line[6:])
-            for line in (head + await resp.read()).split(b"\n\n")
-            if line.startswith(b"data: {")
-        ]
+        await send_tokens(daemons["relay"], subs[0].request_id, 0, b"xy")
+        await send_tokens(daemons["main_decode"], subs[0].request_id, 2, b"z", "main_decode")
+        await send_done(daemons["main_decode"], subs[0].request_id, 3, "main_decode")
+        chunks = sse_events(head + await resp.read())
         texts = {0: "", 1: ""}
         for c in chunks[:-1]:
             (choice,) = c["choices"]

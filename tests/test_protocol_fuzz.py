@@ -20,35 +20,35 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pddnet.protocol import (
-    DTYPES,
+from pddnet.protocol import ProtocolError
+from pddnet.protocol.frame import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
-    MESSAGE_CLASSES,
     VERSION,
     Decoder,
-    KvAllocRequest,
-    KvAllocResponse,
-    KvChunk,
-    KvDone,
     Limits,
-    Message,
-    MessageType,
-    ProtocolError,
-    Submit,
-    TokenEvent,
     decode_bytes,
     encode_bytes,
 )
 from pddnet.protocol.messages import (
+    DTYPES,
+    MESSAGE_CLASSES,
     Bool,
     Bytes,
     Float,
     FloatList,
+    KvAllocRequest,
+    KvAllocResponse,
+    KvChunk,
+    KvDone,
+    Message,
+    MessageType,
     Nullable,
     Spec,
     Str,
+    Submit,
+    TokenEvent,
     UInt,
     UIntList,
 )

@@ -24,12 +24,29 @@ from tests.polling import wait_for
 LOOP = "127.0.0.1"
 
 
-class Echo:
+class LoopbackServer:
+    """A server on LOOP for one test: `async with` gives its port; subclasses say what each
+    connection gets (`_handle`)."""
+
+    server: asyncio.base_events.Server | None = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> int:
+        self.server = await asyncio.start_server(self._handle, LOOP, 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+class Echo(LoopbackServer):
     """Loopback echo server that also notes when each connection saw EOF."""
 
     def __init__(self) -> None:
         self.eof_at: list[float] = []
-        self.server: asyncio.base_events.Server | None = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -42,22 +59,13 @@ class Echo:
         finally:
             writer.close()
 
-    async def __aenter__(self) -> int:
-        self.server = await asyncio.start_server(self._handle, LOOP, 0)
-        return self.server.sockets[0].getsockname()[1]
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        await self.server.wait_closed()
-
-
-class Sink:
+class Sink(LoopbackServer):
     """Loopback server that counts received bytes with timestamps per connection."""
 
     def __init__(self) -> None:
         self.flows: list[list[tuple[float, int]]] = []
         self.digests: list[str] = []
-        self.server: asyncio.base_events.Server | None = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         marks: list[tuple[float, int]] = []
@@ -75,13 +83,18 @@ class Sink:
             self.digests.append(digest.hexdigest())
             writer.close()
 
-    async def __aenter__(self) -> int:
-        self.server = await asyncio.start_server(self._handle, LOOP, 0)
-        return self.server.sockets[0].getsockname()[1]
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        await self.server.wait_closed()
+async def through_the_proxy(link: Link, data: bytes, timeout: float, **proxy_options) -> list[str]:
+    """Send `data` on one connection through a WanProxy over `link` into a Sink; the digests of
+    what the sink received once the stream has ended there (within `timeout` s)."""
+    sink = Sink()
+    async with sink as port, WanProxy((LOOP, 0), (LOOP, port), link, **proxy_options) as proxy:
+        _, writer = await asyncio.open_connection(LOOP, proxy.port)
+        writer.write(data)
+        await writer.drain()
+        writer.close()
+        await wait_for(lambda: sink.digests, timeout, "the sink to see the stream end", step=0.02)
+    return sink.digests
 
 
 def bytes_between(marks: list[tuple[float, int]], t0: float, t1: float) -> int:
@@ -101,6 +114,21 @@ async def send_for(port: int, seconds: float, block: bytes = b"\x00" * (1 << 16)
         sent += len(block)
     writer.close()
     return sent
+
+
+async def bulk_flows(link: Link, n: int) -> list[list[tuple[float, int]]]:
+    """`n` connections sending as fast as they can for 3.2 s through a WanProxy over `link`;
+    each flow's (time, bytes so far) marks at the sink, once every flow's tail has arrived."""
+    sink = Sink()
+    async with sink as port, WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
+        await asyncio.gather(*(send_for(proxy.port, 3.2) for _ in range(n)))
+        await wait_for(lambda: len(sink.digests) == n, 5, f"{n} flows' tails at the sink")
+    return sink.flows
+
+
+def goodput_mbit(marks: list[tuple[float, int]], t0: float) -> float:
+    """A flow's goodput in Mbit/s from 0.5 s to 3 s after `t0` (past slow start, before the end)."""
+    return bytes_between(marks, t0 + 0.5, t0 + 3.0) * 8 / 2.5 / 1e6
 
 
 async def probe_rtts(port: int, count: int, size: int = 64) -> list[float]:
@@ -155,32 +183,19 @@ async def test_jitter_std_matches_the_model_and_nothing_reorders(echo_port: int)
 
 async def test_a_stream_under_jitter_arrives_byte_exact() -> None:
     # Thousands of small chunks in flight with 5 ms jitter: any reordering would corrupt it.
-    sink = Sink()
     data = hashlib.sha256(b"seed").digest() * (3 * (1 << 20) // 32)
-    async with sink as port:
-        link = Link(seed=3, delay_ms=10, jitter_ms=5, rate_mbit=400)
-        async with WanProxy((LOOP, 0), (LOOP, port), link, chunk_bytes=4096) as proxy:
-            _, writer = await asyncio.open_connection(LOOP, proxy.port)
-            writer.write(data)
-            await writer.drain()
-            writer.close()
-            await wait_for(lambda: sink.digests, 4, "the sink to see the stream end", step=0.02)
-    assert sink.digests == [hashlib.sha256(data).hexdigest()]
+    link = Link(seed=3, delay_ms=10, jitter_ms=5, rate_mbit=400)
+    digests = await through_the_proxy(link, data, 4, chunk_bytes=4096)
+    assert digests == [hashlib.sha256(data).hexdigest()]
     held = link.a_to_b.counters()
     assert held["packets_in"] >= len(data) // 4096 and held["drops"]["queue_full"] == 0
 
 
 @pytest.mark.link_measurement
 async def test_bulk_transfer_reaches_the_configured_rate() -> None:
-    sink = Sink()
-    async with sink as port:
-        link = Link(delay_ms=5, rate_mbit=200)
-        async with WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
-            await send_for(proxy.port, 3.2)
-            await wait_for(lambda: sink.digests, 5, "the queued tail to reach the sink")
-    (marks,) = sink.flows
-    t0 = marks[0][0]
-    got = bytes_between(marks, t0 + 0.5, t0 + 3.0) * 8 / 2.5 / 1e6
+    link = Link(delay_ms=5, rate_mbit=200)
+    (marks,) = await bulk_flows(link, 1)
+    got = goodput_mbit(marks, marks[0][0])
     print(f"bulk goodput {got:.1f} Mbit/s of 200 ({got / 2:.1f}%)")
     assert_measured(got, 0.90 * 200, 1.02 * 200, "bulk goodput (Mbit/s)")
     c = link.a_to_b.counters()
@@ -193,15 +208,10 @@ async def test_bulk_transfer_reaches_the_configured_rate() -> None:
 
 @pytest.mark.link_measurement
 async def test_two_flows_share_the_bottleneck() -> None:
-    sink = Sink()
-    async with sink as port:
-        link = Link(delay_ms=5, rate_mbit=200)
-        async with WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
-            await asyncio.gather(send_for(proxy.port, 3.2), send_for(proxy.port, 3.2))
-            await wait_for(lambda: len(sink.digests) == 2, 5, "both flows' tails at the sink")
-    assert len(sink.flows) == 2
-    t0 = max(m[0][0] for m in sink.flows)
-    rates = [bytes_between(m, t0 + 0.5, t0 + 3.0) * 8 / 2.5 / 1e6 for m in sink.flows]
+    flows = await bulk_flows(Link(delay_ms=5, rate_mbit=200), 2)
+    assert len(flows) == 2
+    t0 = max(m[0][0] for m in flows)
+    rates = [goodput_mbit(m, t0) for m in flows]
     print(f"two flows: {rates[0]:.1f} + {rates[1]:.1f} Mbit/s")
     assert_measured(sum(rates), 0.90 * 200, 1.02 * 200, "two flows' goodput (Mbit/s)")
     assert_measured(min(rates) / sum(rates), 0.35, 1.0, "the smaller flow's share")
@@ -314,17 +324,10 @@ async def test_lossy_effects_are_refused_by_the_proxy_shell(echo_port: int) -> N
 
 
 async def test_small_queue_applies_backpressure_without_drops() -> None:
-    sink = Sink()
     data = bytes(range(256)) * 4096  # 1 MiB
-    async with sink as port:
-        link = Link(rate_mbit=50, queue_bytes=20_000)  # smaller than a chunk
-        async with WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
-            _, writer = await asyncio.open_connection(LOOP, proxy.port)
-            writer.write(data)
-            await writer.drain()
-            writer.close()
-            await wait_for(lambda: sink.digests, 6, "the sink to see the data end", step=0.02)
-    assert sink.digests == [hashlib.sha256(data).hexdigest()]
+    link = Link(rate_mbit=50, queue_bytes=20_000)  # smaller than a chunk
+    digests = await through_the_proxy(link, data, 6)
+    assert digests == [hashlib.sha256(data).hexdigest()]
     c = link.a_to_b.counters()
     assert c["drops"]["queue_full"] == 0 and c["queue"]["max_bytes"] <= 20_000
 

@@ -440,12 +440,17 @@ class RadixMachine(RuleBasedStateMachine):
             assert all(self.a.refcount(b) >= 1 for b in t), "a live request's block was freed"
 
 
-RadixMachine.TestCase.settings = settings(
-    max_examples=120,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+def machine_settings(max_examples: int) -> settings:
+    """Hypothesis settings for the radix state machines: `max_examples` runs of 40 steps."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+RadixMachine.TestCase.settings = machine_settings(120)
 TestRadixInvariants = RadixMachine.TestCase
 
 
@@ -455,12 +460,7 @@ class OneTokenBlockMachine(RadixMachine):
     BS = 1
 
 
-OneTokenBlockMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+OneTokenBlockMachine.TestCase.settings = machine_settings(60)
 TestRadixInvariantsOneTokenBlocks = OneTokenBlockMachine.TestCase
 
 

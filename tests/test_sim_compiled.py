@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pddnet.sim import compiled
+from tests.test_sim_system import small_dict, write_conversation_trace
 
 pytestmark = pytest.mark.skipif(
     compiled.missing_tools() is not None, reason=f"cannot compile here: {compiled.missing_tools()}"
@@ -76,49 +77,25 @@ def _stressful_config(path: Path, trace: Path) -> None:
     """Every system, a jittery line with a small queue (queue_mb = 8), instances with a
     quarter of their memory (MD short of blocks: allocations wait), and a second workload
     replayed from a trace file."""
-    lines = []
-    for i in range(120):
-        conv, turn = divmod(i, 6)
-        ids = list(range(conv * 1000, conv * 1000 + 30 + 5 * turn))
-        lines.append(
-            {
-                "timestamp": i * 150,
-                "input_length": len(ids) * 256,
-                "output_length": 64 + 13 * (i % 9),
-                "hash_ids": ids,
-                "conversation": conv,
-            }
-        )
-    trace.write_text("\n".join(json.dumps(x) for x in lines))
-    base = {
-        "seed": 11,
-        "model": "qwen2.5-7b",
-        "tokens_per_unit": 256,
-        "systems": ["same-dc", "cross-dc", "pdd", "pdd-no-drc", "cross-dc-no-drc"],
-        "chips": {"a": "gpu-a", "b": "gpu-b"},
-        "pdd": {
-            "prefill": {"chip": "a", "instances": 2},
-            "relay": {"chip": "a", "instances": 1},
-            "main_decode": {"chip": "b", "instances": 2},
-        },
-        "baseline": {
-            "prefill": {"chip": "a", "instances": 2},
-            "decode": {"chip": "a", "instances": 2},
-        },
-        "line": {"bw_gbit": 5, "rtt_ms": 40, "jitter_ms": 6, "queue_mb": 8},
-        "engine": {"memory_utilisation": 0.25},
-        "workload": {
-            "requests": 220,
-            "num_conversations": 400,
-            "conversation_rate_per_s": 1.0,
-            "system_prompt_len": [4000, 16000],
-            "task_len": [1000, 4000],
-            "small_tool_len": [64, 1024],
-            "large_tool_len": [8000, 32000],
-            "output_len": [64, 512],
-            "max_context": 65536,
-        },
-    }
+    write_conversation_trace(
+        trace,
+        120,
+        turns=6,
+        prefix=30,
+        growth=5,
+        gap_ms=150,
+        block=256,
+        output_length=lambda i: 64 + 13 * (i % 9),
+    )
+    base = small_dict(
+        220,
+        seed=11,
+        tokens_per_unit=256,
+        systems=["same-dc", "cross-dc", "pdd", "pdd-no-drc", "cross-dc-no-drc"],
+        line={"bw_gbit": 5, "rtt_ms": 40, "jitter_ms": 6, "queue_mb": 8},
+        engine={"memory_utilisation": 0.25},
+    )
+    base["workload"].update(num_conversations=400, conversation_rate_per_s=1.0)
     path.write_text(json.dumps(base))
     traced = dict(
         base,

@@ -25,17 +25,22 @@ class ConstantStep:
         return STEP_S
 
 
-def test_stop_takes_the_tokens_emitted_so_far_and_drops_the_one_in_flight():
-    loop = EventLoop()
-    inst = DecodeInstance(
+def relay_instance(loop: EventLoop, max_seqs: int) -> DecodeInstance:
+    """An RLD instance of constant STEP_S steps and no user delay, on `loop`."""
+    return DecodeInstance(
         loop,
         ConstantStep(),
         "RLD0",
-        max_seqs=8,
+        max_seqs=max_seqs,
         user_delay_s=0.0,
         itl=Histogram(),
         segment_steps=32,
     )
+
+
+def test_stop_takes_the_tokens_emitted_so_far_and_drops_the_one_in_flight():
+    loop = EventLoop()
+    inst = relay_instance(loop, max_seqs=8)
     finished = []
     cut = Member("cut", 100, 50, 0.0, lambda m, t, made: finished.append((m.state, t, made)))
     other = Member("other", 100, 5, 0.0, lambda m, t, made: finished.append((m.state, t, made)))
@@ -58,15 +63,7 @@ def test_stop_takes_the_tokens_emitted_so_far_and_drops_the_one_in_flight():
 
 def test_stop_before_the_member_ever_ran_gives_no_tokens():
     loop = EventLoop()
-    inst = DecodeInstance(
-        loop,
-        ConstantStep(),
-        "RLD0",
-        max_seqs=1,
-        user_delay_s=0.0,
-        itl=Histogram(),
-        segment_steps=32,
-    )
+    inst = relay_instance(loop, max_seqs=1)
     calls = []
     busy = Member("busy", 10, 4, 0.0, lambda m, t, made: calls.append(m.state))
     late = Member("late", 10, 4, 0.5, lambda m, t, made: calls.append(m.state))

@@ -24,18 +24,7 @@ from typing import Any
 
 import pytest
 
-from pddnet.lifecycle.handoff import (
-    AppendTokens,
-    CancelPeer,
-    FinishRequest,
-    MainHandoff,
-    RelayHandoff,
-    ReleaseHold,
-    SendHandoff,
-    SendTakeover,
-    SetChunk,
-    StopSequence,
-)
+from pddnet.lifecycle import handoff as fsm
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.sim.handoff import (
     TAKEOVER_CUT,
@@ -116,13 +105,13 @@ def random_trace(rng: random.Random) -> Trace:
 
 def through_machines(tr: Trace) -> Record:
     rec, clock = Record(), Clock()
-    relay = RelayHandoff(tr.prompt, tr.policy)
-    main = MainHandoff(tr.prompt, tr.policy.chunk)
+    relay = fsm.RelayHandoff(tr.prompt, tr.policy)
+    main = fsm.MainHandoff(tr.prompt, tr.policy.chunk)
     md: dict[str, Any] = {"computed": tr.prompt, "held": True, "cap": None, "busy": False}
     rld_stopped = [False]
 
     def rld_apply(actions: list[Any]) -> None:
-        sends = [a for a in actions if isinstance(a, SendHandoff)]
+        sends = [a for a in actions if isinstance(a, fsm.SendHandoff)]
         if sends:
             ids = sum(len(a.token_ids) for a in sends)
             rec.bursts.append((clock.now, ids, sends[-1].final))
@@ -130,14 +119,14 @@ def through_machines(tr: Trace) -> Record:
             if sends[-1].final:
                 rec.cut = relay.num_tokens
         for a in actions:
-            if isinstance(a, SendHandoff):
+            if isinstance(a, fsm.SendHandoff):
                 rec.mode = a.mode
                 clock.at(clock.now + tr.delay, ARRIVAL, md_handoff, a)
-            elif isinstance(a, FinishRequest):
+            elif isinstance(a, fsm.FinishRequest):
                 rec.ended_by = "rld"
-            elif isinstance(a, CancelPeer):
+            elif isinstance(a, fsm.CancelPeer):
                 clock.at(clock.now + tr.delay, ARRIVAL, main.cancel)
-            elif isinstance(a, StopSequence):
+            elif isinstance(a, fsm.StopSequence):
                 rld_stopped[0] = True
 
     def rld_token(index: int) -> None:
@@ -148,20 +137,20 @@ def through_machines(tr: Trace) -> Record:
         if not last:
             clock.at(clock.now + tr.rld_step, RLD_TOKEN, rld_token, index + 1)
 
-    def takeover_at_rld(t: SendTakeover) -> None:
+    def takeover_at_rld(t: fsm.SendTakeover) -> None:
         if relay.phase.value in ("decoding", "streaming"):
             rec.takeovers += 1  # one RLD acts on (not one crossing RLD's end or cut)
         rld_apply(relay.takeover(t.ready_position, t.chunk_tokens, tr.rld_load))
 
     def md_apply(actions: list[Any]) -> None:
         for a in actions:
-            if isinstance(a, SendTakeover):
+            if isinstance(a, fsm.SendTakeover):
                 clock.at(clock.now + tr.delay, ARRIVAL, takeover_at_rld, a)
-            elif isinstance(a, SetChunk):
+            elif isinstance(a, fsm.SetChunk):
                 md["cap"] = a.max_chunk_tokens
-            elif isinstance(a, ReleaseHold):
+            elif isinstance(a, fsm.ReleaseHold):
                 md["held"] = False
-            elif isinstance(a, AppendTokens):
+            elif isinstance(a, fsm.AppendTokens):
                 pass  # main.known holds them
         clock.at(clock.now, MD_START, md_maybe_step)
 
@@ -195,7 +184,7 @@ def through_machines(tr: Trace) -> Record:
             rec.ended_by, rec.first_md_tick = "md", clock.now
             main.cancel()  # the trace ends at MD's first token
 
-    def md_handoff(a: SendHandoff) -> None:
+    def md_handoff(a: fsm.SendHandoff) -> None:
         md_apply(main.handoff(a.start_index, a.token_ids, a.final, a.mode))
 
     clock.at(tr.rld_start, RLD_TOKEN, rld_token, 0)

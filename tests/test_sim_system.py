@@ -3,6 +3,8 @@
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +23,9 @@ from pddnet.sim.system import SimulatedSystem
 from pddnet.workload.trace import trace_stream
 
 
-def small(requests=160, **over):
+def small_dict(requests=160, **over) -> dict:
+    """A small simulation (two chips, every system but cross-dc-no-drc, `requests` agent
+    turns) as the config dict `pdd sim run` reads; `over` replaces top-level keys."""
     cfg = {
         "seed": 3,
         "model": "qwen2.5-7b",
@@ -51,7 +55,11 @@ def small(requests=160, **over):
         },
     }
     cfg.update(over)
-    return parse_config(cfg)
+    return cfg
+
+
+def small(requests=160, **over):
+    return parse_config(small_dict(requests, **over))
 
 
 def test_the_simulator_drives_the_daemons_policy_objects():
@@ -266,23 +274,39 @@ def trace_like(n):
     return [SimRequest(i, i % 2, float(i), (i, i + 1), 1024, 64, (7,)) for i in range(n)]
 
 
-def test_trace_replay(tmp_path):
+def write_conversation_trace(
+    path: Path,
+    n: int,
+    turns: int,
+    prefix: int,
+    growth: int,
+    gap_ms: int,
+    block: int,
+    output_length: Callable[[int], int] = lambda i: 200,
+) -> None:
+    """A Mooncake-style trace of `n` requests, one every `gap_ms`: conversations of `turns`
+    turns whose hash_ids share a `prefix`-block start and grow by `growth` blocks a turn
+    (`block` tokens each); request i asks for `output_length(i)` tokens."""
     lines = []
-    for i in range(40):
-        # conversations of 4 turns sharing a 20-block prefix, Mooncake-style fields
-        conv, turn = divmod(i, 4)
-        ids = list(range(conv * 1000, conv * 1000 + 20 + 4 * turn))
+    for i in range(n):
+        conv, turn = divmod(i, turns)
+        ids = list(range(conv * 1000, conv * 1000 + prefix + growth * turn))
         lines.append(
             {
-                "timestamp": i * 500,
-                "input_length": len(ids) * 512,
-                "output_length": 200,
+                "timestamp": i * gap_ms,
+                "input_length": len(ids) * block,
+                "output_length": output_length(i),
                 "hash_ids": ids,
                 "conversation": conv,
             }
         )
-    path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines))
+
+
+def test_trace_replay(tmp_path):
+    # conversations of 4 turns sharing a 20-block prefix
+    path = tmp_path / "t.jsonl"
+    write_conversation_trace(path, 40, turns=4, prefix=20, growth=4, gap_ms=500, block=512)
     reqs = list(trace_stream(path, 512))
     assert len(reqs) == 40 and reqs[1].arrival_s == 0.5 and reqs[3].units[:20] == reqs[0].units[:20]
     cfg = small(workload={"kind": "trace", "path": str(path), "requests": 40})

@@ -20,12 +20,15 @@ import pytest
 from pddnet.cluster.local import LocalCluster
 from tests.chaos.harness import (
     REPORT,
+    Answer,
     CaseResult,
     Outcome,
     find_leaks,
     fresh_requests,
     install_report,
+    judge,
     mixed_workload,
+    outcome_of,
     precompute_references,
     reference_tokens,
     send,
@@ -56,9 +59,7 @@ async def _cancel_mid_stream(
     tokens: list[int] = []
     async with session.post(url + "/v1/completions", json={"model": "tiny", **body}) as r:
         if r.status != 200:
-            from tests.chaos.harness import judge
-
-            return judge(index, body, [], await r.json(content_type=None), r.status)
+            return judge(index, body, Answer([], await r.json(content_type=None), r.status))
         chunks = 0
         async for raw in r.content:
             line = raw.strip()
@@ -72,18 +73,10 @@ async def _cancel_mid_stream(
         r.close()
     dup, skip, repl = token_diff(want, tokens, complete=False)
     status = "wrong" if dup or skip or repl else "cancelled"
-    return Outcome(
-        index=index,
-        status=status,
-        tokens=tokens,
-        expected_len=len(want),
-        duplicated=dup,
-        skipped=skip,
-        replaced=repl,
-        prompt_len=len(body["prompt"]),
-        stream=True,
-        detail="cancelled by the client mid-stream",
-    )
+    read = Answer(tokens, http_status=None, detail="cancelled by the client mid-stream")
+    out = outcome_of(index, body, read, status, len(want))
+    out.duplicated, out.skipped, out.replaced = dup, skip, repl
+    return out
 
 
 async def soak(clients: int, seconds: float, case: str) -> CaseResult:

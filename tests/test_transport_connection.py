@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import struct
 import zlib
@@ -124,6 +125,12 @@ async def raw_authenticated(port: int, lane: str = "control"):
     return reader, writer
 
 
+async def assert_echoes(conn, nonce: int) -> None:
+    """`conn` still works: a PING through the echo server comes back whole."""
+    await conn.send(Ping(nonce=nonce, time=0.0))
+    assert await conn.recv() == Ping(nonce=nonce, time=0.0)
+
+
 def assert_no_other_tasks() -> None:
     others = asyncio.all_tasks() - {asyncio.current_task()}
     assert not others, f"tasks left behind: {others}"
@@ -212,8 +219,7 @@ async def test_wrong_secret_refused_others_unaffected():
         assert [type(m) for m in rest] == [AuthFail] and "wrong secret" in rest[0].reason
         writer.close()
         assert echo.server.handshakes_failed == 2
-        await good.send(Ping(nonce=1, time=0.0))
-        assert await good.recv() == Ping(nonce=1, time=0.0)
+        await assert_echoes(good, 1)
         await good.close()
     assert_no_other_tasks()
 
@@ -268,11 +274,9 @@ async def test_garbage_closes_that_connection_and_the_server_keeps_serving(when)
             assert any("protocol error from peer (bad_frame)" in r for r in echo.ended)
         else:
             assert echo.server.handshakes_failed == 1
-        await bystander.send(Ping(nonce=2, time=0.0))
-        assert await bystander.recv() == Ping(nonce=2, time=0.0)
+        await assert_echoes(bystander, 2)
         fresh = await dial_echo(echo.port)
-        await fresh.send(Ping(nonce=3, time=0.0))
-        assert (await fresh.recv()).nonce == 3
+        await assert_echoes(fresh, 3)
         await bystander.close()
         await fresh.close()
     assert_no_other_tasks()
@@ -323,17 +327,12 @@ async def test_dial_refused_and_dial_with_retry():
     probe.close()  # nothing listens there now
     with pytest.raises(DialRefused, match=f"cannot connect to {HOST}:{port}"):
         await dial_echo(port)
+    # P dialling RLD's port, with a given patience
+    dial = functools.partial(
+        dial_with_retry, HOST, port, role="prefill", instance_id="p", lane="control", secret=SECRET
+    )
     with pytest.raises(DialRefused, match="gave up after 2 attempts"):
-        await dial_with_retry(
-            HOST,
-            port,
-            attempts=2,
-            delay=0.01,
-            role="prefill",
-            instance_id="p",
-            lane="control",
-            secret=SECRET,
-        )
+        await dial(attempts=2, delay=0.01)
     # The server comes up while the dialer retries.
     server = Server(
         HOST,
@@ -349,16 +348,7 @@ async def test_dial_refused_and_dial_with_retry():
         await server.start()
 
     starter = asyncio.create_task(start_late())
-    conn = await dial_with_retry(
-        HOST,
-        port,
-        attempts=100,
-        delay=0.05,
-        role="prefill",
-        instance_id="p",
-        lane="control",
-        secret=SECRET,
-    )
+    conn = await dial(attempts=100, delay=0.05)
     await starter
     assert conn.peer_role == "relay"
     await conn.close()
@@ -417,8 +407,7 @@ async def test_handler_exception_ends_only_that_connection():
     await a.send(Ping(nonce=13, time=0.0))
     with pytest.raises(ConnectionClosed):
         await a.recv()
-    await b.send(Ping(nonce=1, time=0.0))
-    assert (await b.recv()).nonce == 1
+    await assert_echoes(b, 1)
     await b.close()
     await server.close()
     assert_no_other_tasks()

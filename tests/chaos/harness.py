@@ -111,6 +111,19 @@ def reference_tokens(body: dict[str, Any]) -> list[int]:
 # -- the workload ----------------------------------------------------------------------------------
 
 
+def sampling_fields(rng: random.Random, seeded: bool, temperature: float) -> dict[str, Any]:
+    """A body's sampling: greedy, or seeded sampling at `temperature` with top_p and top_k drawn
+    from `rng` (so both kinds of request check the daemons against the reference engine)."""
+    if not seeded:
+        return {"temperature": 0.0}
+    return {
+        "temperature": temperature,
+        "top_p": rng.choice([1.0, 0.9]),
+        "top_k": rng.choice([0, 40]),
+        "seed": rng.randrange(2**63),
+    }
+
+
 def mixed_workload(
     n: int,
     seed: int,
@@ -135,16 +148,8 @@ def mixed_workload(
             "ignore_eos": rng.random() < 0.85,
             "return_token_ids": True,
             "stream": i % 3 != 2,
+            **sampling_fields(rng, seeded=i % 2 == 1, temperature=0.8),
         }
-        if i % 2:
-            body.update(
-                temperature=0.8,
-                top_p=rng.choice([1.0, 0.9]),
-                top_k=rng.choice([0, 40]),
-                seed=rng.randrange(2**63),
-            )
-        else:
-            body["temperature"] = 0.0
         bodies.append(body)
     return bodies
 
@@ -233,33 +238,43 @@ def is_clear_error(err: Any, need_code: bool = True) -> bool:
     return not need_code or (isinstance(code, str) and bool(code))
 
 
-def judge(
-    index: int,
-    body: dict[str, Any],
-    tokens: list[int],
-    error: dict[str, Any] | None,
-    http_status: int | None,
-    pdd: dict[str, Any] | None = None,
-    detail: str = "",
+@dataclass
+class Answer:
+    """What the client got for one request, before a verdict: the token ids, the error (None
+    when the answer ended well), the HTTP status, the router's pdd object and a note."""
+
+    tokens: list[int]
+    error: dict[str, Any] | None = None
+    http_status: int | None = 200
+    pdd: dict[str, Any] | None = None
+    detail: str = ""
+
+
+def outcome_of(
+    index: int, body: dict[str, Any], answer: Answer, status: str, expected_len: int
 ) -> Outcome:
-    want = reference_tokens(body)
-    complete = error is None
-    dup, skip, repl = token_diff(want, tokens, complete)
-    out = Outcome(
+    """The Outcome of request `index`, with what every verdict records of its body and answer."""
+    return Outcome(
         index=index,
-        status="exact",
-        tokens=tokens,
-        expected_len=len(want),
-        http_status=http_status,
-        error=error,
-        duplicated=dup,
-        skipped=skip,
-        replaced=repl,
-        detail=detail,
+        status=status,
+        tokens=answer.tokens,
+        expected_len=expected_len,
+        http_status=answer.http_status,
+        error=answer.error,
+        detail=answer.detail,
         prompt_len=len(body["prompt"]),
         stream=bool(body.get("stream")),
-        pdd=pdd,
+        pdd=answer.pdd,
     )
+
+
+def judge(index: int, body: dict[str, Any], answer: Answer) -> Outcome:
+    """Against the reference engine's tokens: exact, a clear or unclear error, or wrong."""
+    want = reference_tokens(body)
+    tokens, error, pdd = answer.tokens, answer.error, answer.pdd
+    dup, skip, repl = token_diff(want, tokens, error is None)
+    out = outcome_of(index, body, answer, "exact", len(want))
+    out.duplicated, out.skipped, out.replaced = dup, skip, repl
     if dup or skip or repl:
         out.status = "wrong"
     elif error is not None:
@@ -274,33 +289,14 @@ def judge(
     return out
 
 
-Verdict = Callable[..., Outcome]
+Verdict = Callable[[int, dict[str, Any], Answer], Outcome]
 
 
-def count_only(
-    index: int,
-    body: dict[str, Any],
-    tokens: list[int],
-    error: dict[str, Any] | None,
-    http_status: int | None,
-    pdd: dict[str, Any] | None = None,
-    detail: str = "",
-) -> Outcome:
+def count_only(index: int, body: dict[str, Any], answer: Answer) -> Outcome:
     """A verdict without the reference engine (for the no-fault latency pass, whose bodies
     have no precomputed reference): "completed" when all max_tokens came without an error."""
-    ok = error is None and len(tokens) == body["max_tokens"]
-    return Outcome(
-        index=index,
-        status="completed" if ok else "failed",
-        tokens=tokens,
-        expected_len=body["max_tokens"],
-        http_status=http_status,
-        error=error,
-        detail=detail,
-        prompt_len=len(body["prompt"]),
-        stream=bool(body.get("stream")),
-        pdd=pdd,
-    )
+    ok = answer.error is None and len(answer.tokens) == body["max_tokens"]
+    return outcome_of(index, body, answer, "completed" if ok else "failed", body["max_tokens"])
 
 
 async def send(
@@ -317,47 +313,23 @@ async def send(
     `read_late_s`: a slow client that starts reading the stream only that long after the
     answer began; `read_pause_s` between chunks."""
     started = time.monotonic()
-    out = await _send_bounded(
-        session, url, index, body, read_late_s, read_pause_s, timeout_s, verdict
-    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            out = await _send(session, url, index, body, read_late_s, read_pause_s, verdict)
+    except TimeoutError:
+        why = f"no answer within {timeout_s:g} s: the request hung"
+        out = _lost(index, body, Answer([], http_status=None, detail=why), verdict)
+    except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
+        why = f"the connection ended without an answer: {type(exc).__name__}: {exc}"
+        out = _lost(index, body, Answer([], http_status=None, detail=why), verdict)
     out.started_at, out.ended_at = started, time.monotonic()
     return out
 
 
-async def _send_bounded(
-    session: aiohttp.ClientSession,
-    url: str,
-    index: int,
-    body: dict[str, Any],
-    read_late_s: float,
-    read_pause_s: float,
-    timeout_s: float,
-    verdict: Verdict,
-) -> Outcome:
+def _lost(index: int, body: dict[str, Any], answer: Answer, verdict: Verdict) -> Outcome:
+    """A request whose answer never ended: lost, whatever the verdict."""
     expected = len(reference_tokens(body)) if verdict is judge else body["max_tokens"]
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await _send(session, url, index, body, read_late_s, read_pause_s, verdict)
-    except TimeoutError:
-        return Outcome(
-            index=index,
-            status="lost",
-            tokens=[],
-            expected_len=expected,
-            prompt_len=len(body["prompt"]),
-            stream=bool(body.get("stream")),
-            detail=f"no answer within {timeout_s:g} s: the request hung",
-        )
-    except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
-        return Outcome(
-            index=index,
-            status="lost",
-            tokens=[],
-            expected_len=expected,
-            prompt_len=len(body["prompt"]),
-            stream=bool(body.get("stream")),
-            detail=f"the connection ended without an answer: {type(exc).__name__}: {exc}",
-        )
+    return outcome_of(index, body, answer, "lost", expected)
 
 
 async def _send(
@@ -377,11 +349,11 @@ async def _send(
                 err = json.loads(text)
             except ValueError:
                 err = {"unparsed": text[:500]}
-            return verdict(index, body, [], err, r.status)
+            return verdict(index, body, Answer([], err, r.status))
         if not body.get("stream"):
             data = await r.json()
             choice = data["choices"][0]
-            return verdict(index, body, list(choice["token_ids"]), None, 200, data.get("pdd"))
+            return verdict(index, body, Answer(list(choice["token_ids"]), pdd=data.get("pdd")))
         if read_late_s:
             await asyncio.sleep(read_late_s)
         tokens: list[int] = []
@@ -392,14 +364,9 @@ async def _send(
             if not line:
                 continue
             if not line.startswith(b"data: "):
-                return verdict(
-                    index,
-                    body,
-                    tokens,
-                    {"unparsed": line[:200].decode(errors="replace")},
-                    200,
-                    detail="a stream line that is not an SSE data event",
-                )
+                unparsed = {"unparsed": line[:200].decode(errors="replace")}
+                why = "a stream line that is not an SSE data event"
+                return verdict(index, body, Answer(tokens, unparsed, detail=why))
             data = line[6:]
             if data == b"[DONE]":
                 done = True
@@ -413,29 +380,13 @@ async def _send(
             if read_pause_s:
                 await asyncio.sleep(read_pause_s)
         if not done:
-            return Outcome(
-                index=index,
-                status="lost",
-                tokens=tokens,
-                expected_len=len(reference_tokens(body))
-                if verdict is judge
-                else body["max_tokens"],
-                prompt_len=len(body["prompt"]),
-                stream=True,
-                http_status=200,
-                error=error,
-                detail="the stream ended without [DONE]",
-            )
+            cut = Answer(tokens, error, detail="the stream ended without [DONE]")
+            return _lost(index, body, cut, verdict)
         if error is None and (last is None or last["choices"][0].get("finish_reason") is None):
-            return verdict(
-                index,
-                body,
-                tokens,
-                {"unparsed": "no finish_reason"},
-                200,
-                detail="[DONE] without a final chunk",
-            )
-        return verdict(index, body, tokens, error, 200, (last or {}).get("pdd"))
+            unended = {"unparsed": "no finish_reason"}
+            why = "[DONE] without a final chunk"
+            return verdict(index, body, Answer(tokens, unended, detail=why))
+        return verdict(index, body, Answer(tokens, error, pdd=(last or {}).get("pdd")))
 
 
 # -- daemon state: the leak baseline ---------------------------------------------------------------
