@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import re
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,8 +21,9 @@ from pddnet.config import ClusterConfig, DaemonSection
 from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
 from pddnet.device.pacer import StepPacer
 from pddnet.engine.engine import Engine, StepOutput
-from pddnet.engine.sampling import SamplingParams, TokenLogprob
+from pddnet.engine.sampling import TokenLogprob
 from pddnet.engine.worker import EngineWorker
+from pddnet.lifecycle.sampling import event_logprobs
 from pddnet.model.loader import load_model
 from pddnet.obs.step_times import StepTimes
 from pddnet.protocol import (
@@ -34,16 +34,16 @@ from pddnet.protocol import (
     RequestDone,
     TokenEvent,
 )
-from pddnet.protocol.messages import MAX_LOGPROB_TOKENS, SamplingFields, Timeline
+from pddnet.protocol.messages import MAX_LOGPROB_TOKENS, Timeline
 from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
 
+from .ordering import RecentIds
 from .outbox import Outbox
 from .peer import Peer, PeerHost
 from .readiness import STARTED, Link, all_up
 
 log = logging.getLogger("pddnet.roles")
 
-CANCELLED_MEMORY = 4096  # recently ended request ids, so a late message cannot resurrect one
 INBOX_LIMIT = 4096  # messages read ahead of the handler on one connection
 
 
@@ -55,103 +55,6 @@ def now() -> float:
 def instance_id(config: ClusterConfig, role: str) -> str:
     name = re.sub(r"[^A-Za-z0-9._:-]", "-", config.name)[:100] or "pdd"
     return f"{name}.{role}"
-
-
-def sampling_of(fields: SamplingFields) -> SamplingParams:
-    """The engine's sampling parameters for a request's wire fields (SUBMIT, KV_ALLOC_REQUEST):
-    every tier builds the same ones, so every tier samples alike."""
-    return SamplingParams(
-        temperature=fields.temperature,
-        top_p=fields.top_p,
-        top_k=fields.top_k,
-        seed=fields.seed,
-        min_tokens=fields.min_tokens,
-        stop_token_ids=tuple(fields.stop_token_ids),
-        presence_penalty=fields.presence_penalty,
-        frequency_penalty=fields.frequency_penalty,
-        repetition_penalty=fields.repetition_penalty,
-        logprobs=fields.logprobs,
-    )
-
-
-SAMPLING_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingFields))
-
-
-def sampling_fields(msg: SamplingFields) -> dict[str, Any]:
-    """A message's SamplingFields as keyword arguments, to pass them on unchanged."""
-    return {name: getattr(msg, name) for name in SAMPLING_FIELD_NAMES}
-
-
-def event_logprobs(
-    entries: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None, n: int
-) -> dict[str, Any]:
-    """TOKEN_EVENT's logprob fields for `n` tokens ({} when none are carried). Every token
-    needs its entry and all the same k; otherwise nothing is carried (the router then reports
-    the gap)."""
-    present = [e for e in entries or () if e is not None]
-    if not present or len(present) != n or len({len(e.top_ids) for e in present}) != 1:
-        return {}
-    return {
-        "logprobs": tuple(e.logprob for e in present),
-        "top_logprob_ids": tuple(i for e in present for i in e.top_ids),
-        "top_logprobs": tuple(x for e in present for x in e.top_logprobs),
-    }
-
-
-def kv_done_logprob(entry: TokenLogprob | None) -> dict[str, Any]:
-    """KV_DONE's fields for the first token's logprobs (P samples it)."""
-    if entry is None:
-        return {}
-    return {
-        "first_logprob": entry.logprob,
-        "first_top_ids": entry.top_ids,
-        "first_top_logprobs": entry.top_logprobs,
-    }
-
-
-class Serial:
-    """Runs a request's engine operations strictly in submission order in one task, so e.g. an
-    abort can never overtake the add_request it cancels, nor a KV_DONE the last write."""
-
-    def __init__(self, name: str, tasks: set[asyncio.Task]) -> None:
-        self.name = name
-        self._queue: deque[Callable[[], Awaitable[Any]]] = deque()
-        self._task: asyncio.Task | None = None
-        self._tasks = tasks
-
-    def submit(self, op: Callable[[], Awaitable[Any]]) -> None:
-        self._queue.append(op)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
-            self._tasks.add(self._task)
-            self._task.add_done_callback(self._tasks.discard)
-
-    async def _run(self) -> None:
-        while self._queue:
-            op = self._queue.popleft()
-            try:
-                await op()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("%s: operation failed", self.name)
-
-
-class RecentIds:
-    """A bounded memory of ended request ids (FIFO)."""
-
-    def __init__(self, size: int = CANCELLED_MEMORY) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._size = size
-
-    def add(self, rid: str) -> None:
-        self._ids[rid] = None
-        self._ids.move_to_end(rid)
-        while len(self._ids) > self._size:
-            self._ids.popitem(last=False)
-
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._ids
 
 
 class Daemon:

@@ -43,6 +43,7 @@ from pddnet.lifecycle.handoff import (
     StartSequence,
     StopSequence,
 )
+from pddnet.lifecycle.sampling import sampling_of
 from pddnet.protocol import (
     Cancel,
     Handoff,
@@ -58,8 +59,10 @@ from pddnet.protocol import (
 )
 from pddnet.transport import Connection
 
-from .common import Outbox, Serial, log, sampling_of
+from .common import log
 from .kv_receiver import KvReceiver
+from .ordering import Serial
+from .outbox import Outbox
 from .replays import Replays
 
 SequenceEdit = AppendTokens | SetChunk | ReleaseHold

@@ -40,8 +40,8 @@ from pddnet.transport.backends.tcp import TcpSink
 from pddnet.transport.kv_backend import TransferError, WriteTarget
 
 from .cache_notices import CacheNotices
-from .common import Outbox
 from .decode_tier import DecodeTier, Slot
+from .outbox import Outbox
 
 
 class MainDecodeDaemon(DecodeTier):

@@ -23,6 +23,7 @@ from pddnet.engine.engine import StepOutput
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.lifecycle import prefill_request as pr
 from pddnet.lifecycle.prefill_request import MAIN, RELAY, TargetState
+from pddnet.lifecycle.sampling import kv_done_logprob, sampling_fields, sampling_of
 from pddnet.policy.pipeline import Pipeline
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.protocol import (
@@ -41,7 +42,8 @@ from pddnet.protocol import (
 from pddnet.transport import Connection
 from pddnet.transport.kv_paths import KVPaths
 
-from .common import Daemon, Serial, kv_done_logprob, log, now, sampling_fields, sampling_of
+from .common import Daemon, log, now
+from .ordering import Serial
 from .peer import Peer
 from .prefill_planning import FED, feed, make_planner, md_answered, plan_request
 from .prefill_transfers import PATH_OF, PrefillTransfers, RequestKV

@@ -46,8 +46,9 @@ from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.protocol import Cancel, KvAllocRequest, Message, Takeover
 from pddnet.transport import Connection
 
-from .common import CANCELLED_MEMORY, Outbox
 from .decode_tier import DecodeTier
+from .ordering import CANCELLED_MEMORY
+from .outbox import Outbox
 from .peer import Peer
 
 HANDS_OFF_PIPELINES = ("p_rld_md",)
