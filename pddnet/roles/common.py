@@ -20,36 +20,23 @@ from typing import Any
 from pddnet.config import ClusterConfig, DaemonSection
 from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
 from pddnet.device.pacer import StepPacer
-from pddnet.engine.engine import Engine, StepOutput
-from pddnet.engine.sampling import TokenLogprob
+from pddnet.engine.engine import Engine
 from pddnet.engine.worker import EngineWorker
-from pddnet.lifecycle.sampling import event_logprobs
-from pddnet.model.loader import load_model
 from pddnet.obs.step_times import StepTimes
-from pddnet.protocol import (
-    ErrorMessage,
-    Message,
-    Ping,
-    Pong,
-    RequestDone,
-    TokenEvent,
-)
-from pddnet.protocol.messages import MAX_LOGPROB_TOKENS, Timeline
+from pddnet.protocol import Message, Ping, Pong
 from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
 
+from .daemon_stats import daemon_stats
+from .engine_host import EngineHost
 from .ordering import RecentIds
 from .outbox import Outbox
 from .peer import Peer, PeerHost
 from .readiness import STARTED, Link, all_up
+from .to_router import ToRouter
 
 log = logging.getLogger("pddnet.roles")
 
 INBOX_LIMIT = 4096  # messages read ahead of the handler on one connection
-
-
-def now() -> float:
-    """Wall-clock time for TOKEN_EVENT / TIMELINE (one clock on one box; see protocol.md)."""
-    return time.time()
 
 
 def instance_id(config: ClusterConfig, role: str) -> str:
@@ -57,7 +44,7 @@ def instance_id(config: ClusterConfig, role: str) -> str:
     return f"{name}.{role}"
 
 
-class Daemon:
+class Daemon(EngineHost, ToRouter):
     """Base of PrefillDaemon, RelayDaemon, MainDecodeDaemon.
 
     Subclasses set ``role`` (wire role and REQUEST_DONE producer) and ``section`` (config
@@ -111,37 +98,10 @@ class Daemon:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def kv_shm_name(self) -> str | None:
-        """Name of a shared-memory KV pool, or None for a private one (RLD overrides)."""
-        return None
-
     async def start(self) -> None:
         """Load the model, start the engine thread, listen, then dial peers (retrying)."""
-        model_cfg = self.config.model
-        model, tokenizer = await asyncio.to_thread(
-            load_model, model_cfg.name, model_cfg.dtype, model_cfg.seed
-        )
+        await self.start_engine()
         sec = self.section
-        self.engine = Engine(
-            model,
-            tokenizer,
-            num_blocks=sec.num_blocks,
-            block_size=sec.block_size,
-            max_num_batched_tokens=sec.max_num_batched_tokens,
-            max_num_seqs=sec.max_num_seqs,
-            kv_shm_name=self.kv_shm_name(),
-            enable_prefix_cache=sec.prefix_cache != "off",
-            prefix_cache_kind="radix" if sec.prefix_cache == "radix" else "hash",
-        )
-        self.worker = EngineWorker(
-            self.engine,
-            self._on_outputs,
-            threads=model_cfg.threads,
-            name=f"{self.role}-engine",
-            on_error=self._on_engine_error,
-            on_step_stats=self.step_times.observe,
-            pacer=self.pacer,
-        )
         self.server = Server(
             sec.host,
             sec.port,
@@ -371,169 +331,11 @@ class Daemon:
         for name, link in links.items():
             box.post(link.message(name, ready))
 
-    # -- the router ----------------------------------------------------------------------------
-
-    def to_router(self, msg: Message, drop_quietly: bool = False) -> None:
-        for box in reversed(self._router):
-            if box.alive:
-                box.post(msg)
-                return
-        if drop_quietly:  # a state the router will be sent whole when it connects
-            return
-        self.counters["router_messages_dropped"] += 1
-        log.warning("%s: no router connected; dropped %s", self.instance_id, msg.TYPE.name)
-
-    def emit_tokens(
-        self,
-        rid: str,
-        index: int,
-        tokens: tuple[int, ...] | list[int],
-        logprobs: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None = None,
-    ) -> None:
-        """TOKEN_EVENT(s) to the router; with `logprobs` (one entry per token, for a request
-        that asks for them) at most MAX_LOGPROB_TOKENS tokens per event."""
-        self.counters["tokens_emitted"] += len(tokens)
-        tokens = tuple(tokens)
-        step = MAX_LOGPROB_TOKENS if logprobs else max(1, len(tokens))
-        for start in range(0, len(tokens), step):
-            part = tokens[start : start + step]
-            extra = event_logprobs(logprobs[start : start + step], len(part)) if logprobs else {}
-            self.to_router(
-                TokenEvent(
-                    request_id=rid,
-                    index=index + start,
-                    token_ids=part,
-                    producer=self.role,
-                    time=now(),
-                    **extra,
-                )
-            )
-
-    def request_done(self, rid: str, reason: str, num_prompt: int, num_output: int) -> RequestDone:
-        msg = RequestDone(
-            request_id=rid,
-            reason=reason,
-            num_prompt_tokens=num_prompt,
-            num_output_tokens=num_output,
-            producer=self.role,
-            time=now(),
-        )
-        self.to_router(msg)
-        return msg
-
-    def timeline(
-        self, rid: str, event: str, detail_int: int | None = None, detail_str: str = ""
-    ) -> None:
-        self.to_router(
-            Timeline(
-                request_id=rid,
-                event=event,
-                time=now(),
-                producer=self.role,
-                detail_int=detail_int,
-                detail_str=detail_str,
-            )
-        )
-
-    def error(self, rid: str | None, code: str, message: str) -> None:
-        self.to_router(ErrorMessage(request_id=rid, code=code, message=message[:4096]))
-
-    # -- the engine ------------------------------------------------------------------------------
-
-    async def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run an engine operation in the engine thread, between steps."""
-        assert self.worker is not None
-        return await self.worker.call(fn, *args, **kwargs)
-
-    def wake(self) -> None:
-        assert self.worker is not None
-        self.worker.wake()
-
-    def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        if self._closing:
-            return
-        try:
-            self.on_step(outputs)
-        except Exception:
-            log.exception("%s: handling step outputs failed", self.instance_id)
-
-    def on_step(self, outputs: list[StepOutput]) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    def _on_engine_error(self, exc: BaseException) -> None:
-        """An engine step raised (the worker logged it and waits for the next call). The
-        requests it was computing would stall forever: fail them instead."""
-        if self._closing:
-            return
-        self.counters["engine_errors"] += 1
-        try:
-            self.engine_failed(f"{self.role} engine step failed: {type(exc).__name__}: {exc}")
-        except Exception:
-            log.exception("%s: failing the requests of a broken step failed", self.instance_id)
-
-    def engine_failed(self, reason: str) -> None:  # pragma: no cover
-        """Fail (ERROR to the router, free the blocks) every request whose engine sequence a
-        step may have touched; requests still waiting for their KV are not affected."""
-        raise NotImplementedError
-
     # -- stats -----------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """JSON-able counters: requests, KV blocks, bytes per lane and message type."""
-        engine = self.engine
-        blocks: dict[str, int] = {}
-        if engine is not None:
-            free = engine.num_available_blocks
-            blocks = {
-                "total": engine.num_blocks,
-                "free": free,
-                "used": engine.num_blocks - free,
-                "block_size": engine.block_size,
-            }
-        lanes: dict[str, dict[str, int]] = {}
-        conns = list(self.server.connections) if self.server is not None else []
-        conns += [box.conn for box in self._outboxes if box.conn not in conns]
-        for conn in conns:
-            lane = lanes.setdefault(conn.lane, {"bytes_in": 0, "bytes_out": 0})
-            lane["bytes_in"] += sum(conn.stats["bytes_in"].values())
-            lane["bytes_out"] += sum(conn.stats["bytes_out"].values())
-        queues: dict[str, int] = {}
-        if engine is not None:
-            queues = {
-                "engine_waiting": len(engine.scheduler.waiting),
-                "engine_running": len(engine.scheduler.running),
-            }
-        return {
-            "role": self.role,
-            "instance": self.instance_id,
-            "port": self.port,
-            "metrics_url": self.metrics.url if self.metrics is not None else None,
-            "requests": self.request_stats(),
-            "kv_blocks": blocks,
-            "lanes": lanes,
-            "queues": queues,
-            "counters": dict(self.counters),
-            "threads": self.config.model.threads,
-            **self.step_times.to_stats(),
-            "tasks": len(asyncio.all_tasks()),
-            "peers": {p.name: p.stats() for p in self.peers},
-            "ready": self.ready,
-            "device": self.device_stats(),
-        }
-
-    def device_stats(self) -> dict[str, Any]:
-        """The modelled accelerator this daemon runs on and how well the box kept up with it."""
-        if self.emulation is None or self.pacer is None:
-            return {"emulated": False}
-        cost = self.pacer.cost
-        return {
-            "emulated": True,
-            "chip": cost.chip.name,
-            "gpus": cost.gpus,
-            "target_model": self.emulation.target.name,
-            "wire_scale": self.wire_scale,
-            **self.pacer.to_stats(),
-        }
+        return daemon_stats(self)
 
     def request_stats(self) -> dict[str, int]:  # pragma: no cover
         raise NotImplementedError

@@ -42,12 +42,13 @@ from pddnet.protocol import (
 from pddnet.transport import Connection
 from pddnet.transport.kv_paths import KVPaths
 
-from .common import Daemon, log, now
+from .common import Daemon, log
 from .ordering import Serial
 from .peer import Peer
 from .prefill_planning import FED, feed, make_planner, md_answered, plan_request
 from .prefill_transfers import PATH_OF, PrefillTransfers, RequestKV
 from .readiness import Link
+from .to_router import now
 
 BULK_LINK = "main-decode bulk"  # the WAN stripes that carry KV_CHUNK to MD (tcp backend)
 FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pipeline.RLD_ONLY}
