@@ -16,17 +16,16 @@ from typing import Any
 from pddnet.config import ClusterConfig
 from pddnet.engine.engine import Engine, KVReservation, StepOutput
 from pddnet.engine.sequence import FinishReason
-from pddnet.lifecycle.decode_request import (
+from pddnet.lifecycle.decode_actions import (
     DecodeAction,
-    DecodeRequest,
     Failed,
     ForwardDone,
     KvComplete,
-    Role,
     SendKvAbort,
     SendKvReceived,
-    step_end_reasons,
 )
+from pddnet.lifecycle.decode_request import DecodeRequest, Role
+from pddnet.lifecycle.decode_tokens import step_end_reasons
 from pddnet.lifecycle.handoff import (
     AppendTokens,
     CancelPeer,

@@ -33,14 +33,9 @@ from typing import Any
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
 from pddnet.kv.shm import segment_name
-from pddnet.lifecycle.decode_request import (
-    ArmTimer,
-    CancelParked,
-    DecodeAction,
-    DecodeRequest,
-    Role,
-    TakeoverHold,
-)
+from pddnet.lifecycle.decode_actions import ArmTimer, CancelParked, DecodeAction
+from pddnet.lifecycle.decode_request import DecodeRequest, Role
+from pddnet.lifecycle.takeover_hold import TakeoverHold
 from pddnet.policy.admission import RelayAdmission
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.protocol import Cancel, KvAllocRequest, Message, Takeover
