@@ -21,9 +21,11 @@ from typing import Any
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
 from pddnet.engine.sampling import TokenLogprob
+from pddnet.lifecycle import prefill_actions as pa
 from pddnet.lifecycle import prefill_request as pr
+from pddnet.lifecycle.prefill_messages import kv_alloc_request, kv_done, pipeline_choice
 from pddnet.lifecycle.prefill_request import MAIN, RELAY, TargetState
-from pddnet.lifecycle.sampling import kv_done_logprob, sampling_fields, sampling_of
+from pddnet.lifecycle.sampling import sampling_of
 from pddnet.policy.pipeline import Pipeline
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.protocol import (
@@ -31,9 +33,7 @@ from pddnet.protocol import (
     Cancel,
     ErrorMessage,
     KvAbort,
-    KvAllocRequest,
     KvAllocResponse,
-    KvDone,
     KvReceived,
     Message,
     PipelineChange,
@@ -269,34 +269,35 @@ class PrefillDaemon(Daemon):
 
     # -- actions out -------------------------------------------------------------------------------
 
-    def _run(self, req: _Request, actions: list[pr.Action]) -> None:
+    def _run(self, req: _Request, actions: list[pa.Action]) -> None:
         rid = req.submit.request_id
         for a in actions:
-            if isinstance(a, pr.Timeline):
+            if isinstance(a, pa.Timeline):
                 self.timeline(rid, a.event, a.value, a.detail)
-            elif isinstance(a, pr.Count):
+            elif isinstance(a, pa.Count):
                 self.counters[a.name] += 1
-            elif isinstance(a, pr.Transfer):
+            elif isinstance(a, pa.Transfer):
                 req.serial[a.target].submit(lambda a=a: self._transfer(req, a))
-            elif isinstance(a, pr.SendKvDone):
+            elif isinstance(a, pa.SendKvDone):
                 req.serial[a.target].submit(lambda a=a: self._kv_done(req, a))
-            elif isinstance(a, pr.AbortTarget):
+            elif isinstance(a, pa.AbortTarget):
                 box, msg = self.control[a.target], KvAbort(request_id=rid, reason=a.reason[:4096])
                 self.kv.abort_then(req.kv, a.target, a.reason, lambda b=box, m=msg: b.post(m))
-            elif isinstance(a, pr.StopWrites):
+            elif isinstance(a, pa.StopWrites):
                 self.kv.stop(req.kv, a.target, a.reason)
-            elif isinstance(a, pr.ReleaseBlocks):
+            elif isinstance(a, pa.ReleaseBlocks):
                 req.serial["engine"].submit(lambda: self._release(req))
-            elif isinstance(a, pr.FailRequest):
+            elif isinstance(a, pa.FailRequest):
                 self.counters["failed"] += 1
                 self.error(rid, a.code, a.message)
-            elif isinstance(a, pr.AskAllocation):
-                self._ask(req, a)
-            elif isinstance(a, pr.StartPrefill):
+            elif isinstance(a, pa.AskAllocation):
+                alloc = kv_alloc_request(req.submit, req.machine.num_tokens, self.engine.spec, a)
+                self.control[a.target].post(alloc)
+            elif isinstance(a, pa.StartPrefill):
                 req.serial["engine"].submit(lambda: self._start_prefill(req))
-            elif isinstance(a, pr.ReportPipelineChoice):
-                self.to_router(pr.pipeline_choice(rid, a.plan, now()))
-            elif isinstance(a, pr.ReportPipelineChange):
+            elif isinstance(a, pa.ReportPipelineChoice):
+                self.to_router(pipeline_choice(rid, a.plan, now()))
+            elif isinstance(a, pa.ReportPipelineChange):
                 wire, reason = a.pipeline.wire, a.reason[:512]
                 self.to_router(
                     PipelineChange(request_id=rid, pipeline=wire, reason=reason, time=now())
@@ -304,43 +305,17 @@ class PrefillDaemon(Daemon):
             elif isinstance(a, FED) and self.planner is not None:  # WAN backlog, goodput
                 feed(self.planner, rid, a)
 
-    def _ask(self, req: _Request, a: pr.AskAllocation) -> None:
-        """KV_ALLOC_REQUEST to one target, naming the request's current pipeline."""
-        sub, spec = req.submit, self.engine.spec
-        self.control[a.target].post(
-            KvAllocRequest(
-                request_id=sub.request_id,
-                prompt_token_ids=sub.prompt_token_ids,
-                num_tokens=req.machine.num_tokens,
-                block_size=spec.block_size,
-                dtype=spec.dtype,
-                num_layers=spec.num_layers,
-                num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim,
-                expected_hit_tokens=a.expected_hit_tokens,
-                pipeline=a.pipeline.wire,
-                handoff_mode=sub.handoff_mode,
-                **sampling_fields(sub),
-            )
-        )
-
-    async def _transfer(self, req: _Request, a: pr.Transfer) -> None:
+    async def _transfer(self, req: _Request, a: pa.Transfer) -> None:
         self._run(req, await self.kv.ship(req.kv, req.machine, a, self.engine))
 
-    async def _kv_done(self, req: _Request, a: pr.SendKvDone) -> None:
+    async def _kv_done(self, req: _Request, a: pa.SendKvDone) -> None:
         m = req.machine
         if m.over or m.state(a.target) is not TargetState.DONE_QUEUED:
             return
         c = req.kv.completion(a.target)  # None: all of it was cached there
-        done = KvDone(
-            request_id=req.submit.request_id,
-            num_tokens=m.num_tokens,
-            num_chunks=c.num_chunks if c else 0,
-            num_bytes=c.num_bytes if c else 0,
-            first_token_id=a.first_token,
-            time=now(),
-            **kv_done_logprob(req.first_logprob),
-        )
+        chunks, nbytes = (c.num_chunks, c.num_bytes) if c else (0, 0)
+        rid, n = req.submit.request_id, m.num_tokens
+        done = kv_done(rid, n, chunks, nbytes, a.first_token, req.first_logprob, now())
         self.control[a.target].post(done)
         self._run(req, m.kv_done_out(a.target, done.num_bytes))
 

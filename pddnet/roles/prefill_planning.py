@@ -6,7 +6,8 @@ The planner itself is pddnet.policy.planner's; the request machine only takes it
 from __future__ import annotations
 
 from pddnet.config import ClusterConfig
-from pddnet.lifecycle.prefill_request import MAIN, CommitWan, ObserveWanTransfer, ReleaseWan
+from pddnet.lifecycle.prefill_actions import CommitWan, ObserveWanTransfer, ReleaseWan
+from pddnet.lifecycle.prefill_request import MAIN
 from pddnet.policy.cache_view import Observation
 from pddnet.policy.pipeline import Pipeline, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner, Plan

@@ -21,7 +21,8 @@ from typing import Any
 
 from pddnet.engine.engine import Engine
 from pddnet.kv.transfer import ExportedKV, export_kv
-from pddnet.lifecycle.prefill_request import Action, PrefillRequest, TargetState, Timeline, Transfer
+from pddnet.lifecycle.prefill_actions import Action, Timeline, Transfer
+from pddnet.lifecycle.prefill_request import PrefillRequest, TargetState
 from pddnet.protocol import KvAllocResponse
 from pddnet.transport import Connection
 from pddnet.transport.backends.call_thread import CallThread
