@@ -1,6 +1,6 @@
 """The messages P sends for one request, built from its SUBMIT, its machine and the action
 that asks for them: KV_ALLOC_REQUEST to a decode tier, KV_DONE after its last KV, and
-PIPELINE_CHOICE to the router. Sans-IO; the prefill daemon only posts them."""
+PIPELINE_CHOICE / PIPELINE_CHANGE to the router. Sans-IO; the prefill daemon only posts them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pddnet.engine.sampling import TokenLogprob
 from pddnet.kv.pool import KVSpec
 from pddnet.lifecycle.prefill_actions import AskAllocation
 from pddnet.lifecycle.sampling import kv_done_logprob, sampling_fields
+from pddnet.policy.pipeline import Pipeline
 from pddnet.policy.planner import Plan
-from pddnet.protocol import KvAllocRequest, KvDone, PipelineChoice, Submit
+from pddnet.protocol import KvAllocRequest, KvDone, PipelineChange, PipelineChoice, Submit
 
 
 def kv_alloc_request(
@@ -77,3 +78,8 @@ def pipeline_choice(rid: str, plan: Plan, time: float) -> PipelineChoice:
         view_stale=plan.prediction.stale,
         time=time,
     )
+
+
+def pipeline_change(rid: str, pipeline: Pipeline, reason: str, time: float) -> PipelineChange:
+    """PIPELINE_CHANGE to the router: the request's pipeline changed, and why."""
+    return PipelineChange(request_id=rid, pipeline=pipeline.wire, reason=reason[:512], time=time)

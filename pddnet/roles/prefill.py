@@ -12,8 +12,6 @@ machine; this shell moves messages, engine calls and KV in and out of it.
 
 from __future__ import annotations
 
-import dataclasses
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,10 +21,14 @@ from pddnet.engine.engine import StepOutput
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.lifecycle import prefill_actions as pa
 from pddnet.lifecycle import prefill_request as pr
-from pddnet.lifecycle.prefill_messages import kv_alloc_request, kv_done, pipeline_choice
+from pddnet.lifecycle.prefill_messages import (
+    kv_alloc_request,
+    kv_done,
+    pipeline_change,
+    pipeline_choice,
+)
 from pddnet.lifecycle.prefill_request import MAIN, RELAY, TargetState
 from pddnet.lifecycle.sampling import sampling_of
-from pddnet.policy.pipeline import Pipeline
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.protocol import (
     CacheEvents,
@@ -36,7 +38,6 @@ from pddnet.protocol import (
     KvAllocResponse,
     KvReceived,
     Message,
-    PipelineChange,
     Submit,
 )
 from pddnet.transport import Connection
@@ -45,13 +46,12 @@ from pddnet.transport.kv_paths import KVPaths
 from .common import Daemon, log
 from .ordering import Serial
 from .peer import Peer
-from .prefill_planning import FED, feed, make_planner, md_answered, plan_request
+from .prefill_planning import FED, TARGETS_OF_MODE, Refusal, admit, feed, make_planner, md_answered
 from .prefill_transfers import PATH_OF, PrefillTransfers, RequestKV
 from .readiness import Link
 from .to_router import now
 
 BULK_LINK = "main-decode bulk"  # the WAN stripes that carry KV_CHUNK to MD (tcp backend)
-FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pipeline.RLD_ONLY}
 
 
 @dataclass
@@ -70,11 +70,7 @@ class PrefillDaemon(Daemon):
 
     def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)
-        self.targets: tuple[str, ...] = {
-            ClusterMode.PDD: (RELAY, MAIN),
-            ClusterMode.CROSS_DC: (MAIN,),
-            ClusterMode.SAME_DC: (RELAY,),
-        }[config.mode]
+        self.targets = TARGETS_OF_MODE[config.mode]
         self.control: dict[str, Peer] = {}
         self.planner: PipelinePlanner | None = None  # pdd mode, once the engine exists
         self.kv = PrefillTransfers(self.instance_id, self.targets, self.spawn, self.counters)
@@ -162,38 +158,14 @@ class PrefillDaemon(Daemon):
             )
 
     def _submit(self, sub: Submit) -> None:
-        rid = sub.request_id
-        if rid in self.requests or rid in self.ended:
-            self.error(rid, "duplicate_request", f"request id {rid!r} is already in use")
+        rid, known = sub.request_id, sub.request_id in self.requests or sub.request_id in self.ended
+        admitted = admit(
+            sub, known, self.config, self.targets, self.control, self.planner, self.counters
+        )
+        if isinstance(admitted, Refusal):
+            self.error(rid, admitted.code, admitted.message)
             return
-        if sub.output_token_ids:
-            msg = "P prefills new requests only; a replay with output_token_ids goes to a decode"
-            self.error(rid, "bad_request", msg + " instance")
-            return
-        if sub.temperature > 0 and sub.seed is None:
-            # A concrete seed before the request fans out: every tier then samples alike.
-            sub = dataclasses.replace(sub, seed=secrets.randbits(63))
-        down = [t for t in self.targets if not self.control[t].alive]
-        if self.planner is None:
-            if down:  # a baseline has nobody else to send it to
-                why = f"{down[0]} is unreachable: {self.control[down[0]].last_loss}"
-                self.error(rid, f"{down[0]}_lost", why)
-                return
-            machine = pr.PrefillRequest(
-                len(sub.prompt_token_ids), FIXED_PIPELINES[self.config.mode], self.targets
-            )
-        else:
-            if len(down) > 1:
-                self.error(rid, "no_decode_tier", "neither relay nor main decode is reachable")
-                return
-            why = None
-            if down:  # the other decode tier is the fallback while one is unreachable
-                peer = self.control[down[0]]
-                why = f"{down[0]} unreachable: {peer.link().describe(peer.name)}"[:300]
-                self.counters[f"{down[0]}_down_rerouted"] += 1
-            configured = self.config.policy.pipeline
-            plan = plan_request(self.planner, configured, sub, down[0] if down else None, why)
-            machine = pr.PrefillRequest(len(sub.prompt_token_ids), plan.pipeline, plan=plan)
+        sub, machine = admitted
         serial = {t: Serial(f"{rid} -> {t}", self._tasks) for t in (*machine.targets, "engine")}
         req = self.requests[rid] = _Request(sub, machine, serial, RequestKV(rid))
         self._run(req, machine.start())
@@ -298,10 +270,7 @@ class PrefillDaemon(Daemon):
             elif isinstance(a, pa.ReportPipelineChoice):
                 self.to_router(pipeline_choice(rid, a.plan, now()))
             elif isinstance(a, pa.ReportPipelineChange):
-                wire, reason = a.pipeline.wire, a.reason[:512]
-                self.to_router(
-                    PipelineChange(request_id=rid, pipeline=wire, reason=reason, time=now())
-                )
+                self.to_router(pipeline_change(rid, a.pipeline, a.reason, now()))
             elif isinstance(a, FED) and self.planner is not None:  # WAN backlog, goodput
                 feed(self.planner, rid, a)
 
@@ -359,12 +328,5 @@ class PrefillDaemon(Daemon):
             for k, v in self.counters.items()
             if k.startswith("pipeline_") and "_to_" not in k
         }
-        sent = {
-            lane: out["lanes"].get(lane, {}).get("bytes_out", 0) for lane in ("bulk", "control")
-        }
-        out["wan_bytes"] = {"out": {"kv": sent["bulk"], "control": sent["control"]}}
-        self.kv.stats(out)  # (the bulk lanes' figures from the stripes themselves)
-        if self.emulation is not None:  # what the target model's KV bytes would have been
-            kv = out["lanes"].get("bulk", {}).get("bytes_out", 0)
-            out["wan_bytes"]["out"]["kv_target"] = round(kv / self.wire_scale)
+        self.kv.stats(out, self.wire_scale if self.emulation is not None else None)
         return out
