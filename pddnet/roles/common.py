@@ -26,7 +26,7 @@ from pddnet.obs.step_times import StepTimes
 from pddnet.protocol import Message, Ping, Pong
 from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
 
-from .daemon_stats import daemon_stats
+from .daemon_stats import DaemonStats
 from .engine_host import EngineHost
 from .ordering import RecentIds
 from .outbox import Outbox
@@ -44,7 +44,7 @@ def instance_id(config: ClusterConfig, role: str) -> str:
     return f"{name}.{role}"
 
 
-class Daemon(EngineHost, ToRouter):
+class Daemon(EngineHost, ToRouter, DaemonStats):
     """Base of PrefillDaemon, RelayDaemon, MainDecodeDaemon.
 
     Subclasses set ``role`` (wire role and REQUEST_DONE producer) and ``section`` (config
@@ -330,12 +330,3 @@ class Daemon(EngineHost, ToRouter):
         ready = all_up(links)
         for name, link in links.items():
             box.post(link.message(name, ready))
-
-    # -- stats -----------------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """JSON-able counters: requests, KV blocks, bytes per lane and message type."""
-        return daemon_stats(self)
-
-    def request_stats(self) -> dict[str, int]:  # pragma: no cover
-        raise NotImplementedError

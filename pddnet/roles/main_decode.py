@@ -41,7 +41,8 @@ from pddnet.transport.backends.tcp import TcpSink
 from pddnet.transport.kv_backend import TransferError, WriteTarget
 
 from .cache_notices import CacheNotices
-from .decode_tier import DecodeTier, Slot
+from .decode_slot import Slot
+from .decode_tier import DecodeTier
 from .outbox import Outbox
 
 
@@ -224,7 +225,7 @@ class MainDecodeDaemon(DecodeTier):
             msg.chunk_index, msg.token_start, msg.token_end, nbytes, time.monotonic()
         )
         if actions != [ImportChunk(msg.chunk_index)]:
-            self._apply(slot, actions)
+            self.apply(slot, actions)
             return
         assert res is not None
         target = WriteTarget(tuple(res.block_ids), self.engine.block_size, res.num_cached_tokens)
@@ -232,10 +233,10 @@ class MainDecodeDaemon(DecodeTier):
             nbytes = await self.compute(self._import_in_engine, msg, target)
         except TransferError as exc:
             if slot.reservation is res:
-                self._apply(slot, slot.machine.abort(f"bad KV_CHUNK {msg.chunk_index}: {exc}"))
+                self.apply(slot, slot.machine.abort(f"bad KV_CHUNK {msg.chunk_index}: {exc}"))
             return
         if slot.reservation is res:  # not dropped meanwhile
-            self._apply(slot, slot.machine.chunk_imported(nbytes))
+            self.apply(slot, slot.machine.chunk_imported(nbytes))
 
     def _import_in_engine(self, msg: KvChunk, target: WriteTarget) -> int:
         """In the engine thread: the tcp sink checks and imports the chunk (its payload bytes)."""
@@ -273,14 +274,14 @@ class MainDecodeDaemon(DecodeTier):
             for slot in [s for s in self.requests.values() if s.p_conn is box]:
                 if slot.machine.phase is Phase.RECEIVING_KV:
                     reason = "prefill control connection closed before the KV was complete"
-                    self._apply(slot, slot.machine.abort(reason))
+                    self.apply(slot, slot.machine.abort(reason))
         if self.rld is not None and conn is self.rld.conn:
             self.rld = None
             # Without the relay there will be no cut: the requests before their final HANDOFF
             # are dropped (not an error for the client: RLD finishes them alone, or the router
             # replays them); one past it no longer needs RLD and carries on here.
             for slot in list(self.requests.values()):
-                self._apply(slot, slot.machine.peer_lost())
+                self.apply(slot, slot.machine.peer_lost())
 
     # -- stats ---------------------------------------------------------------------------------------
 

@@ -215,7 +215,7 @@ class RelayDaemon(DecodeTier):
         if self.md is not None and conn is self.md.conn:
             # RLD is the fallback: whatever MD was to take over, RLD now finishes alone.
             for slot in list(self.requests.values()):
-                self._apply(slot, slot.machine.peer_lost())
+                self.apply(slot, slot.machine.peer_lost())
             self.hold.forget_all()
 
     # -- stats ---------------------------------------------------------------------------------------
