@@ -83,7 +83,7 @@ def admit(
             return Refusal(
                 f"{down[0]}_lost", f"{down[0]} is unreachable: {control[down[0]].last_loss}"
             )
-        return PrefillRequest(len(sub.prompt_token_ids), FIXED_PIPELINES[config.mode], targets)
+        return sub, PrefillRequest(len(sub.prompt_token_ids), FIXED_PIPELINES[config.mode], targets)
     if len(down) > 1:
         return Refusal("no_decode_tier", "neither relay nor main decode is reachable")
     why = None
