@@ -18,11 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pddnet.config import ClusterConfig, DaemonSection
-from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
-from pddnet.device.pacer import StepPacer
-from pddnet.engine.engine import Engine
-from pddnet.engine.worker import EngineWorker
-from pddnet.obs.step_times import StepTimes
+from pddnet.device.dilation import wallclock
 from pddnet.protocol import Message, Ping, Pong
 from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
 
@@ -67,25 +63,10 @@ class Daemon(EngineHost, ToRouter, DaemonStats):
         self.section: DaemonSection = getattr(config, self.section_name)
         self.instance_id = instance_id(config, self.role)
         self.secret = config.secret.encode()
-        self.engine: Engine | None = None
-        self.worker: EngineWorker | None = None
         self.server: Server | None = None
         self.port: int | None = None
         self.counters: Counter[str] = Counter()
-        self.dilation = self.emulation.dilation if self.emulation else 1.0
-        # real / target KV bytes per token: real KV bytes on a wire stand for real / this
-        self.wire_scale = (
-            self.emulation.wire_scale(real_kv_bytes_per_token(config.model))
-            if self.emulation
-            else 1.0
-        )
-        self.pacer = (
-            StepPacer(self.emulation.cost_of(self.section_name), self.dilation)
-            if self.emulation
-            else None
-        )
-        # every engine step's time as measured here (paced, in the modelled world's seconds)
-        self.step_times = StepTimes(scale=1.0 / self.dilation)
+        self.init_engine()
         self.ended = RecentIds()
         self._router: list[Outbox] = []  # events lanes, most recent last
         self._outboxes: list[Outbox] = []

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pddnet.config import ClusterConfig, DaemonSection
+from pddnet.device.dilation import real_kv_bytes_per_token
+from pddnet.device.emulated import Emulation
 from pddnet.device.pacer import StepPacer
 from pddnet.engine.engine import Engine, StepOutput
 from pddnet.engine.worker import EngineWorker
@@ -28,11 +30,32 @@ class EngineHost:
     config: ClusterConfig
     section: DaemonSection
     counters: Counter[str]
+    section_name: str
+    emulation: Emulation | None
     engine: Engine | None
     worker: EngineWorker | None
     pacer: StepPacer | None
     step_times: StepTimes
     _closing: bool
+
+    def init_engine(self) -> None:
+        """No engine until start; the modelled accelerator's pacing and clock (none: unpaced)."""
+        self.engine = None
+        self.worker = None
+        self.dilation = self.emulation.dilation if self.emulation else 1.0
+        # real / target KV bytes per token: real KV bytes on a wire stand for real / this
+        self.wire_scale = (
+            self.emulation.wire_scale(real_kv_bytes_per_token(self.config.model))
+            if self.emulation
+            else 1.0
+        )
+        self.pacer = (
+            StepPacer(self.emulation.cost_of(self.section_name), self.dilation)
+            if self.emulation
+            else None
+        )
+        # every engine step's time as measured here (paced, in the modelled world's seconds)
+        self.step_times = StepTimes(scale=1.0 / self.dilation)
 
     def kv_shm_name(self) -> str | None:
         """Name of a shared-memory KV pool, or None for a private one (RLD overrides)."""
