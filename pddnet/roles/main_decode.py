@@ -101,14 +101,6 @@ class MainDecodeDaemon(DecodeTier):
         self.notices.drain()
         return res
 
-    def _import_in_engine(self, msg: KvChunk, target: WriteTarget) -> int:
-        """In the engine thread: the tcp sink checks and imports the chunk (its payload bytes)."""
-        sink = self.sink
-        assert isinstance(sink, TcpSink)
-        nbytes = sink.receive(msg, target)
-        self.notices.drain()
-        return nbytes
-
     # -- messages ------------------------------------------------------------------------------
 
     async def handle_own(self, conn: Connection, msg: Message) -> bool:

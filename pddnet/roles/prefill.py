@@ -13,22 +13,17 @@ machine; this shell moves messages, engine calls and KV in and out of it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
-from pddnet.engine.sampling import TokenLogprob
 from pddnet.lifecycle import prefill_actions as pa
-from pddnet.lifecycle import prefill_request as pr
 from pddnet.lifecycle.prefill_messages import (
     kv_alloc_request,
-    kv_done,
     pipeline_change,
     pipeline_choice,
 )
-from pddnet.lifecycle.prefill_request import MAIN, RELAY, TargetState
-from pddnet.lifecycle.sampling import sampling_of
+from pddnet.lifecycle.prefill_request import MAIN, RELAY
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.protocol import (
     CacheEvents,
@@ -47,21 +42,12 @@ from .common import Daemon, log
 from .ordering import Serial
 from .peer import Peer
 from .prefill_planning import FED, TARGETS_OF_MODE, Refusal, admit, feed, make_planner, md_answered
+from .prefill_slot import PrefillSlot
 from .prefill_transfers import PATH_OF, PrefillTransfers, RequestKV
 from .readiness import Link
 from .to_router import now
 
 BULK_LINK = "main-decode bulk"  # the WAN stripes that carry KV_CHUNK to MD (tcp backend)
-
-
-@dataclass
-class _Request:
-    submit: Submit
-    machine: pr.PrefillRequest
-    serial: dict[str, Serial]  # per target, plus "engine"
-    kv: RequestKV
-    started: bool = False  # add_request sent to the engine
-    first_logprob: TokenLogprob | None = None  # index 0's, when the request asks for them
 
 
 class PrefillDaemon(Daemon):
@@ -74,7 +60,7 @@ class PrefillDaemon(Daemon):
         self.control: dict[str, Peer] = {}
         self.planner: PipelinePlanner | None = None  # pdd mode, once the engine exists
         self.kv = PrefillTransfers(self.instance_id, self.targets, self.spawn, self.counters)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, PrefillSlot] = {}
 
     async def start(self) -> None:
         # The backends first: one that cannot run here fails the start, not the first request.
@@ -140,10 +126,10 @@ class PrefillDaemon(Daemon):
                 view.resync(msg.block_size, msg.inserted, msg.seq) if msg.reset else view.apply(msg)
         elif isinstance(msg, KvReceived):
             if req is not None:
-                self._run(req, req.machine.kv_received(msg.num_bytes, time.monotonic()))
+                self.run(req, req.machine.kv_received(msg.num_bytes, time.monotonic()))
         elif isinstance(msg, (Cancel, KvAbort)):
             if req is not None:  # (MD's KV_ABORT may leave RLD serving it alone)
-                self._run(req, req.machine.cancel(msg.reason, conn.peer_role))
+                self.run(req, req.machine.cancel(msg.reason, conn.peer_role))
             if req is None or req.machine.over:
                 self.ended.add(msg.request_id)
         elif isinstance(msg, ErrorMessage):
@@ -151,7 +137,7 @@ class PrefillDaemon(Daemon):
                 "%s: ERROR from %s: %s %s", self.instance_id, conn.peer_role, msg.code, msg.message
             )
             if req is not None:
-                self._run(req, req.machine.fail(msg.code, f"{conn.peer_role}: {msg.message}"))
+                self.run(req, req.machine.fail(msg.code, f"{conn.peer_role}: {msg.message}"))
         else:
             log.warning(
                 "%s: unexpected %s from %s", self.instance_id, msg.TYPE.name, conn.peer_role
@@ -167,8 +153,8 @@ class PrefillDaemon(Daemon):
             return
         sub, machine = admitted
         serial = {t: Serial(f"{rid} -> {t}", self._tasks) for t in (*machine.targets, "engine")}
-        req = self.requests[rid] = _Request(sub, machine, serial, RequestKV(rid))
-        self._run(req, machine.start())
+        req = self.requests[rid] = PrefillSlot(sub, machine, serial, RequestKV(rid))
+        self.run(req, machine.start())
 
     def _allocated(self, target: str, msg: KvAllocResponse) -> None:
         if target not in (RELAY, MAIN):
@@ -184,64 +170,41 @@ class PrefillDaemon(Daemon):
         if target == RELAY and msg.step_s and self.planner is not None:
             self.planner.observe_rld_step(msg.step_s)
         if not msg.accepted:
-            self._run(req, m.refused(target, msg.error))
+            self.run(req, m.refused(target, msg.error))
             return
         unusable = self.kv.accept(req.kv, target, msg, m.num_tokens)
         if unusable:  # it did reserve: give that back, then treat the answer as a refusal
-            self._run(req, m.allocation_unusable(target, unusable))
+            self.run(req, m.allocation_unusable(target, unusable))
             return
         seen = recheck = None
         if target == MAIN and m.plan is not None and self.planner is not None:
             # MD's hit is authoritative: repair P's view and recheck the pipeline with it
             seen, recheck = md_answered(self.planner, m.plan, msg.hit_tokens, msg.block_size)
-        self._run(req, m.allocated(target, msg.hit_tokens, time.monotonic(), seen, recheck))
+        self.run(req, m.allocated(target, msg.hit_tokens, time.monotonic(), seen, recheck))
 
     # -- engine progress ---------------------------------------------------------------------------
-
-    async def _start_prefill(self, req: _Request) -> None:
-        sub = req.submit
-        if req.machine.over:
-            return
-        # Set before the call: the engine may step (and fail) before this coroutine resumes.
-        req.started = True
-        try:
-            await self.compute(
-                self.engine.add_request,
-                sub.prompt_token_ids,
-                1,
-                sampling_of(sub),
-                sub.request_id,
-                ignore_eos=True,
-                keep_blocks=True,
-            )
-        except ValueError as exc:
-            req.started = False
-            self._run(req, req.machine.fail("bad_request", f"prefill refused: {exc}"))
-            return
-        n, pipeline = len(sub.prompt_token_ids), req.machine.pipeline.wire
-        self.timeline(sub.request_id, "prefill_start", n, pipeline)
-        self.wake()
 
     def on_step(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             req = self.requests.get(out.request_id)
             if req is None or req.machine.over:
                 continue
-            self._run(req, req.machine.computed(out.num_computed_tokens))
+            self.run(req, req.machine.computed(out.num_computed_tokens))
             if out.new_token_ids:
                 if out.logprobs:
                     req.first_logprob = out.logprobs[0]
-                self._run(req, req.machine.first_token_sampled(out.new_token_ids[0]))
+                self.run(req, req.machine.first_token_sampled(out.new_token_ids[0]))
 
     def engine_failed(self, reason: str) -> None:
         # Only sequences still prefilling take part in steps (a finished one just keeps blocks).
         for req in list(self.requests.values()):
             if req.started:
-                self._run(req, req.machine.engine_failed(reason))
+                self.run(req, req.machine.engine_failed(reason))
 
     # -- actions out -------------------------------------------------------------------------------
 
-    def _run(self, req: _Request, actions: list[pa.Action]) -> None:
+    def run(self, req: PrefillSlot, actions: list[pa.Action]) -> None:
+        """Carry out a request's actions, in order (a target's on its own Serial)."""
         rid = req.submit.request_id
         for a in actions:
             if isinstance(a, pa.Timeline):
@@ -251,7 +214,7 @@ class PrefillDaemon(Daemon):
             elif isinstance(a, pa.Transfer):
                 req.serial[a.target].submit(lambda a=a: self._transfer(req, a))
             elif isinstance(a, pa.SendKvDone):
-                req.serial[a.target].submit(lambda a=a: self._kv_done(req, a))
+                req.serial[a.target].submit(lambda a=a: req.send_kv_done(self, a))
             elif isinstance(a, pa.AbortTarget):
                 box, msg = self.control[a.target], KvAbort(request_id=rid, reason=a.reason[:4096])
                 self.kv.abort_then(req.kv, a.target, a.reason, lambda b=box, m=msg: b.post(m))
@@ -266,7 +229,7 @@ class PrefillDaemon(Daemon):
                 alloc = kv_alloc_request(req.submit, req.machine.num_tokens, self.engine.spec, a)
                 self.control[a.target].post(alloc)
             elif isinstance(a, pa.StartPrefill):
-                req.serial["engine"].submit(lambda: self._start_prefill(req))
+                req.serial["engine"].submit(lambda: req.start_prefill(self))
             elif isinstance(a, pa.ReportPipelineChoice):
                 self.to_router(pipeline_choice(rid, a.plan, now()))
             elif isinstance(a, pa.ReportPipelineChange):
@@ -274,25 +237,12 @@ class PrefillDaemon(Daemon):
             elif isinstance(a, FED) and self.planner is not None:  # WAN backlog, goodput
                 feed(self.planner, rid, a)
 
-    async def _transfer(self, req: _Request, a: pa.Transfer) -> None:
-        self._run(req, await self.kv.ship(req.kv, req.machine, a, self.engine))
+    async def _transfer(self, req: PrefillSlot, a: pa.Transfer) -> None:
+        self.run(req, await self.kv.ship(req.kv, req.machine, a, self.engine))
 
-    async def _kv_done(self, req: _Request, a: pa.SendKvDone) -> None:
-        m = req.machine
-        if m.over or m.state(a.target) is not TargetState.DONE_QUEUED:
-            return
-        c = req.kv.completion(a.target)  # None: all of it was cached there
-        chunks, nbytes = (c.num_chunks, c.num_bytes) if c else (0, 0)
-        rid, n = req.submit.request_id, m.num_tokens
-        done = kv_done(rid, n, chunks, nbytes, a.first_token, req.first_logprob, now())
-        self.control[a.target].post(done)
-        self._run(req, m.kv_done_out(a.target, done.num_bytes))
-
-    async def _release(self, req: _Request) -> None:
+    async def _release(self, req: PrefillSlot) -> None:
         rid = req.submit.request_id
-        await req.kv.idle()  # an export may still read the blocks
-        if req.started:
-            await self.compute(self.engine.abort, rid)  # frees kept blocks or stops prefill
+        await req.free(self)
         if self.requests.get(rid) is req:
             del self.requests[rid]
             self.ended.add(rid)
@@ -309,7 +259,7 @@ class PrefillDaemon(Daemon):
             self.kv.drop_stripes()
         for req in list(self.requests.values()):
             if lost in req.machine.targets:
-                self._run(req, req.machine.peer_lost(lost, why))
+                self.run(req, req.machine.peer_lost(lost, why))
 
     # -- stats -------------------------------------------------------------------------------------
 
