@@ -6,7 +6,8 @@ in as a method call and comes out as typed actions, in order, for the daemon to 
 chunk accounting (MD over tcp), KV_DONE and the completion of the copy, the start of decoding,
 the one-shot and streaming handoff (driving pddnet.lifecycle.handoff's RelayHandoff on RLD and
 MainHandoff on MD), cancel, abort, peer loss and the router's replay. Its actions are in
-decode_actions.py, the end and logprob rules of its tokens in decode_tokens.py; two small
+decode_actions.py, the end and logprob rules of its tokens in decode_tokens.py, MD's counts of
+the copy in kv_copy.py; two small
 companions have their own files: takeover_hold.py (RLD parks a TAKEOVER that overtook its
 request's allocation) and replay_request.py (a request the router replays here by token ids).
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from pddnet.engine.engine import StepOutput
 from pddnet.engine.sampling import TokenLogprob
@@ -47,6 +47,7 @@ from pddnet.lifecycle.handoff import (
     StartSequence,
     StopSequence,
 )
+from pddnet.lifecycle.kv_copy import KvCopy
 from pddnet.policy.handoff import HandoffPolicy
 from pddnet.protocol import KvAllocRequest, KvDone
 
@@ -118,18 +119,6 @@ for _role in Role:
 # -- the machine ------------------------------------------------------------------------------------
 
 
-@dataclass
-class _KvIn:
-    """MD's accounting of the copy: chunks and bytes against KV_DONE's counts."""
-
-    chunks: set[int] = field(default_factory=set)
-    bytes_in: int = 0
-    imports_pending: int = 0
-    first_at: float | None = None  # arrival times (the daemon's clock), for P's goodput
-    last_at: float = 0.0
-    first_bytes: int = 0
-
-
 class DecodeRequest:
     """One request on RLD (``Role.RELAY``) or MD (``Role.MAIN``), from its allocation on.
 
@@ -163,7 +152,7 @@ class DecodeRequest:
             self.fsm = MainHandoff(
                 alloc.num_tokens, chunk_tokens, with_relay=alloc.pipeline in WITH_RELAY_PIPELINES
             )
-        self.kv = _KvIn()
+        self.kv = KvCopy(hit_tokens, alloc.num_tokens)
         self.done: KvDone | None = None  # P's KV_DONE
         self.writes_stopped = False  # P's KV_ABORT came: no write of it is in flight
         self.handoff_bytes = 0  # MD: HANDOFF frames received (timeline handoff_end)
@@ -226,28 +215,14 @@ class DecodeRequest:
                 f"KV_CHUNK {chunk_index} on a one-sided path (P writes into the pool itself): "
                 "P and MD disagree on [transport] wan"
             )
-        kv = self.kv
-        fault = None
-        if chunk_index in kv.chunks:
-            fault = "duplicate chunk index"
-        elif not self.hit_tokens <= token_start < token_end <= self.alloc.num_tokens:
-            fault = (
-                f"positions [{token_start}, {token_end}) outside the "
-                f"uncached range [{self.hit_tokens}, {self.alloc.num_tokens})"
-            )
+        fault = self.kv.chunk_arrived(chunk_index, token_start, token_end, nbytes, now_s)
         if fault is not None:
             return self.abort(f"bad KV_CHUNK {chunk_index}: {fault}")
-        kv.chunks.add(chunk_index)
-        kv.imports_pending += 1
-        if kv.first_at is None:
-            kv.first_at, kv.first_bytes = now_s, nbytes
-        kv.last_at = now_s
         return [ImportChunk(chunk_index)]
 
     def chunk_imported(self, nbytes: int) -> list[DecodeAction]:
         """MD: an ImportChunk is in the pool (``nbytes`` payload bytes)."""
-        self.kv.imports_pending -= 1
-        self.kv.bytes_in += nbytes
+        self.kv.chunk_imported(nbytes)
         if not self.accepts("chunk_imported"):
             return []
         return self._maybe_complete()
@@ -275,8 +250,7 @@ class DecodeRequest:
             )
         self.done = msg
         if self.one_sided:  # every write landed before P sent KV_DONE (acknowledged)
-            self.kv.first_at = self.kv.last_at = now_s
-            self.kv.bytes_in = msg.num_bytes
+            self.kv.landed(msg.num_bytes, now_s)
         return self._maybe_complete()
 
     def _maybe_complete(self) -> list[DecodeAction]:
@@ -285,16 +259,12 @@ class DecodeRequest:
         if done is None or kv.imports_pending:
             return []
         if not self.one_sided:
-            if len(kv.chunks) > done.num_chunks or kv.bytes_in > done.num_bytes:
-                return self.abort(
-                    f"received {len(kv.chunks)} chunks / {kv.bytes_in} bytes, more "
-                    f"than KV_DONE's {done.num_chunks} / {done.num_bytes}"
-                )
-            if len(kv.chunks) < done.num_chunks or kv.bytes_in < done.num_bytes:
+            excess = kv.more_than(done)
+            if excess is not None:
+                return self.abort(excess)
+            if kv.short_of(done):
                 return []  # KV_DONE overtook chunks still on the bulk lanes
-        span = kv.last_at - kv.first_at if kv.first_at is not None else 0.0
-        received = SendKvReceived(kv.bytes_in, max(0, kv.bytes_in - kv.first_bytes), max(0.0, span))
-        return self._kv_complete(kv.bytes_in, received)
+        return self._kv_complete(kv.bytes_in, kv.received())
 
     def _kv_complete(
         self, num_bytes: int, received: SendKvReceived | None = None
