@@ -9,22 +9,17 @@ import pytest
 
 from pddnet.engine.engine import StepOutput
 from pddnet.engine.sequence import FinishReason
-from pddnet.lifecycle.decode_request import (
-    TRANSITIONS,
+from pddnet.lifecycle.decode_actions import (
     ArmTimer,
     CancelParked,
-    DecodeRequest,
     Failed,
     ForwardDone,
     ImportChunk,
     KvComplete,
-    Phase,
-    ReplayRequest,
-    Role,
     SendKvAbort,
     SendKvReceived,
-    TakeoverHold,
 )
+from pddnet.lifecycle.decode_request import TRANSITIONS, DecodeRequest, Phase, Role
 from pddnet.lifecycle.handoff import (
     AppendTokens,
     CancelPeer,
@@ -41,6 +36,8 @@ from pddnet.lifecycle.handoff import (
     StartSequence,
     StopSequence,
 )
+from pddnet.lifecycle.replay_request import ReplayRequest
+from pddnet.lifecycle.takeover_hold import TakeoverHold
 from pddnet.policy.handoff import HandoffPolicy
 from pddnet.protocol import KvAllocRequest, KvDone, Takeover
 
@@ -108,7 +105,7 @@ def step(
 
 
 def reasons_of(out: StepOutput) -> list[str | None]:
-    from pddnet.lifecycle.decode_request import step_end_reasons
+    from pddnet.lifecycle.decode_tokens import step_end_reasons
 
     reasons = step_end_reasons(out, ())
     assert reasons is not None

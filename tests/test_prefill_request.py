@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from pddnet.lifecycle.prefill_request import (
-    MAIN,
-    RELAY,
-    TARGET_TRANSITIONS,
+from pddnet.lifecycle.prefill_actions import (
     AbortTarget,
     AskAllocation,
     CommitWan,
     Count,
     FailRequest,
-    IllegalTransition,
     ObserveWanTransfer,
-    PrefillRequest,
     ReleaseBlocks,
     ReleaseWan,
     ReportPipelineChange,
@@ -24,9 +19,16 @@ from pddnet.lifecycle.prefill_request import (
     SendKvDone,
     StartPrefill,
     StopWrites,
-    TargetState,
     Timeline,
     Transfer,
+)
+from pddnet.lifecycle.prefill_request import (
+    MAIN,
+    RELAY,
+    TARGET_TRANSITIONS,
+    IllegalTransition,
+    PrefillRequest,
+    TargetState,
 )
 from pddnet.policy.cache_view import Observation
 from pddnet.policy.pipeline import Pipeline, PipelineDecision, PipelinePolicy

@@ -167,7 +167,7 @@ class MainTrial:
         await self._maybe_decode()
 
     def _extend(self, edits: tuple[SequenceEdit, ...]) -> tuple[Any, list[int], float]:
-        from pddnet.roles.decode_tier import edit_sequence
+        from pddnet.roles.decode_slot import edit_sequence
 
         md = self.engine
         t0 = time.perf_counter()

@@ -5,9 +5,11 @@ the daemon's: blocks are IO). From then on every message and engine step about t
 in as a method call and comes out as typed actions, in order, for the daemon to carry out: KV
 chunk accounting (MD over tcp), KV_DONE and the completion of the copy, the start of decoding,
 the one-shot and streaming handoff (driving pddnet.lifecycle.handoff's RelayHandoff on RLD and
-MainHandoff on MD), cancel, abort, peer loss and the router's replay. Two small companions:
-``TakeoverHold`` (RLD parks a TAKEOVER that overtook its request's allocation) and
-``ReplayRequest`` (a request the router replays here by token ids).
+MainHandoff on MD), cancel, abort, peer loss and the router's replay. Its actions are in
+decode_actions.py, the end and logprob rules of its tokens in decode_tokens.py, MD's counts of
+the copy in kv_copy.py; two small
+companions have their own files: takeover_hold.py (RLD parks a TAKEOVER that overtook its
+request's allocation) and replay_request.py (a request the router replays here by token ids).
 
 The machine never touches a socket, the engine or the clock: times come in as arguments.
 ``TRANSITIONS`` is the table: for each role, phase and event, the phases the event may lead to.
@@ -18,13 +20,20 @@ nothing; tests/test_decode_request.py checks every move it makes against the tab
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from pddnet.engine.engine import StepOutput
 from pddnet.engine.sampling import TokenLogprob
-from pddnet.engine.sequence import FinishReason
+from pddnet.lifecycle.decode_actions import (
+    DecodeAction,
+    Failed,
+    ForwardDone,
+    ImportChunk,
+    KvComplete,
+    SendKvAbort,
+    SendKvReceived,
+)
+from pddnet.lifecycle.decode_tokens import first_token_ends, first_token_logprob, take_logprobs
 from pddnet.lifecycle.handoff import (
     Action,
     CancelPeer,
@@ -38,12 +47,10 @@ from pddnet.lifecycle.handoff import (
     StartSequence,
     StopSequence,
 )
+from pddnet.lifecycle.kv_copy import KvCopy
 from pddnet.policy.handoff import HandoffPolicy
-from pddnet.protocol import KvAllocRequest, KvDone, Takeover
-from pddnet.protocol.messages import SamplingFields
+from pddnet.protocol import KvAllocRequest, KvDone
 
-# How a finished engine sequence ends on the wire (REQUEST_DONE.reason).
-DONE_REASON = {FinishReason.STOP: "eos", FinishReason.LENGTH: "length"}
 # Pipelines in which MD's copy is completed by a handoff from RLD (p_md: MD decodes alone).
 WITH_RELAY_PIPELINES = ("p_rld_md",)
 
@@ -109,152 +116,7 @@ for _role in Role:
             TRANSITIONS[(_role, _phase, _event)] = frozenset({END})
 
 
-# -- actions the machine adds to pddnet.lifecycle.handoff's --------------------------------------
-
-
-@dataclass(frozen=True)
-class ImportChunk:
-    """MD: the KV_CHUNK is this request's to import (the tcp sink checks it against the pool);
-    report the bytes with ``chunk_imported``."""
-
-    chunk_index: int
-
-
-@dataclass(frozen=True)
-class KvComplete:
-    """The KV copy is complete (timeline rld_kv_complete / md_kv_complete)."""
-
-    num_bytes: int
-
-
-@dataclass(frozen=True)
-class SendKvReceived:
-    """MD -> P: KV_RECEIVED (P's goodput estimate of the WAN path)."""
-
-    num_bytes: int
-    span_bytes: int
-    span_s: float
-
-
-@dataclass(frozen=True)
-class SendKvAbort:
-    """-> P: KV_ABORT (stop sending this request's KV, free its blocks there)."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class ForwardDone:
-    """MD -> RLD: the REQUEST_DONE just sent to the router (RLD drops its part)."""
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The request failed here: ERROR(code) to the router, or only a timeline note
-    (md_dropped) when the router should not count it as failed (``tell_router`` False)."""
-
-    code: str
-    reason: str
-    tell_router: bool = True
-
-
-@dataclass(frozen=True)
-class CancelParked:
-    """RLD -> MD: CANCEL for a parked TAKEOVER whose request will not be allocated here."""
-
-    request_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class ArmTimer:
-    """Call ``TakeoverHold.expire(request_id, token)`` after ``delay_s`` seconds."""
-
-    request_id: str
-    delay_s: float
-    token: float
-
-
-DecodeAction = (
-    Action
-    | ImportChunk
-    | KvComplete
-    | SendKvReceived
-    | SendKvAbort
-    | ForwardDone
-    | Failed
-    | CancelParked
-    | ArmTimer
-)
-
-
-# -- wire helpers about one request's tokens ------------------------------------------------------
-
-
-def first_token_logprob(done: KvDone) -> TokenLogprob | None:
-    """The first token's logprobs as KV_DONE carries them (None: not requested)."""
-    if done.first_logprob is None:
-        return None
-    return TokenLogprob(
-        done.first_token_id,
-        done.first_logprob,
-        tuple(done.first_top_ids),
-        tuple(done.first_top_logprobs),
-    )
-
-
-def first_token_ends(token: int, fields: SamplingFields, eos: int | None) -> str | None:
-    """REQUEST_DONE reason when P's first token already ends the request, else None."""
-    if not fields.ignore_eos and eos is not None and token == eos:
-        return "eos"
-    if token in fields.stop_token_ids:
-        return "stop"
-    if fields.max_tokens <= 1:
-        return "length"
-    return None
-
-
-def step_end_reasons(out: StepOutput, stop_token_ids: tuple[int, ...]) -> list[str | None] | None:
-    """Per new token of a step: the REQUEST_DONE reason it ends the request with, or None.
-    None for the whole step when it is the engine reporting our own abort. The engine knows
-    EOS and max_tokens; extra stop tokens (SUBMIT.stop_token_ids) are checked here, the same
-    way on every tier, and the caller then aborts the engine sequence."""
-    if out.finished and out.finish_reason not in DONE_REASON:
-        return None
-    reasons: list[str | None] = [None] * len(out.new_token_ids)
-    for i, tok in enumerate(out.new_token_ids):
-        if tok in stop_token_ids:
-            reasons[i] = "stop"
-            return reasons[: i + 1]
-    if out.finished and reasons:
-        reasons[-1] = DONE_REASON[out.finish_reason]
-    return reasons
-
-
-def take_logprobs(
-    store: dict[int, TokenLogprob], fields: SamplingFields, index: int, n: int
-) -> list[TokenLogprob | None] | None:
-    """The logprob entries of output indices [index, index + n) for a TOKEN_EVENT, taken out
-    of a request's store (index -> entry, filled as the engine samples); None when the request
-    does not ask for logprobs."""
-    if fields.logprobs is None:
-        return None
-    return [store.pop(i, None) for i in range(index, index + n)]
-
-
 # -- the machine ------------------------------------------------------------------------------------
-
-
-@dataclass
-class _KvIn:
-    """MD's accounting of the copy: chunks and bytes against KV_DONE's counts."""
-
-    chunks: set[int] = field(default_factory=set)
-    bytes_in: int = 0
-    imports_pending: int = 0
-    first_at: float | None = None  # arrival times (the daemon's clock), for P's goodput
-    last_at: float = 0.0
-    first_bytes: int = 0
 
 
 class DecodeRequest:
@@ -290,7 +152,7 @@ class DecodeRequest:
             self.fsm = MainHandoff(
                 alloc.num_tokens, chunk_tokens, with_relay=alloc.pipeline in WITH_RELAY_PIPELINES
             )
-        self.kv = _KvIn()
+        self.kv = KvCopy(hit_tokens, alloc.num_tokens)
         self.done: KvDone | None = None  # P's KV_DONE
         self.writes_stopped = False  # P's KV_ABORT came: no write of it is in flight
         self.handoff_bytes = 0  # MD: HANDOFF frames received (timeline handoff_end)
@@ -353,28 +215,14 @@ class DecodeRequest:
                 f"KV_CHUNK {chunk_index} on a one-sided path (P writes into the pool itself): "
                 "P and MD disagree on [transport] wan"
             )
-        kv = self.kv
-        fault = None
-        if chunk_index in kv.chunks:
-            fault = "duplicate chunk index"
-        elif not self.hit_tokens <= token_start < token_end <= self.alloc.num_tokens:
-            fault = (
-                f"positions [{token_start}, {token_end}) outside the "
-                f"uncached range [{self.hit_tokens}, {self.alloc.num_tokens})"
-            )
+        fault = self.kv.chunk_arrived(chunk_index, token_start, token_end, nbytes, now_s)
         if fault is not None:
             return self.abort(f"bad KV_CHUNK {chunk_index}: {fault}")
-        kv.chunks.add(chunk_index)
-        kv.imports_pending += 1
-        if kv.first_at is None:
-            kv.first_at, kv.first_bytes = now_s, nbytes
-        kv.last_at = now_s
         return [ImportChunk(chunk_index)]
 
     def chunk_imported(self, nbytes: int) -> list[DecodeAction]:
         """MD: an ImportChunk is in the pool (``nbytes`` payload bytes)."""
-        self.kv.imports_pending -= 1
-        self.kv.bytes_in += nbytes
+        self.kv.chunk_imported(nbytes)
         if not self.accepts("chunk_imported"):
             return []
         return self._maybe_complete()
@@ -402,8 +250,7 @@ class DecodeRequest:
             )
         self.done = msg
         if self.one_sided:  # every write landed before P sent KV_DONE (acknowledged)
-            self.kv.first_at = self.kv.last_at = now_s
-            self.kv.bytes_in = msg.num_bytes
+            self.kv.landed(msg.num_bytes, now_s)
         return self._maybe_complete()
 
     def _maybe_complete(self) -> list[DecodeAction]:
@@ -412,16 +259,12 @@ class DecodeRequest:
         if done is None or kv.imports_pending:
             return []
         if not self.one_sided:
-            if len(kv.chunks) > done.num_chunks or kv.bytes_in > done.num_bytes:
-                return self.abort(
-                    f"received {len(kv.chunks)} chunks / {kv.bytes_in} bytes, more "
-                    f"than KV_DONE's {done.num_chunks} / {done.num_bytes}"
-                )
-            if len(kv.chunks) < done.num_chunks or kv.bytes_in < done.num_bytes:
+            excess = kv.more_than(done)
+            if excess is not None:
+                return self.abort(excess)
+            if kv.short_of(done):
                 return []  # KV_DONE overtook chunks still on the bulk lanes
-        span = kv.last_at - kv.first_at if kv.first_at is not None else 0.0
-        received = SendKvReceived(kv.bytes_in, max(0, kv.bytes_in - kv.first_bytes), max(0.0, span))
-        return self._kv_complete(kv.bytes_in, received)
+        return self._kv_complete(kv.bytes_in, kv.received())
 
     def _kv_complete(
         self, num_bytes: int, received: SendKvReceived | None = None
@@ -561,98 +404,3 @@ class DecodeRequest:
                     out.append(ForwardDone())
                 out.append(StopSequence())
         return out
-
-
-# -- RLD: TAKEOVERs that overtook their allocation --------------------------------------------------
-
-
-class TakeoverHold:
-    """RLD: TAKEOVERs that came before their request's KV_ALLOC_REQUEST (they come on different
-    connections, and P's allocation may still wait for RLD's engine). Each is kept until the
-    request is allocated (``claim``), or refused / ended first (``release``: CANCEL to MD, which
-    must not wait for a cut), or its own timer expires: an allocation comes within a round trip
-    or never. Answering CANCEL at once would turn a request RLD is about to take into one RLD
-    decodes alone."""
-
-    def __init__(self, ttl_s: float, limit: int) -> None:
-        self.ttl_s = ttl_s
-        self.limit = limit
-        self._parked: OrderedDict[str, tuple[Takeover, float]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._parked)
-
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._parked
-
-    def park(self, msg: Takeover, now_s: float) -> list[DecodeAction]:
-        rid = msg.request_id
-        self._parked[rid] = (msg, now_s)
-        self._parked.move_to_end(rid)
-        out: list[DecodeAction] = [ArmTimer(rid, self.ttl_s, now_s)]
-        while len(self._parked) > self.limit:
-            out += self.release(next(iter(self._parked)), "relay never received the request")
-        return out
-
-    def claim(self, rid: str) -> Takeover | None:
-        """The request was allocated: its parked TAKEOVER, to apply now."""
-        entry = self._parked.pop(rid, None)
-        return entry[0] if entry is not None else None
-
-    def release(self, rid: str, reason: str) -> list[DecodeAction]:
-        """The request will not be allocated here."""
-        if self._parked.pop(rid, None) is None:
-            return []
-        return [CancelParked(rid, reason)]
-
-    def release_all(self, reason: str) -> list[DecodeAction]:
-        out: list[DecodeAction] = []
-        for rid in list(self._parked):
-            out += self.release(rid, reason)
-        return out
-
-    def expire(self, rid: str, token: float) -> list[DecodeAction]:
-        """An ArmTimer fired: release the TAKEOVER if it is still the one parked then."""
-        entry = self._parked.get(rid)
-        if entry is None or entry[1] != token:
-            return []
-        return self.release(rid, "relay never received the request")
-
-    def forget_all(self) -> None:
-        """MD is gone: nobody to answer."""
-        self._parked.clear()
-
-
-# -- a request the router replays here by token ids -----------------------------------------------
-
-
-class ReplayRequest:
-    """The router lost the daemon producing this request and replays it here: prompt + the
-    tokens the client already has, recomputed by one prefill/extend, then decoding on from
-    index len(output_token_ids). Sampling is a pure function of (seed, position), so the
-    continuation is token-exact. Actions: EmitTokens, FinishRequest, StopSequence (an extra
-    stop token the engine does not know)."""
-
-    def __init__(self, num_prompt_tokens: int, stop_token_ids: tuple[int, ...]) -> None:
-        self.num_prompt_tokens = num_prompt_tokens
-        self.stop_token_ids = stop_token_ids
-        self.ended = False
-
-    def engine_step(
-        self, out: StepOutput
-    ) -> tuple[list[DecodeAction], tuple[TokenLogprob, ...] | None]:
-        """The actions of one engine step, and the emitted tokens' logprobs (if asked)."""
-        reasons = step_end_reasons(out, self.stop_token_ids)
-        if reasons is None or self.ended:
-            return [], None  # our own abort
-        new = tuple(out.new_token_ids[: len(reasons)])
-        actions: list[DecodeAction] = []
-        if new:
-            actions.append(EmitTokens(out.output_index, new))
-        reason = reasons[-1] if reasons else None
-        if reason is not None:
-            self.ended = True
-            actions.append(FinishRequest(reason, out.output_index + len(new)))
-            if not out.finished:  # an extra stop token: the engine does not know it
-                actions.append(StopSequence())
-        return actions, (out.logprobs[: len(new)] if out.logprobs else None)

@@ -16,7 +16,8 @@ exist, from the target's prefix hit on (positions below the hit are never sent).
 target follows its last range and the first token; P's blocks go back when every target holds
 its KV (RLD once its KV_DONE is out, MD on its KV_RECEIVED) or the request is over.
 
-Inputs are method calls, one per event; each returns the actions to run, in order. The shell
+Inputs are method calls, one per event; each returns the actions to run (prefill_actions.py), in
+order; the messages they ask for are built in prefill_messages.py. The shell
 (pddnet/roles/prefill.py) runs a target's actions in order, so a KV_DONE never overtakes a
 write. Times are passed in; nothing here reads a clock, a socket or the engine.
 
@@ -49,10 +50,27 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pddnet.lifecycle.prefill_actions import (
+    AbortTarget,
+    Action,
+    AskAllocation,
+    CommitWan,
+    Count,
+    FailRequest,
+    ObserveWanTransfer,
+    ReleaseBlocks,
+    ReleaseWan,
+    ReportPipelineChange,
+    ReportPipelineChoice,
+    SendKvDone,
+    StartPrefill,
+    StopWrites,
+    Timeline,
+    Transfer,
+)
 from pddnet.policy.cache_view import Observation
 from pddnet.policy.pipeline import Pipeline
 from pddnet.policy.planner import Plan
-from pddnet.protocol import PipelineChoice
 
 RELAY, MAIN = "relay", "main_decode"
 # Who serves a pipeline, in the order P asks them (MD waits for RLD's admission answer).
@@ -96,140 +114,6 @@ TARGET_TRANSITIONS: dict[tuple[TargetState, str], TargetState] = {
 
 class IllegalTransition(ValueError):
     """An event the target's state does not allow (a bug in the shell, or a peer's)."""
-
-
-# -- actions --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AskAllocation:
-    """KV_ALLOC_REQUEST to ``target``, naming the request's current pipeline."""
-
-    target: str
-    pipeline: Pipeline
-    expected_hit_tokens: int
-
-
-@dataclass(frozen=True)
-class StartPrefill:
-    """Add the request to P's engine (prefill-only, keeping its blocks)."""
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Ship KV positions [start, end) to ``target``."""
-
-    target: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class SendKvDone:
-    """All of ``target``'s KV is out: KV_DONE with the first token (then ``kv_done_out``)."""
-
-    target: str
-    first_token: int
-
-
-@dataclass(frozen=True)
-class AbortTarget:
-    """KV_ABORT to ``target`` once the request's writes to it have stopped: it frees what it
-    reserved."""
-
-    target: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class StopWrites:
-    """``target``'s peer is gone: stop the request's writes to it (no KV_ABORT can reach it)."""
-
-    target: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class ReleaseBlocks:
-    """Free P's own blocks for the request (or abort its prefill); the request is over."""
-
-
-@dataclass(frozen=True)
-class FailRequest:
-    """Report the request as failed to the router (ERROR); counts as ``failed``."""
-
-    code: str
-    message: str
-
-
-@dataclass(frozen=True)
-class ReportPipelineChoice:
-    """PIPELINE_CHOICE to the router: the planner's decision and its inputs."""
-
-    plan: Plan
-
-
-@dataclass(frozen=True)
-class ReportPipelineChange:
-    """PIPELINE_CHANGE to the router."""
-
-    pipeline: Pipeline
-    reason: str
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """A timeline event to the router."""
-
-    event: str
-    value: int | None = None
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class Count:
-    """Add one to P's counter ``name`` (its stats)."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class CommitWan:
-    """``num_tokens`` of the request's KV will cross to MD: P's WAN backlog grows."""
-
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class ReleaseWan:
-    """Nothing more of the request's KV will cross to MD: it leaves P's WAN backlog."""
-
-
-@dataclass(frozen=True)
-class ObserveWanTransfer:
-    """A goodput sample: MD acknowledged ``num_bytes`` ``seconds`` after its allocation answer."""
-
-    num_bytes: int
-    seconds: float
-
-
-Action = (
-    AskAllocation
-    | StartPrefill
-    | Transfer
-    | SendKvDone
-    | AbortTarget
-    | StopWrites
-    | ReleaseBlocks
-    | FailRequest
-    | ReportPipelineChoice
-    | ReportPipelineChange
-    | Timeline
-    | Count
-    | CommitWan
-    | ReleaseWan
-    | ObserveWanTransfer
-)
 
 
 # -- the machine ----------------------------------------------------------------------------------
@@ -598,27 +482,3 @@ class PrefillRequest:
             raise ValueError(
                 f"{target!r} is not a target of this request ({', '.join(self._t)})"
             ) from None
-
-
-def pipeline_choice(rid: str, plan: Plan, time: float) -> PipelineChoice:
-    """P's decision and every input of it, as the router's `pdd` object shows them."""
-    d, x = plan.decision, plan.inputs
-    return PipelineChoice(
-        request_id=rid,
-        pipeline=d.pipeline.wire,
-        reason=d.reason[:1024],
-        wan_transfer_s=d.wan_transfer_s,
-        incremental_bytes=d.incremental_bytes,
-        prompt_tokens=x.prompt_tokens,
-        hit_tokens=x.hit_tokens,
-        max_tokens=x.max_tokens,
-        kv_bytes_per_token=x.kv_bytes_per_token,
-        bandwidth_bps=x.bandwidth_bps,
-        rtt_s=x.rtt_s,
-        rld_s_per_token=x.rld_s_per_token,
-        rld_admits=x.rld_admits,
-        wan_backlog_bytes=x.wan_backlog_bytes,
-        predicted_hit=plan.prediction.hit_tokens,
-        view_stale=plan.prediction.stale,
-        time=time,
-    )

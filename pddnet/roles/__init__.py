@@ -3,7 +3,7 @@
     await run_role("relay", config)      # what `pdd serve relay --config FILE` runs
 
 Each daemon is a thin asyncio shell (common.py) around the sans-IO request machines in
-pddnet.protocol and an Engine driven by one EngineWorker thread.
+pddnet.lifecycle and an Engine driven by one EngineWorker thread.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS
 from pddnet.kv.radix import RadixCache
 from pddnet.protocol import CacheEvents
 
-from .common import Outbox
+from .outbox import Outbox
 
 
 class CacheNotices:

@@ -10,46 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import re
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pddnet.config import ClusterConfig, DaemonSection
-from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
-from pddnet.device.pacer import StepPacer
-from pddnet.engine.engine import Engine, StepOutput
-from pddnet.engine.sampling import SamplingParams, TokenLogprob
-from pddnet.engine.worker import EngineWorker
-from pddnet.model.loader import load_model
-from pddnet.obs.step_times import StepTimes
-from pddnet.protocol import (
-    ErrorMessage,
-    Message,
-    Ping,
-    Pong,
-    RequestDone,
-    TokenEvent,
-)
-from pddnet.protocol.messages import MAX_LOGPROB_TOKENS, SamplingFields, Timeline
+from pddnet.device.dilation import wallclock
+from pddnet.protocol import Message, Ping, Pong
 from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
 
+from .daemon_stats import DaemonStats
+from .engine_host import EngineHost
+from .ordering import RecentIds
 from .outbox import Outbox
 from .peer import Peer, PeerHost
 from .readiness import STARTED, Link, all_up
+from .to_router import ToRouter
 
 log = logging.getLogger("pddnet.roles")
 
-CANCELLED_MEMORY = 4096  # recently ended request ids, so a late message cannot resurrect one
 INBOX_LIMIT = 4096  # messages read ahead of the handler on one connection
-
-
-def now() -> float:
-    """Wall-clock time for TOKEN_EVENT / TIMELINE (one clock on one box; see protocol.md)."""
-    return time.time()
 
 
 def instance_id(config: ClusterConfig, role: str) -> str:
@@ -57,104 +40,7 @@ def instance_id(config: ClusterConfig, role: str) -> str:
     return f"{name}.{role}"
 
 
-def sampling_of(fields: SamplingFields) -> SamplingParams:
-    """The engine's sampling parameters for a request's wire fields (SUBMIT, KV_ALLOC_REQUEST):
-    every tier builds the same ones, so every tier samples alike."""
-    return SamplingParams(
-        temperature=fields.temperature,
-        top_p=fields.top_p,
-        top_k=fields.top_k,
-        seed=fields.seed,
-        min_tokens=fields.min_tokens,
-        stop_token_ids=tuple(fields.stop_token_ids),
-        presence_penalty=fields.presence_penalty,
-        frequency_penalty=fields.frequency_penalty,
-        repetition_penalty=fields.repetition_penalty,
-        logprobs=fields.logprobs,
-    )
-
-
-SAMPLING_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingFields))
-
-
-def sampling_fields(msg: SamplingFields) -> dict[str, Any]:
-    """A message's SamplingFields as keyword arguments, to pass them on unchanged."""
-    return {name: getattr(msg, name) for name in SAMPLING_FIELD_NAMES}
-
-
-def event_logprobs(
-    entries: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None, n: int
-) -> dict[str, Any]:
-    """TOKEN_EVENT's logprob fields for `n` tokens ({} when none are carried). Every token
-    needs its entry and all the same k; otherwise nothing is carried (the router then reports
-    the gap)."""
-    present = [e for e in entries or () if e is not None]
-    if not present or len(present) != n or len({len(e.top_ids) for e in present}) != 1:
-        return {}
-    return {
-        "logprobs": tuple(e.logprob for e in present),
-        "top_logprob_ids": tuple(i for e in present for i in e.top_ids),
-        "top_logprobs": tuple(x for e in present for x in e.top_logprobs),
-    }
-
-
-def kv_done_logprob(entry: TokenLogprob | None) -> dict[str, Any]:
-    """KV_DONE's fields for the first token's logprobs (P samples it)."""
-    if entry is None:
-        return {}
-    return {
-        "first_logprob": entry.logprob,
-        "first_top_ids": entry.top_ids,
-        "first_top_logprobs": entry.top_logprobs,
-    }
-
-
-class Serial:
-    """Runs a request's engine operations strictly in submission order in one task, so e.g. an
-    abort can never overtake the add_request it cancels, nor a KV_DONE the last write."""
-
-    def __init__(self, name: str, tasks: set[asyncio.Task]) -> None:
-        self.name = name
-        self._queue: deque[Callable[[], Awaitable[Any]]] = deque()
-        self._task: asyncio.Task | None = None
-        self._tasks = tasks
-
-    def submit(self, op: Callable[[], Awaitable[Any]]) -> None:
-        self._queue.append(op)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
-            self._tasks.add(self._task)
-            self._task.add_done_callback(self._tasks.discard)
-
-    async def _run(self) -> None:
-        while self._queue:
-            op = self._queue.popleft()
-            try:
-                await op()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("%s: operation failed", self.name)
-
-
-class RecentIds:
-    """A bounded memory of ended request ids (FIFO)."""
-
-    def __init__(self, size: int = CANCELLED_MEMORY) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._size = size
-
-    def add(self, rid: str) -> None:
-        self._ids[rid] = None
-        self._ids.move_to_end(rid)
-        while len(self._ids) > self._size:
-            self._ids.popitem(last=False)
-
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._ids
-
-
-class Daemon:
+class Daemon(EngineHost, ToRouter, DaemonStats):
     """Base of PrefillDaemon, RelayDaemon, MainDecodeDaemon.
 
     Subclasses set ``role`` (wire role and REQUEST_DONE producer) and ``section`` (config
@@ -177,25 +63,10 @@ class Daemon:
         self.section: DaemonSection = getattr(config, self.section_name)
         self.instance_id = instance_id(config, self.role)
         self.secret = config.secret.encode()
-        self.engine: Engine | None = None
-        self.worker: EngineWorker | None = None
         self.server: Server | None = None
         self.port: int | None = None
         self.counters: Counter[str] = Counter()
-        self.dilation = self.emulation.dilation if self.emulation else 1.0
-        # real / target KV bytes per token: real KV bytes on a wire stand for real / this
-        self.wire_scale = (
-            self.emulation.wire_scale(real_kv_bytes_per_token(config.model))
-            if self.emulation
-            else 1.0
-        )
-        self.pacer = (
-            StepPacer(self.emulation.cost_of(self.section_name), self.dilation)
-            if self.emulation
-            else None
-        )
-        # every engine step's time as measured here (paced, in the modelled world's seconds)
-        self.step_times = StepTimes(scale=1.0 / self.dilation)
+        self.init_engine()
         self.ended = RecentIds()
         self._router: list[Outbox] = []  # events lanes, most recent last
         self._outboxes: list[Outbox] = []
@@ -208,37 +79,10 @@ class Daemon:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def kv_shm_name(self) -> str | None:
-        """Name of a shared-memory KV pool, or None for a private one (RLD overrides)."""
-        return None
-
     async def start(self) -> None:
         """Load the model, start the engine thread, listen, then dial peers (retrying)."""
-        model_cfg = self.config.model
-        model, tokenizer = await asyncio.to_thread(
-            load_model, model_cfg.name, model_cfg.dtype, model_cfg.seed
-        )
+        await self.start_engine()
         sec = self.section
-        self.engine = Engine(
-            model,
-            tokenizer,
-            num_blocks=sec.num_blocks,
-            block_size=sec.block_size,
-            max_num_batched_tokens=sec.max_num_batched_tokens,
-            max_num_seqs=sec.max_num_seqs,
-            kv_shm_name=self.kv_shm_name(),
-            enable_prefix_cache=sec.prefix_cache != "off",
-            prefix_cache_kind="radix" if sec.prefix_cache == "radix" else "hash",
-        )
-        self.worker = EngineWorker(
-            self.engine,
-            self._on_outputs,
-            threads=model_cfg.threads,
-            name=f"{self.role}-engine",
-            on_error=self._on_engine_error,
-            on_step_stats=self.step_times.observe,
-            pacer=self.pacer,
-        )
         self.server = Server(
             sec.host,
             sec.port,
@@ -467,170 +311,3 @@ class Daemon:
         ready = all_up(links)
         for name, link in links.items():
             box.post(link.message(name, ready))
-
-    # -- the router ----------------------------------------------------------------------------
-
-    def to_router(self, msg: Message, drop_quietly: bool = False) -> None:
-        for box in reversed(self._router):
-            if box.alive:
-                box.post(msg)
-                return
-        if drop_quietly:  # a state the router will be sent whole when it connects
-            return
-        self.counters["router_messages_dropped"] += 1
-        log.warning("%s: no router connected; dropped %s", self.instance_id, msg.TYPE.name)
-
-    def emit_tokens(
-        self,
-        rid: str,
-        index: int,
-        tokens: tuple[int, ...] | list[int],
-        logprobs: list[TokenLogprob | None] | tuple[TokenLogprob, ...] | None = None,
-    ) -> None:
-        """TOKEN_EVENT(s) to the router; with `logprobs` (one entry per token, for a request
-        that asks for them) at most MAX_LOGPROB_TOKENS tokens per event."""
-        self.counters["tokens_emitted"] += len(tokens)
-        tokens = tuple(tokens)
-        step = MAX_LOGPROB_TOKENS if logprobs else max(1, len(tokens))
-        for start in range(0, len(tokens), step):
-            part = tokens[start : start + step]
-            extra = event_logprobs(logprobs[start : start + step], len(part)) if logprobs else {}
-            self.to_router(
-                TokenEvent(
-                    request_id=rid,
-                    index=index + start,
-                    token_ids=part,
-                    producer=self.role,
-                    time=now(),
-                    **extra,
-                )
-            )
-
-    def request_done(self, rid: str, reason: str, num_prompt: int, num_output: int) -> RequestDone:
-        msg = RequestDone(
-            request_id=rid,
-            reason=reason,
-            num_prompt_tokens=num_prompt,
-            num_output_tokens=num_output,
-            producer=self.role,
-            time=now(),
-        )
-        self.to_router(msg)
-        return msg
-
-    def timeline(
-        self, rid: str, event: str, detail_int: int | None = None, detail_str: str = ""
-    ) -> None:
-        self.to_router(
-            Timeline(
-                request_id=rid,
-                event=event,
-                time=now(),
-                producer=self.role,
-                detail_int=detail_int,
-                detail_str=detail_str,
-            )
-        )
-
-    def error(self, rid: str | None, code: str, message: str) -> None:
-        self.to_router(ErrorMessage(request_id=rid, code=code, message=message[:4096]))
-
-    # -- the engine ------------------------------------------------------------------------------
-
-    async def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run an engine operation in the engine thread, between steps."""
-        assert self.worker is not None
-        return await self.worker.call(fn, *args, **kwargs)
-
-    def wake(self) -> None:
-        assert self.worker is not None
-        self.worker.wake()
-
-    def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        if self._closing:
-            return
-        try:
-            self.on_step(outputs)
-        except Exception:
-            log.exception("%s: handling step outputs failed", self.instance_id)
-
-    def on_step(self, outputs: list[StepOutput]) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    def _on_engine_error(self, exc: BaseException) -> None:
-        """An engine step raised (the worker logged it and waits for the next call). The
-        requests it was computing would stall forever: fail them instead."""
-        if self._closing:
-            return
-        self.counters["engine_errors"] += 1
-        try:
-            self.engine_failed(f"{self.role} engine step failed: {type(exc).__name__}: {exc}")
-        except Exception:
-            log.exception("%s: failing the requests of a broken step failed", self.instance_id)
-
-    def engine_failed(self, reason: str) -> None:  # pragma: no cover
-        """Fail (ERROR to the router, free the blocks) every request whose engine sequence a
-        step may have touched; requests still waiting for their KV are not affected."""
-        raise NotImplementedError
-
-    # -- stats -----------------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """JSON-able counters: requests, KV blocks, bytes per lane and message type."""
-        engine = self.engine
-        blocks: dict[str, int] = {}
-        if engine is not None:
-            free = engine.num_available_blocks
-            blocks = {
-                "total": engine.num_blocks,
-                "free": free,
-                "used": engine.num_blocks - free,
-                "block_size": engine.block_size,
-            }
-        lanes: dict[str, dict[str, int]] = {}
-        conns = list(self.server.connections) if self.server is not None else []
-        conns += [box.conn for box in self._outboxes if box.conn not in conns]
-        for conn in conns:
-            lane = lanes.setdefault(conn.lane, {"bytes_in": 0, "bytes_out": 0})
-            lane["bytes_in"] += sum(conn.stats["bytes_in"].values())
-            lane["bytes_out"] += sum(conn.stats["bytes_out"].values())
-        queues: dict[str, int] = {}
-        if engine is not None:
-            queues = {
-                "engine_waiting": len(engine.scheduler.waiting),
-                "engine_running": len(engine.scheduler.running),
-            }
-        return {
-            "role": self.role,
-            "instance": self.instance_id,
-            "port": self.port,
-            "metrics_url": self.metrics.url if self.metrics is not None else None,
-            "requests": self.request_stats(),
-            "kv_blocks": blocks,
-            "lanes": lanes,
-            "queues": queues,
-            "counters": dict(self.counters),
-            "threads": self.config.model.threads,
-            **self.step_times.to_stats(),
-            "tasks": len(asyncio.all_tasks()),
-            "peers": {p.name: p.stats() for p in self.peers},
-            "ready": self.ready,
-            "device": self.device_stats(),
-        }
-
-    def device_stats(self) -> dict[str, Any]:
-        """The modelled accelerator this daemon runs on and how well the box kept up with it."""
-        if self.emulation is None or self.pacer is None:
-            return {"emulated": False}
-        cost = self.pacer.cost
-        return {
-            "emulated": True,
-            "chip": cost.chip.name,
-            "gpus": cost.gpus,
-            "target_model": self.emulation.target.name,
-            "wire_scale": self.wire_scale,
-            **self.pacer.to_stats(),
-        }
-
-    def request_stats(self) -> dict[str, int]:  # pragma: no cover
-        raise NotImplementedError

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from pddnet.config import ClusterConfig
-from pddnet.engine.engine import Engine, KVReservation, StepOutput
-from pddnet.engine.sequence import FinishReason
-from pddnet.lifecycle.decode_request import (
+from pddnet.engine.engine import KVReservation, StepOutput
+from pddnet.lifecycle.decode_actions import (
     DecodeAction,
-    DecodeRequest,
     Failed,
     ForwardDone,
     KvComplete,
-    Role,
     SendKvAbort,
     SendKvReceived,
-    step_end_reasons,
 )
+from pddnet.lifecycle.decode_messages import handoff, kv_received, takeover
+from pddnet.lifecycle.decode_request import DecodeRequest, Role
+from pddnet.lifecycle.decode_tokens import step_end_reasons
 from pddnet.lifecycle.handoff import (
     AppendTokens,
     CancelPeer,
@@ -45,55 +43,22 @@ from pddnet.lifecycle.handoff import (
 )
 from pddnet.protocol import (
     Cancel,
-    Handoff,
     KvAbort,
     KvAllocRequest,
     KvAllocResponse,
     KvDone,
-    KvReceived,
     Message,
     RequestDone,
     Submit,
-    Takeover,
 )
 from pddnet.transport import Connection
 
-from .common import Outbox, Serial, log, sampling_of
+from .common import log
+from .decode_slot import Slot
 from .kv_receiver import KvReceiver
+from .ordering import Serial
+from .outbox import Outbox
 from .replays import Replays
-
-SequenceEdit = AppendTokens | SetChunk | ReleaseHold
-
-
-def edit_sequence(engine: Engine, rid: str, edits: tuple[SequenceEdit, ...]) -> FinishReason | None:
-    """In the engine thread, between two steps: apply a HANDOFF's edits in order. Returns the
-    finish reason if appended tokens end the request (the engine then freed it)."""
-    for e in edits:
-        if isinstance(e, SetChunk):
-            engine.set_max_chunk_tokens(rid, e.max_chunk_tokens)
-        elif isinstance(e, AppendTokens):
-            reason = engine.append_tokens(rid, e.token_ids)
-            if reason is not None:
-                return reason
-        else:
-            engine.set_hold(rid, False)
-    return None
-
-
-@dataclass
-class Slot:
-    """The daemon's side of one request: its machine and the IO the machine does not see."""
-
-    machine: DecodeRequest
-    reservation: KVReservation | None
-    serial: Serial
-    p_conn: Outbox  # P's control lane (KV_ABORT, KV_RECEIVED)
-    started: bool = False  # the engine sequence exists (or is being added)
-    edits: list[SequenceEdit] = field(default_factory=list)  # this event's, not yet queued
-
-    @property
-    def rid(self) -> str:
-        return self.machine.rid
 
 
 class DecodeTier(KvReceiver):
@@ -123,7 +88,7 @@ class DecodeTier(KvReceiver):
         elif isinstance(msg, Submit) and conn.peer_role == "router":
             old = self.requests.get(msg.request_id)
             if old is not None:  # its producer elsewhere was lost: stop our part first
-                self._apply(old, old.machine.replaced())
+                self.apply(old, old.machine.replaced())
             self.replays.start(msg, old.serial if old is not None else None)
         elif isinstance(msg, KvAllocRequest):
             await self._alloc(self._p_outbox(conn), msg)
@@ -158,7 +123,7 @@ class DecodeTier(KvReceiver):
         """Feed an event to a request's machine (if it is held here) and carry out its actions."""
         slot = self.requests.get(rid)
         if slot is not None:
-            self._apply(slot, fn(slot.machine))
+            self.apply(slot, fn(slot.machine))
 
     def _drop(self, rid: str, reason: str, writes_stopped: bool = False) -> None:
         """Router CANCEL, P's KV_ABORT or the other tier's REQUEST_DONE."""
@@ -170,7 +135,7 @@ class DecodeTier(KvReceiver):
         slot = self.requests.get(rid)
         if slot is not None:
             self.counters["cancelled"] += 1
-            self._apply(slot, slot.machine.cancel(writes_stopped))
+            self.apply(slot, slot.machine.cancel(writes_stopped))
 
     def drop_unallocated(self, rid: str, reason: str) -> bool:
         """A request dropped before its allocation was made (True: it was waiting here)."""
@@ -216,7 +181,7 @@ class DecodeTier(KvReceiver):
             if out.finished:
                 slot.started = False  # the engine freed the blocks itself
             self.observe_output(slot, out)
-            self._apply(slot, slot.machine.engine_step(out, reasons))
+            self.apply(slot, slot.machine.engine_step(out, reasons))
 
     def observe_output(self, slot: Slot, out: StepOutput) -> None:
         """A step of a held request, before its machine sees it (for the tier's stats)."""
@@ -224,11 +189,12 @@ class DecodeTier(KvReceiver):
     def engine_failed(self, reason: str) -> None:
         self.replays.failed(reason)
         for slot in [s for s in self.requests.values() if s.started]:
-            self._apply(slot, slot.machine.abort(reason, code="engine_failed"))
+            self.apply(slot, slot.machine.abort(reason, code="engine_failed"))
 
     # -- actions -------------------------------------------------------------------------------
 
-    def _apply(self, slot: Slot, actions: list[DecodeAction]) -> None:
+    def apply(self, slot: Slot, actions: list[DecodeAction]) -> None:
+        """Carry out a request's actions, in order (sequence edits of one event: one call)."""
         rid, m = slot.rid, slot.machine
         peer = self.decode_peer
         done: RequestDone | None = None
@@ -236,12 +202,12 @@ class DecodeTier(KvReceiver):
             if isinstance(a, (AppendTokens, SetChunk, ReleaseHold)):
                 slot.edits.append(a)
                 continue
-            self._flush_edits(slot)
+            slot.queue_edits(self)
             if isinstance(a, EmitTokens):
                 self.emit_tokens(rid, a.index, a.token_ids, m.take_logprobs(a))
             elif isinstance(a, StartSequence):
                 slot.started = True  # before the call: the engine may step (and fail) first
-                slot.serial.submit(lambda a=a: self._start(slot, a))
+                slot.serial.submit(lambda a=a: slot.start(self, a))
             elif isinstance(a, StopSequence):
                 self._stop(slot)
             elif isinstance(a, FinishRequest):
@@ -256,14 +222,7 @@ class DecodeTier(KvReceiver):
                 )
             elif isinstance(a, SendKvReceived):
                 self.before_p_answer()
-                slot.p_conn.post(
-                    KvReceived(
-                        request_id=rid,
-                        num_bytes=a.num_bytes,
-                        span_bytes=a.span_bytes,
-                        span_s=a.span_s,
-                    )
-                )
+                slot.p_conn.post(kv_received(rid, a))
             elif isinstance(a, SendKvAbort):
                 slot.p_conn.post(KvAbort(request_id=rid, reason=a.reason))
             elif isinstance(a, CancelPeer):
@@ -277,26 +236,14 @@ class DecodeTier(KvReceiver):
                     self.timeline(rid, "md_dropped", None, a.reason[:128])
             elif isinstance(a, SendHandoff):
                 assert peer is not None
-                peer.post(
-                    Handoff(
-                        request_id=rid,
-                        start_index=a.start_index,
-                        token_ids=a.token_ids,
-                        final=a.final,
-                        mode=a.mode,
-                    )
-                )
+                peer.post(handoff(rid, a))
                 if a.final:
                     self.counters["handed_off"] += 1
             elif isinstance(a, SendTakeover):
                 if peer is None or not peer.alive:
-                    self._apply(slot, m.abort("no relay connected to hand over from"))
+                    self.apply(slot, m.abort("no relay connected to hand over from"))
                     return
-                peer.post(
-                    Takeover(
-                        request_id=rid, ready_position=a.ready_position, chunk_tokens=a.chunk_tokens
-                    )
-                )
+                peer.post(takeover(rid, a))
             elif isinstance(a, HandoffStarted):
                 self.timeline(rid, "handoff_start", a.backlog_tokens, a.mode)
             elif isinstance(a, HandoffAbandoned):
@@ -308,63 +255,13 @@ class DecodeTier(KvReceiver):
                 self.counters["handoffs"] += 1
                 self.handoff_ended(a.mode)
                 self.timeline(rid, "handoff_end", m.handoff_bytes, a.mode)
-        self._flush_edits(slot)
+        slot.queue_edits(self)
 
     def before_p_answer(self) -> None:
         """Hook: a frame to P is about to go (MD piggy-backs its cache notices)."""
 
     def handoff_ended(self, mode: str) -> None:
         """Hook: MD applied a final HANDOFF of this mode (its stats)."""
-
-    def _flush_edits(self, slot: Slot) -> None:
-        """Queue one event's sequence edits as ONE engine call. Applied one call each, the
-        engine could step between them: e.g. between a one-shot HANDOFF's append and its
-        release it would extend all but the last handed-over token while still held, then
-        that one -- two steps where the one-shot handoff is one extend."""
-        if slot.edits:
-            batch = tuple(slot.edits)
-            slot.edits.clear()
-            slot.serial.submit(lambda: self._edit(slot, batch))
-
-    async def _start(self, slot: Slot, a: StartSequence) -> None:
-        res, slot.reservation = slot.reservation, None
-        if res is None:  # stopped before it started
-            return
-        alloc = slot.machine.alloc
-        try:
-            await self.compute(
-                self.engine.add_request,
-                alloc.prompt_token_ids,
-                alloc.max_tokens,
-                sampling_of(alloc),
-                alloc.request_id,
-                ignore_eos=alloc.ignore_eos,
-                output_token_ids=list(a.output_token_ids),
-                kv=res,
-                hold=a.hold,
-            )
-        except ValueError as exc:
-            slot.started = False
-            await self.compute(self.engine.free_reservation, res)
-            self._apply(
-                slot, slot.machine.abort(f"could not start decoding: {exc}", code="decode_failed")
-            )
-            return
-        self.wake()
-
-    async def _edit(self, slot: Slot, edits: tuple[SequenceEdit, ...]) -> None:
-        if not slot.started:
-            return
-        try:
-            reason = await self.compute(edit_sequence, self.engine, slot.rid, edits)
-        except ValueError as exc:  # a handover the engine cannot take (a relay bug)
-            self._apply(slot, slot.machine.abort(f"could not apply the handoff: {exc}"))
-            return
-        if reason is not None:  # cannot happen with a sane relay (it would have finished)
-            slot.started = False
-            self._apply(slot, slot.machine.abort(f"handed-over tokens end the request ({reason})"))
-            return
-        self.wake()
 
     def _stop(self, slot: Slot) -> None:
         """Free the request's reservation or sequence (after its queued operations), forget it."""
@@ -375,21 +272,7 @@ class DecodeTier(KvReceiver):
         self.forgotten(slot.rid)
         # P may still be writing into the reservation (one-sided, before KV_DONE / KV_ABORT).
         fence = slot.reservation is not None and self.writes_may_land(slot.machine.writes_ended)
-
-        async def stop() -> None:
-            if slot.reservation is not None:
-                res, slot.reservation = slot.reservation, None
-                if fence:
-                    self.fence(slot.rid, res)
-                else:
-                    await self.compute(self.engine.free_reservation, res)
-            if slot.started:
-                slot.started = False
-                await self.compute(self.engine.abort, slot.rid)
-            await self.request_stopped()
-            self.blocks_freed()
-
-        slot.serial.submit(stop)
+        slot.serial.submit(lambda: slot.free(self, fence))
 
     def forgotten(self, rid: str) -> None:
         """Hook: a request is no longer held here (RLD releases its admission)."""

@@ -20,7 +20,8 @@ from pddnet.protocol import KvAllocRequest, KvAllocResponse
 from pddnet.transport.kv_backend import KVSink
 from pddnet.transport.kv_paths import KVPaths
 
-from .common import Daemon, Outbox
+from .common import Daemon
+from .outbox import Outbox
 
 
 class KvReceiver(Daemon):

@@ -26,22 +26,23 @@ stopped, or a bound passes (see RelayDaemon).
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections import deque
 from typing import Any
 
 from pddnet.config import ClusterConfig
 from pddnet.engine.engine import KVReservation, StepOutput
-from pddnet.lifecycle.decode_request import DecodeRequest, ImportChunk, Phase, Role
+from pddnet.lifecycle.decode_actions import ImportChunk
+from pddnet.lifecycle.decode_request import DecodeRequest, Phase, Role
 from pddnet.protocol import Handoff, KvAllocRequest, KvChunk, Message, encode_bytes
 from pddnet.transport import Connection
 from pddnet.transport.backends.tcp import TcpSink
 from pddnet.transport.kv_backend import TransferError, WriteTarget
 
 from .cache_notices import CacheNotices
-from .common import Outbox
-from .decode_tier import DecodeTier, Slot
+from .decode_slot import Slot
+from .decode_tier import DecodeTier
+from .outbox import Outbox
+from .waiting_allocs import WaitingAllocs
 
 
 class MainDecodeDaemon(DecodeTier):
@@ -58,13 +59,14 @@ class MainDecodeDaemon(DecodeTier):
         self.max_extend_tokens: dict[str, int] = {}
         self.handoffs_by_mode: dict[str, int] = {}
         self.notices = CacheNotices(lambda: self.engine)
-        # KV_ALLOCs the pool has no room for *now* (each fits once others free their blocks):
-        # they wait here, first come first served, instead of failing the request at a
-        # momentary peak; asked again whenever blocks may have been freed.
-        self._waiting_allocs: deque[tuple[Outbox, KvAllocRequest]] = deque()
-        self._retrying = False
-        self._retry_again = False
-        self._telling_router = False
+        self.waiting = WaitingAllocs(
+            lambda p, msg, on_short: self.reserve_for(p, msg, self.requests, on_short=on_short),
+            self._accept,
+            self.spawn,
+            self.timeline,
+            self.counters,
+            report_every_s=config.router.stall_timeout_s / 3,
+        )
 
     async def dial_peers(self) -> None:
         await self.register_sink()
@@ -99,14 +101,6 @@ class MainDecodeDaemon(DecodeTier):
         self.notices.drain()
         return res
 
-    def _import_in_engine(self, msg: KvChunk, target: WriteTarget) -> int:
-        """In the engine thread: the tcp sink checks and imports the chunk (its payload bytes)."""
-        sink = self.sink
-        assert isinstance(sink, TcpSink)
-        nbytes = sink.receive(msg, target)
-        self.notices.drain()
-        return nbytes
-
     # -- messages ------------------------------------------------------------------------------
 
     async def handle_own(self, conn: Connection, msg: Message) -> bool:
@@ -126,70 +120,14 @@ class MainDecodeDaemon(DecodeTier):
         assert self.engine is not None
         await self._sink_ready.wait()  # P may ask while the pool is being registered
         assert self.sink is not None
-        if self._waiting_allocs:  # strict FIFO: no overtaking a request already waiting
-            self._wait_for_room(p, msg)
+        if self.waiting:  # strict FIFO: no overtaking a request already waiting
+            self.waiting.wait(p, msg)
             return
         res = await self.reserve_for(
-            p, msg, self.requests, on_short=lambda: self._wait_for_room(p, msg)
+            p, msg, self.requests, on_short=lambda: self.waiting.wait(p, msg)
         )
         if res is not None:
             self._accept(p, msg, res)
-
-    def _wait_for_room(self, p: Outbox, msg: KvAllocRequest) -> None:
-        self.counters["alloc_waits"] += 1
-        self.timeline(msg.request_id, "kv_alloc_wait", len(self._waiting_allocs))
-        self._waiting_allocs.append((p, msg))
-        if not self._telling_router:
-            self._telling_router = True
-            self.spawn(self._still_waiting(), "KV allocations waiting for room")
-        self._kick_waiting()  # blocks may have been freed while it was being reserved
-
-    async def _still_waiting(self) -> None:
-        """While allocations wait, say so to the router (their queue position) at a third of
-        its stall timeout: a request queued here is not stalled, and replaying it elsewhere
-        would only add load where there is too much already."""
-        period = self.config.router.stall_timeout_s / 3
-        try:
-            while self._waiting_allocs:
-                await asyncio.sleep(period)
-                for position, (_, msg) in enumerate(list(self._waiting_allocs)):
-                    self.timeline(msg.request_id, "kv_alloc_wait", position)
-        finally:
-            self._telling_router = False
-
-    def _kick_waiting(self) -> None:
-        """Blocks may have been freed: ask again for the waiting allocations, in order."""
-        if not self._waiting_allocs:
-            return
-        if self._retrying:
-            self._retry_again = True
-            return
-        self._retrying = True
-        self.spawn(self._retry_waiting(), "retry waiting KV allocations")
-
-    async def _retry_waiting(self) -> None:
-        try:
-            while self._waiting_allocs:
-                self._retry_again = False
-                head = self._waiting_allocs[0]
-                p, msg = head
-                short = False
-
-                def still_short() -> None:
-                    nonlocal short
-                    short = True
-
-                res = await self.reserve_for(p, msg, self.requests, on_short=still_short)
-                if short and self._waiting_allocs and self._waiting_allocs[0] is head:
-                    if self._retry_again:
-                        continue  # something was freed meanwhile: try once more
-                    return
-                if self._waiting_allocs and self._waiting_allocs[0] is head:
-                    self._waiting_allocs.popleft()
-                if res is not None:
-                    self._accept(p, msg, res)
-        finally:
-            self._retrying = False
 
     def _accept(self, p: Outbox, msg: KvAllocRequest, res: KVReservation) -> None:
         machine = DecodeRequest(
@@ -204,11 +142,9 @@ class MainDecodeDaemon(DecodeTier):
         self.accept(p, msg, res, machine)
 
     def drop_unallocated(self, rid: str, reason: str) -> bool:
-        for entry in self._waiting_allocs:
-            if entry[1].request_id == rid:  # it never got blocks: nothing else to free
-                self._waiting_allocs.remove(entry)
-                self.counters["cancelled"] += 1
-                return True
+        if self.waiting.drop(rid):  # it never got blocks: nothing else to free
+            self.counters["cancelled"] += 1
+            return True
         return False
 
     # -- P's KV over tcp: KV_CHUNK frames, checked and imported by the sink ----------------------
@@ -223,7 +159,7 @@ class MainDecodeDaemon(DecodeTier):
             msg.chunk_index, msg.token_start, msg.token_end, nbytes, time.monotonic()
         )
         if actions != [ImportChunk(msg.chunk_index)]:
-            self._apply(slot, actions)
+            self.apply(slot, actions)
             return
         assert res is not None
         target = WriteTarget(tuple(res.block_ids), self.engine.block_size, res.num_cached_tokens)
@@ -231,10 +167,10 @@ class MainDecodeDaemon(DecodeTier):
             nbytes = await self.compute(self._import_in_engine, msg, target)
         except TransferError as exc:
             if slot.reservation is res:
-                self._apply(slot, slot.machine.abort(f"bad KV_CHUNK {msg.chunk_index}: {exc}"))
+                self.apply(slot, slot.machine.abort(f"bad KV_CHUNK {msg.chunk_index}: {exc}"))
             return
         if slot.reservation is res:  # not dropped meanwhile
-            self._apply(slot, slot.machine.chunk_imported(nbytes))
+            self.apply(slot, slot.machine.chunk_imported(nbytes))
 
     def _import_in_engine(self, msg: KvChunk, target: WriteTarget) -> int:
         """In the engine thread: the tcp sink checks and imports the chunk (its payload bytes)."""
@@ -262,24 +198,23 @@ class MainDecodeDaemon(DecodeTier):
         self.handoffs_by_mode[mode] = self.handoffs_by_mode.get(mode, 0) + 1
 
     def blocks_freed(self) -> None:
-        self._kick_waiting()
+        self.waiting.kick()
 
     def connection_lost(self, conn: Connection) -> None:
         box = self._p_boxes.pop(conn, None)
         if box is not None:
-            for entry in [e for e in self._waiting_allocs if e[0] is box]:
-                self._waiting_allocs.remove(entry)  # nobody left to answer
+            self.waiting.drop_lane(box)
             for slot in [s for s in self.requests.values() if s.p_conn is box]:
                 if slot.machine.phase is Phase.RECEIVING_KV:
                     reason = "prefill control connection closed before the KV was complete"
-                    self._apply(slot, slot.machine.abort(reason))
+                    self.apply(slot, slot.machine.abort(reason))
         if self.rld is not None and conn is self.rld.conn:
             self.rld = None
             # Without the relay there will be no cut: the requests before their final HANDOFF
             # are dropped (not an error for the client: RLD finishes them alone, or the router
             # replays them); one past it no longer needs RLD and carries on here.
             for slot in list(self.requests.values()):
-                self._apply(slot, slot.machine.peer_lost())
+                self.apply(slot, slot.machine.peer_lost())
 
     # -- stats ---------------------------------------------------------------------------------------
 
@@ -292,8 +227,8 @@ class MainDecodeDaemon(DecodeTier):
             "refused",
             "alloc_waits",
         )
-        out["waiting_for_room"] = len(self._waiting_allocs)
-        out["active"] += len(self._waiting_allocs)
+        out["waiting_for_room"] = len(self.waiting)
+        out["active"] += len(self.waiting)
         return out
 
     def stats(self) -> dict[str, Any]:

@@ -12,53 +12,42 @@ machine; this shell moves messages, engine calls and KV in and out of it.
 
 from __future__ import annotations
 
-import dataclasses
-import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
-from pddnet.engine.sampling import TokenLogprob
-from pddnet.lifecycle import prefill_request as pr
-from pddnet.lifecycle.prefill_request import MAIN, RELAY, TargetState
-from pddnet.policy.pipeline import Pipeline
+from pddnet.lifecycle import prefill_actions as pa
+from pddnet.lifecycle.prefill_messages import (
+    kv_alloc_request,
+    pipeline_change,
+    pipeline_choice,
+)
+from pddnet.lifecycle.prefill_request import MAIN, RELAY
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.protocol import (
     CacheEvents,
     Cancel,
     ErrorMessage,
     KvAbort,
-    KvAllocRequest,
     KvAllocResponse,
-    KvDone,
     KvReceived,
     Message,
-    PipelineChange,
     Submit,
 )
 from pddnet.transport import Connection
 from pddnet.transport.kv_paths import KVPaths
 
-from .common import Daemon, Serial, kv_done_logprob, log, now, sampling_fields, sampling_of
+from .common import Daemon, log
+from .ordering import Serial
 from .peer import Peer
-from .prefill_planning import FED, feed, make_planner, md_answered, plan_request
+from .prefill_planning import FED, TARGETS_OF_MODE, Refusal, admit, feed, make_planner, md_answered
+from .prefill_slot import PrefillSlot
 from .prefill_transfers import PATH_OF, PrefillTransfers, RequestKV
 from .readiness import Link
+from .to_router import now
 
 BULK_LINK = "main-decode bulk"  # the WAN stripes that carry KV_CHUNK to MD (tcp backend)
-FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pipeline.RLD_ONLY}
-
-
-@dataclass
-class _Request:
-    submit: Submit
-    machine: pr.PrefillRequest
-    serial: dict[str, Serial]  # per target, plus "engine"
-    kv: RequestKV
-    started: bool = False  # add_request sent to the engine
-    first_logprob: TokenLogprob | None = None  # index 0's, when the request asks for them
 
 
 class PrefillDaemon(Daemon):
@@ -67,15 +56,11 @@ class PrefillDaemon(Daemon):
 
     def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)
-        self.targets: tuple[str, ...] = {
-            ClusterMode.PDD: (RELAY, MAIN),
-            ClusterMode.CROSS_DC: (MAIN,),
-            ClusterMode.SAME_DC: (RELAY,),
-        }[config.mode]
+        self.targets = TARGETS_OF_MODE[config.mode]
         self.control: dict[str, Peer] = {}
         self.planner: PipelinePlanner | None = None  # pdd mode, once the engine exists
         self.kv = PrefillTransfers(self.instance_id, self.targets, self.spawn, self.counters)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, PrefillSlot] = {}
 
     async def start(self) -> None:
         # The backends first: one that cannot run here fails the start, not the first request.
@@ -141,10 +126,10 @@ class PrefillDaemon(Daemon):
                 view.resync(msg.block_size, msg.inserted, msg.seq) if msg.reset else view.apply(msg)
         elif isinstance(msg, KvReceived):
             if req is not None:
-                self._run(req, req.machine.kv_received(msg.num_bytes, time.monotonic()))
+                self.run(req, req.machine.kv_received(msg.num_bytes, time.monotonic()))
         elif isinstance(msg, (Cancel, KvAbort)):
             if req is not None:  # (MD's KV_ABORT may leave RLD serving it alone)
-                self._run(req, req.machine.cancel(msg.reason, conn.peer_role))
+                self.run(req, req.machine.cancel(msg.reason, conn.peer_role))
             if req is None or req.machine.over:
                 self.ended.add(msg.request_id)
         elif isinstance(msg, ErrorMessage):
@@ -152,48 +137,24 @@ class PrefillDaemon(Daemon):
                 "%s: ERROR from %s: %s %s", self.instance_id, conn.peer_role, msg.code, msg.message
             )
             if req is not None:
-                self._run(req, req.machine.fail(msg.code, f"{conn.peer_role}: {msg.message}"))
+                self.run(req, req.machine.fail(msg.code, f"{conn.peer_role}: {msg.message}"))
         else:
             log.warning(
                 "%s: unexpected %s from %s", self.instance_id, msg.TYPE.name, conn.peer_role
             )
 
     def _submit(self, sub: Submit) -> None:
-        rid = sub.request_id
-        if rid in self.requests or rid in self.ended:
-            self.error(rid, "duplicate_request", f"request id {rid!r} is already in use")
+        rid, known = sub.request_id, sub.request_id in self.requests or sub.request_id in self.ended
+        admitted = admit(
+            sub, known, self.config, self.targets, self.control, self.planner, self.counters
+        )
+        if isinstance(admitted, Refusal):
+            self.error(rid, admitted.code, admitted.message)
             return
-        if sub.output_token_ids:
-            msg = "P prefills new requests only; a replay with output_token_ids goes to a decode"
-            self.error(rid, "bad_request", msg + " instance")
-            return
-        if sub.temperature > 0 and sub.seed is None:
-            # A concrete seed before the request fans out: every tier then samples alike.
-            sub = dataclasses.replace(sub, seed=secrets.randbits(63))
-        down = [t for t in self.targets if not self.control[t].alive]
-        if self.planner is None:
-            if down:  # a baseline has nobody else to send it to
-                why = f"{down[0]} is unreachable: {self.control[down[0]].last_loss}"
-                self.error(rid, f"{down[0]}_lost", why)
-                return
-            machine = pr.PrefillRequest(
-                len(sub.prompt_token_ids), FIXED_PIPELINES[self.config.mode], self.targets
-            )
-        else:
-            if len(down) > 1:
-                self.error(rid, "no_decode_tier", "neither relay nor main decode is reachable")
-                return
-            why = None
-            if down:  # the other decode tier is the fallback while one is unreachable
-                peer = self.control[down[0]]
-                why = f"{down[0]} unreachable: {peer.link().describe(peer.name)}"[:300]
-                self.counters[f"{down[0]}_down_rerouted"] += 1
-            configured = self.config.policy.pipeline
-            plan = plan_request(self.planner, configured, sub, down[0] if down else None, why)
-            machine = pr.PrefillRequest(len(sub.prompt_token_ids), plan.pipeline, plan=plan)
+        sub, machine = admitted
         serial = {t: Serial(f"{rid} -> {t}", self._tasks) for t in (*machine.targets, "engine")}
-        req = self.requests[rid] = _Request(sub, machine, serial, RequestKV(rid))
-        self._run(req, machine.start())
+        req = self.requests[rid] = PrefillSlot(sub, machine, serial, RequestKV(rid))
+        self.run(req, machine.start())
 
     def _allocated(self, target: str, msg: KvAllocResponse) -> None:
         if target not in (RELAY, MAIN):
@@ -209,143 +170,79 @@ class PrefillDaemon(Daemon):
         if target == RELAY and msg.step_s and self.planner is not None:
             self.planner.observe_rld_step(msg.step_s)
         if not msg.accepted:
-            self._run(req, m.refused(target, msg.error))
+            self.run(req, m.refused(target, msg.error))
             return
         unusable = self.kv.accept(req.kv, target, msg, m.num_tokens)
         if unusable:  # it did reserve: give that back, then treat the answer as a refusal
-            self._run(req, m.allocation_unusable(target, unusable))
+            self.run(req, m.allocation_unusable(target, unusable))
             return
         seen = recheck = None
         if target == MAIN and m.plan is not None and self.planner is not None:
             # MD's hit is authoritative: repair P's view and recheck the pipeline with it
             seen, recheck = md_answered(self.planner, m.plan, msg.hit_tokens, msg.block_size)
-        self._run(req, m.allocated(target, msg.hit_tokens, time.monotonic(), seen, recheck))
+        self.run(req, m.allocated(target, msg.hit_tokens, time.monotonic(), seen, recheck))
 
     # -- engine progress ---------------------------------------------------------------------------
-
-    async def _start_prefill(self, req: _Request) -> None:
-        sub = req.submit
-        if req.machine.over:
-            return
-        # Set before the call: the engine may step (and fail) before this coroutine resumes.
-        req.started = True
-        try:
-            await self.compute(
-                self.engine.add_request,
-                sub.prompt_token_ids,
-                1,
-                sampling_of(sub),
-                sub.request_id,
-                ignore_eos=True,
-                keep_blocks=True,
-            )
-        except ValueError as exc:
-            req.started = False
-            self._run(req, req.machine.fail("bad_request", f"prefill refused: {exc}"))
-            return
-        n, pipeline = len(sub.prompt_token_ids), req.machine.pipeline.wire
-        self.timeline(sub.request_id, "prefill_start", n, pipeline)
-        self.wake()
 
     def on_step(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             req = self.requests.get(out.request_id)
             if req is None or req.machine.over:
                 continue
-            self._run(req, req.machine.computed(out.num_computed_tokens))
+            self.run(req, req.machine.computed(out.num_computed_tokens))
             if out.new_token_ids:
                 if out.logprobs:
                     req.first_logprob = out.logprobs[0]
-                self._run(req, req.machine.first_token_sampled(out.new_token_ids[0]))
+                self.run(req, req.machine.first_token_sampled(out.new_token_ids[0]))
 
     def engine_failed(self, reason: str) -> None:
         # Only sequences still prefilling take part in steps (a finished one just keeps blocks).
         for req in list(self.requests.values()):
             if req.started:
-                self._run(req, req.machine.engine_failed(reason))
+                self.run(req, req.machine.engine_failed(reason))
 
     # -- actions out -------------------------------------------------------------------------------
 
-    def _run(self, req: _Request, actions: list[pr.Action]) -> None:
+    def run(self, req: PrefillSlot, actions: list[pa.Action]) -> None:
+        """Carry out a request's actions, in order (a target's on its own Serial)."""
         rid = req.submit.request_id
         for a in actions:
-            if isinstance(a, pr.Timeline):
+            if isinstance(a, pa.Timeline):
                 self.timeline(rid, a.event, a.value, a.detail)
-            elif isinstance(a, pr.Count):
+            elif isinstance(a, pa.Count):
                 self.counters[a.name] += 1
-            elif isinstance(a, pr.Transfer):
+            elif isinstance(a, pa.Transfer):
                 req.serial[a.target].submit(lambda a=a: self._transfer(req, a))
-            elif isinstance(a, pr.SendKvDone):
-                req.serial[a.target].submit(lambda a=a: self._kv_done(req, a))
-            elif isinstance(a, pr.AbortTarget):
+            elif isinstance(a, pa.SendKvDone):
+                req.serial[a.target].submit(lambda a=a: req.send_kv_done(self, a))
+            elif isinstance(a, pa.AbortTarget):
                 box, msg = self.control[a.target], KvAbort(request_id=rid, reason=a.reason[:4096])
                 self.kv.abort_then(req.kv, a.target, a.reason, lambda b=box, m=msg: b.post(m))
-            elif isinstance(a, pr.StopWrites):
+            elif isinstance(a, pa.StopWrites):
                 self.kv.stop(req.kv, a.target, a.reason)
-            elif isinstance(a, pr.ReleaseBlocks):
+            elif isinstance(a, pa.ReleaseBlocks):
                 req.serial["engine"].submit(lambda: self._release(req))
-            elif isinstance(a, pr.FailRequest):
+            elif isinstance(a, pa.FailRequest):
                 self.counters["failed"] += 1
                 self.error(rid, a.code, a.message)
-            elif isinstance(a, pr.AskAllocation):
-                self._ask(req, a)
-            elif isinstance(a, pr.StartPrefill):
-                req.serial["engine"].submit(lambda: self._start_prefill(req))
-            elif isinstance(a, pr.ReportPipelineChoice):
-                self.to_router(pr.pipeline_choice(rid, a.plan, now()))
-            elif isinstance(a, pr.ReportPipelineChange):
-                wire, reason = a.pipeline.wire, a.reason[:512]
-                self.to_router(
-                    PipelineChange(request_id=rid, pipeline=wire, reason=reason, time=now())
-                )
+            elif isinstance(a, pa.AskAllocation):
+                alloc = kv_alloc_request(req.submit, req.machine.num_tokens, self.engine.spec, a)
+                self.control[a.target].post(alloc)
+            elif isinstance(a, pa.StartPrefill):
+                req.serial["engine"].submit(lambda: req.start_prefill(self))
+            elif isinstance(a, pa.ReportPipelineChoice):
+                self.to_router(pipeline_choice(rid, a.plan, now()))
+            elif isinstance(a, pa.ReportPipelineChange):
+                self.to_router(pipeline_change(rid, a.pipeline, a.reason, now()))
             elif isinstance(a, FED) and self.planner is not None:  # WAN backlog, goodput
                 feed(self.planner, rid, a)
 
-    def _ask(self, req: _Request, a: pr.AskAllocation) -> None:
-        """KV_ALLOC_REQUEST to one target, naming the request's current pipeline."""
-        sub, spec = req.submit, self.engine.spec
-        self.control[a.target].post(
-            KvAllocRequest(
-                request_id=sub.request_id,
-                prompt_token_ids=sub.prompt_token_ids,
-                num_tokens=req.machine.num_tokens,
-                block_size=spec.block_size,
-                dtype=spec.dtype,
-                num_layers=spec.num_layers,
-                num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim,
-                expected_hit_tokens=a.expected_hit_tokens,
-                pipeline=a.pipeline.wire,
-                handoff_mode=sub.handoff_mode,
-                **sampling_fields(sub),
-            )
-        )
+    async def _transfer(self, req: PrefillSlot, a: pa.Transfer) -> None:
+        self.run(req, await self.kv.ship(req.kv, req.machine, a, self.engine))
 
-    async def _transfer(self, req: _Request, a: pr.Transfer) -> None:
-        self._run(req, await self.kv.ship(req.kv, req.machine, a, self.engine))
-
-    async def _kv_done(self, req: _Request, a: pr.SendKvDone) -> None:
-        m = req.machine
-        if m.over or m.state(a.target) is not TargetState.DONE_QUEUED:
-            return
-        c = req.kv.completion(a.target)  # None: all of it was cached there
-        done = KvDone(
-            request_id=req.submit.request_id,
-            num_tokens=m.num_tokens,
-            num_chunks=c.num_chunks if c else 0,
-            num_bytes=c.num_bytes if c else 0,
-            first_token_id=a.first_token,
-            time=now(),
-            **kv_done_logprob(req.first_logprob),
-        )
-        self.control[a.target].post(done)
-        self._run(req, m.kv_done_out(a.target, done.num_bytes))
-
-    async def _release(self, req: _Request) -> None:
+    async def _release(self, req: PrefillSlot) -> None:
         rid = req.submit.request_id
-        await req.kv.idle()  # an export may still read the blocks
-        if req.started:
-            await self.compute(self.engine.abort, rid)  # frees kept blocks or stops prefill
+        await req.free(self)
         if self.requests.get(rid) is req:
             del self.requests[rid]
             self.ended.add(rid)
@@ -362,7 +259,7 @@ class PrefillDaemon(Daemon):
             self.kv.drop_stripes()
         for req in list(self.requests.values()):
             if lost in req.machine.targets:
-                self._run(req, req.machine.peer_lost(lost, why))
+                self.run(req, req.machine.peer_lost(lost, why))
 
     # -- stats -------------------------------------------------------------------------------------
 
@@ -381,12 +278,5 @@ class PrefillDaemon(Daemon):
             for k, v in self.counters.items()
             if k.startswith("pipeline_") and "_to_" not in k
         }
-        sent = {
-            lane: out["lanes"].get(lane, {}).get("bytes_out", 0) for lane in ("bulk", "control")
-        }
-        out["wan_bytes"] = {"out": {"kv": sent["bulk"], "control": sent["control"]}}
-        self.kv.stats(out)  # (the bulk lanes' figures from the stripes themselves)
-        if self.emulation is not None:  # what the target model's KV bytes would have been
-            kv = out["lanes"].get("bulk", {}).get("bytes_out", 0)
-            out["wan_bytes"]["out"]["kv_target"] = round(kv / self.wire_scale)
+        self.kv.stats(out, self.wire_scale if self.emulation is not None else None)
         return out

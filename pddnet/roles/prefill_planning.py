@@ -1,18 +1,34 @@
 """P's pipeline planner (pdd mode) as the daemon drives it: made from [policy] and [wan], asked
-for each new request's plan -- forced onto the other decode tier while one is unreachable --
+for each new request's plan and machine (a baseline mode's is fixed) -- forced onto the other decode tier while one is unreachable --
 and fed what the request machines give out (MD's answers, the WAN backlog, goodput samples).
 The planner itself is pddnet.policy.planner's; the request machine only takes its decisions."""
 
 from __future__ import annotations
 
-from pddnet.config import ClusterConfig
-from pddnet.lifecycle.prefill_request import MAIN, CommitWan, ObserveWanTransfer, ReleaseWan
+import dataclasses
+import secrets
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.lifecycle.prefill_actions import CommitWan, ObserveWanTransfer, ReleaseWan
+from pddnet.lifecycle.prefill_request import MAIN, RELAY, PrefillRequest
 from pddnet.policy.cache_view import Observation
 from pddnet.policy.pipeline import Pipeline, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner, Plan
 from pddnet.protocol import Submit
 
+from .peer import Peer
+
 FED = (CommitWan, ReleaseWan, ObserveWanTransfer)  # the machine's actions the planner takes
+# Whom P ships to, per mode (pdd: the pipeline of each request picks among them).
+TARGETS_OF_MODE: dict[ClusterMode, tuple[str, ...]] = {
+    ClusterMode.PDD: (RELAY, MAIN),
+    ClusterMode.CROSS_DC: (MAIN,),
+    ClusterMode.SAME_DC: (RELAY,),
+}
+FIXED_PIPELINES = {ClusterMode.CROSS_DC: Pipeline.P_MD, ClusterMode.SAME_DC: Pipeline.RLD_ONLY}
 
 
 def make_planner(config: ClusterConfig, bytes_per_token: int) -> PipelinePlanner:
@@ -30,6 +46,53 @@ def make_planner(config: ClusterConfig, bytes_per_token: int) -> PipelinePlanner
         rtt_s=max(config.wan.rtt_ms, 1.0) / 1e3,
         rld_step_s=pol.rld_step_s,
     )
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """No decode tier can take a new request: ERROR(code) to the router."""
+
+    code: str
+    message: str
+
+
+def admit(
+    sub: Submit,
+    known: bool,
+    config: ClusterConfig,
+    targets: tuple[str, ...],
+    control: Mapping[str, Peer],
+    planner: PipelinePlanner | None,
+    counters: Counter[str],
+) -> tuple[Submit, PrefillRequest] | Refusal:
+    """A new request (``known``: its id is in use or ended here) and its machine: a baseline
+    mode's fixed pipeline, or (pdd mode) the planner's plan, forced onto the other decode tier
+    while one is unreachable. The SUBMIT gains a concrete seed when it samples without one."""
+    rid = sub.request_id
+    if known:
+        return Refusal("duplicate_request", f"request id {rid!r} is already in use")
+    if sub.output_token_ids:
+        msg = "P prefills new requests only; a replay with output_token_ids goes to a decode"
+        return Refusal("bad_request", msg + " instance")
+    if sub.temperature > 0 and sub.seed is None:
+        # A concrete seed before the request fans out: every tier then samples alike.
+        sub = dataclasses.replace(sub, seed=secrets.randbits(63))
+    down = [t for t in targets if not control[t].alive]
+    if planner is None:
+        if down:  # a baseline has nobody else to send it to
+            return Refusal(
+                f"{down[0]}_lost", f"{down[0]} is unreachable: {control[down[0]].last_loss}"
+            )
+        return sub, PrefillRequest(len(sub.prompt_token_ids), FIXED_PIPELINES[config.mode], targets)
+    if len(down) > 1:
+        return Refusal("no_decode_tier", "neither relay nor main decode is reachable")
+    why = None
+    if down:  # the other decode tier is the fallback while one is unreachable
+        peer = control[down[0]]
+        why = f"{down[0]} unreachable: {peer.link().describe(peer.name)}"[:300]
+        counters[f"{down[0]}_down_rerouted"] += 1
+    plan = plan_request(planner, config.policy.pipeline, sub, down[0] if down else None, why)
+    return sub, PrefillRequest(len(sub.prompt_token_ids), plan.pipeline, plan=plan)
 
 
 def plan_request(

@@ -21,7 +21,8 @@ from typing import Any
 
 from pddnet.engine.engine import Engine
 from pddnet.kv.transfer import ExportedKV, export_kv
-from pddnet.lifecycle.prefill_request import Action, PrefillRequest, TargetState, Timeline, Transfer
+from pddnet.lifecycle.prefill_actions import Action, Timeline, Transfer
+from pddnet.lifecycle.prefill_request import PrefillRequest, TargetState
 from pddnet.protocol import KvAllocResponse
 from pddnet.transport import Connection
 from pddnet.transport.backends.call_thread import CallThread
@@ -223,8 +224,14 @@ class PrefillTransfers:
             del self.writers[target]
             self._spawn(cached[1].close(), f"close {target} writer")
 
-    def stats(self, out: dict[str, Any]) -> None:
-        """The daemon's stats gain the backends' and the bulk stripes' figures."""
+    def stats(self, out: dict[str, Any], wire_scale: float | None) -> None:
+        """The daemon's stats gain the WAN bytes, the backends' and the bulk stripes' figures;
+        with ``wire_scale`` (an emulated device) also what the target model's KV bytes would
+        have been."""
+        sent = {
+            lane: out["lanes"].get(lane, {}).get("bytes_out", 0) for lane in ("bulk", "control")
+        }
+        out["wan_bytes"] = {"out": {"kv": sent["bulk"], "control": sent["control"]}}
         if self.kv_paths is not None:
             out["transport"] = {
                 path: {**st, "target": target, "writer_open": target in self.writers}
@@ -236,6 +243,9 @@ class PrefillTransfers:
                 "bytes_out": sum(sum(c.stats["bytes_out"].values()) for c in self.stripes.lanes),
                 "chunks": sum(self.stripes.chunks_sent),
             }
+        if wire_scale is not None:
+            kv = out["lanes"].get("bulk", {}).get("bytes_out", 0)
+            out["wan_bytes"]["out"]["kv_target"] = round(kv / wire_scale)
 
     async def close(self) -> None:
         self._exporter.stop()  # after the exports already queued (each a bounded copy)

@@ -33,21 +33,17 @@ from typing import Any
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
 from pddnet.kv.shm import segment_name
-from pddnet.lifecycle.decode_request import (
-    ArmTimer,
-    CancelParked,
-    DecodeAction,
-    DecodeRequest,
-    Role,
-    TakeoverHold,
-)
+from pddnet.lifecycle.decode_actions import ArmTimer, CancelParked, DecodeAction
+from pddnet.lifecycle.decode_request import DecodeRequest, Role
+from pddnet.lifecycle.takeover_hold import TakeoverHold
 from pddnet.policy.admission import RelayAdmission
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.protocol import Cancel, KvAllocRequest, Message, Takeover
 from pddnet.transport import Connection
 
-from .common import CANCELLED_MEMORY, Outbox
 from .decode_tier import DecodeTier
+from .ordering import CANCELLED_MEMORY
+from .outbox import Outbox
 from .peer import Peer
 
 HANDS_OFF_PIPELINES = ("p_rld_md",)
@@ -219,7 +215,7 @@ class RelayDaemon(DecodeTier):
         if self.md is not None and conn is self.md.conn:
             # RLD is the fallback: whatever MD was to take over, RLD now finishes alone.
             for slot in list(self.requests.values()):
-                self._apply(slot, slot.machine.peer_lost())
+                self.apply(slot, slot.machine.peer_lost())
             self.hold.forget_all()
 
     # -- stats ---------------------------------------------------------------------------------------

@@ -8,11 +8,13 @@ prefill/extend and decodes on; what to emit and when it ends is ReplayRequest's.
 from __future__ import annotations
 
 from pddnet.engine.engine import StepOutput
-from pddnet.lifecycle.decode_request import ReplayRequest
 from pddnet.lifecycle.handoff import EmitTokens, FinishRequest, StopSequence
+from pddnet.lifecycle.replay_request import ReplayRequest
+from pddnet.lifecycle.sampling import sampling_of
 from pddnet.protocol import Submit
 
-from .common import Daemon, Serial, sampling_of
+from .common import Daemon
+from .ordering import Serial
 
 
 class Replays:

@@ -1,0 +1,61 @@
+"""The messages P builds for one request (pddnet.lifecycle.prefill_messages), sans-IO: what the
+decode tiers and the router receive, checked through the wire codec."""
+
+from __future__ import annotations
+
+from pddnet.engine.sampling import TokenLogprob
+from pddnet.kv.pool import KVSpec
+from pddnet.lifecycle.prefill_actions import AskAllocation
+from pddnet.lifecycle.prefill_messages import kv_alloc_request, kv_done, pipeline_change
+from pddnet.lifecycle.sampling import SAMPLING_FIELD_NAMES, sampling_of
+from pddnet.policy.pipeline import Pipeline
+from pddnet.protocol import Submit, decode_bytes, encode_bytes
+
+
+def wire(msg):
+    """The message as its receiver decodes it."""
+    return decode_bytes(encode_bytes(msg))
+
+
+def test_kv_alloc_request_carries_the_submit_sampling_and_the_pool_shape():
+    sub = Submit(
+        request_id="r1",
+        prompt_token_ids=list(range(5, 45)),
+        max_tokens=9,
+        temperature=0.7,
+        top_k=4,
+        seed=123,
+        stop_token_ids=[2],
+        presence_penalty=0.5,
+        handoff_mode="streaming",
+    )
+    spec = KVSpec(num_layers=2, num_kv_heads=3, head_dim=8, block_size=16, dtype="float32")
+    ask = AskAllocation("main_decode", Pipeline.P_RLD_MD, expected_hit_tokens=16)
+    got = wire(kv_alloc_request(sub, 40, spec, ask))
+    assert (got.request_id, tuple(got.prompt_token_ids)) == ("r1", tuple(range(5, 45)))
+    assert got.num_tokens == 40
+    assert (got.num_layers, got.num_kv_heads, got.head_dim, got.block_size) == (2, 3, 8, 16)
+    assert got.dtype == "float32"
+    assert (got.expected_hit_tokens, got.pipeline) == (16, "p_rld_md")
+    assert got.handoff_mode == "streaming"
+    for name in SAMPLING_FIELD_NAMES:  # every tier samples alike
+        assert getattr(got, name) == getattr(sub, name), name
+    assert sampling_of(got) == sampling_of(sub)
+
+
+def test_kv_done_carries_the_first_token_and_its_logprobs_only_when_asked():
+    plain = wire(kv_done("r1", 40, 3, 4096, 17, None, 12.5))
+    assert (plain.num_tokens, plain.num_chunks, plain.num_bytes) == (40, 3, 4096)
+    assert (plain.first_token_id, plain.time) == (17, 12.5)
+    assert plain.first_logprob is None
+    entry = TokenLogprob(17, -0.25, (17, 4), (-0.25, -1.5))
+    with_lp = wire(kv_done("r1", 40, 0, 0, 17, entry, 12.5))
+    assert with_lp.first_logprob == -0.25
+    assert tuple(with_lp.first_top_ids) == (17, 4)
+    assert tuple(with_lp.first_top_logprobs) == (-0.25, -1.5)
+
+
+def test_pipeline_change_names_the_new_pipeline_and_bounds_the_reason():
+    got = wire(pipeline_change("r1", Pipeline.RLD_ONLY, "x" * 2000, 3.0))
+    assert got.pipeline == Pipeline.RLD_ONLY.wire
+    assert got.reason == "x" * 512
