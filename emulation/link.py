@@ -58,12 +58,6 @@ class _Queued:
     size: int
     item: Any  # (Any, not object: mypyc evaluates dataclass annotations by name)
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, arrival: float, size: int, item: Any) -> None:
-        self.arrival = arrival
-        self.size = size
-        self.item = item
-
 
 @dataclass
 class _InFlight:
@@ -73,17 +67,6 @@ class _InFlight:
     size: int = field(compare=False)
     item: Any = field(compare=False)
     copies: int = field(compare=False)
-
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self, departure: float, seq: int, arrival: float, size: int, item: Any, copies: int
-    ) -> None:
-        self.departure = departure
-        self.seq = seq
-        self.arrival = arrival
-        self.size = size
-        self.item = item
-        self.copies = copies
 
     def __lt__(self, other: _InFlight) -> bool:
         # the heap's order (departure, then sequence), compiled like __init__

@@ -16,9 +16,15 @@ import pytest
 from pddnet.sim import compiled
 from tests.test_sim_system import small_dict, write_conversation_trace
 
-pytestmark = pytest.mark.skipif(
-    compiled.missing_tools() is not None, reason=f"cannot compile here: {compiled.missing_tools()}"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        compiled.missing_tools() is not None,
+        reason=f"cannot compile here: {compiled.missing_tools()}",
+    ),
+    # the first test builds the copy: mypyc takes minutes on a loaded machine, beyond the
+    # suite's default 180 s (a built copy is cached: later runs take seconds)
+    pytest.mark.timeout(900),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)

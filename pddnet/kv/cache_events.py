@@ -27,15 +27,6 @@ class CacheEventBatch:
     inserted: tuple[int, ...]
     evicted: tuple[int, ...]
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self, seq: int, block_size: int, inserted: tuple[int, ...], evicted: tuple[int, ...]
-    ) -> None:
-        object.__setattr__(self, "seq", seq)
-        object.__setattr__(self, "block_size", block_size)
-        object.__setattr__(self, "inserted", inserted)
-        object.__setattr__(self, "evicted", evicted)
-
 
 class CacheEventLog:
     """Pending inserted / evicted hashes of one cache (at one block size) and their numbering."""

@@ -31,14 +31,6 @@ class PrefixMatch:
     hashes: tuple[int, ...]
     block_size: int
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self, block_ids: tuple[int, ...], hashes: tuple[int, ...], block_size: int
-    ) -> None:
-        object.__setattr__(self, "block_ids", block_ids)
-        object.__setattr__(self, "hashes", hashes)
-        object.__setattr__(self, "block_size", block_size)
-
     @property
     def num_tokens(self) -> int:
         return len(self.block_ids) * self.block_size

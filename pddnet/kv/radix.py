@@ -55,19 +55,6 @@ class InsertResult:
     duplicates: tuple[int, ...]  # the request's blocks whose prefix the tree already held
     freed: tuple[int, ...]  # blocks that became free (duplicates, partial tail, ...)
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self,
-        hashes: tuple[int, ...],
-        adopted: tuple[int, ...],
-        duplicates: tuple[int, ...],
-        freed: tuple[int, ...],
-    ) -> None:
-        object.__setattr__(self, "hashes", hashes)
-        object.__setattr__(self, "adopted", adopted)
-        object.__setattr__(self, "duplicates", duplicates)
-        object.__setattr__(self, "freed", freed)
-
 
 class RadixCache(RadixTree):
     """Radix tree of cached full KV blocks on top of a BlockAllocator (see module docstring)."""

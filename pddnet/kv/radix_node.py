@@ -20,35 +20,6 @@ class RadixNode:
     heap_at: int = -1  # last_access of its live eviction-heap entry (-1: none)
     heap_epoch: int = 0  # ... in that heap generation
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self,
-        uid: int,
-        parent: RadixNode | None,
-        tokens: tuple[int, ...],
-        blocks: list[int],
-        hashes: list[int],
-        children: dict[object, RadixNode] | None = None,
-        last_access: int = 0,
-        last_locked: int = -1,
-        locked_below: int = 0,
-        evictable: int = 0,
-        heap_at: int = -1,
-        heap_epoch: int = 0,
-    ) -> None:
-        self.uid = uid
-        self.parent = parent
-        self.tokens = tokens
-        self.blocks = blocks
-        self.hashes = hashes
-        self.children = {} if children is None else children
-        self.last_access = last_access
-        self.last_locked = last_locked
-        self.locked_below = locked_below
-        self.evictable = evictable
-        self.heap_at = heap_at
-        self.heap_epoch = heap_epoch
-
 
 class LruEntry:
     """A leaf's place in the eviction heap: (its last_access when pushed, uid). A class with

@@ -21,11 +21,6 @@ class AdmissionDecision:
     admitted: bool
     reason: str
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, admitted: bool, reason: str) -> None:
-        object.__setattr__(self, "admitted", admitted)
-        object.__setattr__(self, "reason", reason)
-
 
 @dataclass
 class RelayAdmission:

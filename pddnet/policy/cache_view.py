@@ -64,21 +64,6 @@ class HitPrediction:
     block_size: int
     stale: bool  # the view had missed notices when it predicted
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self,
-        num_tokens: int,
-        hit_tokens: int,
-        hashes: tuple[int, ...],
-        block_size: int,
-        stale: bool,
-    ) -> None:
-        object.__setattr__(self, "num_tokens", num_tokens)
-        object.__setattr__(self, "hit_tokens", hit_tokens)
-        object.__setattr__(self, "hashes", hashes)
-        object.__setattr__(self, "block_size", block_size)
-        object.__setattr__(self, "stale", stale)
-
 
 @dataclass(frozen=True)
 class Observation:
@@ -86,11 +71,6 @@ class Observation:
 
     predicted_tokens: int
     actual_tokens: int
-
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, predicted_tokens: int, actual_tokens: int) -> None:
-        object.__setattr__(self, "predicted_tokens", predicted_tokens)
-        object.__setattr__(self, "actual_tokens", actual_tokens)
 
     @property
     def wrong(self) -> bool:

@@ -35,12 +35,6 @@ class HandoffDecision:
     reason: str
     chunk: int  # max tokens MD extends per step (the whole backlog for one-shot)
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(self, mode: HandoffMode, reason: str, chunk: int) -> None:
-        object.__setattr__(self, "mode", mode)
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "chunk", chunk)
-
 
 @dataclass(frozen=True)
 class HandoffPolicy:

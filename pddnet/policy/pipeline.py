@@ -52,29 +52,6 @@ class PipelineInputs:
     # before this request's, so its KV arrives after them (pddnet.policy.estimators.WanBacklog)
     wan_backlog_bytes: int = 0
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self,
-        prompt_tokens: int,
-        hit_tokens: int,
-        max_tokens: int,
-        kv_bytes_per_token: int,
-        bandwidth_bps: float,
-        rtt_s: float,
-        rld_s_per_token: float,
-        rld_admits: bool,
-        wan_backlog_bytes: int = 0,
-    ) -> None:
-        object.__setattr__(self, "prompt_tokens", prompt_tokens)
-        object.__setattr__(self, "hit_tokens", hit_tokens)
-        object.__setattr__(self, "max_tokens", max_tokens)
-        object.__setattr__(self, "kv_bytes_per_token", kv_bytes_per_token)
-        object.__setattr__(self, "bandwidth_bps", bandwidth_bps)
-        object.__setattr__(self, "rtt_s", rtt_s)
-        object.__setattr__(self, "rld_s_per_token", rld_s_per_token)
-        object.__setattr__(self, "rld_admits", rld_admits)
-        object.__setattr__(self, "wan_backlog_bytes", wan_backlog_bytes)
-
     def incremental_bytes(self) -> int:
         return max(self.prompt_tokens - self.hit_tokens, 0) * self.kv_bytes_per_token
 
@@ -94,15 +71,6 @@ class PipelineDecision:
     reason: str
     wan_transfer_s: float
     incremental_bytes: int
-
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self, pipeline: Pipeline, reason: str, wan_transfer_s: float, incremental_bytes: int
-    ) -> None:
-        object.__setattr__(self, "pipeline", pipeline)
-        object.__setattr__(self, "reason", reason)
-        object.__setattr__(self, "wan_transfer_s", wan_transfer_s)
-        object.__setattr__(self, "incremental_bytes", incremental_bytes)
 
     def record(self, inputs: PipelineInputs) -> dict:
         """The decision and its inputs, for the request's `pdd` object."""

@@ -33,14 +33,6 @@ class Plan:
     inputs: PipelineInputs
     prediction: HitPrediction
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self, decision: PipelineDecision, inputs: PipelineInputs, prediction: HitPrediction
-    ) -> None:
-        object.__setattr__(self, "decision", decision)
-        object.__setattr__(self, "inputs", inputs)
-        object.__setattr__(self, "prediction", prediction)
-
     @property
     def pipeline(self) -> Pipeline:
         return self.decision.pipeline

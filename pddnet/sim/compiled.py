@@ -5,7 +5,9 @@ model, the KV radix tree and allocator, P's cache view and the pipeline / handof
 plain typed Python; mypyc turns each of those modules into a C extension with the same
 behaviour. The installed package stays pure Python (the daemons and the tests use it); this
 module builds a *compiled copy* of the package sources in a cache folder, keyed by a digest of
-the sources, the interpreter and mypyc's version, and runs the simulator from there:
+the sources as compiled (each compiled module's dataclasses get their ``__init__`` written out
+by pddnet/sim/compile_shape.py, so mypyc compiles it too), the interpreter and mypyc's
+version, and runs the simulator from there:
 
     pdd sim run --config FILE --compiled          (builds once, ~1 min; then re-executes)
     python -m pddnet.sim.compiled build           (just build; prints the folder)
@@ -27,6 +29,8 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from pddnet.sim.compile_shape import shape_source
 
 # What is compiled: the modules a simulation spends its time in. Not here: config parsing,
 # reporting and plots (run once per simulation).
@@ -90,6 +94,23 @@ def _sources(root: Path) -> list[Path]:
     return out
 
 
+def _compiled_files() -> list[Path]:
+    """COMPILED_MODULES as paths relative to the source root."""
+    return [Path(*m.split(".")).with_suffix(".py") for m in COMPILED_MODULES]
+
+
+def _tree_text(root: Path) -> dict[Path, bytes]:
+    """What the compiled copy holds, by path relative to ``root``: every source file, the
+    compiled modules shaped for mypyc (their dataclasses' ``__init__`` written out)."""
+    shaped = set(_compiled_files())
+    out: dict[Path, bytes] = {}
+    for p in _sources(root):
+        rel = p.relative_to(root)
+        data = p.read_bytes()
+        out[rel] = shape_source(data.decode()).encode() if rel in shaped else data
+    return out
+
+
 def opt_level() -> str:
     """The C compiler's optimisation level mypyc builds with: $MYPYC_OPT_LEVEL, which mypyc
     itself reads (default 3). The tests build at 0, in half the time: they compare results,
@@ -97,16 +118,17 @@ def opt_level() -> str:
     return os.environ.get("MYPYC_OPT_LEVEL", "3")
 
 
-def digest(root: Path | None = None) -> str:
-    """Names the compiled copy: the package sources, the interpreter, mypyc's version and
-    optimisation level."""
-    root = root or source_root()
+def digest(root: Path | None = None, text: dict[Path, bytes] | None = None) -> str:
+    """Names the compiled copy: the package sources as they are compiled (``text``, else
+    shaped from ``root``), the interpreter, mypyc's version and optimisation level."""
+    if text is None:
+        text = _tree_text(root or source_root())
     h = hashlib.sha256()
     h.update(sys.version.encode())
     h.update(_mypyc_version().encode())
     h.update(f"-O{opt_level()}".encode())
-    for p in _sources(root):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    for rel, data in text.items():
+        h.update(str(rel).encode() + b"\0" + data + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -138,7 +160,8 @@ def missing_tools() -> str | None:
 def build(cache: Path | None = None, log: Callable[[str], None] | None = None) -> Path:
     """The compiled copy's folder (put it first on PYTHONPATH), built unless it exists."""
     root = source_root()
-    tree = (cache or cache_dir()) / digest(root)
+    text = _tree_text(root)
+    tree = (cache or cache_dir()) / digest(text=text)
     if (tree / ".complete").exists():
         return tree
     why = missing_tools()
@@ -147,13 +170,10 @@ def build(cache: Path | None = None, log: Callable[[str], None] | None = None) -
     tree.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=tree.name + ".", dir=tree.parent))
     try:
-        for pkg in PACKAGES:
-            shutil.copytree(
-                root / pkg,
-                work / pkg,
-                ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"),
-            )
-        files = [str(Path(*m.split(".")).with_suffix(".py")) for m in COMPILED_MODULES]
+        for rel, data in text.items():
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            (work / rel).write_bytes(data)
+        files = [str(f) for f in _compiled_files()]
         if log:
             log(
                 f"compiling {len(files)} simulator modules with mypyc into {tree} "

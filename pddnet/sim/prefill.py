@@ -60,23 +60,6 @@ class _Running:
     table: list[int] | None
     chunk_end: int = 0  # end of the chunk computing in the current step (0: none)
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self,
-        state: Any,
-        on_progress: Progress,
-        pos: int,
-        handle: Any,
-        table: list[int] | None,
-        chunk_end: int = 0,
-    ) -> None:
-        self.state = state
-        self.on_progress = on_progress
-        self.pos = pos
-        self.handle = handle
-        self.table = table
-        self.chunk_end = chunk_end
-
 
 class PrefillInstance:
     def __init__(

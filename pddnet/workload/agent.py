@@ -33,25 +33,6 @@ class AgentRequest:
     output_token_ids: tuple[int, ...]  # the reply the history records (max_tokens long)
     appended_token_ids: tuple[int, ...]  # what this turn adds after the previous output
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self,
-        conversation_id: int,
-        turn: int,
-        arrival_s: float,
-        prompt_token_ids: tuple[int, ...],
-        max_tokens: int,
-        output_token_ids: tuple[int, ...],
-        appended_token_ids: tuple[int, ...],
-    ) -> None:
-        object.__setattr__(self, "conversation_id", conversation_id)
-        object.__setattr__(self, "turn", turn)
-        object.__setattr__(self, "arrival_s", arrival_s)
-        object.__setattr__(self, "prompt_token_ids", prompt_token_ids)
-        object.__setattr__(self, "max_tokens", max_tokens)
-        object.__setattr__(self, "output_token_ids", output_token_ids)
-        object.__setattr__(self, "appended_token_ids", appended_token_ids)
-
 
 @dataclass(frozen=True)
 class AgentWorkloadParams:

@@ -23,25 +23,6 @@ class SimRequest:
     output_tokens: int
     output_units: tuple[int, ...]  # what the reply adds to the conversation's history
 
-    # (written out: mypyc compiles it; a dataclass's generated one stays interpreted)
-    def __init__(
-        self,
-        rid: int,
-        conversation: int,
-        arrival_s: float,
-        units: tuple[int, ...],
-        prompt_tokens: int,
-        output_tokens: int,
-        output_units: tuple[int, ...],
-    ) -> None:
-        object.__setattr__(self, "rid", rid)
-        object.__setattr__(self, "conversation", conversation)
-        object.__setattr__(self, "arrival_s", arrival_s)
-        object.__setattr__(self, "units", units)
-        object.__setattr__(self, "prompt_tokens", prompt_tokens)
-        object.__setattr__(self, "output_tokens", output_tokens)
-        object.__setattr__(self, "output_units", output_units)
-
     def sent_at(self, t: float) -> SimRequest:
         """The same request offered at ``t`` (``dataclasses.replace``, compiled: once per turn)."""
         return SimRequest(
