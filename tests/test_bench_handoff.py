@@ -17,7 +17,7 @@ from pddnet.bench.handoff_setup import KV_DIRECT, PATHS, TOKEN_ID
 from pddnet.engine.sampling import SamplingParams
 from pddnet.kv.transfer import export_kv
 from pddnet.model.loader import load_model
-from pddnet.protocol import Handoff, KvChunk, decode_bytes, encode_bytes, payload_from_tensor
+from pddnet.protocol import Handoff, KvChunk, decode_bytes, encode_bytes
 
 KVB = 1024  # the tiny model's KV bytes per token
 
@@ -59,24 +59,12 @@ def cut(prep, n: int, rid: str) -> Handoff:
 def kv_chunks(prep, n: int, rid: str, per: int) -> list[KvChunk]:
     engine = prep.rld_engine
     table = engine.get_sequence(prep.rld_request).block_table
-    start, out = len(prep.prompt), []
-    for i, s in enumerate(range(start, start + n, per)):
-        e = min(start + n, s + per)
-        payload, dtype, shape = payload_from_tensor(export_kv(engine.pool, table, s, e).kv)
-        out.append(
-            KvChunk(
-                request_id=rid,
-                chunk_index=i,
-                token_start=s,
-                token_end=e,
-                layer_start=0,
-                layer_end=shape[0],
-                dtype=dtype,
-                shape=shape,
-                payload=payload,
-            )
-        )
-    return out
+    start = len(prep.prompt)
+    ranges = [(s, min(start + n, s + per)) for s in range(start, start + n, per)]
+    return [
+        handoff_sides.kv_chunk(rid, i, s, e, export_kv(engine.pool, table, s, e).kv)
+        for i, (s, e) in enumerate(ranges)
+    ]
 
 
 async def test_both_transports_leave_md_token_exact(tiny, prep):

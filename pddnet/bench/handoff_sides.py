@@ -371,7 +371,6 @@ class RelaySide:
         """The KV of positions [prompt, prompt + n) from RLD's blocks, exported chunk by chunk
         in RLD's thread (as P sends KV to MD)."""
         from pddnet.kv.transfer import export_kv
-        from pddnet.protocol import KvChunk, payload_from_tensor
 
         engine = prep.rld_engine
         table = engine.get_sequence(prep.rld_request).block_table
@@ -382,17 +381,23 @@ class RelaySide:
             exported = await loop.run_in_executor(
                 self.executor, export_kv, engine.pool, table, s, e
             )
-            payload, dtype, shape = payload_from_tensor(exported.kv)
-            await self.bulk.send(
-                KvChunk(
-                    request_id=rid,
-                    chunk_index=index,
-                    token_start=s,
-                    token_end=e,
-                    layer_start=0,
-                    layer_end=shape[0],
-                    dtype=dtype,
-                    shape=shape,
-                    payload=payload,
-                )
-            )
+            await self.bulk.send(kv_chunk(rid, index, s, e, exported.kv))
+
+
+def kv_chunk(rid: str, index: int, start: int, end: int, kv: Any) -> Any:
+    """The KV_CHUNK of positions [start, end), every layer, from RLD's exported tensor: what
+    the KV-direct path sends MD."""
+    from pddnet.protocol import KvChunk, payload_from_tensor
+
+    payload, dtype, shape = payload_from_tensor(kv)
+    return KvChunk(
+        request_id=rid,
+        chunk_index=index,
+        token_start=start,
+        token_end=end,
+        layer_start=0,
+        layer_end=shape[0],
+        dtype=dtype,
+        shape=shape,
+        payload=payload,
+    )

@@ -107,6 +107,35 @@ class Completion:
             sent_chars[i] += len(chars)
             return chars, new, logprobs
 
+        async def emit_delta(
+            i: int,
+            state: RouterRequest,
+            first: bool,
+            finish_reason: str | None = None,
+            pdd: dict[str, Any] | None = None,
+            stop_reason: int | str | None = None,
+        ) -> None:
+            """One chunk with what choice i has that the client has not (the last one with its
+            finish_reason, pdd object and stop_reason)."""
+            chars, new, logprobs = delta(i, state)
+            await emit(
+                completion_chunk(
+                    rid,
+                    created,
+                    model,
+                    chars,
+                    req,
+                    new,
+                    finish_reason,
+                    pdd,
+                    first=first,
+                    index=state.index,
+                    logprobs=logprobs,
+                    stop_reason=stop_reason,
+                    usage_so_far=usage_now(),
+                )
+            )
+
         error: RouterRequest | None = None
         while True:
             # A pass over every choice; waiting only after a pass that found nothing to do (a
@@ -118,21 +147,7 @@ class Completion:
                 asm = state.assembler
                 first = sent_tokens[i] == 0 and sent_chars[i] == 0
                 if len(asm.tokens) > sent_tokens[i]:
-                    chars, new, logprobs = delta(i, state)
-                    await emit(
-                        completion_chunk(
-                            rid,
-                            created,
-                            model,
-                            chars,
-                            req,
-                            new,
-                            first=first,
-                            index=state.index,
-                            logprobs=logprobs,
-                            usage_so_far=usage_now(),
-                        )
-                    )
+                    await emit_delta(i, state, first)
                     first = False
                     progressed = True
                 if not asm.finished:
@@ -142,23 +157,13 @@ class Completion:
                     error = error or state
                     continue
                 await self._finish(state)
-                chars, new, logprobs = delta(i, state)
-                await emit(
-                    completion_chunk(
-                        rid,
-                        created,
-                        model,
-                        chars,
-                        req,
-                        new,
-                        asm.finish_reason,
-                        state.pdd().to_json(),
-                        first=first,
-                        index=state.index,
-                        logprobs=logprobs,
-                        stop_reason=state.stop_reason,
-                        usage_so_far=usage_now(),
-                    )
+                await emit_delta(
+                    i,
+                    state,
+                    first,
+                    finish_reason=asm.finish_reason,
+                    pdd=state.pdd().to_json(),
+                    stop_reason=state.stop_reason,
                 )
             if all(closed) or error is not None:
                 break
