@@ -22,9 +22,10 @@ from pddnet.config import ClusterMode
 from pddnet.roles.relay import RelayDaemon
 from pddnet.transport.backends import mooncake_import_error
 from pddnet.transport.kv_backend import BackendUnavailable
+from tests.chaos.harness import reference_tokens
 from tests.conftest import root_netns_missing_reason
 from tests.polling import wait_for
-from tests.test_cluster_e2e import post, reference
+from tests.test_cluster_e2e import post
 from tests.test_roles_inprocess import all_free, make_config, run_workload, running, workload
 
 MOONCAKE_REASON = mooncake_import_error()
@@ -117,7 +118,7 @@ async def test_receiver_killed_or_stopped_during_a_mooncake_write(victim, sig):
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    want = reference(body)
+    want = reference_tokens(body)
     overrides = {
         "transport.intra_dc": "mooncake",
         "transport.wan": "mooncake",
