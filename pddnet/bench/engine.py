@@ -34,7 +34,7 @@ from typing import Any
 
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import run_config, write_result
+from pddnet.bench.results import announce, run_config, write_result
 
 PATHS = ("gather", "paged")
 GIB = 2**30
@@ -240,7 +240,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     path = write_result("engine", data, args.out)
     plots = _plots(rows, path, args)
     print_table(data, args)
-    print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in plots))
+    announce(path, plots)
     return {"path": str(path), "rows": rows, "plots": plots}
 
 

@@ -66,7 +66,7 @@ from pddnet.bench.handoff_setup import (
 )
 from pddnet.bench.handoff_summary import headline, plot, print_table, summarise
 from pddnet.bench.progress import progress
-from pddnet.bench.results import run_config, write_result
+from pddnet.bench.results import announce, run_config, write_result
 
 # -- options --------------------------------------------------------------------------------------
 
@@ -266,7 +266,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     pngs = plot(args, rows, trials, head, path)
     print_table(args, rows, head, spec.bytes_per_token, infos)
-    print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in pngs))
+    announce(path, pngs)
     return {
         "path": str(path),
         "rows": rows,

@@ -39,13 +39,12 @@ from pddnet.bench.devices import (
     DeviceSetup,
     daemon_stats,
     device_report,
-    print_validity,
     setup_devices,
 )
 from pddnet.bench.drive import warm_up
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import run_config, write_result
+from pddnet.bench.results import closing, run_config, write_result
 from pddnet.device import flags as device_flags
 
 MODES = ("one-shot", "streaming", "dynamic")
@@ -400,17 +399,13 @@ def finish(
         logx=True,
     )
     print_table(args, agg, finding, consistency, calibration, devices.line(), serving)
-    print(f"wrote {path}" + (f"\nwrote {png}" if png else ""))
-    warnings = print_validity({"": report}, "handoff-mode")
     return {
-        "path": str(path),
+        **closing(path, png, {"": report}, "handoff-mode"),
         "by_mode": agg,
         "serving": serving,
         "threshold": finding,
         "consistency": consistency,
-        "plot": str(png) if png else None,
         "devices": report,
-        "warnings": warnings,
     }
 
 

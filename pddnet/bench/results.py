@@ -8,7 +8,7 @@ import os
 import platform
 import time
 from argparse import Namespace
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +70,21 @@ def write_result(bench: str, data: dict[str, Any], out_dir: str | Path = "result
     payload = {"bench": bench, "time": time.time(), "machine": machine_info(), **data}
     path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
     return path
+
+
+def announce(path: Path, plots: Iterable[Path | str | None] = ()) -> None:
+    """Say where a run's JSON (and each plot it drew; None: a plot it could not draw) went."""
+    print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in plots if p))
+
+
+def closing(
+    path: Path, png: Path | None, reports: Mapping[str, dict[str, Any]], bench: str
+) -> dict[str, Any]:
+    """The end a cluster benchmark with one plot shares: where its JSON and plot went, then the
+    prominent warning for every run whose emulated devices did not keep pace; returns the keys
+    of its result that say so ("path", "plot", "warnings")."""
+    from pddnet.bench.devices import print_validity
+
+    announce(path, [png])
+    warnings = print_validity(reports, bench)
+    return {"path": str(path), "plot": str(png) if png else None, "warnings": warnings}

@@ -33,7 +33,6 @@ from pddnet.bench.devices import (
     DeviceSetup,
     daemon_stats,
     device_report,
-    print_validity,
     setup_devices,
 )
 from pddnet.bench.drive import warm_up
@@ -41,7 +40,7 @@ from pddnet.bench.metrics import DEFAULT_PERCENTILES, serving_metrics
 from pddnet.bench.metrics import add_arguments as add_metric_arguments
 from pddnet.bench.plots import grouped_bars
 from pddnet.bench.progress import progress
-from pddnet.bench.results import run_config, write_result
+from pddnet.bench.results import closing, run_config, write_result
 from pddnet.device import flags as device_flags
 
 # -- 1. shared memory -----------------------------------------------------------------------
@@ -378,16 +377,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         f"Transport costs, model {args.model}, one run",
     )
     print_table(args, shm, wan, decode, devices)
-    print(f"wrote {path}" + (f"\nwrote {png}" if png else ""))
-    warnings = print_validity({"decode": report}, "transport")
     return {
-        "path": str(path),
+        **closing(path, png, {"decode": report}, "transport"),
         "shm": shm,
         "wan": wan,
         "decode": decode,
-        "plot": str(png) if png else None,
         "devices": report,
-        "warnings": warnings,
     }
 
 
