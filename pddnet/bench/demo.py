@@ -28,7 +28,7 @@ from typing import Any
 
 from pddnet.bench import metrics
 from pddnet.bench.plots import cdf_plot, stacked_bars
-from pddnet.bench.results import run_config, write_result
+from pddnet.bench.results import add_run_arguments, run_config, write_result
 from pddnet.device import flags as device_flags
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
 from pddnet.workload.poisson import poisson_long_prompts
@@ -409,10 +409,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=1, help="agent conversations per mode")
     metrics.add_arguments(p)
     ttft.add_wan_arguments(p, wan="auto")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="results", help="the demo writes into OUT/demo/<timestamp>/")
+    add_run_arguments(
+        p, threads="torch threads per daemon", out_help="the demo writes into OUT/demo/<timestamp>/"
+    )
     device_flags.add_arguments(p)
 
 

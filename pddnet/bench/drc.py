@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pddnet.bench import metrics
-from pddnet.bench.results import percentile, write_result
+from pddnet.bench.results import add_run_arguments, percentile, write_result
 from pddnet.device import flags as device_flags
 from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS, hit_interval
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
@@ -53,15 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan", default="auto", choices=["auto", "packet", "proxy"])
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--bw-mbit", type=float, default=1000.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--md-blocks",
         type=int,
         default=8192,
         help="MD's KV pool in blocks of 16 (room for the conversations' prefixes)",
     )
-    p.add_argument("--out", default="results", help="folder for results/<bench>/...")
-    p.add_argument("--no-progress", action="store_true")
+    add_run_arguments(p)
     metrics.add_arguments(p)
     device_flags.add_arguments(p)
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import announce, run_config, write_result
+from pddnet.bench.results import add_run_arguments, announce, run_config, write_result
 
 PATHS = ("gather", "paged")
 GIB = 2**30
@@ -372,9 +372,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chip", default="h100-sxm", help="modelled chip profile")
     p.add_argument("--gpus", type=int, default=8, help="modelled chips per instance")
     p.add_argument("--target-model", default="llama-3-70b", help="modelled model profile")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="results")
+    add_run_arguments(p)
 
 
 def apply_quick(args: argparse.Namespace) -> None:

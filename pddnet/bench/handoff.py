@@ -66,7 +66,7 @@ from pddnet.bench.handoff_setup import (
 )
 from pddnet.bench.handoff_summary import headline, plot, print_table, summarise
 from pddnet.bench.progress import progress
-from pddnet.bench.results import announce, run_config, write_result
+from pddnet.bench.results import add_run_arguments, announce, run_config, write_result
 
 # -- options --------------------------------------------------------------------------------------
 
@@ -121,10 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=150.0,
         help="random pause (0..this) before each cut, to sample the bulk traffic",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="results", help="folder for results/handoff/...")
+    add_run_arguments(p, threads="torch threads")
 
 
 def apply_quick(args: argparse.Namespace) -> None:

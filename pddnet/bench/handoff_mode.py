@@ -44,7 +44,7 @@ from pddnet.bench.devices import (
 from pddnet.bench.drive import warm_up
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import closing, run_config, write_result
+from pddnet.bench.results import add_run_arguments, closing, run_config, write_result
 from pddnet.device import flags as device_flags
 
 MODES = ("one-shot", "streaming", "dynamic")
@@ -485,11 +485,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cap on the WAN rate set per backlog (modelled when devices are emulated)",
     )
     p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
-    p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="results")
+    add_run_arguments(p, threads="torch threads per daemon")
     metrics.add_arguments(p, goodput=False)
     device_flags.add_arguments(p)
 

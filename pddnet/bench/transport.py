@@ -40,7 +40,7 @@ from pddnet.bench.metrics import DEFAULT_PERCENTILES, serving_metrics
 from pddnet.bench.metrics import add_arguments as add_metric_arguments
 from pddnet.bench.plots import grouped_bars
 from pddnet.bench.progress import progress
-from pddnet.bench.results import closing, run_config, write_result
+from pddnet.bench.results import add_run_arguments, closing, run_config, write_result
 from pddnet.device import flags as device_flags
 
 # -- 1. shared memory -----------------------------------------------------------------------
@@ -455,10 +455,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-prompt-len", type=int, default=64)
     p.add_argument("--decode-max-tokens", type=int, default=128)
     p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
-    p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="results")
+    add_run_arguments(p, threads="torch threads per daemon")
     add_metric_arguments(p, goodput=False)
     device_flags.add_arguments(p)
 

@@ -37,7 +37,7 @@ from pddnet.bench.devices import (
 from pddnet.bench.drive import drive_agent, drive_poisson, warm_up
 from pddnet.bench.plots import cdf_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import run_config, write_result
+from pddnet.bench.results import add_run_arguments, run_config, write_result
 from pddnet.device import flags as device_flags
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
 from pddnet.workload.poisson import poisson_long_prompts
@@ -293,16 +293,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     metrics.add_arguments(p)
     add_wan_arguments(p, wan="proxy")
     p.add_argument("--handoff", default="dynamic", choices=("one-shot", "streaming", "dynamic"))
-    p.add_argument("--threads", type=int, default=1, help="torch threads per daemon")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument(
         "--trace",
         action="store_true",
         help="also write a Chrome/Perfetto trace per mode and workload",
     )
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="results")
+    add_run_arguments(p, threads="torch threads per daemon")
     device_flags.add_arguments(p)
 
 
