@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from typing import Any
 
 
@@ -109,17 +110,10 @@ def run_packet(args: argparse.Namespace) -> int:
     try:
         effects = effects_from_args(args)
         host, port = args.control
-        cfg = PacketShellConfig(
-            ns_a=args.ns_a,
-            ns_b=args.ns_b,
-            addr_a=args.addr_a,
-            addr_b=args.addr_b,
-            mtu=args.mtu,
-            ifname=args.ifname,
-            control_host=host,
-            control_port=port,
-            seed=args.seed,
-        )
+        given = {
+            f.name: vars(args)[f.name] for f in fields(PacketShellConfig) if f.name in vars(args)
+        }
+        cfg = PacketShellConfig(**given, control_host=host, control_port=port)
         from emulation import tun
 
         tun.TunConfig(cfg.ifname, cfg.addr_a, cfg.addr_b, cfg.mtu)  # validate before starting

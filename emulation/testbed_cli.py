@@ -75,6 +75,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.set_defaults(handler=cmd_exec)
 
 
+# `up`'s options are Testbed's parameters, by the same names
+_UP_OPTIONS = (
+    "name",
+    "rtt_ms",
+    "jitter_ms",
+    "jitter_dist",
+    "bw_mbit",
+    "loss_pct",
+    "queue_bytes",
+    "mtu",
+    "shell",
+    "addr_a",
+    "addr_b",
+    "seed",
+)
+
+
 def _name(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--name", default="pdd", help="testbed name: namespaces are <name>-a and <name>-b"
@@ -86,26 +103,24 @@ def _fail(msg: str, code: int = 1) -> int:
     return code
 
 
+def _check_name(name: str) -> int | None:
+    """None for a valid testbed name; else says why not and returns the usage error's code."""
+    from emulation.testbed import check_testbed_name
+
+    try:
+        check_testbed_name(name)
+    except ValueError as exc:
+        return _fail(str(exc), 2)
+    return None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     import asyncio
 
     from emulation.testbed import Testbed
 
     try:
-        tb = Testbed(
-            name=args.name,
-            rtt_ms=args.rtt_ms,
-            jitter_ms=args.jitter_ms,
-            jitter_dist=args.jitter_dist,
-            bw_mbit=args.bw_mbit,
-            loss_pct=args.loss_pct,
-            queue_bytes=args.queue_bytes,
-            mtu=args.mtu,
-            shell=args.shell,
-            addr_a=args.addr_a,
-            addr_b=args.addr_b,
-            seed=args.seed,
-        )
+        tb = Testbed(**{key: getattr(args, key) for key in _UP_OPTIONS})
     except ValueError as exc:
         return _fail(str(exc), 2)
     try:
@@ -123,12 +138,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from emulation.testbed import check_testbed_name, teardown, unavailable_reason
+    from emulation.testbed import teardown, unavailable_reason
 
-    try:
-        check_testbed_name(args.name)
-    except ValueError as exc:
-        return _fail(str(exc), 2)
+    if (code := _check_name(args.name)) is not None:
+        return code
     reason = unavailable_reason()
     if reason is not None:
         return _fail(reason)
@@ -151,12 +164,10 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import asyncio
 
-    from emulation.testbed import check_testbed_name, status
+    from emulation.testbed import status
 
-    try:
-        check_testbed_name(args.name)
-    except ValueError as exc:
-        return _fail(str(exc), 2)
+    if (code := _check_name(args.name)) is not None:
+        return code
     info = asyncio.run(status(args.name))
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
@@ -208,17 +219,15 @@ def format_status(info: dict[str, Any]) -> str:
 
 def cmd_exec(args: argparse.Namespace) -> int:
     from emulation import netns
-    from emulation.testbed import check_testbed_name, namespaces_of
+    from emulation.testbed import namespaces_of
 
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
         return _fail("exec needs a command: pdd testbed exec [--name N] a|b -- CMD", 2)
-    try:
-        check_testbed_name(args.name)
-    except ValueError as exc:
-        return _fail(str(exc), 2)
+    if (code := _check_name(args.name)) is not None:
+        return code
     ns = namespaces_of(args.name)[0 if args.side == "a" else 1]
     if not netns.exists(ns):
         return _fail(
