@@ -34,23 +34,34 @@ def _until_stopped(stop: threading.Event, wait: Callable[[], T]) -> Iterator[T]:
         yield got
 
 
-class UdpEcho:
-    """Echo every datagram back to its sender, in a thread, until stop()."""
+class _SocketThread:
+    """A thread that serves `sock` until stop(): what the echoes share. The socket gets
+    `timeout_s` so that the loop (a subclass's `_run`) sees stop() soon."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, timeout_s: float, name: str) -> None:
         self.sock = sock
-        sock.settimeout(0.1)
+        sock.settimeout(timeout_s)
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="udp-echo", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        for data, peer in _until_stopped(self._stop, lambda: self.sock.recvfrom(65535)):
-            self.sock.sendto(data, peer)
+        raise NotImplementedError
 
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(timeout=2)
+
+
+class UdpEcho(_SocketThread):
+    """Echo every datagram back to its sender, in a thread, until stop()."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock, 0.1, "udp-echo")
+
+    def _run(self) -> None:
+        for data, peer in _until_stopped(self._stop, lambda: self.sock.recvfrom(65535)):
+            self.sock.sendto(data, peer)
 
 
 def udp_rtts(
@@ -207,18 +218,14 @@ def tcp_send_for(
     return sent
 
 
-class TcpEcho:
-    """Echo everything back on every accepted TCP connection (threads), until stop()."""
+class TcpEcho(_SocketThread):
+    """Echo everything back on every connection `listener` accepts (threads), until stop()."""
 
     def __init__(self, listener: socket.socket) -> None:
-        self.listener = listener
-        listener.settimeout(0.2)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._accept, name="tcp-echo", daemon=True)
-        self.thread.start()
+        super().__init__(listener, 0.2, "tcp-echo")
 
-    def _accept(self) -> None:
-        for conn, _ in _until_stopped(self._stop, self.listener.accept):
+    def _run(self) -> None:
+        for conn, _ in _until_stopped(self._stop, self.sock.accept):
             threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     def _echo(self, conn: socket.socket) -> None:
@@ -229,10 +236,6 @@ class TcpEcho:
                 if not data:
                     return
                 conn.sendall(data)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=2)
 
 
 def tcp_rtts(
