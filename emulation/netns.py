@@ -33,7 +33,6 @@ _MS_REC = 0x4000
 _MS_BIND = 0x1000
 _MS_SHARED = 1 << 20
 _MNT_DETACH = 2
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 T = TypeVar("T")
 
@@ -53,14 +52,22 @@ def _check(rc: int, what: str, target: str = "") -> None:
         raise OSError(err, f"{what} failed: {os.strerror(err)}", target or None)
 
 
-def check_name(name: str) -> str:
-    """Reject names that could escape /run/netns or that `ip` would not accept."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+def check_plain_name(name: str, what: str, longest: int) -> str:
+    """`name`, if it is 1 to `longest` characters of A-Z a-z 0-9 _ . - starting with a letter or
+    digit (nothing that could escape a folder or that `ip` would not accept); else ValueError
+    ("bad <what> name ...")."""
+    pattern = rf"^[A-Za-z0-9][A-Za-z0-9_.-]{{0,{longest - 1}}}$"
+    if not isinstance(name, str) or not re.match(pattern, name):
         raise ValueError(
-            f"bad network namespace name {name!r}: use 1-63 characters of A-Z a-z 0-9 _ . - "
+            f"bad {what} name {name!r}: use 1-{longest} characters of A-Z a-z 0-9 _ . - "
             "starting with a letter or digit"
         )
     return name
+
+
+def check_name(name: str) -> str:
+    """Reject names that could escape /run/netns or that `ip` would not accept."""
+    return check_plain_name(name, "network namespace", 63)
 
 
 def netns_path(name: str) -> str:

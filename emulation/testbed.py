@@ -22,7 +22,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -39,7 +38,6 @@ log = logging.getLogger(__name__)
 DEFAULT_STATE_DIR = "/run/pddnet"
 SHELLS = ("packet", "kernel", "auto")
 SIDES = ("a", "b")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_TIMEOUT_S = 20.0
 
@@ -49,12 +47,7 @@ def current_state_dir() -> str:
 
 
 def check_testbed_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(
-            f"bad testbed name {name!r}: 1-40 characters of A-Z a-z 0-9 _ . - "
-            "starting with a letter or digit"
-        )
-    return name
+    return netns.check_plain_name(name, "testbed", 40)
 
 
 def namespaces_of(name: str) -> tuple[str, str]:
