@@ -107,7 +107,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     proxy.add_argument("--loop", action="store_true", help="repeat --schedule")
     proxy.set_defaults(handler=run_proxy)
 
-    def client(name: str, help_text: str) -> argparse.ArgumentParser:
+    def client(
+        name: str, help_text: str, direction: str | None = None, duration: str | None = None
+    ) -> argparse.ArgumentParser:
+        """A command that talks to a running emulator's control API; with `direction` (what it
+        does to the chosen direction) it takes --direction, with `duration` (that option's
+        help) --duration."""
         p = wan_sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument(
             "--control",
@@ -115,30 +120,26 @@ def register(sub: argparse._SubParsersAction) -> None:
             metavar="URL",
             help="control API, e.g. http://127.0.0.1:7070",
         )
+        if direction is not None:
+            p.add_argument(
+                "--direction",
+                default="both",
+                choices=["both", "a_to_b", "b_to_a"],
+                help=f"which direction to {direction}",
+            )
+        if duration is not None:
+            p.add_argument("--duration", type=float, default=None, help=duration)
         return p
 
-    show = client("show", "print a running emulator's effects and counters")
-    show.add_argument(
-        "--direction",
-        default="both",
-        choices=["both", "a_to_b", "b_to_a"],
-        help="which direction to print",
-    )
+    show = client("show", "print a running emulator's effects and counters", direction="print")
     show.add_argument("--json", action="store_true", help="the raw JSON")
     show.set_defaults(handler=run_show)
 
-    set_ = client("set", "change effects: pdd wan set --control URL delay_ms=40 rate_mbit=100")
-    set_.add_argument(
-        "--direction",
-        default="both",
-        choices=["both", "a_to_b", "b_to_a"],
-        help="which direction to change",
-    )
-    set_.add_argument(
-        "--duration",
-        type=float,
-        default=None,
-        help="seconds after which the change reverts by itself (default: it stays)",
+    set_ = client(
+        "set",
+        "change effects: pdd wan set --control URL delay_ms=40 rate_mbit=100",
+        direction="change",
+        duration="seconds after which the change reverts by itself (default: it stays)",
     )
     set_.add_argument(
         "--clear",
@@ -153,16 +154,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "one chaos verb with a duration: partition | latency-spike "
         "(add_ms=) | bandwidth-collapse (fraction=) | loss-burst (loss_pct=) | "
         "jitter-storm (jitter_ms=) | heal",
+        duration="seconds the fault lasts (no default: required)",
     )
     chaos.add_argument(
         "kind",
         help="partition | latency-spike | bandwidth-collapse | loss-burst | jitter-storm | heal",
-    )
-    chaos.add_argument(
-        "--duration",
-        type=float,
-        default=None,
-        help="seconds the fault lasts (no default: required)",
     )
     chaos.add_argument("params", nargs="*", metavar="key=value")
     chaos.set_defaults(handler=run_chaos)
