@@ -22,6 +22,21 @@ SERVE_ROLES = {
 }
 
 
+def _config_option(
+    p: argparse.ArgumentParser,
+    flag: str,
+    what: str,
+    otherwise: str,
+    source: str = "--config's",
+    **kwargs: Any,
+) -> None:
+    """An option of `pdd up` that overrides the cluster TOML: unset (None), the value comes
+    from `source` in --config, else it is `otherwise`."""
+    p.add_argument(
+        flag, default=None, help=f"{what} (default: {source}, else {otherwise})", **kwargs
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser(
         "up",
@@ -35,67 +50,57 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="cluster TOML; the flags below override it (default: none, built-in defaults)",
     )
-    up.add_argument(
+    _config_option(
+        up,
         "--mode",
+        "PDD or one of its two baselines",
+        "pdd",
+        "--config's mode",
         choices=["pdd", "cross-dc", "same-dc"],
-        default=None,
-        help="PDD or one of its two baselines (default: --config's mode, else pdd)",
     )
-    up.add_argument(
+    _config_option(
+        up,
         "--model",
-        default=None,
+        "preset (seeded random weights, byte vocabulary) or a folder in HF Llama layout",
+        "tiny",
+        "--config's [model] name",
         metavar="tiny|small|medium|PATH",
-        help="preset (seeded random weights, byte vocabulary) or a folder in HF "
-        "Llama layout (default: --config's [model] name, else tiny)",
     )
-    up.add_argument(
-        "--rtt-ms", type=float, default=None, help="WAN round trip (default: --config's, else 30)"
-    )
-    up.add_argument(
-        "--jitter-ms",
-        type=float,
-        default=None,
-        help="WAN jitter per direction (default: --config's, else 0)",
-    )
-    up.add_argument(
-        "--bw-mbit",
-        type=float,
-        default=None,
-        help="WAN rate per direction (default: --config's, else 1000)",
-    )
-    up.add_argument(
-        "--port", type=int, default=None, help="router HTTP port (default: --config's, else 8000)"
-    )
-    up.add_argument(
+    _config_option(up, "--rtt-ms", "WAN round trip", "30", type=float)
+    _config_option(up, "--jitter-ms", "WAN jitter per direction", "0", type=float)
+    _config_option(up, "--bw-mbit", "WAN rate per direction", "1000", type=float)
+    _config_option(up, "--port", "router HTTP port", "8000", type=int)
+    _config_option(
+        up,
         "--wan",
+        "WAN shell",
+        "auto: kernel, else packet, else proxy",
         choices=["auto", "kernel", "packet", "proxy"],
-        default=None,
-        help="WAN shell (default: --config's, else auto: kernel, else packet, else proxy)",
     )
-    up.add_argument(
+    _config_option(
+        up,
         "--run-dir",
-        default=None,
+        "where the run file, config and logs go",
+        "runs/<name>",
+        "--config's run_dir",
         metavar="DIR",
-        help="where the run file, config and logs go (default: --config's run_dir, "
-        "else runs/<name>)",
     )
-    up.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads per daemon (default: --config's, else 1)",
-    )
-    up.add_argument(
+    _config_option(up, "--threads", "torch threads per daemon", "1", type=int)
+    _config_option(
+        up,
         "--intra-dc-transport",
+        "KV backend P -> RLD",
+        "shm",
+        "--config's [transport] intra_dc",
         choices=["shm", "mooncake"],
-        default=None,
-        help="KV backend P -> RLD (default: --config's [transport] intra_dc, else shm)",
     )
-    up.add_argument(
+    _config_option(
+        up,
         "--wan-transport",
+        "KV backend P -> MD",
+        "tcp",
+        "--config's [transport] wan",
         choices=["tcp", "mooncake"],
-        default=None,
-        help="KV backend P -> MD (default: --config's [transport] wan, else tcp)",
     )
     up.add_argument(
         "--placement",
