@@ -6,6 +6,7 @@ Importing this module imports nothing heavy; handlers import what they need when
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -22,16 +23,22 @@ SERVE_ROLES = {
 }
 
 
+MODES = ("pdd", "cross-dc", "same-dc")
+WAN_SHELLS = ("auto", "kernel", "packet", "proxy")
+SHM_OR_MC, TCP_OR_MC = ("shm", "mooncake"), ("tcp", "mooncake")  # KV backends in / across DCs
+
+
 def _config_option(
     p: argparse.ArgumentParser,
     flag: str,
     what: str,
     otherwise: str,
-    source: str = "--config's",
+    key: str = "",
     **kwargs: Any,
 ) -> None:
-    """An option of `pdd up` that overrides the cluster TOML: unset (None), the value comes
-    from `source` in --config, else it is `otherwise`."""
+    """An option of `pdd up` that overrides the cluster TOML: unset (None), the value is
+    --config's (its `key`, named in the help when it is not obvious), else `otherwise`."""
+    source = f"--config's {key}".strip()
     p.add_argument(
         flag, default=None, help=f"{what} (default: {source}, else {otherwise})", **kwargs
     )
@@ -50,58 +57,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="cluster TOML; the flags below override it (default: none, built-in defaults)",
     )
-    _config_option(
-        up,
-        "--mode",
-        "PDD or one of its two baselines",
-        "pdd",
-        "--config's mode",
-        choices=["pdd", "cross-dc", "same-dc"],
-    )
-    _config_option(
-        up,
-        "--model",
-        "preset (seeded random weights, byte vocabulary) or a folder in HF Llama layout",
-        "tiny",
-        "--config's [model] name",
-        metavar="tiny|small|medium|PATH",
-    )
-    _config_option(up, "--rtt-ms", "WAN round trip", "30", type=float)
-    _config_option(up, "--jitter-ms", "WAN jitter per direction", "0", type=float)
-    _config_option(up, "--bw-mbit", "WAN rate per direction", "1000", type=float)
-    _config_option(up, "--port", "router HTTP port", "8000", type=int)
-    _config_option(
-        up,
-        "--wan",
-        "WAN shell",
-        "auto: kernel, else packet, else proxy",
-        choices=["auto", "kernel", "packet", "proxy"],
-    )
-    _config_option(
-        up,
-        "--run-dir",
-        "where the run file, config and logs go",
-        "runs/<name>",
-        "--config's run_dir",
-        metavar="DIR",
-    )
-    _config_option(up, "--threads", "torch threads per daemon", "1", type=int)
-    _config_option(
-        up,
-        "--intra-dc-transport",
-        "KV backend P -> RLD",
-        "shm",
-        "--config's [transport] intra_dc",
-        choices=["shm", "mooncake"],
-    )
-    _config_option(
-        up,
-        "--wan-transport",
-        "KV backend P -> MD",
-        "tcp",
-        "--config's [transport] wan",
-        choices=["tcp", "mooncake"],
-    )
+    option = functools.partial(_config_option, up)
+    option("--mode", "PDD or one of its two baselines", "pdd", "mode", choices=MODES)
+    model = "preset (seeded random weights, byte vocabulary) or a folder in HF Llama layout"
+    option("--model", model, "tiny", "[model] name", metavar="tiny|small|medium|PATH")
+    option("--rtt-ms", "WAN round trip", "30", type=float)
+    option("--jitter-ms", "WAN jitter per direction", "0", type=float)
+    option("--bw-mbit", "WAN rate per direction", "1000", type=float)
+    option("--port", "router HTTP port", "8000", type=int)
+    option("--wan", "WAN shell", "auto: kernel, else packet, else proxy", choices=WAN_SHELLS)
+    run_dir = "where the run file, config and logs go"
+    option("--run-dir", run_dir, "runs/<name>", "run_dir", metavar="DIR")
+    option("--threads", "torch threads per daemon", "1", type=int)
+    to_rld = "KV backend P -> RLD"
+    option("--intra-dc-transport", to_rld, "shm", "[transport] intra_dc", choices=SHM_OR_MC)
+    option("--wan-transport", "KV backend P -> MD", "tcp", "[transport] wan", choices=TCP_OR_MC)
     up.add_argument(
         "--placement",
         choices=["datacenter", "hosts"],
