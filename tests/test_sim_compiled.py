@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pddnet.sim import compiled
+from tests.run_module import run_module
 from tests.test_sim_system import small_dict, write_conversation_trace
 
 pytestmark = [
@@ -47,14 +48,7 @@ def tree(quick_build) -> Path:
 
 
 def _pdd(args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "pddnet", *args],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_module("pddnet", *args, env=env, check=True, timeout=600)
 
 
 def test_the_compiled_copy_imports_every_listed_module_as_a_c_extension(tree):

@@ -18,6 +18,7 @@ from emulation.probes import UdpEcho, udp_rtts
 from emulation.testbed import Testbed, find_emulators, load_state, status_processes, teardown
 from tests.link_measurement import assert_measured
 from tests.polling import wait_for, wait_for_sync
+from tests.run_module import run_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 root = pytest.mark.skipif(
@@ -48,13 +49,7 @@ def machine(name: str, state_dir: str) -> dict:
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "emulation.testbed_cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_module("emulation.testbed_cli", *args, cwd=ROOT, timeout=timeout)
 
 
 def test_bad_arguments_are_rejected_before_anything_is_made():
