@@ -33,6 +33,7 @@ except ImportError:  # run from a checkout: the repository root holds the packag
 
 from pddnet.sim import compiled
 from pddnet.sim.config import parse_config
+from pddnet.sim.reproduce import AGENT_LENGTHS
 from pddnet.sim.runner import simulate
 
 MODES = ("pure", "compiled")
@@ -66,12 +67,8 @@ def deployment(gpus: int, requests: int, tokens_per_unit: int, rate_per_gpu: flo
             "num_conversations": 10_000_000,
             "conversation_rate_per_s": rate_per_gpu * gpus,
             "think_time_s": 2.0,
-            "system_prompt_len": [4000, 16000],
-            "task_len": [1000, 4000],
-            "small_tool_len": [64, 1024],
-            "large_tool_len": [8000, 32000],
+            **AGENT_LENGTHS,
             "output_len": [64, 1024],
-            "max_context": 65536,
         },
     }
 

@@ -18,6 +18,7 @@ import pddnet.policy.handoff
 import pddnet.policy.pipeline
 from pddnet.sim.cli import dumps, register
 from pddnet.sim.config import parse_config
+from pddnet.sim.reproduce import AGENT_LENGTHS
 from pddnet.sim.runner import Schedule, run_systems, simulate, simulate_all
 from pddnet.sim.system import SimulatedSystem
 from pddnet.workload.trace import trace_stream
@@ -46,12 +47,8 @@ def small_dict(requests=160, **over) -> dict:
             "requests": requests,
             "num_conversations": 1000,
             "conversation_rate_per_s": 0.5,
-            "system_prompt_len": [4000, 16000],
-            "task_len": [1000, 4000],
-            "small_tool_len": [64, 1024],
-            "large_tool_len": [8000, 32000],
+            **AGENT_LENGTHS,
             "output_len": [64, 512],
-            "max_context": 65536,
         },
     }
     cfg.update(over)

@@ -400,12 +400,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, a handful of requests")
     p.add_argument("--model", default="small")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--requests", type=int, default=8, help="long-prompt requests per mode")
-    p.add_argument("--rate", type=float, default=0.8, help="Poisson arrivals per second")
     # outputs long next to their KV's crossing time, so that pdd's pipeline policy sends the
     # long prompts P->RLD->MD and RLD is still decoding when MD's copy lands: they hand off
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(192, 448), metavar=("MIN", "MAX"))
-    p.add_argument("--max-tokens", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    ttft.add_long_prompt_arguments(
+        p, requests=8, rate=0.8, prompt_len=(192, 448), max_tokens=(64, 128)
+    )
     p.add_argument("--conversations", type=int, default=1, help="agent conversations per mode")
     metrics.add_arguments(p)
     ttft.add_wan_arguments(p, wan="auto")

@@ -277,15 +277,28 @@ def add_wan_arguments(p: argparse.ArgumentParser, wan: str) -> None:
     p.add_argument("--wan", default=wan, choices=("auto", "kernel", "packet", "proxy"))
 
 
+def add_long_prompt_arguments(
+    p: argparse.ArgumentParser,
+    requests: int,
+    rate: float,
+    prompt_len: tuple[int, int],
+    max_tokens: tuple[int, int],
+) -> None:
+    """The long-prompt Poisson workload of a mode (`pdd demo` drives it too); the defaults are
+    the benchmark's."""
+    p.add_argument("--requests", type=int, default=requests, help="long-prompt requests per mode")
+    p.add_argument("--rate", type=float, default=rate, help="Poisson arrivals per second")
+    minmax = ("MIN", "MAX")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=prompt_len, metavar=minmax)
+    p.add_argument("--max-tokens", type=int, nargs=2, default=max_tokens, metavar=minmax)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, few requests (smoke test)")
     p.add_argument("--model", default="small")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--requests", type=int, default=24, help="long-prompt requests")
-    p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(256, 768), metavar=("MIN", "MAX"))
-    p.add_argument("--max-tokens", type=int, nargs=2, default=(32, 96), metavar=("MIN", "MAX"))
+    add_long_prompt_arguments(p, requests=24, rate=0.5, prompt_len=(256, 768), max_tokens=(32, 96))
     p.add_argument("--conversations", type=int, default=6, help="agent conversations")
     p.add_argument(
         "--conversation-rate", type=float, default=0.4, help="new agent conversations per second"

@@ -85,6 +85,18 @@ def _pool(chip: str, n: int) -> dict[str, Any]:
     return {"chip": chip, "instances": n, "gpus": 1}
 
 
+# The token lengths of the long-context agent workload the large simulations share (the scenario
+# here, the scale benchmark, the system tests): system prompts of 4-16k tokens, tasks of 1-4k,
+# tool results small or of 8-32k, within a 64k context.
+AGENT_LENGTHS: dict[str, Any] = {
+    "system_prompt_len": [4000, 16000],
+    "task_len": [1000, 4000],
+    "small_tool_len": [64, 1024],
+    "large_tool_len": [8000, 32000],
+    "max_context": 65536,
+}
+
+
 def scenario(quick: bool, seed: int = 0) -> dict[str, Any]:
     """The scenario as a config dict (what `pdd sim run` would read from TOML)."""
     common = {
@@ -100,13 +112,9 @@ def scenario(quick: bool, seed: int = 0) -> dict[str, Any]:
         "arrivals": "baseline",
         "num_conversations": 100000,
         "think_time_s": 2.0,
-        "system_prompt_len": [4000, 16000],
-        "task_len": [1000, 4000],
-        "small_tool_len": [64, 1024],
-        "large_tool_len": [8000, 32000],
+        **AGENT_LENGTHS,
         "large_tool_prob": 0.18,
         "output_len": [64, 1024],
-        "max_context": 65536,
         "max_turns": [6, 30],
     }
     if quick:
