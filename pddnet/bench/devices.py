@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 
@@ -38,15 +38,7 @@ class DeviceSetup:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "emulated": self.emulated,
-            "target_model": self.target_model,
-            "devices": self.devices,
-            "dilation": self.dilation,
-            "auto": self.auto,
-            "wire_scale": self.wire_scale,
-            "overrides": self.overrides,
-        }
+        return {"emulated": self.emulated, **asdict(self)}
 
     def wall_rate_mbit(self, modelled_mbit: float) -> float:
         """A link rate of the modelled world (the target's KV bytes, modelled seconds) as the

@@ -28,7 +28,7 @@ import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +79,8 @@ class Daemon:
     metrics_port: int | None = None  # the router serves /metrics on its own port
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "role": self.role,
-            "pid": self.pid,
-            "host": self.host,
-            "port": self.port,
-            "metrics_port": self.metrics_port,
-            "address": self.address,
-            "namespace": self.namespace,
-            "threads": self.threads,
-            "log": self.log,
-            "stats_file": self.stats_file,
-        }
+        """What the run file says of the daemon: every field but the process handle."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "proc"}
 
 
 @dataclass
