@@ -1,4 +1,5 @@
-"""Writing benchmark results: one JSON per run with the configuration and the machine inside."""
+"""Writing benchmark results: one JSON per run with the configuration and the machine inside,
+the options every benchmark takes for it, and the lines a run ends with (where it wrote)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from argparse import ArgumentParser, Namespace
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from pddnet.bench.devices import print_validity
 
 
 def add_run_arguments(
@@ -95,8 +98,6 @@ def closing(
     """The end a cluster benchmark with one plot shares: where its JSON and plot went, then the
     prominent warning for every run whose emulated devices did not keep pace; returns the keys
     of its result that say so ("path", "plot", "warnings")."""
-    from pddnet.bench.devices import print_validity
-
     announce(path, [png])
     warnings = print_validity(reports, bench)
     return {"path": str(path), "plot": str(png) if png else None, "warnings": warnings}
