@@ -10,6 +10,8 @@ import json
 import sys
 from typing import Any
 
+from emulation.wan_cli import add_link_arguments
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -22,26 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     up = tsub.add_parser("up", help="create the testbed and start its emulator, then return")
     _name(up)
-    up.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip delay (ms)")
-    up.add_argument("--jitter-ms", type=float, default=0.0, help="jitter per direction (ms)")
-    up.add_argument(
-        "--jitter-dist",
-        default=None,
-        help="uniform | normal | pareto-normal (default: the link model's, normal)",
-    )
-    up.add_argument(
-        "--bw-mbit",
-        type=float,
-        default=None,
-        help="rate per direction (Mbit/s) (default: unlimited)",
-    )
+    add_link_arguments(up)
     up.add_argument("--loss-pct", type=float, default=0.0, help="random loss per direction (%%)")
-    up.add_argument(
-        "--queue-bytes",
-        type=int,
-        default=None,
-        help="bottleneck queue limit (default: the link model's, 1 MiB)",
-    )
     up.add_argument("--mtu", type=int, default=9000, help="WAN MTU")
     up.add_argument(
         "--shell",
@@ -52,7 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--addr-a", default="10.77.0.1", help="address in A")
     up.add_argument("--addr-b", default="10.77.0.2", help="address in B")
-    up.add_argument("--seed", type=int, default=0, help="seed of the link model's randomness")
     up.set_defaults(handler=cmd_up)
 
     down = tsub.add_parser("down", help="remove everything the testbed made (also after a crash)")

@@ -36,6 +36,31 @@ def _key_values(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def add_link_arguments(p: argparse.ArgumentParser) -> None:
+    """The emulated link at start (each direction alike) and its seed: the options `pdd wan
+    proxy` and `pdd testbed up` share. Unset (None), an effect is the link model's default."""
+    p.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip delay (ms), half each way")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="jitter per direction (ms)")
+    p.add_argument(
+        "--jitter-dist",
+        default=None,
+        help="uniform | normal | pareto-normal (default: the link model's, normal)",
+    )
+    p.add_argument(
+        "--bw-mbit",
+        type=float,
+        default=None,
+        help="bottleneck rate per direction (Mbit/s) (default: unlimited)",
+    )
+    p.add_argument(
+        "--queue-bytes",
+        type=int,
+        default=None,
+        help="bottleneck queue limit (default: the link model's, 1 MiB)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the link model's randomness")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     wan = sub.add_parser(
         "wan",
@@ -71,23 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         help="control API address (default: 127.0.0.1:0, any free port)",
     )
-    proxy.add_argument(
-        "--rtt-ms", type=float, default=0.0, help="round-trip delay in ms (half each way)"
-    )
-    proxy.add_argument("--jitter-ms", type=float, default=0.0, help="jitter per direction, ms")
-    proxy.add_argument("--jitter-dist", default="normal", help="uniform | normal | pareto-normal")
-    proxy.add_argument(
-        "--bw-mbit",
-        type=float,
-        default=None,
-        help="bottleneck rate per direction, Mbit/s (default: unlimited)",
-    )
-    proxy.add_argument(
-        "--queue-bytes",
-        type=int,
-        default=None,
-        help="bottleneck queue limit (default: the link model's, 1 MiB)",
-    )
+    add_link_arguments(proxy)
     proxy.add_argument(
         "--burst-bytes",
         type=int,
@@ -97,7 +106,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     proxy.add_argument(
         "--chunk-bytes", type=int, default=32 * 1024, help="largest byte chunk handed to the model"
     )
-    proxy.add_argument("--seed", type=int, default=0, help="seed of the link model's randomness")
     proxy.add_argument(
         "--schedule",
         default=None,
@@ -189,13 +197,11 @@ def run_proxy(args: argparse.Namespace) -> int:
     effects: dict[str, Any] = {
         "delay_ms": args.rtt_ms / 2.0,
         "jitter_ms": args.jitter_ms,
-        "jitter_dist": args.jitter_dist,
         "rate_mbit": args.bw_mbit,
     }
-    if args.queue_bytes is not None:
-        effects["queue_bytes"] = args.queue_bytes
-    if args.burst_bytes is not None:
-        effects["burst_bytes"] = args.burst_bytes
+    for key in ("jitter_dist", "queue_bytes", "burst_bytes"):  # unset: the link model's
+        if getattr(args, key) is not None:
+            effects[key] = getattr(args, key)
     try:
         link = Link(seed=args.seed, **effects)
     except ValueError as exc:
