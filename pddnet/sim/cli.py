@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     run = ss.add_parser("run", help="simulate the systems of a config; JSON + PNG plots")
     run.add_argument("--config", required=True, help="simulation config (TOML or JSON)")
-    run.add_argument("--out", default="results/sim", help="output folder")
     run.add_argument(
         "--seed", type=int, default=None, help="override the config's seed (default: the config's)"
     )
@@ -33,10 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="override workload.requests (default: the config's)",
     )
-    run.add_argument("--no-plots", action="store_true", help="write the JSON only")
-    _jobs_arg(run)
-    _compiled_arg(run)
-    run.set_defaults(handler=cmd_run)
+    _add_run_options(run, cmd_run)
 
     pl = ss.add_parser("plan", help="search pool sizes for the best benefit-cost ratio")
     pl.add_argument("--config", required=True, help="simulation config (TOML or JSON)")
@@ -49,20 +46,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also plan same-dc on the same grid of P and D sizes; print BCR ratio",
     )
-    pl.add_argument("--out", default="results/sim", help="output folder")
-    pl.add_argument("--no-plots", action="store_true", help="write the JSON only")
-    _jobs_arg(pl)
-    _compiled_arg(pl)
-    pl.set_defaults(handler=cmd_plan)
+    _add_run_options(pl, cmd_plan)
 
     rp = ss.add_parser("reproduce", help="the source report's scenario, ours beside theirs")
     rp.add_argument("--quick", action="store_true", help="small scale (seconds, as in tests)")
     rp.add_argument("--seed", type=int, default=0, help="workload seed")
-    rp.add_argument("--out", default="results/sim", help="output folder")
-    rp.add_argument("--no-plots", action="store_true", help="write the JSON only")
-    _jobs_arg(rp)
-    _compiled_arg(rp)
-    rp.set_defaults(handler=cmd_reproduce)
+    _add_run_options(rp, cmd_reproduce)
 
     cal = ss.add_parser(
         "calibrate",
@@ -149,7 +138,11 @@ def _calibrate_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _jobs_arg(parser: argparse.ArgumentParser) -> None:
+def _add_run_options(parser: argparse.ArgumentParser, handler: Callable[..., int]) -> None:
+    """What every simulation command ends with: where it writes, whether it plots, how it
+    runs (processes, compiled), and its handler."""
+    parser.add_argument("--out", default="results/sim", help="output folder")
+    parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
     parser.add_argument(
         "--jobs",
         type=int,
@@ -157,15 +150,13 @@ def _jobs_arg(parser: argparse.ArgumentParser) -> None:
         help="processes for independent simulations (default: one per core; "
         "1 runs everything in this process; results are the same)",
     )
-
-
-def _compiled_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compiled",
         action="store_true",
         help="run the simulator compiled with mypyc (~1.8x faster, the same "
         "results; built once per source version, needs a C compiler)",
     )
+    parser.set_defaults(handler=handler)
 
 
 def _enter_mode(args: argparse.Namespace, command: str) -> int | None:
