@@ -45,6 +45,7 @@ from pddnet.bench.drive import warm_up
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
 from pddnet.bench.results import add_run_arguments, closing, run_config, write_result
+from pddnet.bench.ttft import add_wan_arguments
 from pddnet.device import flags as device_flags
 
 MODES = ("one-shot", "streaming", "dynamic")
@@ -477,14 +478,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=16, help="policy.handoff_chunk")
     p.add_argument("--threshold", type=int, default=64, help="policy.handoff_threshold_tokens")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--rtt-ms", type=float, default=10.0)
     p.add_argument(
         "--max-rate-mbit",
         type=float,
         default=10000.0,
         help="cap on the WAN rate set per backlog (modelled when devices are emulated)",
     )
-    p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
+    add_wan_arguments(p, wan="proxy", rtt_ms=10.0, shaped=False)
     p.add_argument("--request-timeout", type=float, default=300.0)
     add_run_arguments(p, threads="torch threads per daemon")
     metrics.add_arguments(p, goodput=False)

@@ -41,6 +41,7 @@ from pddnet.bench.metrics import add_arguments as add_metric_arguments
 from pddnet.bench.plots import grouped_bars
 from pddnet.bench.progress import progress
 from pddnet.bench.results import add_run_arguments, closing, run_config, write_result
+from pddnet.bench.ttft import add_wan_arguments
 from pddnet.device import flags as device_flags
 
 # -- 1. shared memory -----------------------------------------------------------------------
@@ -449,12 +450,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[50.0, 200.0, 1000.0],
         help="configured WAN rates (Mbit/s)",
     )
-    p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--wan-seconds", type=float, default=3.0)
     p.add_argument("--decode-requests", type=int, default=4)
     p.add_argument("--decode-prompt-len", type=int, default=64)
     p.add_argument("--decode-max-tokens", type=int, default=128)
-    p.add_argument("--wan", default="proxy", choices=("auto", "kernel", "packet", "proxy"))
+    add_wan_arguments(p, wan="proxy", shaped=False)
     add_run_arguments(p, threads="torch threads per daemon")
     add_metric_arguments(p, goodput=False)
     device_flags.add_arguments(p)

@@ -263,17 +263,21 @@ async def run_mode(
     return out
 
 
-def add_wan_arguments(p: argparse.ArgumentParser, wan: str) -> None:
-    """The emulated WAN of the benchmark's clusters (`pdd demo` drives them too)."""
-    p.add_argument("--rtt-ms", type=float, default=30.0)
-    p.add_argument("--jitter-ms", type=float, default=2.0)
-    p.add_argument(
-        "--bw-mbit",
-        type=float,
-        default=None,
-        help="WAN rate per direction, in the modelled world when devices are "
-        "emulated (default 100; --quick: 4)",
-    )
+def add_wan_arguments(
+    p: argparse.ArgumentParser, wan: str, rtt_ms: float = 30.0, shaped: bool = True
+) -> None:
+    """The emulated WAN of a cluster benchmark's clusters: its shell and round trip; `shaped`:
+    also the jitter and the rate (this benchmark and `pdd demo`; the others set their own)."""
+    p.add_argument("--rtt-ms", type=float, default=rtt_ms)
+    if shaped:
+        p.add_argument("--jitter-ms", type=float, default=2.0)
+        p.add_argument(
+            "--bw-mbit",
+            type=float,
+            default=None,
+            help="WAN rate per direction, in the modelled world when devices are "
+            "emulated (default 100; --quick: 4)",
+        )
     p.add_argument("--wan", default=wan, choices=("auto", "kernel", "packet", "proxy"))
 
 
