@@ -81,12 +81,12 @@ def test_incremental_engine_style_insert_continues_the_hash_chain():
     tokens = list(range(16))
     table = a.allocate(4)
     h1 = c.insert(tokens[:8], table)
-    h2 = c.insert(tokens, table, first_block=2, parent_hash=h1[-1])
+    h2 = c.insert(tokens, table, h1)
     assert h1 + h2 == chained_hashes(tokens, BS)
-    with pytest.raises(ValueError, match="parent_hash"):
-        c.insert(tokens, table, first_block=2, parent_hash=12345)
-    with pytest.raises(ValueError, match="first_block"):
-        c.insert(tokens, table, first_block=9)
+    with pytest.raises(ValueError, match="the chain's last hash"):
+        c.insert(tokens, table, [h1[0], 12345])
+    with pytest.raises(ValueError, match="a chain of 9 hashes"):
+        c.insert(tokens, table, [0] * 9)
     check_invariants(c)
 
 

@@ -139,20 +139,12 @@ class HashPrefixCache:
     # -- insertion and release -------------------------------------------------------------------
 
     def insert(
-        self,
-        token_ids: Sequence[int],
-        block_ids: Sequence[int],
-        first_block: int = 0,
-        parent_hash: int = 0,
+        self, token_ids: Sequence[int], block_ids: Sequence[int], chain: Sequence[int] = ()
     ) -> list[int]:
-        """Index the full blocks ``first_block..`` of a sequence whose KV is computed.
-
-        ``token_ids`` are the sequence's tokens with computed KV (only whole blocks count),
-        ``block_ids`` its block table, ``parent_hash`` the hash of block ``first_block - 1``.
-        Returns the hashes of the blocks considered (so the caller can continue the chain).
-        A block whose prefix is already cached under another block id stays uncached (the
-        sequence keeps using its own copy).
-        """
+        """PrefixCache.insert. A block whose prefix is already cached under another block id
+        stays uncached (the sequence keeps using its own copy)."""
+        first_block = len(chain)
+        parent_hash = chain[-1] if chain else 0
         bs = self.block_size
         hashes = chained_hashes(token_ids[first_block * bs :], bs, parent_hash)
         if first_block + len(hashes) > len(block_ids):

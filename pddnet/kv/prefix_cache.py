@@ -90,14 +90,12 @@ class PrefixCache(Protocol):
     def unpin(self, match: PrefixMatch) -> None: ...
 
     def insert(
-        self,
-        token_ids: Sequence[int],
-        block_ids: Sequence[int],
-        first_block: int = 0,
-        parent_hash: int = 0,
+        self, token_ids: Sequence[int], block_ids: Sequence[int], chain: Sequence[int] = ()
     ) -> list[int]:
-        """Cache the full blocks ``first_block..`` of a sequence whose KV is computed; returns
-        their chained hashes (``parent_hash``: the hash of block ``first_block - 1``)."""
+        """Cache the full blocks of a sequence whose KV is computed, from block ``len(chain)``
+        on; returns their chained hashes. ``token_ids``: the sequence's tokens from position 0
+        (only whole blocks count); ``block_ids``: its block table; ``chain``: the hashes earlier
+        calls returned for the blocks before (the engine inserts a sequence as it computes it)."""
         ...
 
     def release(self, block_ids: Sequence[int]) -> list[int]:

@@ -184,32 +184,23 @@ class RadixCache(RadixTree):
     # -- insertion and release --------------------------------------------------------------------
 
     def insert(
-        self,
-        token_ids: Sequence[int],
-        block_ids: Sequence[int],
-        first_block: int = 0,
-        parent_hash: int = 0,
+        self, token_ids: Sequence[int], block_ids: Sequence[int], chain: Sequence[int] = ()
     ) -> list[int]:
-        """Cache the full blocks of a sequence whose KV is computed (PrefixCache's signature).
-
-        ``token_ids``: the sequence's tokens from position 0 (only whole blocks count);
-        ``block_ids``: its block table. The tree adopts (takes its own reference on) each block
-        whose prefix it does not hold yet; a block whose prefix it already holds under another
-        id stays the caller's alone (a duplicate, freed when the caller releases it).
-        ``first_block`` / ``parent_hash``: the engine's incremental form (blocks before
-        ``first_block`` were inserted earlier; ``parent_hash`` is the hash of block
-        ``first_block - 1`` and is checked). Returns the hashes of blocks ``first_block..``.
-        """
+        """PrefixCache.insert. The tree adopts (takes its own reference on) each block whose
+        prefix it does not hold yet; a block whose prefix it already holds under another id
+        stays the caller's alone (a duplicate, freed when the caller releases it). ``chain``
+        is checked against the tokens' own hashes (its last one)."""
         tokens = tuple(token_ids)
         full = len(tokens) // self.block_size
-        if not 0 <= first_block <= full:
-            raise ValueError(f"first_block {first_block} outside 0..{full} full blocks")
+        first_block = len(chain)
+        if first_block > full:
+            raise ValueError(f"a chain of {first_block} hashes for {full} full blocks")
         hashes, _, _, _ = self._insert(tokens, block_ids)
         # The insertion itself is driven by the tokens (walked from the root), so it is right
         # even when this check fails; the check catches a caller whose hash chain is broken.
-        if first_block and hashes[first_block - 1] != parent_hash:
+        if chain and hashes[first_block - 1] != chain[-1]:
             raise ValueError(
-                f"parent_hash {parent_hash:#x} is not the hash of block "
+                f"the chain's last hash {chain[-1]:#x} is not the hash of block "
                 f"{first_block - 1} of these tokens"
             )
         return hashes[first_block:]
