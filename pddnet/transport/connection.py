@@ -70,9 +70,6 @@ class ConnectionClosed(ConnectionError):
         super().__init__(reason)
         self.reason = reason
 
-    def __str__(self) -> str:
-        return self.reason
-
 
 class DialError(ConnectionError):
     """dial() failed; `address` is (host, port). Subclasses say how."""
@@ -80,9 +77,6 @@ class DialError(ConnectionError):
     def __init__(self, message: str, address: tuple[str, int]) -> None:
         super().__init__(message)
         self.address = address
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class DialRefused(DialError):
