@@ -286,7 +286,7 @@ class RadixCache(RadixTree):
                 node_of[b] = None
             self._num_cached -= len(gone)
             self.events.note_all(hashes, False)
-            got = self.allocator.decref_unchecked(gone)  # the tree's own ids
+            got = self.allocator.decref_plain(gone)  # the tree's own ids
             if got != gone:
                 raise AssertionError(
                     f"evicted blocks {sorted(set(gone) - set(got))} were still referenced"
