@@ -695,13 +695,17 @@ def test_sender_side_limits():
         encode("hello")  # type: ignore[arg-type]
 
 
-def test_limits_must_be_positive():
-    with pytest.raises(ValueError, match="max_payload_bytes must be a positive int"):
-        Limits(max_payload_bytes=0)
-    with pytest.raises(ValueError, match="max_str_len must be >= 19"):
-        Limits(max_str_len=8)
-    with pytest.raises(ValueError, match="max_map_len must be >="):
-        Limits(max_map_len=2)
+@pytest.mark.parametrize(
+    ("limit", "error"),
+    [
+        ({"max_payload_bytes": 0}, "max_payload_bytes must be a positive int"),
+        ({"max_str_len": 8}, "max_str_len must be >= 19"),
+        ({"max_map_len": 2}, "max_map_len must be >="),
+    ],
+)
+def test_limits_must_be_positive(limit, error):
+    with pytest.raises(ValueError, match=error):
+        Limits(**limit)
 
 
 def test_messages_of_every_class_are_frozen():
