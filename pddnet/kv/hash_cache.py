@@ -18,9 +18,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
+from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.block_hash import chained_hashes
-from pddnet.kv.prefix_cache import PrefixMatch
+from pddnet.kv.prefix_cache import PrefixMatch, allocate_evicting
 
 
 @dataclass
@@ -201,12 +201,7 @@ class HashPrefixCache:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for a sequence, evicting LRU cached blocks when the free list is short."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            if short > len(self._evictable):
-                raise OutOfBlocks(n, self.num_available, self.allocator.num_blocks)
-            self.evict(short)
-        return self.allocator.allocate(n)
+        return allocate_evicting(self.allocator, n, len(self._evictable), self.evict)
 
     def clear(self) -> int:
         """Evict everything evictable (referenced or pinned blocks stay cached)."""

@@ -16,11 +16,11 @@ protects a prefix without a reference; ``num_available`` = free + evictable bloc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from pddnet.kv.allocator import BlockAllocator
+from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 
 
 @dataclass(frozen=True)
@@ -109,3 +109,16 @@ class PrefixCache(Protocol):
     def clear(self) -> int:
         """Evict everything evictable; returns how many blocks."""
         ...
+
+
+def allocate_evicting(
+    allocator: BlockAllocator, n: int, num_evictable: int, evict: Callable[[int], Any]
+) -> list[int]:
+    """``n`` fresh blocks for a cache's ``allocate``: when the free list is short, ``evict``
+    (the cache's own eviction) frees the difference first; ``num_evictable``: what it could."""
+    short = n - allocator.num_free
+    if short > 0:
+        if short > num_evictable:
+            raise OutOfBlocks(n, allocator.num_free + num_evictable, allocator.num_blocks)
+        evict(short)
+    return allocator.allocate(n)

@@ -29,11 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
+from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.block_hash import chained_hashes
 from pddnet.kv.cache_events import CacheEventBatch, CacheEventLog
 from pddnet.kv.hit_histogram import HIT_INTERVAL_EDGES, hit_interval
-from pddnet.kv.prefix_cache import PrefixMatch
+from pddnet.kv.prefix_cache import PrefixMatch, allocate_evicting
 from pddnet.kv.radix_node import RadixNode
 from pddnet.kv.radix_tree import RadixTree
 
@@ -304,12 +304,7 @@ class RadixCache(RadixTree):
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks for a request, evicting when the free list is short."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            if short > self._num_evictable:
-                raise OutOfBlocks(n, self.num_available, self.allocator.num_blocks)
-            self.evict(short)
-        return self.allocator.allocate(n)
+        return allocate_evicting(self.allocator, n, self._num_evictable, self.evict)
 
     def clear(self) -> int:
         """Evict everything evictable (locked blocks and their ancestors stay); returns how many."""
