@@ -310,20 +310,7 @@ class RadixCache(RadixTree):
         """Evict everything evictable (locked blocks and their ancestors stay); returns how many."""
         return len(self.evict(self._num_evictable))
 
-    # -- event log (pddnet/kv/cache_events.py) ---------------------------------------------------
-
-    @property
-    def num_pending_events(self) -> int:
-        return self.events.num_pending
-
-    @property
-    def next_event_seq(self) -> int:
-        """The number the next notice will carry (a snapshot's resync point)."""
-        return self.events.next_seq
-
-    @property
-    def events_dropped(self) -> int:
-        return self.events.dropped
+    # -- event log (pddnet/kv/cache_events.py; its counters are ``events``') ----------------------
 
     def drain_events(self, max_hashes: int = 1 << 20) -> CacheEventBatch | None:
         """The next notice of inserted / evicted prefixes (see CacheEventLog.drain)."""
