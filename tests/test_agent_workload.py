@@ -86,13 +86,20 @@ def test_ideal_cache_hits_exactly_the_previous_turn_when_nothing_is_shared():
         assert round(x * len(cur.prompt_token_ids)) == min(with_kv // 16, limit) * 16
 
 
-def test_bad_parameters_are_refused():
-    with pytest.raises(ValueError, match="max_context"):
-        AgentWorkloadParams(max_context=100)
-    with pytest.raises(ValueError, match="large_tool_prob"):
-        AgentWorkloadParams(large_tool_prob=1.5)
-    with pytest.raises(ValueError, match="range"):
-        AgentWorkloadParams(output_len=(5, 2))
+@pytest.mark.parametrize(
+    ("params", "error"),
+    [
+        ({"max_context": 100}, "max_context"),
+        ({"large_tool_prob": 1.5}, "large_tool_prob"),
+        ({"output_len": (5, 2)}, "range"),
+    ],
+)
+def test_bad_parameters_are_refused(params, error):
+    with pytest.raises(ValueError, match=error):
+        AgentWorkloadParams(**params)
+
+
+def test_no_requests_have_no_hit_distribution():
     with pytest.raises(ValueError, match="no hit ratios"):
         hit_distribution([])
 

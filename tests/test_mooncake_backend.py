@@ -9,6 +9,7 @@ deadline (not the engine's 30 s default) and nothing may stay registered afterwa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from pddnet.kv.pool import KVPool, KVSpec
-from pddnet.kv.transfer import export_kv, import_kv
+from pddnet.kv.transfer import ExportedKV, export_kv, import_kv
 from pddnet.transport.backends import MooncakeBackend, MooncakeSettings, mooncake_import_error
 from pddnet.transport.backends.mooncake import MooncakeRegion
 from pddnet.transport.kv_backend import (
@@ -223,16 +224,26 @@ def target() -> WriteTarget:
     return WriteTarget(tuple(range(128, 256)), FAULT_SPEC.block_size, 0)
 
 
-async def test_sigkill_of_the_receiver_mid_transfer_is_a_clean_error_within_the_deadline():
-    exported = fault_export()
+@contextlib.asynccontextmanager
+async def working_session(request_id: str, exported: ExportedKV):
+    """A receiver, a sender and one transfer to it whose first write went through, so the
+    session works before the fault (that write also sets the session up: on a busy machine
+    that alone can outlast the 3 s deadline the faults are measured with)."""
     rx = Receiver()
     tx = await MooncakeBackend.create(settings())
     try:
         writer = await tx.open(rx.descriptor)
-        xfer = writer.begin("req-k", target())
-        # the session works before the fault (the first write also sets the session up: on a
-        # busy machine that alone can outlast the 3 s deadline the faults are measured with)
+        xfer = writer.begin(request_id, target())
         await xfer.write(exported, deadline_s=WARMUP_DEADLINE_S)
+        yield rx, tx, writer, xfer
+    finally:
+        rx.end()
+        await tx.close()
+
+
+async def test_sigkill_of_the_receiver_mid_transfer_is_a_clean_error_within_the_deadline():
+    exported = fault_export()
+    async with working_session("req-k", exported) as (rx, tx, writer, xfer):
         loop = asyncio.get_running_loop()
         loop.call_later(0.2, rx.signal, signal.SIGKILL)
         started, failed_after = time.monotonic(), None
@@ -250,20 +261,12 @@ async def test_sigkill_of_the_receiver_mid_transfer_is_a_clean_error_within_the_
         assert failed_after is not None, "writes to a killed receiver kept succeeding"
         assert failed_after < DEADLINE_S + MARGIN_S
         assert await xfer.abort("receiver died") is True
-    finally:
-        rx.end()
-        await tx.close()
     assert tx.stats()["registered_buffers"] == 0 and tx.stats()["stuck_writers"] == 0
 
 
 async def test_sigstop_of_the_receiver_times_out_then_nothing_stays_registered():
     exported = fault_export()
-    rx = Receiver()
-    tx = await MooncakeBackend.create(settings())
-    try:
-        writer = await tx.open(rx.descriptor)
-        xfer = writer.begin("req-s", target())
-        await xfer.write(exported, deadline_s=WARMUP_DEADLINE_S)
+    async with working_session("req-s", exported) as (rx, tx, writer, xfer):
         rx.signal(signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(TransferError) as info:
@@ -274,9 +277,6 @@ async def test_sigstop_of_the_receiver_times_out_then_nothing_stays_registered()
         rx.end()
         # Once the peer is gone every engine call returns: abort can vouch for the blocks.
         assert await xfer.abort("receiver hung", grace_s=DEADLINE_S + MARGIN_S) is True
-    finally:
-        rx.end()
-        await tx.close()
     assert writer.released is not None
     writer.released.result(timeout=DEADLINE_S + MARGIN_S)
     assert tx.stats()["registered_buffers"] == 0

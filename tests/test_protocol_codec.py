@@ -6,6 +6,7 @@ CRC unless told otherwise), so each test hits exactly the check it names.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import struct
@@ -100,6 +101,28 @@ def kv_chunk(
     return KvChunk(**fields)  # type: ignore[arg-type]
 
 
+KV_ALLOC = KvAllocRequest(
+    request_id="req-1",
+    prompt_token_ids=[5] * 40,
+    num_tokens=40,
+    block_size=16,
+    dtype="float64",
+    num_layers=4,
+    num_kv_heads=2,
+    head_dim=8,
+    expected_hit_tokens=32,
+    max_tokens=10,
+)
+KV_GRANT = KvAllocResponse(
+    request_id="req-1",
+    accepted=True,
+    hit_tokens=32,
+    block_ids=[3, 4, 9],
+    block_size=16,
+    dtype="float64",
+    region="pdd-rld-kv",
+)
+
 # At least one instance of every message type, with defaults and with every optional field set.
 SAMPLES = [
     Hello(role="prefill", instance_id="p-0", nonce=NONCE),
@@ -140,50 +163,23 @@ SAMPLES = [
         producer="main_decode",
         time=3.0,
     ),
-    KvAllocRequest(
-        request_id="req-1",
-        prompt_token_ids=[5] * 40,
-        num_tokens=40,
-        block_size=16,
-        dtype="float64",
-        num_layers=4,
-        num_kv_heads=2,
-        head_dim=8,
-        expected_hit_tokens=32,
-        max_tokens=10,
-    ),
-    KvAllocRequest(
+    KV_ALLOC,
+    # every size at its least, and the optional fields set
+    dataclasses.replace(
+        KV_ALLOC,
         request_id="req-2",
         prompt_token_ids=[1, 2],
         num_tokens=2,
-        block_size=1,
         dtype="bfloat16",
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=1,
         expected_hit_tokens=0,
-        max_tokens=1,
         temperature=1.0,
         seed=7,
         pipeline="p_rld_md",
+        **dict.fromkeys(("block_size", "num_layers", "num_kv_heads", "head_dim", "max_tokens"), 1),
     ),
-    KvAllocResponse(
-        request_id="req-1",
-        accepted=True,
-        hit_tokens=32,
-        block_ids=[3, 4, 9],
-        block_size=16,
-        dtype="float64",
-        region="pdd-rld-kv",
-    ),
-    KvAllocResponse(
-        request_id="req-1",
-        accepted=False,
-        hit_tokens=0,
-        block_ids=[],
-        block_size=32,
-        dtype="float32",
-        error="out of blocks",
+    KV_GRANT,
+    dataclasses.replace(
+        KV_GRANT, accepted=False, hit_tokens=0, block_ids=[], region="", error="out of blocks"
     ),
     kv_chunk(),
     kv_chunk(dtype="uint8", tokens=1, layers=1, block_ids=[]),
@@ -695,13 +691,17 @@ def test_sender_side_limits():
         encode("hello")  # type: ignore[arg-type]
 
 
-def test_limits_must_be_positive():
-    with pytest.raises(ValueError, match="max_payload_bytes must be a positive int"):
-        Limits(max_payload_bytes=0)
-    with pytest.raises(ValueError, match="max_str_len must be >= 19"):
-        Limits(max_str_len=8)
-    with pytest.raises(ValueError, match="max_map_len must be >="):
-        Limits(max_map_len=2)
+@pytest.mark.parametrize(
+    ("limit", "error"),
+    [
+        ({"max_payload_bytes": 0}, "max_payload_bytes must be a positive int"),
+        ({"max_str_len": 8}, "max_str_len must be >= 19"),
+        ({"max_map_len": 2}, "max_map_len must be >="),
+    ],
+)
+def test_limits_must_be_positive(limit, error):
+    with pytest.raises(ValueError, match=error):
+        Limits(**limit)
 
 
 def test_messages_of_every_class_are_frozen():

@@ -81,12 +81,12 @@ def test_incremental_engine_style_insert_continues_the_hash_chain():
     tokens = list(range(16))
     table = a.allocate(4)
     h1 = c.insert(tokens[:8], table)
-    h2 = c.insert(tokens, table, first_block=2, parent_hash=h1[-1])
+    h2 = c.insert(tokens, table, h1)
     assert h1 + h2 == chained_hashes(tokens, BS)
-    with pytest.raises(ValueError, match="parent_hash"):
-        c.insert(tokens, table, first_block=2, parent_hash=12345)
-    with pytest.raises(ValueError, match="first_block"):
-        c.insert(tokens, table, first_block=9)
+    with pytest.raises(ValueError, match="the chain's last hash"):
+        c.insert(tokens, table, [h1[0], 12345])
+    with pytest.raises(ValueError, match="a chain of 9 hashes"):
+        c.insert(tokens, table, [0] * 9)
     check_invariants(c)
 
 
@@ -262,14 +262,14 @@ def test_undrained_event_log_is_bounded_and_skips_a_notice_number():
     a = BlockAllocator(64)
     c = RadixCache(a, BS, max_pending_events=5)
     finish(c, list(range(24)))  # 6 inserts > 5 pending: dropped
-    assert c.num_pending_events == 0 and c.events_dropped == 6
+    assert c.events.num_pending == 0 and c.events.dropped == 6
     finish(c, [100] * 4)
     ev = c.drain_events()
     assert ev.seq == 1  # notice 0 never sent: receivers see a gap
     quiet = RadixCache(BlockAllocator(64), BS, max_pending_events=0)  # nobody watches
     finish(quiet, list(range(24)))
     quiet.evict(3)
-    assert quiet.drain_events() is None and quiet.num_pending_events == 0
+    assert quiet.drain_events() is None and quiet.events.num_pending == 0
     check_invariants(quiet)
     with pytest.raises(ValueError, match="max_pending_events must be >= 0"):
         RadixCache(BlockAllocator(4), BS, max_pending_events=-1)

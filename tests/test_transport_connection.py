@@ -65,20 +65,29 @@ def raw_header(msg_type: int, meta_len: int, payload_len: int) -> bytes:
     return head[:28] + struct.pack("!I", zlib.crc32(head[:28]))
 
 
+def make_server(
+    on_connection, port: int = 0, role: str = "relay", instance_id: str = "rld", **kw
+) -> Server:
+    """A Server on HOST with the tests' secret (RLD's role and id unless told otherwise)."""
+    return Server(
+        HOST,
+        port,
+        role=role,
+        instance_id=instance_id,
+        secret=SECRET,
+        on_connection=on_connection,
+        **kw,
+    )
+
+
 class Echo:
     """A server whose handler echoes every message and records how each connection ended."""
 
     def __init__(self, **server_kwargs) -> None:
         self.ended: list[str] = []
         self.conns = []
-        self.server = Server(
-            HOST,
-            0,
-            role="main_decode",
-            instance_id="md-0",
-            secret=SECRET,
-            on_connection=self.handle,
-            **server_kwargs,
+        self.server = make_server(
+            self.handle, role="main_decode", instance_id="md-0", **server_kwargs
         )
 
     async def handle(self, conn) -> None:
@@ -187,9 +196,7 @@ async def test_peer_eof_raises_connection_closed_with_the_reason():
     async def close_at_once(conn) -> None:
         await conn.close("server says bye")
 
-    server = Server(
-        HOST, 0, role="relay", instance_id="rld", secret=SECRET, on_connection=close_at_once
-    )
+    server = make_server(close_at_once)
     port = await server.start()
     conn = await dial_echo(port)
     with pytest.raises(ConnectionClosed, match="peer closed"):
@@ -334,14 +341,7 @@ async def test_dial_refused_and_dial_with_retry():
     with pytest.raises(DialRefused, match="gave up after 2 attempts"):
         await dial(attempts=2, delay=0.01)
     # The server comes up while the dialer retries.
-    server = Server(
-        HOST,
-        port,
-        role="relay",
-        instance_id="rld",
-        secret=SECRET,
-        on_connection=lambda conn: conn.recv(),
-    )
+    server = make_server(lambda conn: conn.recv(), port)
 
     async def start_late() -> None:
         await asyncio.sleep(0.2)  # deliberately late: the dialer must retry meanwhile
@@ -380,9 +380,7 @@ async def test_server_close_closes_every_connection_and_handler():
         stuck.set()
         await asyncio.Event().wait()  # a handler that ignores its connection
 
-    server = Server(
-        HOST, 0, role="relay", instance_id="rld", secret=SECRET, on_connection=never_returns
-    )
+    server = make_server(never_returns)
     port = await server.start()
     conns = [await dial_echo(port) for _ in range(3)]
     await stuck.wait()
@@ -401,7 +399,7 @@ async def test_handler_exception_ends_only_that_connection():
                 raise ValueError("unlucky")
             await conn.send(msg)
 
-    server = Server(HOST, 0, role="relay", instance_id="rld", secret=SECRET, on_connection=picky)
+    server = make_server(picky)
     port = await server.start()
     a, b = await dial_echo(port), await dial_echo(port)
     await a.send(Ping(nonce=13, time=0.0))
@@ -426,7 +424,7 @@ async def test_a_cancelled_recv_loses_nothing():
         got.append(await conn.recv())
         got.append(await conn.recv())
 
-    server = Server(HOST, 0, role="relay", instance_id="rld", secret=SECRET, on_connection=handle)
+    server = make_server(handle)
     port = await server.start()
     reader, writer = await raw_authenticated(port)
     msg = Submit(request_id="r-9", prompt_token_ids=list(range(300)), max_tokens=4)
@@ -477,9 +475,7 @@ async def test_close_drops_the_socket_when_the_peer_never_takes_the_last_bytes()
     async def never_reads(conn) -> None:
         await stop.wait()
 
-    server = Server(
-        HOST, 0, role="main_decode", instance_id="md-0", secret=SECRET, on_connection=never_reads
-    )
+    server = make_server(never_reads, role="main_decode", instance_id="md-0")
     port = await server.start()
     conn = await dial_echo(port, lane="bulk")
     sock = conn._writer.transport.get_extra_info("socket")

@@ -18,7 +18,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pddnet.device.emulated import EmulationError
@@ -35,18 +35,12 @@ class ProbeResult:
     context: int
     batch: int
     host_share: float  # daemons per core (>= 1)
-    ratio_by_role: dict[str, float] = field(default_factory=dict)  # worst real / modelled
     seconds: float = 0.0
+    ratio_by_role: dict[str, float] = field(default_factory=dict)  # worst real / modelled
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "dilation": self.dilation,
-            "context": self.context,
-            "batch": self.batch,
-            "host_share": self.host_share,
-            "seconds": round(self.seconds, 3),
-            "ratio_by_role": {r: round(v, 3) for r, v in self.ratio_by_role.items()},
-        }
+        rounded = {r: round(v, 3) for r, v in self.ratio_by_role.items()}
+        return {**asdict(self), "seconds": round(self.seconds, 3), "ratio_by_role": rounded}
 
 
 def probe_dilation(
@@ -119,7 +113,7 @@ def probe_dilation(
         ]
         ratios[role] = dilation_for(rs, share=0.0) if rs else 1.0
     k = max(1.0, math.ceil(max(ratios.values()) * share * 10 - 1e-9) / 10)
-    result = ProbeResult(k, context, batch, share, ratios, time.monotonic() - t0)
+    result = ProbeResult(k, context, batch, share, time.monotonic() - t0, ratios)
     log(
         f"pdd: dilation auto -> k = {k:g} (worst real/modelled per role: "
         f"{', '.join(f'{r} {v:g}' for r, v in ratios.items())}; x {share:g} daemons per core; "

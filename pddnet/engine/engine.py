@@ -23,6 +23,7 @@ The engine is not thread-safe: a daemon calls it from one thread (its compute wo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import secrets
@@ -535,18 +536,11 @@ class Engine:
         """Like ``generate``, with each token's log-probabilities (``sampling.logprobs`` top
         ones); the reference for what the daemons carry to the router."""
         rid = self.add_request(prompt_token_ids, max_tokens, sampling, ignore_eos=ignore_eos)
-        seq = self._seqs[rid]
         tokens: list[int] = []
         entries: list[TokenLogprob] = []
-        while not seq.is_finished:
-            outputs = self.step()
-            if not outputs:
-                self.abort(rid)
-                raise RuntimeError(f"engine made no progress on request {rid!r}")
-            for out in outputs:
-                if out.request_id == rid:
-                    tokens += out.new_token_ids
-                    entries += out.logprobs or ()
+        for out in self._run_to_end(rid):
+            tokens += out.new_token_ids
+            entries += out.logprobs or ()
         return tokens, entries
 
     def stream(
@@ -562,6 +556,13 @@ class Engine:
         rid = self.add_request(
             prompt_token_ids, max_tokens, sampling, request_id, ignore_eos=ignore_eos
         )
+        with contextlib.closing(self._run_to_end(rid)) as outputs:  # closed early: aborted
+            for out in outputs:
+                yield from out.new_token_ids
+
+    def _run_to_end(self, rid: str) -> Iterator[StepOutput]:
+        """Step the engine until request ``rid`` finishes, yielding its StepOutputs; the
+        request is aborted if the caller stops early or the engine makes no progress."""
         seq = self._seqs[rid]
         try:
             while not seq.is_finished:
@@ -571,9 +572,7 @@ class Engine:
                         f"engine made no progress on request {rid!r} "
                         f"(held, or the pool cannot admit it)"
                     )
-                for out in outputs:
-                    if out.request_id == rid:
-                        yield from out.new_token_ids
+                yield from (out for out in outputs if out.request_id == rid)
         finally:
             if not seq.is_finished:
                 self.abort(rid)

@@ -27,16 +27,20 @@ from pddnet.kv.hash_cache import HashPrefixCache
 from pddnet.kv.prefix_cache import PrefixCache, PrefixMatch
 from pddnet.kv.radix import RadixCache
 
-PREFIX_CACHE_KINDS = ("hash", "radix")
+# The engine's prefix cache kinds (the config's "off" means no cache: pddnet/config.py).
+_PREFIX_CACHES: dict[str, type[HashPrefixCache] | type[RadixCache]] = {
+    "hash": HashPrefixCache,
+    "radix": RadixCache,
+}
 
 
 def make_prefix_cache(kind: str, allocator: BlockAllocator, block_size: int) -> PrefixCache:
     """The engine's prefix cache: "hash" (chained block hashes) or "radix" (MD's DRC)."""
-    if kind == "hash":
-        return HashPrefixCache(allocator, block_size)
-    if kind == "radix":
-        return RadixCache(allocator, block_size)
-    raise ValueError(f"unknown prefix cache kind {kind!r}; expected one of {PREFIX_CACHE_KINDS}")
+    if kind not in _PREFIX_CACHES:
+        raise ValueError(
+            f"unknown prefix cache kind {kind!r}; expected one of {tuple(_PREFIX_CACHES)}"
+        )
+    return _PREFIX_CACHES[kind](allocator, block_size)
 
 
 class BlockManager:
@@ -127,12 +131,8 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         if full <= len(seq.block_hashes):
             return
-        parent = seq.block_hashes[-1] if seq.block_hashes else 0
         seq.block_hashes += self.prefix_cache.insert(
-            seq.token_ids[: full * self.block_size],
-            seq.block_table,
-            first_block=len(seq.block_hashes),
-            parent_hash=parent,
+            seq.token_ids[: full * self.block_size], seq.block_table, seq.block_hashes
         )
 
 

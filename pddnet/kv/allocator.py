@@ -146,21 +146,6 @@ class BlockAllocator:
         for b in block_ids:
             rc[b] += 1
 
-    def decref_unchecked(self, block_ids: list[int]) -> list[int]:
-        """``decref`` without validation, for a caller that vouches for every id (a valid
-        int, referenced at least as often as it appears here); returns the freed ids."""
-        rc = self._refcount
-        free = self._free
-        freed: list[Any] = []
-        objs: list[Any] = block_ids
-        for k, b in enumerate(block_ids):
-            c = rc[b] - 1
-            rc[b] = c
-            if not c:
-                free.append(objs[k])
-                freed.append(objs[k])
-        return freed
-
     def refcounts(self) -> list[int]:
         """The reference counts by block id, READ ONLY: the fast path for a cache that walks
         blocks it owns (ids known valid) block by block; mutate only through the methods."""

@@ -18,9 +18,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
+from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.block_hash import chained_hashes
-from pddnet.kv.prefix_cache import PrefixMatch
+from pddnet.kv.prefix_cache import PrefixMatch, allocate_evicting
 
 
 @dataclass
@@ -139,20 +139,12 @@ class HashPrefixCache:
     # -- insertion and release -------------------------------------------------------------------
 
     def insert(
-        self,
-        token_ids: Sequence[int],
-        block_ids: Sequence[int],
-        first_block: int = 0,
-        parent_hash: int = 0,
+        self, token_ids: Sequence[int], block_ids: Sequence[int], chain: Sequence[int] = ()
     ) -> list[int]:
-        """Index the full blocks ``first_block..`` of a sequence whose KV is computed.
-
-        ``token_ids`` are the sequence's tokens with computed KV (only whole blocks count),
-        ``block_ids`` its block table, ``parent_hash`` the hash of block ``first_block - 1``.
-        Returns the hashes of the blocks considered (so the caller can continue the chain).
-        A block whose prefix is already cached under another block id stays uncached (the
-        sequence keeps using its own copy).
-        """
+        """PrefixCache.insert. A block whose prefix is already cached under another block id
+        stays uncached (the sequence keeps using its own copy)."""
+        first_block = len(chain)
+        parent_hash = chain[-1] if chain else 0
         bs = self.block_size
         hashes = chained_hashes(token_ids[first_block * bs :], bs, parent_hash)
         if first_block + len(hashes) > len(block_ids):
@@ -209,12 +201,7 @@ class HashPrefixCache:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for a sequence, evicting LRU cached blocks when the free list is short."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            if short > len(self._evictable):
-                raise OutOfBlocks(n, self.num_available, self.allocator.num_blocks)
-            self.evict(short)
-        return self.allocator.allocate(n)
+        return allocate_evicting(self.allocator, n, len(self._evictable), self.evict)
 
     def clear(self) -> int:
         """Evict everything evictable (referenced or pinned blocks stay cached)."""

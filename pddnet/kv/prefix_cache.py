@@ -16,11 +16,11 @@ protects a prefix without a reference; ``num_available`` = free + evictable bloc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from pddnet.kv.allocator import BlockAllocator
+from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,12 @@ class PrefixCache(Protocol):
     def unpin(self, match: PrefixMatch) -> None: ...
 
     def insert(
-        self,
-        token_ids: Sequence[int],
-        block_ids: Sequence[int],
-        first_block: int = 0,
-        parent_hash: int = 0,
+        self, token_ids: Sequence[int], block_ids: Sequence[int], chain: Sequence[int] = ()
     ) -> list[int]:
-        """Cache the full blocks ``first_block..`` of a sequence whose KV is computed; returns
-        their chained hashes (``parent_hash``: the hash of block ``first_block - 1``)."""
+        """Cache the full blocks of a sequence whose KV is computed, from block ``len(chain)``
+        on; returns their chained hashes. ``token_ids``: the sequence's tokens from position 0
+        (only whole blocks count); ``block_ids``: its block table; ``chain``: the hashes earlier
+        calls returned for the blocks before (the engine inserts a sequence as it computes it)."""
         ...
 
     def release(self, block_ids: Sequence[int]) -> list[int]:
@@ -111,3 +109,16 @@ class PrefixCache(Protocol):
     def clear(self) -> int:
         """Evict everything evictable; returns how many blocks."""
         ...
+
+
+def allocate_evicting(
+    allocator: BlockAllocator, n: int, num_evictable: int, evict: Callable[[int], Any]
+) -> list[int]:
+    """``n`` fresh blocks for a cache's ``allocate``: when the free list is short, ``evict``
+    (the cache's own eviction) frees the difference first; ``num_evictable``: what it could."""
+    short = n - allocator.num_free
+    if short > 0:
+        if short > num_evictable:
+            raise OutOfBlocks(n, allocator.num_free + num_evictable, allocator.num_blocks)
+        evict(short)
+    return allocator.allocate(n)

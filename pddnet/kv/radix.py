@@ -29,11 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
+from pddnet.kv.allocator import BlockAllocator
 from pddnet.kv.block_hash import chained_hashes
 from pddnet.kv.cache_events import CacheEventBatch, CacheEventLog
 from pddnet.kv.hit_histogram import HIT_INTERVAL_EDGES, hit_interval
-from pddnet.kv.prefix_cache import PrefixMatch
+from pddnet.kv.prefix_cache import PrefixMatch, allocate_evicting
 from pddnet.kv.radix_node import RadixNode
 from pddnet.kv.radix_tree import RadixTree
 
@@ -184,32 +184,23 @@ class RadixCache(RadixTree):
     # -- insertion and release --------------------------------------------------------------------
 
     def insert(
-        self,
-        token_ids: Sequence[int],
-        block_ids: Sequence[int],
-        first_block: int = 0,
-        parent_hash: int = 0,
+        self, token_ids: Sequence[int], block_ids: Sequence[int], chain: Sequence[int] = ()
     ) -> list[int]:
-        """Cache the full blocks of a sequence whose KV is computed (PrefixCache's signature).
-
-        ``token_ids``: the sequence's tokens from position 0 (only whole blocks count);
-        ``block_ids``: its block table. The tree adopts (takes its own reference on) each block
-        whose prefix it does not hold yet; a block whose prefix it already holds under another
-        id stays the caller's alone (a duplicate, freed when the caller releases it).
-        ``first_block`` / ``parent_hash``: the engine's incremental form (blocks before
-        ``first_block`` were inserted earlier; ``parent_hash`` is the hash of block
-        ``first_block - 1`` and is checked). Returns the hashes of blocks ``first_block..``.
-        """
+        """PrefixCache.insert. The tree adopts (takes its own reference on) each block whose
+        prefix it does not hold yet; a block whose prefix it already holds under another id
+        stays the caller's alone (a duplicate, freed when the caller releases it). ``chain``
+        is checked against the tokens' own hashes (its last one)."""
         tokens = tuple(token_ids)
         full = len(tokens) // self.block_size
-        if not 0 <= first_block <= full:
-            raise ValueError(f"first_block {first_block} outside 0..{full} full blocks")
+        first_block = len(chain)
+        if first_block > full:
+            raise ValueError(f"a chain of {first_block} hashes for {full} full blocks")
         hashes, _, _, _ = self._insert(tokens, block_ids)
         # The insertion itself is driven by the tokens (walked from the root), so it is right
         # even when this check fails; the check catches a caller whose hash chain is broken.
-        if first_block and hashes[first_block - 1] != parent_hash:
+        if chain and hashes[first_block - 1] != chain[-1]:
             raise ValueError(
-                f"parent_hash {parent_hash:#x} is not the hash of block "
+                f"the chain's last hash {chain[-1]:#x} is not the hash of block "
                 f"{first_block - 1} of these tokens"
             )
         return hashes[first_block:]
@@ -295,7 +286,7 @@ class RadixCache(RadixTree):
                 node_of[b] = None
             self._num_cached -= len(gone)
             self.events.note_all(hashes, False)
-            got = self.allocator.decref_unchecked(gone)  # the tree's own ids
+            got = self.allocator.decref_plain(gone)  # the tree's own ids
             if got != gone:
                 raise AssertionError(
                     f"evicted blocks {sorted(set(gone) - set(got))} were still referenced"
@@ -313,31 +304,13 @@ class RadixCache(RadixTree):
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks for a request, evicting when the free list is short."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            if short > self._num_evictable:
-                raise OutOfBlocks(n, self.num_available, self.allocator.num_blocks)
-            self.evict(short)
-        return self.allocator.allocate(n)
+        return allocate_evicting(self.allocator, n, self._num_evictable, self.evict)
 
     def clear(self) -> int:
         """Evict everything evictable (locked blocks and their ancestors stay); returns how many."""
         return len(self.evict(self._num_evictable))
 
-    # -- event log (pddnet/kv/cache_events.py) ---------------------------------------------------
-
-    @property
-    def num_pending_events(self) -> int:
-        return self.events.num_pending
-
-    @property
-    def next_event_seq(self) -> int:
-        """The number the next notice will carry (a snapshot's resync point)."""
-        return self.events.next_seq
-
-    @property
-    def events_dropped(self) -> int:
-        return self.events.dropped
+    # -- event log (pddnet/kv/cache_events.py; its counters are ``events``') ----------------------
 
     def drain_events(self, max_hashes: int = 1 << 20) -> CacheEventBatch | None:
         """The next notice of inserted / evicted prefixes (see CacheEventLog.drain)."""

@@ -116,61 +116,48 @@ class ModelConfig:
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
 
-def _byte_vocab_config(name: str, **fields: object) -> ModelConfig:
-    base: dict[str, object] = dict(
+def _byte_vocab_config(
+    name: str,
+    shape: tuple[int, int, int, int, int, int],
+    max_position: int,
+    dtype: str,
+    rope_theta: float = 10000.0,
+) -> ModelConfig:
+    """A preset over the byte vocabulary; ``shape``: hidden size, MLP size, layers, query
+    heads, kv heads, head_dim."""
+    hidden, intermediate, layers, heads, kv_heads, head_dim = shape
+    return ModelConfig(
         name=name,
         vocab_size=BYTE_VOCAB_SIZE,
-        rope_theta=10000.0,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position=max_position,
+        rope_theta=rope_theta,
         rms_norm_eps=1e-6,
         tie_embeddings=False,
         bos_token_id=BYTE_BOS_ID,
         eos_token_id=BYTE_EOS_ID,
+        dtype=dtype,
     )
-    base.update(fields)
-    return ModelConfig(**base)  # type: ignore[arg-type]
 
 
+# shape: (hidden size, MLP size, layers, query heads, kv heads, head_dim)
 PRESETS: dict[str, ModelConfig] = {
     # 1 KiB of KV per token; float64 so decode, extend and full forwards agree to ~1e-12.
-    "tiny": _byte_vocab_config(
-        "tiny",
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position=4096,
-        dtype="float64",
-    ),
+    "tiny": _byte_vocab_config("tiny", (64, 128, 2, 4, 2, 16), 4096, "float64"),
     # Long context (128K positions, Llama 3's rope_theta) at the least compute a Llama-style
     # model can have: 2 layers, GQA with 2 query heads on 1 kv head, head_dim 8; 256 bytes of
     # KV per token, ~32K parameters. float64, so it is token-exact like `tiny`. At 64K tokens
     # attention is nearly all of its work, so its step time is the paged attention's.
     "tiny-long": _byte_vocab_config(
-        "tiny-long",
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        max_position=131072,
-        rope_theta=500000.0,
-        dtype="float64",
+        "tiny-long", (32, 64, 2, 2, 1, 8), 131072, "float64", rope_theta=500000.0
     ),
     # 8 layers x 2 (K,V) x 4 kv heads x 64 x 4 bytes = 16 KiB per token; ~19M parameters.
-    "small": _byte_vocab_config(
-        "small",
-        hidden_size=512,
-        intermediate_size=1024,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=64,
-        max_position=16384,
-        dtype="float32",
-    ),
+    "small": _byte_vocab_config("small", (512, 1024, 8, 8, 4, 64), 16384, "float32"),
 }
 # `small` with twice the layers: 16 x 2 x 4 x 64 x 4 bytes = 32 KiB per token; ~38M parameters.
 PRESETS["medium"] = dataclasses.replace(PRESETS["small"], name="medium", num_layers=16)

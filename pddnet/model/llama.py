@@ -25,35 +25,36 @@ from pddnet.model.rope import RotaryEmbedding, apply_rotary
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+class _OneWeight(nn.Module):
+    """A module whose one parameter is ``weight``, created empty (no default init: weights
+    always come from init or a file)."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class Linear(nn.Module):
-    """Bias-free linear layer (no default init: weights always come from init or a file)."""
+class Linear(_OneWeight):
+    """Bias-free linear layer; ``weight`` is [out_features, in_features], as in HF."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _empty(out_features, in_features, dtype=dtype)
+        super().__init__(out_features, in_features, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
 
-class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _empty(num, dim, dtype=dtype)
+class Embedding(_OneWeight):
+    """``Embedding(num, dim, dtype=...)``: ``weight`` is [num, dim]."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_OneWeight):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(dim, dtype=dtype)
         self.eps = eps
-        self.weight = _empty(dim, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Low-precision inputs are normalised in float32 (as HF does); float64 stays float64.
@@ -137,7 +138,7 @@ class LlamaBackbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dt = config.torch_dtype
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dt)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dt)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
 

@@ -51,6 +51,10 @@ def _check(pdd: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
     return sorted(timeline, key=lambda e: e["time"])
 
 
+_ROUTER_ARGS = ("mode", "pipeline", "ttft_s")
+_HANDOFF_ARGS = ("handoff_bytes",)
+
+
 def _spans(
     pdd: Mapping[str, Any], ev: Mapping[str, Mapping[str, Any]], last_relay_token_at: float | None
 ) -> Iterator[tuple[str, str, float, float, dict]]:
@@ -60,69 +64,34 @@ def _spans(
         e = ev.get(name)
         return None if e is None else float(e["time"])
 
-    def span(
-        track: str, name: str, start: float | None, end: float | None, args: dict | None = None
-    ) -> Iterator[tuple[str, str, float, float, dict]]:
-        if start is not None and end is not None and end >= start:
-            yield track, name, start, end, args or {}
-
     done_by = ev.get("request_done", {}).get("producer")
-    yield from span(
-        "router",
-        f"request ({pdd.get('finish_reason')})",
-        t("arrival"),
-        t("done"),
-        {"mode": pdd.get("mode"), "pipeline": pdd.get("pipeline"), "ttft_s": pdd.get("ttft_s")},
-    )
-    yield from span("P", "prefill", t("prefill_start"), t("prefill_end"))
     wan_end = t("md_kv_complete")
-    yield from span(
-        "WAN",
-        "KV copy to MD",
-        t("prefill_start"),
-        wan_end,
-        {"wan_kv_bytes": pdd.get("wan_kv_bytes")},
-    )
+    handoff_start, handoff_end = t("handoff_start"), t("handoff_end")
     rld_end = last_relay_token_at
     if rld_end is None:
         rld_end = (
-            t("handoff_end")
-            if t("handoff_end") is not None
+            handoff_end
+            if handoff_end is not None
             else (t("request_done") if done_by == "relay" else None)
         )
-    yield from span(
-        "RLD",
-        "relay decode",
-        t("rld_kv_complete"),
-        rld_end,
-        {"relay_tokens": pdd.get("relay_tokens")},
-    )
-    yield from span(
-        "RLD",
-        f"handoff ({pdd.get('handoff_mode')})",
-        t("handoff_start"),
-        t("handoff_end"),
-        {"handoff_bytes": pdd.get("handoff_bytes")},
-    )
-    yield from span(
-        "WAN",
-        "token-id handoff",
-        t("handoff_start"),
-        t("handoff_end"),
-        {"handoff_bytes": pdd.get("handoff_bytes")},
-    )
     md_start = (
-        t("handoff_end")
-        if t("handoff_end") is not None
-        else (wan_end if pdd.get("main_tokens") else None)
+        handoff_end if handoff_end is not None else (wan_end if pdd.get("main_tokens") else None)
     )
-    yield from span(
-        "MD",
-        "extend + decode" if t("handoff_end") is not None else "decode",
-        md_start,
-        t("request_done") if done_by == "main_decode" else None,
-        {"main_tokens": pdd.get("main_tokens")},
+    md_end = t("request_done") if done_by == "main_decode" else None
+    md_name = "extend + decode" if handoff_end is not None else "decode"
+    # (track, name, start, end, the `pdd` fields shown as the span's args)
+    rows = (
+        ("router", f"request ({pdd.get('finish_reason')})", t("arrival"), t("done"), _ROUTER_ARGS),
+        ("P", "prefill", t("prefill_start"), t("prefill_end"), ()),
+        ("WAN", "KV copy to MD", t("prefill_start"), wan_end, ("wan_kv_bytes",)),
+        ("RLD", "relay decode", t("rld_kv_complete"), rld_end, ("relay_tokens",)),
+        ("RLD", f"handoff ({pdd.get('handoff_mode')})", handoff_start, handoff_end, _HANDOFF_ARGS),
+        ("WAN", "token-id handoff", handoff_start, handoff_end, _HANDOFF_ARGS),
+        ("MD", md_name, md_start, md_end, ("main_tokens",)),
     )
+    for track, name, start, end, fields in rows:
+        if start is not None and end is not None and end >= start:
+            yield track, name, start, end, {k: pdd.get(k) for k in fields}
 
 
 def request_trace_events(

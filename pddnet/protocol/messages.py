@@ -277,6 +277,7 @@ NONCE = Bytes(16, 64)
 MAC = Bytes(32, 32)  # HMAC-SHA256
 TIME = Float()
 REASON = Str(max_len=MAX_TEXT)
+HANDOFF_OVERRIDE = Nullable(Str(max_len=16, choices=(*HANDOFF_MODES, "dynamic")))  # null: policy's
 
 
 def dtype_itemsize(dtype: str) -> int:
@@ -578,9 +579,7 @@ class Submit(SamplingFields, Message):
     prompt_token_ids: tuple[int, ...] = field(UIntList(hi=TOKEN_ID_MAX, min_len=1), doc="prompt")
     output_token_ids: tuple[int, ...] = field(TOKEN_IDS, default=(), doc="already streamed")
     handoff_mode: str | None = field(
-        Nullable(Str(max_len=16, choices=(*HANDOFF_MODES, "dynamic"))),
-        default=None,
-        doc="override the cluster's handoff policy for this request",
+        HANDOFF_OVERRIDE, default=None, doc="override the cluster's handoff policy for this request"
     )
 
     @classmethod
@@ -754,7 +753,7 @@ class KvAllocRequest(SamplingFields, Message):
         doc="P's pipeline choice, e.g. p_md, p_rld_md (recorded only)",
     )
     handoff_mode: str | None = field(
-        Nullable(Str(max_len=16, choices=(*HANDOFF_MODES, "dynamic"))),
+        HANDOFF_OVERRIDE,
         default=None,
         doc="the request's handoff-policy override (from SUBMIT); null = the cluster's policy",
     )

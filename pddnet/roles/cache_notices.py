@@ -35,7 +35,7 @@ class CacheNotices:
         radix = self.radix
         assert radix is not None
         return CacheEvents(
-            seq=radix.next_event_seq,
+            seq=radix.events.next_seq,
             block_size=radix.block_size,
             inserted=tuple(radix.snapshot_hashes()),
             evicted=(),
@@ -79,6 +79,6 @@ class CacheNotices:
             "inserted_blocks": radix.num_inserted,
             "evicted_blocks": radix.num_evicted,
             "hit_intervals": dict(zip(HIT_INTERVAL_LABELS, radix.hit_histogram, strict=True)),
-            "notices_sent": radix.next_event_seq,
-            "events_dropped": radix.events_dropped,
+            "notices_sent": radix.events.next_seq,
+            "events_dropped": radix.events.dropped,
         }

@@ -70,9 +70,6 @@ class ConnectionClosed(ConnectionError):
         super().__init__(reason)
         self.reason = reason
 
-    def __str__(self) -> str:
-        return self.reason
-
 
 class DialError(ConnectionError):
     """dial() failed; `address` is (host, port). Subclasses say how."""
@@ -80,9 +77,6 @@ class DialError(ConnectionError):
     def __init__(self, message: str, address: tuple[str, int]) -> None:
         super().__init__(message)
         self.address = address
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class DialRefused(DialError):
@@ -456,15 +450,27 @@ async def dial(
         raise DialRefused(
             f"connection to {where} reset during the handshake: {exc}", address
         ) from None
+    return _opened(reader, writer, hs, lane, lim, stats)
+
+
+def _opened(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    hs: Handshake,
+    lane: str,
+    limits: Limits,
+    stats: dict[str, Any],
+) -> Connection:
+    """The Connection a completed handshake opens (on either side)."""
     assert hs.peer_hello is not None
     return Connection(
         reader,
         writer,
         peer_hello=hs.peer_hello,
         lane=lane,
-        limits=lim,
-        local_role=role,
-        local_instance=instance_id,
+        limits=limits,
+        local_role=hs.hello.role,
+        local_instance=hs.hello.instance_id,
         stats=stats,
     )
 
@@ -635,13 +641,4 @@ class Server:
         assert hs.peer_hello is not None
         lane = hs.peer_hello.lane
         _set_nodelay(writer, lane)
-        return Connection(
-            reader,
-            writer,
-            peer_hello=hs.peer_hello,
-            lane=lane,
-            limits=lane_limits(lane, self.limits),
-            local_role=self.role,
-            local_instance=self.instance_id,
-            stats=stats,
-        )
+        return _opened(reader, writer, hs, lane, lane_limits(lane, self.limits), stats)

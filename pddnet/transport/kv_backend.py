@@ -59,9 +59,6 @@ class TransferError(RuntimeError):
         self.backend = backend
         self.peer = peer
 
-    def __str__(self) -> str:
-        return str(self.args[0])
-
 
 class BackendUnavailable(TransferError):
     """The backend cannot run here (e.g. the mooncake package or libibverbs1 is missing)."""

@@ -9,6 +9,9 @@ caller wait for that before it declares the destination reusable.
 
 The thread is a daemon thread: a call stuck on a hung peer must not keep the process from
 exiting (a ThreadPoolExecutor's workers are joined at interpreter exit).
+
+`ThreadedWriter` is the KVWriter of the backends whose writes block (shm's copy into a mapped
+region, mooncake's synchronous engine write): each write runs in the writer's own CallThread.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pddnet.transport.kv_backend import KVTransfer, KVWriter, TransferTimeout
+
+if TYPE_CHECKING:
+    from pddnet.kv.transfer import ExportedKV
 
 _STOP = object()
 
@@ -98,3 +106,37 @@ class CallThread:
         """Wait for the thread to end; True if it did."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+
+class ThreadedWriter(KVWriter):
+    """A KVWriter whose writes block: they run one after another in its own CallThread."""
+
+    def __init__(self, peer: str, deadline_s: float, abort_grace_s: float) -> None:
+        super().__init__(peer, deadline_s, abort_grace_s)
+        self._thread = CallThread(f"{self.backend}-writer-{peer}")
+        # the last write that overran its deadline, while it still runs (the peer is hung)
+        self._stuck: concurrent.futures.Future | None = None
+
+    async def _in_thread(
+        self,
+        fn: Callable[[KVTransfer, ExportedKV], int],
+        transfer: KVTransfer,
+        exported: ExportedKV,
+        deadline_s: float,
+    ) -> int:
+        """``fn(transfer, exported)`` in the thread, within ``deadline_s``. A call that overruns
+        it raises TransferTimeout and stays on the transfer's lingering futures: the
+        destination is reusable only once that call is done."""
+        try:
+            return await self._thread.call(
+                fn,
+                transfer,
+                exported,
+                timeout=deadline_s,
+                what=f"{self.backend} write of {transfer.request_id} to {self.peer}",
+            )
+        except CallTimedOut as exc:
+            transfer.lingering.append(exc.future)
+            if not exc.future.done():
+                self._stuck = exc.future
+            raise self._error(TransferTimeout, str(exc)) from None

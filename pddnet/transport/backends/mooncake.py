@@ -42,19 +42,17 @@ from pddnet.transport.kv_backend import (
     KVBackend,
     KVSink,
     KVTransfer,
-    KVWriter,
     PeerUnreachable,
     RegionLayout,
     TransferAborted,
     TransferError,
-    TransferTimeout,
     WriteRefused,
     check_descriptor_for,
     plan_write,
     validate_segments,
 )
 
-from .call_thread import CallThread, CallTimedOut
+from .call_thread import CallThread, CallTimedOut, ThreadedWriter
 
 if TYPE_CHECKING:  # pragma: no cover
     from pddnet.kv.pool import KVPool
@@ -247,7 +245,7 @@ class MooncakeSink(KVSink):
         await self._owner._unregister(self.address, f"pool {self.layout.encode()}")
 
 
-class MooncakeWriter(KVWriter):
+class MooncakeWriter(ThreadedWriter):
     backend = NAME
 
     def __init__(self, owner: MooncakeBackend, region: MooncakeRegion) -> None:
@@ -256,10 +254,8 @@ class MooncakeWriter(KVWriter):
         self._owner = owner
         self.region = region
         self.layout = region.layout
-        self._thread = CallThread(f"mooncake-writer-{region.session}")
         self._staging: torch.Tensor | None = None
         self._staging_ptr = 0
-        self._stuck: concurrent.futures.Future | None = None
         self.released: concurrent.futures.Future | None = None
 
     async def _start(self) -> None:
@@ -360,18 +356,7 @@ class MooncakeWriter(KVWriter):
             meta.shape[0],
         )
         try:
-            return await self._thread.call(
-                self._write_sync,
-                transfer,
-                exported,
-                timeout=deadline_s,
-                what=f"mooncake write of {transfer.request_id} to {self.peer}",
-            )
-        except CallTimedOut as exc:
-            transfer.lingering.append(exc.future)
-            if not exc.future.done():
-                self._stuck = exc.future
-            raise self._error(TransferTimeout, str(exc)) from None
+            return await self._in_thread(self._write_sync, transfer, exported, deadline_s)
         except TransferError:
             raise
         except (RuntimeError, ValueError) as exc:  # the engine binding's own errors

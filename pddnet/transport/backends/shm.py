@@ -22,17 +22,15 @@ from pddnet.transport.kv_backend import (
     BadRegion,
     KVSink,
     KVTransfer,
-    KVWriter,
     PeerUnreachable,
     RegionLayout,
     TrackingBackend,
     TransferAborted,
-    TransferTimeout,
     WriteRefused,
     check_descriptor_for,
 )
 
-from .call_thread import CallThread, CallTimedOut
+from .call_thread import ThreadedWriter
 
 NAME = "shm"
 
@@ -172,14 +170,13 @@ class ShmSink(KVSink):
         self.closed = True
 
 
-class ShmWriter(KVWriter):
+class ShmWriter(ThreadedWriter):
     backend = NAME
 
     def __init__(self, region: RemoteKVRegion, deadline_s: float, abort_grace_s: float) -> None:
         super().__init__(region.name, deadline_s, abort_grace_s)
         self.region = region
         self.layout = RegionLayout(region.spec, region.num_blocks)
-        self._thread = CallThread(f"shm-writer-{region.name}")
 
     def _copy(self, transfer: KVTransfer, exported: ExportedKV) -> int:
         if self.region.closed or transfer.aborted is not None:
@@ -206,17 +203,7 @@ class ShmWriter(KVWriter):
                 f" differs from region {self.peer}'s "
                 f"{self.layout.spec.block_size}",
             )
-        try:
-            return await self._thread.call(
-                self._copy,
-                transfer,
-                exported,
-                timeout=deadline_s,
-                what=f"shm write of {transfer.request_id}",
-            )
-        except CallTimedOut as exc:
-            transfer.lingering.append(exc.future)
-            raise self._error(TransferTimeout, str(exc)) from None
+        return await self._in_thread(self._copy, transfer, exported, deadline_s)
 
     async def close(self) -> None:
         if self.closed:
