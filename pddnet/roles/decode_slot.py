@@ -11,13 +11,16 @@ from typing import Any, Protocol
 from pddnet.engine.engine import Engine, KVReservation
 from pddnet.engine.sequence import FinishReason
 from pddnet.lifecycle.decode_request import DecodeRequest
-from pddnet.lifecycle.handoff import AppendTokens, ReleaseHold, SetChunk, StartSequence
+from pddnet.lifecycle.handoff import (
+    AppendTokens,
+    SequenceEdit,
+    SetChunk,
+    StartSequence,
+)
 from pddnet.lifecycle.sampling import sampling_of
 
 from .ordering import Serial
 from .outbox import Outbox
-
-SequenceEdit = AppendTokens | SetChunk | ReleaseHold
 
 
 class SlotHost(Protocol):
