@@ -17,7 +17,6 @@ from pddnet.lifecycle.handoff import (
     SetChunk,
     StartSequence,
 )
-from pddnet.lifecycle.sampling import sampling_of
 
 from .ordering import Serial
 from .outbox import Outbox
@@ -29,6 +28,7 @@ class SlotHost(Protocol):
     engine: Engine | None
 
     async def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+    async def add_sequence(self, req: Any, **options: Any) -> None: ...
     def wake(self) -> None: ...
     def apply(self, slot: Slot, actions: list[Any]) -> None: ...
     def fence(self, rid: str, res: KVReservation) -> None: ...
@@ -83,16 +83,8 @@ class Slot:
             return
         alloc = self.machine.alloc
         try:
-            await tier.compute(
-                tier.engine.add_request,
-                alloc.prompt_token_ids,
-                alloc.max_tokens,
-                sampling_of(alloc),
-                alloc.request_id,
-                ignore_eos=alloc.ignore_eos,
-                output_token_ids=list(a.output_token_ids),
-                kv=res,
-                hold=a.hold,
+            await tier.add_sequence(
+                alloc, output_token_ids=list(a.output_token_ids), kv=res, hold=a.hold
             )
         except ValueError as exc:
             self.started = False
