@@ -469,9 +469,7 @@ class PrefillRequest:
         t.state = nxt
 
     def _target(self, target: str) -> _Target:
-        try:
-            return self._t[target]
-        except KeyError:
-            raise ValueError(
-                f"{target!r} is not a target of this request ({', '.join(self._t)})"
-            ) from None
+        t = self._t.get(target)
+        if t is None:
+            raise ValueError(f"{target!r} is not a target of this request ({', '.join(self._t)})")
+        return t
