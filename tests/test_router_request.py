@@ -122,6 +122,13 @@ def test_the_carrier_table(pipeline, events, owner, carriers):
     assert (r.owner, r.carriers()) == (owner, carriers)
 
 
+def test_the_submit_to_p_carries_the_prompt_seed_sampling_and_handoff_mode():
+    sub = machine(request(max_tokens=5)).submit(handoff_mode="streaming")
+    assert (sub.request_id, sub.prompt_token_ids, sub.seed) == (RID, (1, 2, 3), 7)
+    assert (sub.max_tokens, sub.temperature, sub.ignore_eos) == (5, 0.0, True)
+    assert (sub.handoff_mode, sub.output_token_ids) == ("streaming", ())
+
+
 def test_tokens_make_their_producer_the_owner():
     r = machine()
     r.receive(tokens(0, (72,), "relay"), "relay", 101.0, ALL)
