@@ -41,12 +41,12 @@ def instance_id(config: ClusterConfig, role: str) -> str:
 class Daemon(EngineHost, ToRouter, DaemonStats):
     """Base of PrefillDaemon, RelayDaemon, MainDecodeDaemon.
 
-    Subclasses set ``role`` (wire role and REQUEST_DONE producer) and ``section`` (config
-    table), and implement ``handle(conn, msg)``, ``on_step(outputs)`` and ``dial_peers()``.
+    Subclasses set ``role`` (wire role, REQUEST_DONE producer and the name of their config
+    table, ``section``), and implement ``handle(conn, msg)``, ``on_step(outputs)`` and
+    ``dial_peers()``.
     """
 
     role: str = ""
-    section_name: str = ""
 
     def __init__(self, config: ClusterConfig) -> None:
         config.validate()
@@ -58,7 +58,7 @@ class Daemon(EngineHost, ToRouter, DaemonStats):
                 "with the cluster secret (pdd up generates one)"
             )
         self.config = config
-        self.section: DaemonSection = getattr(config, self.section_name)
+        self.section: DaemonSection = getattr(config, self.role)
         self.instance_id = instance_id(config, self.role)
         self.secret = config.secret.encode()
         self.server: Server | None = None

@@ -32,7 +32,6 @@ class EngineHost:
     config: ClusterConfig
     section: DaemonSection
     counters: Counter[str]
-    section_name: str
     emulation: Emulation | None
     engine: Engine | None
     worker: EngineWorker | None
@@ -52,9 +51,7 @@ class EngineHost:
             else 1.0
         )
         self.pacer = (
-            StepPacer(self.emulation.cost_of(self.section_name), self.dilation)
-            if self.emulation
-            else None
+            StepPacer(self.emulation.cost_of(self.role), self.dilation) if self.emulation else None
         )
         # every engine step's time as measured here (paced, in the modelled world's seconds)
         self.step_times = StepTimes(scale=1.0 / self.dilation)
