@@ -14,10 +14,11 @@ from pddnet.lifecycle.prefill_messages import (
     pipeline_change,
     pipeline_choice,
 )
-from pddnet.lifecycle.sampling import SAMPLING_FIELD_NAMES, sampling_of
+from pddnet.lifecycle.sampling import sampling_of
 from pddnet.policy.pipeline import Pipeline, PipelineInputs, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner
 from pddnet.protocol import Submit, decode_bytes, encode_bytes
+from pddnet.protocol.messages import SAMPLING_FIELD_NAMES
 
 
 def wire(msg):
