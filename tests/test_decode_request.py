@@ -9,33 +9,9 @@ import pytest
 
 from pddnet.engine.engine import StepOutput
 from pddnet.engine.sequence import FinishReason
-from pddnet.lifecycle.decode_actions import (
-    ArmTimer,
-    CancelParked,
-    Failed,
-    ForwardDone,
-    ImportChunk,
-    KvComplete,
-    SendKvAbort,
-    SendKvReceived,
-)
+from pddnet.lifecycle import decode_actions as act
+from pddnet.lifecycle import handoff as ho
 from pddnet.lifecycle.decode_request import TRANSITIONS, DecodeRequest, Phase, Role
-from pddnet.lifecycle.handoff import (
-    AppendTokens,
-    CancelPeer,
-    EmitTokens,
-    FinishRequest,
-    FirstMainToken,
-    HandoffAbandoned,
-    HandoffEnded,
-    HandoffStarted,
-    ReleaseHold,
-    SendHandoff,
-    SendTakeover,
-    SetChunk,
-    StartSequence,
-    StopSequence,
-)
 from pddnet.lifecycle.replay_request import ReplayRequest
 from pddnet.lifecycle.takeover_hold import TakeoverHold
 from pddnet.policy.handoff import HandoffPolicy
@@ -135,12 +111,16 @@ def test_relay_allocation_then_kv_done_starts_decoding_and_finishes_alone():
     m = relay(hands_off=False, pipeline="p_rld", max_tokens=3)
     assert m.phase is Phase.RECEIVING_KV
     acts = drive(m, "kv_done", kv_done(nbytes=640), 1.0)
-    assert acts == [KvComplete(640), StartSequence((100,), hold=False), EmitTokens(0, (100,))]
+    assert acts == [
+        act.KvComplete(640),
+        ho.StartSequence((100,), hold=False),
+        ho.EmitTokens(0, (100,)),
+    ]
     assert m.phase is Phase.DECODING
-    assert engine(m, step(1, [101], PROMPT + 1)) == [EmitTokens(1, (101,))]
+    assert engine(m, step(1, [101], PROMPT + 1)) == [ho.EmitTokens(1, (101,))]
     acts = engine(m, step(2, [102], PROMPT + 2, FinishReason.LENGTH))
     # same-dc: nobody else to stop
-    assert acts == [EmitTokens(2, (102,)), FinishRequest("length", 3), StopSequence()]
+    assert acts == [ho.EmitTokens(2, (102,)), ho.FinishRequest("length", 3), ho.StopSequence()]
     assert m.phase is Phase.ENDED
     assert engine(m, step(3, [103], PROMPT + 3)) == []  # stale
 
@@ -149,8 +129,8 @@ def test_relay_rejects_a_kv_done_for_other_positions_and_tells_p_and_md():
     m = relay()
     bad = KvDone(request_id="r1", num_tokens=3, num_chunks=0, num_bytes=0, first_token_id=5, time=0)
     acts = drive(m, "kv_done", bad, 0.0)
-    assert isinstance(acts[0], Failed) and acts[0].code == "relay_failed"
-    assert [type(a) for a in acts[1:]] == [SendKvAbort, CancelPeer, StopSequence]
+    assert isinstance(acts[0], act.Failed) and acts[0].code == "relay_failed"
+    assert [type(a) for a in acts[1:]] == [act.SendKvAbort, ho.CancelPeer, ho.StopSequence]
     assert m.writes_ended and m.phase is Phase.ENDED
 
 
@@ -158,12 +138,12 @@ def test_relay_first_token_that_ends_the_request_stops_p_and_md():
     m = relay()
     acts = drive(m, "kv_done", kv_done(first=EOS), 0.0)
     assert acts == [
-        KvComplete(0),
-        EmitTokens(0, (EOS,)),
-        FinishRequest("eos", 1),
-        SendKvAbort("relay finished the request"),
-        StopSequence(),
-        CancelPeer("relay finished the request"),
+        act.KvComplete(0),
+        ho.EmitTokens(0, (EOS,)),
+        ho.FinishRequest("eos", 1),
+        act.SendKvAbort("relay finished the request"),
+        ho.StopSequence(),
+        ho.CancelPeer("relay finished the request"),
     ]
 
 
@@ -180,8 +160,11 @@ def relay_decoding(mode: str, n: int) -> DecodeRequest:
 def test_relay_one_shot_handoff_cuts_at_the_takeover():
     m = relay_decoding("one-shot", 4)
     acts = drive(m, "takeover", PROMPT, 4, 0.1)
-    assert isinstance(acts[0], HandoffStarted) and acts[0].mode == "one-shot"
-    assert acts[1:] == [StopSequence(), SendHandoff(0, (100, 101, 102, 103, 104), True, "one-shot")]
+    assert isinstance(acts[0], ho.HandoffStarted) and acts[0].mode == "one-shot"
+    assert acts[1:] == [
+        ho.StopSequence(),
+        ho.SendHandoff(0, (100, 101, 102, 103, 104), True, "one-shot"),
+    ]
     assert m.phase is Phase.ENDED
     assert drive(m, "takeover", PROMPT + 3, 4, 0.1) == []  # a late progress report
 
@@ -190,7 +173,7 @@ def test_relay_streaming_handoff_forwards_then_cuts_when_md_keeps_pace():
     m = relay_decoding("streaming", 9)
     acts = drive(m, "takeover", PROMPT, 4, 0.1)
     assert m.phase is Phase.STREAMING
-    sent = [a for a in acts if isinstance(a, SendHandoff)]
+    sent = [a for a in acts if isinstance(a, ho.SendHandoff)]
     assert [(a.start_index, len(a.token_ids), a.final) for a in sent] == [
         (0, 4, False),
         (4, 4, False),
@@ -198,10 +181,10 @@ def test_relay_streaming_handoff_forwards_then_cuts_when_md_keeps_pace():
     ]
     # RLD keeps decoding and forwarding while MD digests
     acts = engine(m, step(10, [110], PROMPT + 10))
-    assert acts == [EmitTokens(10, (110,))]
+    assert acts == [ho.EmitTokens(10, (110,))]
     # MD reports it digested everything it held: it keeps pace, RLD cuts
     acts = drive(m, "takeover", PROMPT + 10 - 1, 4, 0.1)
-    assert acts[0] == StopSequence() and acts[-1].final and m.phase is Phase.ENDED
+    assert acts[0] == ho.StopSequence() and acts[-1].final and m.phase is Phase.ENDED
 
 
 def test_relay_takeover_before_kv_done_waits_for_p_first_token():
@@ -209,17 +192,17 @@ def test_relay_takeover_before_kv_done_waits_for_p_first_token():
     assert drive(m, "takeover", PROMPT, 4, 0.0) == []
     assert m.phase is Phase.RECEIVING_KV
     acts = drive(m, "kv_done", kv_done(), 0.0)
-    assert StopSequence() in acts and SendHandoff(0, (100,), True, "one-shot") in acts
+    assert ho.StopSequence() in acts and ho.SendHandoff(0, (100,), True, "one-shot") in acts
 
 
 def test_relay_finishes_alone_when_md_is_lost_mid_stream():
     m = relay_decoding("streaming", 9)
     drive(m, "takeover", PROMPT, 4, 0.1)
     acts = drive(m, "peer_lost")
-    assert acts == [HandoffAbandoned("main decode lost during a streaming handoff")]
+    assert acts == [ho.HandoffAbandoned("main decode lost during a streaming handoff")]
     assert m.phase is Phase.DECODING and not m.has_peer
     acts = engine(m, step(10, [110], PROMPT + 10, FinishReason.STOP))
-    assert acts == [EmitTokens(10, (110,)), FinishRequest("eos", 11), StopSequence()]
+    assert acts == [ho.EmitTokens(10, (110,)), ho.FinishRequest("eos", 11), ho.StopSequence()]
 
 
 # -- MD ------------------------------------------------------------------------------------------
@@ -227,17 +210,17 @@ def test_relay_finishes_alone_when_md_is_lost_mid_stream():
 
 def test_main_counts_chunks_against_kv_done_then_asks_for_the_cut():
     m = main(hit=4)
-    assert drive(m, "kv_chunk", 0, 4, 8, 300, 1.0) == [ImportChunk(0)]
+    assert drive(m, "kv_chunk", 0, 4, 8, 300, 1.0) == [act.ImportChunk(0)]
     # KV_DONE overtook the second chunk: not complete yet
     assert drive(m, "kv_done", kv_done(chunks=2, nbytes=600), 1.5) == []
     assert drive(m, "chunk_imported", 300) == []
-    assert drive(m, "kv_chunk", 1, 8, 10, 300, 2.0) == [ImportChunk(1)]
+    assert drive(m, "kv_chunk", 1, 8, 10, 300, 2.0) == [act.ImportChunk(1)]
     acts = drive(m, "chunk_imported", 300)
     assert acts == [
-        KvComplete(600),
-        SendKvReceived(600, 300, 1.0),
-        StartSequence((100,), hold=True),
-        SendTakeover(PROMPT, 4),
+        act.KvComplete(600),
+        act.SendKvReceived(600, 300, 1.0),
+        ho.StartSequence((100,), hold=True),
+        ho.SendTakeover(PROMPT, 4),
     ]
     assert m.phase is Phase.WAITING_CUT
 
@@ -254,8 +237,8 @@ def test_main_aborts_a_chunk_that_is_not_this_requests(chunk, fault):
     m = main(hit=4)
     drive(m, "kv_chunk", 0, 4, 8, 300, 1.0)
     acts = drive(m, "kv_chunk", *chunk, 300, 1.1)
-    assert isinstance(acts[0], Failed) and fault in acts[0].reason
-    assert acts[-1] == StopSequence() and m.phase is Phase.ENDED
+    assert isinstance(acts[0], act.Failed) and fault in acts[0].reason
+    assert acts[-1] == ho.StopSequence() and m.phase is Phase.ENDED
 
 
 def test_main_aborts_more_bytes_than_kv_done_counts():
@@ -263,26 +246,26 @@ def test_main_aborts_more_bytes_than_kv_done_counts():
     drive(m, "kv_chunk", 0, 0, 10, 900, 1.0)
     drive(m, "kv_done", kv_done(chunks=1, nbytes=600), 1.0)
     acts = drive(m, "chunk_imported", 900)
-    assert isinstance(acts[0], Failed) and "more than KV_DONE's" in acts[0].reason
+    assert isinstance(acts[0], act.Failed) and "more than KV_DONE's" in acts[0].reason
 
 
 def test_main_one_sided_completes_on_kv_done_and_refuses_chunks():
     m = main(one_sided=True)
     acts = drive(m, "kv_done", kv_done(nbytes=4096), 3.0)
-    assert acts[:2] == [KvComplete(4096), SendKvReceived(4096, 4096, 0.0)]
+    assert acts[:2] == [act.KvComplete(4096), act.SendKvReceived(4096, 4096, 0.0)]
     m2 = main(one_sided=True)
     acts = drive(m2, "kv_chunk", 0, 0, 10, 100, 1.0)
-    assert isinstance(acts[0], Failed) and "one-sided" in acts[0].reason
+    assert isinstance(acts[0], act.Failed) and "one-sided" in acts[0].reason
 
 
 def test_main_without_relay_decodes_from_index_zero():
     m = main(pipeline="p_md")
     acts = drive(m, "kv_done", kv_done(), 0.0)
     acts = drive(m, "kv_chunk", 0, 0, 10, 0, 0.0) + acts  # (no chunks: KV_DONE said 0)
-    assert StartSequence((100,), hold=False) in acts and EmitTokens(0, (100,)) in acts
+    assert ho.StartSequence((100,), hold=False) in acts and ho.EmitTokens(0, (100,)) in acts
     assert m.phase is Phase.DECODING
     acts = engine(m, step(1, [101], PROMPT + 1, FinishReason.STOP))
-    assert acts == [EmitTokens(1, (101,)), FinishRequest("eos", 2), StopSequence()]
+    assert acts == [ho.EmitTokens(1, (101,)), ho.FinishRequest("eos", 2), ho.StopSequence()]
 
 
 def test_main_one_shot_handoff_then_decodes_from_the_cut_and_tells_rld_it_finished():
@@ -291,20 +274,20 @@ def test_main_one_shot_handoff_then_decodes_from_the_cut_and_tells_rld_it_finish
     assert engine(m, step(1, [], PROMPT)) == []  # held: digesting, nothing sampled
     acts = drive(m, "handoff", 0, (100, 101, 102), True, "one-shot", 60)
     assert acts == [
-        SetChunk(None),
-        AppendTokens((101, 102)),
-        ReleaseHold(),
-        HandoffEnded("one-shot", 3),
+        ho.SetChunk(None),
+        ho.AppendTokens((101, 102)),
+        ho.ReleaseHold(),
+        ho.HandoffEnded("one-shot", 3),
     ]
     assert m.phase is Phase.DECODING and m.handoff_bytes == 60
     acts = engine(m, step(3, [103], PROMPT + 3))
-    assert acts == [EmitTokens(3, (103,)), FirstMainToken(3)]
+    assert acts == [ho.EmitTokens(3, (103,)), ho.FirstMainToken(3)]
     acts = engine(m, step(4, [104], PROMPT + 4, FinishReason.LENGTH))
     assert acts == [
-        EmitTokens(4, (104,)),
-        FinishRequest("length", 5),
-        ForwardDone(),
-        StopSequence(),
+        ho.EmitTokens(4, (104,)),
+        ho.FinishRequest("length", 5),
+        act.ForwardDone(),
+        ho.StopSequence(),
     ]
 
 
@@ -312,10 +295,10 @@ def test_main_streaming_handoff_reports_progress_when_it_has_digested_everything
     m = main()
     drive(m, "kv_done", kv_done(), 0.0)
     acts = drive(m, "handoff", 0, (100, 101, 102, 103), False, "streaming", 50)
-    assert acts == [SetChunk(4), AppendTokens((101, 102, 103))]
-    assert engine(m, step(1, [], PROMPT + 3)) == [SendTakeover(PROMPT + 3, 4)]
+    assert acts == [ho.SetChunk(4), ho.AppendTokens((101, 102, 103))]
+    assert engine(m, step(1, [], PROMPT + 3)) == [ho.SendTakeover(PROMPT + 3, 4)]
     acts = drive(m, "handoff", 4, (104,), True, "streaming", 30)
-    assert acts[-2:] == [ReleaseHold(), HandoffEnded("streaming", 5)]
+    assert acts[-2:] == [ho.ReleaseHold(), ho.HandoffEnded("streaming", 5)]
 
 
 def test_main_keeps_a_request_past_its_final_handoff_when_rlds_lane_closes():
@@ -326,10 +309,10 @@ def test_main_keeps_a_request_past_its_final_handoff_when_rlds_lane_closes():
     waiting = main()
     drive(waiting, "kv_done", kv_done(), 0.0)
     acts = drive(waiting, "peer_lost")
-    assert acts[0] == Failed(
+    assert acts[0] == act.Failed(
         "main_decode_failed", "relay connection closed before the final handoff", False
     )
-    assert acts[-1] == StopSequence() and waiting.phase is Phase.ENDED
+    assert acts[-1] == ho.StopSequence() and waiting.phase is Phase.ENDED
     alone = main(pipeline="p_md")  # no relay: its loss changes nothing
     assert drive(alone, "peer_lost") == [] and alone.phase is Phase.RECEIVING_KV
 
@@ -338,14 +321,14 @@ def test_main_rejects_a_handoff_that_contradicts_its_tokens():
     m = main()
     drive(m, "kv_done", kv_done(), 0.0)
     acts = drive(m, "handoff", 0, (999, 101), True, "one-shot", 40)
-    assert isinstance(acts[0], Failed) and "bad HANDOFF" in acts[0].reason
+    assert isinstance(acts[0], act.Failed) and "bad HANDOFF" in acts[0].reason
 
 
 def test_a_replay_replaces_mds_part_tells_p_and_ignores_stale_messages():
     m = main()
     drive(m, "kv_chunk", 0, 0, 10, 300, 1.0)
     acts = drive(m, "replaced")
-    assert acts == [SendKvAbort("replayed on main decode by the router"), StopSequence()]
+    assert acts == [act.SendKvAbort("replayed on main decode by the router"), ho.StopSequence()]
     assert m.phase is Phase.ENDED
     # the lost attempt's messages, arriving late, do nothing
     assert drive(m, "kv_done", kv_done(chunks=1, nbytes=300), 2.0) == []
@@ -353,13 +336,13 @@ def test_a_replay_replaces_mds_part_tells_p_and_ignores_stale_messages():
     assert drive(m, "handoff", 0, (100,), True, "one-shot", 30) == []
     assert drive(m, "cancel") == []
     r = relay()
-    assert drive(r, "replaced") == [StopSequence()]  # RLD: P's KV is local, nothing to tell
+    assert drive(r, "replaced") == [ho.StopSequence()]  # RLD: P's KV is local, nothing to tell
 
 
 def test_cancel_by_kv_abort_marks_the_writes_ended():
     m = main(one_sided=True)
     assert not m.writes_ended
-    assert drive(m, "cancel", True) == [StopSequence()]
+    assert drive(m, "cancel", True) == [ho.StopSequence()]
     assert m.writes_ended
 
 
@@ -408,7 +391,7 @@ def takeover(rid: str) -> Takeover:
 
 def test_a_parked_takeover_is_claimed_by_its_allocation():
     hold = TakeoverHold(ttl_s=10.0, limit=8)
-    assert hold.park(takeover("a"), 5.0) == [ArmTimer("a", 10.0, 5.0)]
+    assert hold.park(takeover("a"), 5.0) == [act.ArmTimer("a", 10.0, 5.0)]
     assert "a" in hold and len(hold) == 1
     assert hold.claim("a") == takeover("a")
     assert hold.claim("a") is None
@@ -420,7 +403,7 @@ def test_a_parked_takeover_expires_by_its_own_timer_unless_parked_again():
     (timer,) = hold.park(takeover("a"), 5.0)
     hold.park(takeover("a"), 7.0)  # a newer report: the first timer is not its own
     assert hold.expire("a", timer.token) == []
-    assert hold.expire("a", 7.0) == [CancelParked("a", "relay never received the request")]
+    assert hold.expire("a", 7.0) == [act.CancelParked("a", "relay never received the request")]
     assert len(hold) == 0
 
 
@@ -429,13 +412,13 @@ def test_refusal_overflow_and_p_loss_release_parked_takeovers_with_a_cancel():
     hold.park(takeover("a"), 1.0)
     hold.park(takeover("b"), 2.0)
     acts = hold.park(takeover("c"), 3.0)
-    assert acts[-1] == CancelParked("a", "relay never received the request")
+    assert acts[-1] == act.CancelParked("a", "relay never received the request")
     assert hold.release("b", "relay refused the request") == [
-        CancelParked("b", "relay refused the request")
+        act.CancelParked("b", "relay refused the request")
     ]
     assert hold.release("b", "again") == []
     assert hold.release_all("prefill connection closed") == [
-        CancelParked("c", "prefill connection closed")
+        act.CancelParked("c", "prefill connection closed")
     ]
 
 
@@ -445,10 +428,10 @@ def test_refusal_overflow_and_p_loss_release_parked_takeovers_with_a_cancel():
 def test_replay_emits_and_stops_an_extra_stop_token_the_engine_does_not_know():
     r = ReplayRequest(PROMPT, stop_token_ids=(55,))
     acts, lp = r.engine_step(step(3, [54], PROMPT + 3))
-    assert acts == [EmitTokens(3, (54,))] and lp is None
+    assert acts == [ho.EmitTokens(3, (54,))] and lp is None
     acts, _ = r.engine_step(step(4, [55], PROMPT + 4))
-    assert acts == [EmitTokens(4, (55,)), FinishRequest("stop", 5), StopSequence()]
+    assert acts == [ho.EmitTokens(4, (55,)), ho.FinishRequest("stop", 5), ho.StopSequence()]
     r2 = ReplayRequest(PROMPT, stop_token_ids=())
     acts, _ = r2.engine_step(step(4, [9], PROMPT + 4, FinishReason.LENGTH))
-    assert acts == [EmitTokens(4, (9,)), FinishRequest("length", 5)]  # the engine freed it
+    assert acts == [ho.EmitTokens(4, (9,)), ho.FinishRequest("length", 5)]  # the engine freed it
     assert r2.engine_step(step(0, [], 0, FinishReason.ABORT))[0] == []  # our own abort

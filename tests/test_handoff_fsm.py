@@ -273,33 +273,31 @@ def test_rld_finishing_during_streaming_handoff():
     assert run.md_cancelled
 
 
+# simulate()'s timings, as hypothesis draws them (passed to it as they are)
+TIMINGS = st.fixed_dictionaries(
+    {
+        "n_out": st.integers(1, 120),
+        "prompt_len": st.integers(1, 40),
+        "kv_tick": st.integers(0, 150),
+        "delay": st.integers(0, 6),
+        "chunk": st.integers(1, 20),
+        "stop_lag": st.integers(0, 2),
+        "load": st.floats(0.0, 1.0),
+    }
+)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
-    n_out=st.integers(1, 120),
-    prompt_len=st.integers(1, 40),
-    kv_tick=st.integers(0, 150),
-    delay=st.integers(0, 6),
-    chunk=st.integers(1, 20),
-    stop_lag=st.integers(0, 2),
+    timing=TIMINGS,
     mode=st.sampled_from(["one-shot", "streaming", "dynamic"]),
     threshold=st.integers(0, 80),
-    load=st.floats(0.0, 1.0),
 )
-def test_exactly_once_under_any_timing(
-    n_out, prompt_len, kv_tick, delay, chunk, stop_lag, mode, threshold, load
-):
+def test_exactly_once_under_any_timing(timing, mode, threshold):
+    chunk = timing["chunk"]
     policy = HandoffPolicy(mode=mode, threshold_tokens=threshold, chunk=chunk)
-    run = simulate(
-        n_out=n_out,
-        prompt_len=prompt_len,
-        kv_tick=kv_tick,
-        delay=delay,
-        chunk=chunk,
-        policy=policy,
-        stop_lag=stop_lag,
-        load=load,
-    )
-    check_exactly_once(run, n_out)
+    run = simulate(**timing, policy=policy)
+    check_exactly_once(run, timing["n_out"])
     if run.handoffs and run.handoffs[0].mode == "streaming":
         assert max(run.md_extends, default=0) <= chunk
         assert all(len(h.token_ids) <= chunk for h in run.handoffs)  # messages of <= chunk ids

@@ -3,13 +3,22 @@ decode tiers and the router receive, checked through the wire codec."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.kv.pool import KVSpec
 from pddnet.lifecycle.prefill_actions import AskAllocation
-from pddnet.lifecycle.prefill_messages import kv_alloc_request, kv_done, pipeline_change
-from pddnet.lifecycle.sampling import SAMPLING_FIELD_NAMES, sampling_of
-from pddnet.policy.pipeline import Pipeline
+from pddnet.lifecycle.prefill_messages import (
+    kv_alloc_request,
+    kv_done,
+    pipeline_change,
+    pipeline_choice,
+)
+from pddnet.lifecycle.sampling import sampling_of
+from pddnet.policy.pipeline import Pipeline, PipelineInputs, PipelinePolicy
+from pddnet.policy.planner import PipelinePlanner
 from pddnet.protocol import Submit, decode_bytes, encode_bytes
+from pddnet.protocol.messages import SAMPLING_FIELD_NAMES
 
 
 def wire(msg):
@@ -59,3 +68,14 @@ def test_pipeline_change_names_the_new_pipeline_and_bounds_the_reason():
     got = wire(pipeline_change("r1", Pipeline.RLD_ONLY, "x" * 2000, 3.0))
     assert got.pipeline == Pipeline.RLD_ONLY.wire
     assert got.reason == "x" * 512
+
+
+def test_pipeline_choice_carries_the_decision_and_every_input_of_it():
+    planner = PipelinePlanner(PipelinePolicy(), 1024, bandwidth_bps=1e6, rtt_s=0.02)
+    plan = planner.plan([1] * 40, 10, force=Pipeline.P_RLD_MD)
+    got = wire(pipeline_choice("r1", plan, 2.5))
+    assert (got.request_id, got.pipeline, got.time) == ("r1", "p_rld_md", 2.5)
+    assert got.reason == plan.decision.reason
+    for f in dataclasses.fields(PipelineInputs):
+        assert getattr(got, f.name) == getattr(plan.inputs, f.name), f.name
+    assert (got.predicted_hit, got.view_stale) == (plan.prediction.hit_tokens, False)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pddnet.api.types import CompletionRequest
+from pddnet.api.parse import parse_completion_request
+from pddnet.api.types import CompletionRequest, ModelInfo
 from pddnet.lifecycle.assembler import StreamAssembler
 from pddnet.lifecycle.choice_text import ChoiceText
 from pddnet.lifecycle.pdd_object import RouterFacts
@@ -19,27 +20,16 @@ from pddnet.model.tokenizer import ByteTokenizer
 from pddnet.protocol import messages as m
 
 TOK = ByteTokenizer()
+MODEL = ModelInfo("tiny", TOK.vocab_size, max_position=1024, eos_token_id=TOK.eos_token_id)
 ALL = frozenset({"prefill", "relay", "main_decode"})
 RID = "cmpl-1"
 
 
-def request(max_tokens: int = 8, stop: tuple[str, ...] = (), **kw) -> CompletionRequest:
-    return CompletionRequest(
-        model="tiny",
-        prompt_token_ids=(1, 2, 3),
-        prompt_text=None,
-        max_tokens=max_tokens,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=None,
-        stream=False,
-        include_usage=False,
-        return_token_ids=False,
-        ignore_eos=True,
-        stop=stop,
-        **kw,
-    )
+def request(max_tokens: int = 8, stop: tuple[str, ...] = ()) -> CompletionRequest:
+    """A greedy request for three prompt ids, as the router's HTTP front parses it."""
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0}
+    body.update(ignore_eos=True, stop=list(stop))
+    return parse_completion_request(body, MODEL, TOK.encode, max_tokens_limit=1024)
 
 
 def machine(
@@ -130,6 +120,13 @@ def test_the_carrier_table(pipeline, events, owner, carriers):
     for event, producer in events:
         assert r.receive(timeline(event, producer), producer, 101.0, ALL) == []
     assert (r.owner, r.carriers()) == (owner, carriers)
+
+
+def test_the_submit_to_p_carries_the_prompt_seed_sampling_and_handoff_mode():
+    sub = machine(request(max_tokens=5)).submit(handoff_mode="streaming")
+    assert (sub.request_id, sub.prompt_token_ids, sub.seed) == (RID, (1, 2, 3), 7)
+    assert (sub.max_tokens, sub.temperature, sub.ignore_eos) == (5, 0.0, True)
+    assert (sub.handoff_mode, sub.output_token_ids) == ("streaming", ())
 
 
 def test_tokens_make_their_producer_the_owner():

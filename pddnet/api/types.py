@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pddnet.protocol.messages import SAMPLING_FIELD_NAMES
+
 
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape."""
@@ -93,17 +95,6 @@ class CompletionRequest:
         return self.temperature > 0 and self.seed is None
 
     def sampling_fields(self) -> dict[str, Any]:
-        """The wire's SamplingFields (SUBMIT) of this request, seed aside."""
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": self.ignore_eos,
-            "min_tokens": self.min_tokens,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "logprobs": self.logprobs,
-        }
+        """The wire's SamplingFields (SUBMIT) of this request, by their names, seed aside (the
+        router fixes a concrete one)."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELD_NAMES if name != "seed"}

@@ -25,6 +25,7 @@ from pddnet.lifecycle.handoff import (
     ReleaseHold,
     SendHandoff,
     SendTakeover,
+    SequenceEdit,
     SetChunk,
     StartSequence,
 )
@@ -34,7 +35,6 @@ BULK_PREFIX = "bulk-"
 HOST = "127.0.0.1"
 # MD's extend cap in its TAKEOVER (the daemons' default); a one-shot cut does not use it
 MD_CHUNK_TOKENS = HandoffPolicy().chunk
-SequenceEdit = AppendTokens | SetChunk | ReleaseHold
 
 
 # -- MD's side: one handoff on a fresh engine -----------------------------------------------------

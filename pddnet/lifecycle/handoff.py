@@ -158,6 +158,9 @@ Action = (
     | HandoffAbandoned
 )
 
+# MD's edits of its held sequence: a daemon applies one event's edits as ONE engine call.
+SequenceEdit = AppendTokens | SetChunk | ReleaseHold
+
 
 # -- RLD side -------------------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ PIPELINE_CHOICE / PIPELINE_CHANGE to the router. Sans-IO; the prefill daemon onl
 
 from __future__ import annotations
 
+import dataclasses
+
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.kv.pool import KVSpec
 from pddnet.lifecycle.prefill_actions import AskAllocation
@@ -16,17 +18,14 @@ from pddnet.protocol import KvAllocRequest, KvDone, PipelineChange, PipelineChoi
 def kv_alloc_request(
     sub: Submit, num_tokens: int, spec: KVSpec, ask: AskAllocation
 ) -> KvAllocRequest:
-    """KV_ALLOC_REQUEST to ``ask.target``, naming the request's current pipeline; the
-    request's sampling fields travel unchanged, so every tier samples alike."""
+    """KV_ALLOC_REQUEST to ``ask.target``, naming the request's current pipeline, with P's
+    KVSpec as it is; the request's sampling fields travel unchanged, so every tier samples
+    alike."""
     return KvAllocRequest(
         request_id=sub.request_id,
         prompt_token_ids=sub.prompt_token_ids,
         num_tokens=num_tokens,
-        block_size=spec.block_size,
-        dtype=spec.dtype,
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
+        **dataclasses.asdict(spec),
         expected_hit_tokens=ask.expected_hit_tokens,
         pipeline=ask.pipeline.wire,
         handoff_mode=sub.handoff_mode,
@@ -58,22 +57,14 @@ def kv_done(
 
 def pipeline_choice(rid: str, plan: Plan, time: float) -> PipelineChoice:
     """P's decision and every input of it, as the router's `pdd` object shows them."""
-    d, x = plan.decision, plan.inputs
+    d = plan.decision
     return PipelineChoice(
         request_id=rid,
         pipeline=d.pipeline.wire,
         reason=d.reason[:1024],
         wan_transfer_s=d.wan_transfer_s,
         incremental_bytes=d.incremental_bytes,
-        prompt_tokens=x.prompt_tokens,
-        hit_tokens=x.hit_tokens,
-        max_tokens=x.max_tokens,
-        kv_bytes_per_token=x.kv_bytes_per_token,
-        bandwidth_bps=x.bandwidth_bps,
-        rtt_s=x.rtt_s,
-        rld_s_per_token=x.rld_s_per_token,
-        rld_admits=x.rld_admits,
-        wan_backlog_bytes=x.wan_backlog_bytes,
+        **dataclasses.asdict(plan.inputs),  # every PipelineInputs field, under its own name
         predicted_hit=plan.prediction.hit_tokens,
         view_stale=plan.prediction.stale,
         time=time,

@@ -50,24 +50,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pddnet.lifecycle.prefill_actions import (
-    AbortTarget,
-    Action,
-    AskAllocation,
-    CommitWan,
-    Count,
-    FailRequest,
-    ObserveWanTransfer,
-    ReleaseBlocks,
-    ReleaseWan,
-    ReportPipelineChange,
-    ReportPipelineChoice,
-    SendKvDone,
-    StartPrefill,
-    StopWrites,
-    Timeline,
-    Transfer,
-)
+from pddnet.lifecycle import prefill_actions as act
 from pddnet.policy.cache_view import Observation
 from pddnet.policy.pipeline import Pipeline
 from pddnet.policy.planner import Plan
@@ -172,14 +155,17 @@ class PrefillRequest:
 
     # -- events -------------------------------------------------------------------------------
 
-    def start(self) -> list[Action]:
+    def start(self) -> list[act.Action]:
         if self._started:
             raise IllegalTransition("start: the request was started already")
         self._started = True
-        out: list[Action] = [Count("submitted"), Count(f"pipeline_{self.pipeline.wire}")]
+        out: list[act.Action] = [
+            act.Count("submitted"),
+            act.Count(f"pipeline_{self.pipeline.wire}"),
+        ]
         if self.plan is not None:
-            out.append(ReportPipelineChoice(self.plan))
-        return out + self._ask(self.targets[0]) + [StartPrefill()]
+            out.append(act.ReportPipelineChoice(self.plan))
+        return out + self._ask(self.targets[0]) + [act.StartPrefill()]
 
     def allocated(
         self,
@@ -188,7 +174,7 @@ class PrefillRequest:
         now: float,
         seen: Observation | None = None,
         recheck: Plan | None = None,
-    ) -> list[Action]:
+    ) -> list[act.Action]:
         """``target`` reserved room for the request, ``hit_tokens`` of it cached already. For
         MD, ``seen`` is the planner's comparison of its prediction with MD's hit and
         ``recheck`` the new plan the hit calls for (planner.md_answered / recheck)."""
@@ -197,14 +183,14 @@ class PrefillRequest:
             raise ValueError(f"{target} hit_tokens {hit_tokens} outside [0, {self.num_tokens})")
         if self.over or t.state is D:  # the answer crossed the end: give the blocks back
             self._move(target, "late_answer")
-            return [AbortTarget(target, "request no longer active")]
+            return [act.AbortTarget(target, "request no longer active")]
         self._move(target, "allocated")
         t.hit = t.sent = hit_tokens
-        out: list[Action] = []
+        out: list[act.Action] = []
         if target == MAIN:
             # MD's hit fixes what will cross: queued ahead of later requests' KV until MD
             # acknowledges it (released once MD's copy is finished, dropped or over)
-            out.append(CommitWan(self.num_tokens - hit_tokens))
+            out.append(act.CommitWan(self.num_tokens - hit_tokens))
             self._wan_committed = True
             self._wan_started = now
         out += self._pump()
@@ -214,13 +200,13 @@ class PrefillRequest:
             out += self._main_answered(hit_tokens, seen, recheck)
         return out + self._settle_wan()
 
-    def allocation_unusable(self, target: str, why: str) -> list[Action]:
+    def allocation_unusable(self, target: str, why: str) -> list[act.Action]:
         """``target`` reserved blocks P cannot write into: give them back, then it is a
         refusal."""
         reason = f"unusable allocation: {why}"
-        return [AbortTarget(target, reason)] + self.refused(target, reason)
+        return [act.AbortTarget(target, reason)] + self.refused(target, reason)
 
-    def refused(self, target: str, error: str) -> list[Action]:
+    def refused(self, target: str, error: str) -> list[act.Action]:
         t = self._target(target)
         if self.over or t.state is D:  # a late answer: nothing was reserved, nothing to do
             if t.state is A:
@@ -230,9 +216,9 @@ class PrefillRequest:
             # RLD's admission said no (it is full): the request goes P->MD and waits for its
             # KV there instead of queueing behind RLD.
             self._move(target, "refused")
-            out: list[Action] = [
-                Count("relay_refused"),
-                Timeline("relay_refused", None, error[:256]),
+            out: list[act.Action] = [
+                act.Count("relay_refused"),
+                act.Timeline("relay_refused", None, error[:256]),
             ]
             out += self._change_pipeline(Pipeline.P_MD, f"RLD refused: {error}")
             return out + self._ask(MAIN) + self._settle_wan()
@@ -240,12 +226,15 @@ class PrefillRequest:
         # request alone; without RLD, MD cannot (it waits for a relay's cut).
         self._move(target, "refused")
         if target == MAIN and self.pipeline is Pipeline.P_RLD_MD and len(self._t) > 1:
-            out = [Count("main_decode_refused"), Timeline("main_decode_refused", None, error[:128])]
+            out = [
+                act.Count("main_decode_refused"),
+                act.Timeline("main_decode_refused", None, error[:128]),
+            ]
             return out + self._pump() + self._release_if_done() + self._settle_wan()
-        out = [FailRequest("kv_alloc_refused", f"{target} refused: {error}")]
+        out = [act.FailRequest("kv_alloc_refused", f"{target} refused: {error}")]
         return out + self._end(f"{target} refused the request")
 
-    def computed(self, num_computed: int) -> list[Action]:
+    def computed(self, num_computed: int) -> list[act.Action]:
         if self.over:
             return []
         if num_computed < self.num_computed or num_computed > self.num_tokens:
@@ -255,7 +244,7 @@ class PrefillRequest:
         self.num_computed = num_computed
         return self._pump()
 
-    def first_token_sampled(self, token: int) -> list[Action]:
+    def first_token_sampled(self, token: int) -> list[act.Action]:
         if self.over:
             return []
         if self.num_computed != self.num_tokens:
@@ -263,7 +252,7 @@ class PrefillRequest:
                 f"first token sampled with {self.num_computed}/{self.num_tokens} positions computed"
             )
         self.first_token = token
-        return [Timeline("prefill_end", self.num_computed)] + self._pump()
+        return [act.Timeline("prefill_end", self.num_computed)] + self._pump()
 
     def kv_written(self, target: str, num_bytes: int) -> None:
         """A write to ``target`` completed (``wan_bytes`` counts MD's)."""
@@ -271,7 +260,7 @@ class PrefillRequest:
         if target == MAIN:
             self.wan_bytes += num_bytes
 
-    def kv_done_out(self, target: str, num_bytes: int) -> list[Action]:
+    def kv_done_out(self, target: str, num_bytes: int) -> list[act.Action]:
         """The shell posted ``target``'s KV_DONE (``num_bytes`` of KV went there)."""
         if self.over:
             raise IllegalTransition(f"kv_done_out({target}): the request is over")
@@ -279,16 +268,18 @@ class PrefillRequest:
         if target == MAIN:
             # MD's copy is finished when MD says it has it all (KV_RECEIVED): until then the
             # transfer can still be cancelled (the singular filter) and P still holds the KV.
-            return [Timeline("wan_kv_sent", num_bytes)]
+            return [act.Timeline("wan_kv_sent", num_bytes)]
         # The one-sided writes are in RLD's memory already: P's part towards RLD is over and
         # the router now counts RLD as the request's carrier (were RLD to die before its own
         # rld_kv_complete, nobody else would say so).
         self._move(target, "finished")
-        return [Timeline("rld_kv_sent", num_bytes)] + self._release_if_done() + self._settle_wan()
+        return (
+            [act.Timeline("rld_kv_sent", num_bytes)] + self._release_if_done() + self._settle_wan()
+        )
 
-    def kv_received(self, num_bytes: int, now: float) -> list[Action]:
+    def kv_received(self, num_bytes: int, now: float) -> list[act.Action]:
         """MD acknowledged the request's KV (KV_RECEIVED)."""
-        out: list[Action] = []
+        out: list[act.Action] = []
         if self._wan_started is not None:
             # The goodput sample is P's delivery rate: the KV's bytes over the time from MD's
             # answer to MD's acknowledgement, what the direct-budget test predicts (the line's
@@ -297,13 +288,13 @@ class PrefillRequest:
             # share of a busy line instead: it swung 0.06-1.8 GB/s on a 4.25 GB/s line in the
             # simulator's full scenario and let PDD's P99 TTFT reach 8.6x the baseline's (1.0x
             # with this sample; docs/simulator.md).
-            out.append(ObserveWanTransfer(num_bytes, now - self._wan_started))
+            out.append(act.ObserveWanTransfer(num_bytes, now - self._wan_started))
         if MAIN in self._t and self._t[MAIN].state is Q:
             self._move(MAIN, "finished")
-            out += [Timeline("wan_kv_acked", num_bytes)] + self._release_if_done()
+            out += [act.Timeline("wan_kv_acked", num_bytes)] + self._release_if_done()
         return out + self._settle_wan()
 
-    def transfer_failed(self, target: str, why: str) -> list[Action]:
+    def transfer_failed(self, target: str, why: str) -> list[act.Action]:
         """A write to ``target`` failed: the receiver is dead, hung, or refused it."""
         if self.over or self._target(target).state in (F, D):
             return []  # a target left out (or done) no longer matters
@@ -313,19 +304,19 @@ class PrefillRequest:
         # the router replays it by token ids on the other decode tier, or fails it
         return self.fail(f"{target}_lost", why)
 
-    def peer_lost(self, target: str, why: str) -> list[Action]:
+    def peer_lost(self, target: str, why: str) -> list[act.Action]:
         """``target``'s control connection closed."""
         t = self._t.get(target)
         if t is None or t.state in (F, D) or self.over:
             return []
-        out: list[Action] = [StopWrites(target, why)]
+        out: list[act.Action] = [act.StopWrites(target, why)]
         if self._relay_can_continue_without(target):
             # RLD is the fallback: it decodes the request to its end (it sees MD gone too).
-            out += [Count("main_lost_relay_continues")]
+            out += [act.Count("main_lost_relay_continues")]
             return out + self._change_pipeline(Pipeline.RLD_ONLY, why) + self._drop(MAIN, "")
         return out + self.fail(f"{target}_lost", why)
 
-    def cancel(self, reason: str, by: str = "router") -> list[Action]:
+    def cancel(self, reason: str, by: str = "router") -> list[act.Action]:
         """CANCEL from the router, or KV_ABORT from a decode tier (``by``)."""
         if self.over:
             return []
@@ -334,54 +325,56 @@ class PrefillRequest:
             # RLD still serves the request; MD hears back once P's writes to it have stopped
             # (it may be fencing blocks).
             out = self._change_pipeline(Pipeline.RLD_ONLY, f"main decode dropped it: {reason}")
-            out += self._drop(MAIN, "") + [AbortTarget(MAIN, f"acknowledged: {reason}")]
+            out += self._drop(MAIN, "") + [act.AbortTarget(MAIN, f"acknowledged: {reason}")]
             return out
         out = []
         if by == RELAY and MAIN in self._t and self._t[MAIN].state in (S, Q):
             # RLD finished the whole output before MD's copy was complete: stop shipping it.
             out += [
-                Count("wan_transfers_cancelled"),
-                Timeline("wan_cancelled", self.wan_bytes, reason[:256]),
+                act.Count("wan_transfers_cancelled"),
+                act.Timeline("wan_cancelled", self.wan_bytes, reason[:256]),
             ]
-        return out + [Count("cancelled")] + self._end(reason)
+        return out + [act.Count("cancelled")] + self._end(reason)
 
-    def fail(self, code: str, message: str) -> list[Action]:
+    def fail(self, code: str, message: str) -> list[act.Action]:
         if self.over:
             return []
-        return [FailRequest(code, message)] + self._end(message)
+        return [act.FailRequest(code, message)] + self._end(message)
 
-    def engine_failed(self, reason: str) -> list[Action]:
+    def engine_failed(self, reason: str) -> list[act.Action]:
         """P's engine failed: a request still prefilling fails (a prefilled one only keeps
         its blocks, and ships on)."""
         return [] if self.prefilled else self.fail("engine_failed", reason)
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _ask(self, target: str) -> list[Action]:
+    def _ask(self, target: str) -> list[act.Action]:
         self._move(target, "ask")
         plan = self.plan
         hit = plan.prediction.hit_tokens if plan is not None and target == MAIN else 0
-        return [AskAllocation(target, self.pipeline, hit)]
+        return [act.AskAllocation(target, self.pipeline, hit)]
 
-    def _relay_admitted(self) -> list[Action]:
+    def _relay_admitted(self) -> list[act.Action]:
         """RLD admitted the request: MD now hears of it (P->RLD->MD), or never (P->RLD)."""
         if MAIN not in self._t or self._t[MAIN].state is not W:
             return []
         if self.pipeline is Pipeline.P_RLD_MD:
             return self._ask(MAIN)
         # the singular filter: the WAN transfer never starts
-        return [Count("wan_transfers_never_started")] + self._drop(MAIN, "")
+        return [act.Count("wan_transfers_never_started")] + self._drop(MAIN, "")
 
     def _main_answered(
         self, hit_tokens: int, seen: Observation | None, recheck: Plan | None
-    ) -> list[Action]:
+    ) -> list[act.Action]:
         """MD's hit is authoritative: the planner repaired P's view and rechecked the
         pipeline with it."""
-        out: list[Action] = [Timeline("prefix_hit_tokens", hit_tokens)]  # KV below stays home
+        out: list[act.Action] = [
+            act.Timeline("prefix_hit_tokens", hit_tokens)
+        ]  # KV below stays home
         if seen is not None and seen.wrong:
             out += [
-                Count("md_view_wrong"),
-                Timeline(
+                act.Count("md_view_wrong"),
+                act.Timeline(
                     "md_view_wrong",
                     seen.predicted_tokens,
                     f"predicted {seen.predicted_tokens}, MD holds {seen.actual_tokens}",
@@ -390,7 +383,7 @@ class PrefillRequest:
         if recheck is not None and self.pipeline is Pipeline.P_RLD_MD:
             self.plan = recheck
             out += self._change_pipeline(recheck.pipeline, recheck.decision.reason)
-            out += [Count("wan_transfers_cancelled")]
+            out += [act.Count("wan_transfers_cancelled")]
             out += self._drop(MAIN, f"singular traffic: {recheck.decision.reason}")
         return out
 
@@ -405,14 +398,14 @@ class PrefillRequest:
             and relay.state in (S, Q, F)
         )
 
-    def _change_pipeline(self, pipeline: Pipeline, reason: str) -> list[Action]:
+    def _change_pipeline(self, pipeline: Pipeline, reason: str) -> list[act.Action]:
         old, self.pipeline = self.pipeline, pipeline
         return [
-            Count(f"pipeline_{old.wire}_to_{pipeline.wire}"),
-            ReportPipelineChange(pipeline, reason),
+            act.Count(f"pipeline_{old.wire}_to_{pipeline.wire}"),
+            act.ReportPipelineChange(pipeline, reason),
         ]
 
-    def _drop(self, target: str, reason: str) -> list[Action]:
+    def _drop(self, target: str, reason: str) -> list[act.Action]:
         """Leave ``target`` out from now on. One that had reserved blocks is told to free them
         (when there is a ``reason``); the others go on."""
         t = self._target(target)
@@ -420,52 +413,52 @@ class PrefillRequest:
             return []
         reserved = t.state in (S, Q)
         self._move(target, "drop")
-        out: list[Action] = [AbortTarget(target, reason)] if reserved and reason else []
+        out: list[act.Action] = [act.AbortTarget(target, reason)] if reserved and reason else []
         if all(x.state is D for x in self._t.values()):  # nobody is left to serve it
-            fail = FailRequest("no_target", f"{target} dropped: {reason}")
+            fail = act.FailRequest("no_target", f"{target} dropped: {reason}")
             return out + [fail] + self._end(reason, abort=False)
         return out + self._pump() + self._release_if_done() + self._settle_wan()
 
-    def _end(self, reason: str, abort: bool = True) -> list[Action]:
+    def _end(self, reason: str, abort: bool = True) -> list[act.Action]:
         """The request is over before it shipped: every target still holding (or about to
         hold) something for it frees it, and so does P."""
         self.over = True
-        out: list[Action] = [
-            AbortTarget(name, reason)
+        out: list[act.Action] = [
+            act.AbortTarget(name, reason)
             for name, t in self._t.items()
             if abort and t.state not in (F, D)
         ]
-        return out + [ReleaseBlocks()] + self._settle_wan()
+        return out + [act.ReleaseBlocks()] + self._settle_wan()
 
-    def _release_if_done(self) -> list[Action]:
+    def _release_if_done(self) -> list[act.Action]:
         if not self.over and self.shipped:
             self.over = True
-            return [ReleaseBlocks()]
+            return [act.ReleaseBlocks()]
         return []
 
-    def _settle_wan(self) -> list[Action]:
+    def _settle_wan(self) -> list[act.Action]:
         """Once nothing more of the request's KV will cross to MD (MD acknowledged it, MD was
         dropped or refused, the request was cancelled or failed), its bytes leave P's WAN
         backlog."""
         main = self._t.get(MAIN)
         if self._wan_committed and (self.over or main is None or main.state in (F, D)):
             self._wan_committed = False
-            return [ReleaseWan()]
+            return [act.ReleaseWan()]
         return []
 
-    def _pump(self) -> list[Action]:
+    def _pump(self) -> list[act.Action]:
         if self.over:
             return []
-        out: list[Action] = []
+        out: list[act.Action] = []
         for name, t in self._t.items():
             if t.state is not S:
                 continue
             if self.num_computed > t.sent:
-                out.append(Transfer(name, t.sent, self.num_computed))
+                out.append(act.Transfer(name, t.sent, self.num_computed))
                 t.sent = self.num_computed
             if self.first_token is not None and t.sent == self.num_tokens:
                 self._move(name, "queue_kv_done")
-                out.append(SendKvDone(name, self.first_token))
+                out.append(act.SendKvDone(name, self.first_token))
         return out
 
     def _move(self, target: str, event: str) -> None:
@@ -476,9 +469,7 @@ class PrefillRequest:
         t.state = nxt
 
     def _target(self, target: str) -> _Target:
-        try:
-            return self._t[target]
-        except KeyError:
-            raise ValueError(
-                f"{target!r} is not a target of this request ({', '.join(self._t)})"
-            ) from None
+        t = self._t.get(target)
+        if t is None:
+            raise ValueError(f"{target!r} is not a target of this request ({', '.join(self._t)})")
+        return t

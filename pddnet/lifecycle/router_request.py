@@ -239,6 +239,17 @@ class RouterRequest:
         self.error_status = 503 if unavailable else 500
         self.assembler.fail(f"{who}: {code}: {message}")
 
+    def submit(self, **extra: Any) -> m.Submit:
+        """The request's SUBMIT: its prompt, seed and sampling fields, plus ``extra`` (P's names
+        the handoff mode; a replay's carries the output tokens known so far)."""
+        return m.Submit(
+            request_id=self.request_id,
+            prompt_token_ids=self.req.prompt_token_ids,
+            seed=self.seed,
+            **self.req.sampling_fields(),
+            **extra,
+        )
+
     def cancel_all(self, reason: str) -> CancelAll:
         """The router tells every daemon to drop the request (client gone, a choice failed, the
         stream ended without their word)."""
@@ -381,12 +392,5 @@ class RouterRequest:
             "router",
             f"{lost} lost ({why[:200]}): replayed on {target} from index {len(known)}",
         )
-        submit = m.Submit(
-            request_id=self.request_id,
-            prompt_token_ids=self.req.prompt_token_ids,
-            seed=self.seed,
-            output_token_ids=known,
-            **self.req.sampling_fields(),
-        )
-        out.append(Replay(target, submit, lost, why))
+        out.append(Replay(target, self.submit(output_token_ids=known), lost, why))
         return True

@@ -5,13 +5,10 @@ tier samples alike and the machines can build their messages without a daemon.""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from pddnet.engine.sampling import SamplingParams, TokenLogprob
-from pddnet.protocol.messages import SamplingFields
-
-SAMPLING_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingFields))
+from pddnet.protocol.messages import SAMPLING_FIELD_NAMES, SamplingFields
 
 
 def sampling_of(fields: SamplingFields) -> SamplingParams:

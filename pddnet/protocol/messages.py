@@ -561,6 +561,9 @@ class SamplingFields:
     )
 
 
+SAMPLING_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingFields))
+
+
 def _check_sampling(name: str, v: Mapping[str, Any]) -> None:
     _require(
         v["min_tokens"] <= v["max_tokens"],

@@ -9,7 +9,6 @@ left here is glue: which connection a message came on, and where an action's mes
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -19,11 +18,12 @@ from typing import Any
 
 from pddnet.config import ClusterConfig, DaemonSection
 from pddnet.device.dilation import wallclock
-from pddnet.protocol import Message, Ping, Pong
-from pddnet.transport import Connection, ConnectionClosed, Server, dial, dial_with_retry
+from pddnet.protocol import Message, Pong
+from pddnet.transport import Connection, Server, dial, dial_with_retry
 
 from .daemon_stats import DaemonStats
 from .engine_host import EngineHost
+from .inbox import read_in_order
 from .ordering import RecentIds
 from .outbox import Outbox
 from .peer import Peer, PeerHost
@@ -31,8 +31,6 @@ from .readiness import STARTED, Link, all_up
 from .to_router import ToRouter
 
 log = logging.getLogger("pddnet.roles")
-
-INBOX_LIMIT = 4096  # messages read ahead of the handler on one connection
 
 
 def instance_id(config: ClusterConfig, role: str) -> str:
@@ -43,12 +41,12 @@ def instance_id(config: ClusterConfig, role: str) -> str:
 class Daemon(EngineHost, ToRouter, DaemonStats):
     """Base of PrefillDaemon, RelayDaemon, MainDecodeDaemon.
 
-    Subclasses set ``role`` (wire role and REQUEST_DONE producer) and ``section`` (config
-    table), and implement ``handle(conn, msg)``, ``on_step(outputs)`` and ``dial_peers()``.
+    Subclasses set ``role`` (wire role, REQUEST_DONE producer and the name of their config
+    table, ``section``), and implement ``handle(conn, msg)``, ``on_step(outputs)`` and
+    ``dial_peers()``.
     """
 
     role: str = ""
-    section_name: str = ""
 
     def __init__(self, config: ClusterConfig) -> None:
         config.validate()
@@ -60,7 +58,7 @@ class Daemon(EngineHost, ToRouter, DaemonStats):
                 "with the cluster secret (pdd up generates one)"
             )
         self.config = config
-        self.section: DaemonSection = getattr(config, self.section_name)
+        self.section: DaemonSection = getattr(config, self.role)
         self.instance_id = instance_id(config, self.role)
         self.secret = config.secret.encode()
         self.server: Server | None = None
@@ -226,50 +224,29 @@ class Daemon(EngineHost, ToRouter, DaemonStats):
         await self._serve(conn)
 
     async def _serve(self, conn: Connection) -> None:
-        """Read a connection until it closes. Heartbeats are answered by the reader at once;
-        everything else is handled in order by a second task, so a handler waiting for the
-        engine (an allocation behind a long step) never delays a PONG past its deadline."""
-        inbox: asyncio.Queue[Message | None] = asyncio.Queue(maxsize=INBOX_LIMIT)
-        worker = asyncio.get_running_loop().create_task(
-            self._handle_in_order(conn, inbox),
-            name=f"{self.instance_id} handles {conn.peer_role} {conn.lane}",
+        """Read a connection until it closes (pddnet/roles/inbox.py), then forget its lanes."""
+        await read_in_order(
+            conn,
+            lambda msg: self._handle_safely(conn, msg),
+            lambda msg: self.on_pong(conn, msg),
+            f"{self.instance_id} handles {conn.peer_role} {conn.lane}",
         )
-        try:
-            async for msg in conn:
-                if isinstance(msg, Ping):  # heartbeats are answered at once, on any lane
-                    with contextlib.suppress(ConnectionClosed):
-                        await conn.send(Pong(nonce=msg.nonce, time=msg.time))
-                elif isinstance(msg, Pong):
-                    self.on_pong(conn, msg)
-                else:
-                    await inbox.put(msg)  # a full inbox stops reading: backpressure
-            await inbox.put(None)
-            await worker
-        finally:
-            if not worker.done():
-                worker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await worker
         self.connection_lost(conn)
         # The connection's outboxes wait for messages that can no longer go anywhere.
         for box in [b for b in self._outboxes if b.conn is conn]:
             self.forget_outbox(box)
         self._router = [b for b in self._router if b.conn is not conn]
 
-    async def _handle_in_order(self, conn: Connection, inbox: asyncio.Queue) -> None:
-        while (msg := await inbox.get()) is not None:
-            try:
-                await self.handle(conn, msg)
-            except Exception as exc:  # one bad request must not end the connection
-                rid = getattr(msg, "request_id", None)
-                log.exception(
-                    "%s: handling %s from %s failed",
-                    self.instance_id,
-                    msg.TYPE.name,
-                    conn.peer_role,
-                )
-                self.counters["errors"] += 1
-                self.error(rid, "internal", f"{self.role} failed on {msg.TYPE.name}: {exc}")
+    async def _handle_safely(self, conn: Connection, msg: Message) -> None:
+        try:
+            await self.handle(conn, msg)
+        except Exception as exc:  # one bad request must not end the connection
+            rid = getattr(msg, "request_id", None)
+            log.exception(
+                "%s: handling %s from %s failed", self.instance_id, msg.TYPE.name, conn.peer_role
+            )
+            self.counters["errors"] += 1
+            self.error(rid, "internal", f"{self.role} failed on {msg.TYPE.name}: {exc}")
 
     def connection_lost(self, conn: Connection) -> None:
         """A connection closed (override to fail the requests that depended on it)."""

@@ -11,13 +11,15 @@ from typing import Any, Protocol
 from pddnet.engine.engine import Engine, KVReservation
 from pddnet.engine.sequence import FinishReason
 from pddnet.lifecycle.decode_request import DecodeRequest
-from pddnet.lifecycle.handoff import AppendTokens, ReleaseHold, SetChunk, StartSequence
-from pddnet.lifecycle.sampling import sampling_of
+from pddnet.lifecycle.handoff import (
+    AppendTokens,
+    SequenceEdit,
+    SetChunk,
+    StartSequence,
+)
 
 from .ordering import Serial
 from .outbox import Outbox
-
-SequenceEdit = AppendTokens | SetChunk | ReleaseHold
 
 
 class SlotHost(Protocol):
@@ -26,6 +28,7 @@ class SlotHost(Protocol):
     engine: Engine | None
 
     async def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+    async def add_sequence(self, req: Any, **options: Any) -> None: ...
     def wake(self) -> None: ...
     def apply(self, slot: Slot, actions: list[Any]) -> None: ...
     def fence(self, rid: str, res: KVReservation) -> None: ...
@@ -80,16 +83,8 @@ class Slot:
             return
         alloc = self.machine.alloc
         try:
-            await tier.compute(
-                tier.engine.add_request,
-                alloc.prompt_token_ids,
-                alloc.max_tokens,
-                sampling_of(alloc),
-                alloc.request_id,
-                ignore_eos=alloc.ignore_eos,
-                output_token_ids=list(a.output_token_ids),
-                kv=res,
-                hold=a.hold,
+            await tier.add_sequence(
+                alloc, output_token_ids=list(a.output_token_ids), kv=res, hold=a.hold
             )
         except ValueError as exc:
             self.started = False

@@ -14,33 +14,11 @@ from typing import Any
 
 from pddnet.config import ClusterConfig
 from pddnet.engine.engine import KVReservation, StepOutput
-from pddnet.lifecycle.decode_actions import (
-    DecodeAction,
-    Failed,
-    ForwardDone,
-    KvComplete,
-    SendKvAbort,
-    SendKvReceived,
-)
+from pddnet.lifecycle import decode_actions as act
+from pddnet.lifecycle import handoff as ho
 from pddnet.lifecycle.decode_messages import handoff, kv_received, takeover
 from pddnet.lifecycle.decode_request import DecodeRequest, Role
 from pddnet.lifecycle.decode_tokens import step_end_reasons
-from pddnet.lifecycle.handoff import (
-    AppendTokens,
-    CancelPeer,
-    EmitTokens,
-    FinishRequest,
-    FirstMainToken,
-    HandoffAbandoned,
-    HandoffEnded,
-    HandoffStarted,
-    ReleaseHold,
-    SendHandoff,
-    SendTakeover,
-    SetChunk,
-    StartSequence,
-    StopSequence,
-)
 from pddnet.protocol import (
     Cancel,
     KvAbort,
@@ -119,7 +97,7 @@ class DecodeTier(KvReceiver):
             box = self._p_boxes[conn] = self.outbox(conn, f"{conn.peer_role} control")
         return box
 
-    def event(self, rid: str, fn: Callable[[DecodeRequest], list[DecodeAction]]) -> None:
+    def event(self, rid: str, fn: Callable[[DecodeRequest], list[act.DecodeAction]]) -> None:
         """Feed an event to a request's machine (if it is held here) and carry out its actions."""
         slot = self.requests.get(rid)
         if slot is not None:
@@ -193,65 +171,65 @@ class DecodeTier(KvReceiver):
 
     # -- actions -------------------------------------------------------------------------------
 
-    def apply(self, slot: Slot, actions: list[DecodeAction]) -> None:
+    def apply(self, slot: Slot, actions: list[act.DecodeAction]) -> None:
         """Carry out a request's actions, in order (sequence edits of one event: one call)."""
         rid, m = slot.rid, slot.machine
         peer = self.decode_peer
         done: RequestDone | None = None
         for a in actions:
-            if isinstance(a, (AppendTokens, SetChunk, ReleaseHold)):
+            if isinstance(a, ho.SequenceEdit):
                 slot.edits.append(a)
                 continue
             slot.queue_edits(self)
-            if isinstance(a, EmitTokens):
+            if isinstance(a, ho.EmitTokens):
                 self.emit_tokens(rid, a.index, a.token_ids, m.take_logprobs(a))
-            elif isinstance(a, StartSequence):
+            elif isinstance(a, ho.StartSequence):
                 slot.started = True  # before the call: the engine may step (and fail) first
                 slot.serial.submit(lambda a=a: slot.start(self, a))
-            elif isinstance(a, StopSequence):
+            elif isinstance(a, ho.StopSequence):
                 self._stop(slot)
-            elif isinstance(a, FinishRequest):
+            elif isinstance(a, ho.FinishRequest):
                 self.counters["finished_here"] += 1
                 done = self.request_done(rid, a.reason, m.alloc.num_tokens, a.num_output_tokens)
-            elif isinstance(a, ForwardDone):
+            elif isinstance(a, act.ForwardDone):
                 if peer is not None and done is not None:
                     peer.post(done)
-            elif isinstance(a, KvComplete):
+            elif isinstance(a, act.KvComplete):
                 self.timeline(
                     rid, f"{'rld' if m.role is Role.RELAY else 'md'}_kv_complete", a.num_bytes
                 )
-            elif isinstance(a, SendKvReceived):
+            elif isinstance(a, act.SendKvReceived):
                 self.before_p_answer()
                 slot.p_conn.post(kv_received(rid, a))
-            elif isinstance(a, SendKvAbort):
+            elif isinstance(a, act.SendKvAbort):
                 slot.p_conn.post(KvAbort(request_id=rid, reason=a.reason))
-            elif isinstance(a, CancelPeer):
+            elif isinstance(a, ho.CancelPeer):
                 if peer is not None:
                     peer.post(Cancel(request_id=rid, reason=a.reason))
-            elif isinstance(a, Failed):
+            elif isinstance(a, act.Failed):
                 log.warning("%s: %s: %s", self.instance_id, rid, a.reason)
                 if a.tell_router:
                     self.error(rid, a.code, a.reason)
                 else:
                     self.timeline(rid, "md_dropped", None, a.reason[:128])
-            elif isinstance(a, SendHandoff):
+            elif isinstance(a, ho.SendHandoff):
                 assert peer is not None
                 peer.post(handoff(rid, a))
                 if a.final:
                     self.counters["handed_off"] += 1
-            elif isinstance(a, SendTakeover):
+            elif isinstance(a, ho.SendTakeover):
                 if peer is None or not peer.alive:
                     self.apply(slot, m.abort("no relay connected to hand over from"))
                     return
                 peer.post(takeover(rid, a))
-            elif isinstance(a, HandoffStarted):
+            elif isinstance(a, ho.HandoffStarted):
                 self.timeline(rid, "handoff_start", a.backlog_tokens, a.mode)
-            elif isinstance(a, HandoffAbandoned):
+            elif isinstance(a, ho.HandoffAbandoned):
                 self.counters["handoffs_abandoned"] += 1
                 self.timeline(rid, "handoff_abandoned", None, a.reason[:128])
-            elif isinstance(a, FirstMainToken):
+            elif isinstance(a, ho.FirstMainToken):
                 self.timeline(rid, "first_md_token", a.index)
-            elif isinstance(a, HandoffEnded):
+            elif isinstance(a, ho.HandoffEnded):
                 self.counters["handoffs"] += 1
                 self.handoff_ended(a.mode)
                 self.timeline(rid, "handoff_end", m.handoff_bytes, a.mode)

@@ -16,8 +16,10 @@ from pddnet.device.emulated import Emulation
 from pddnet.device.pacer import StepPacer
 from pddnet.engine.engine import Engine, StepOutput
 from pddnet.engine.worker import EngineWorker
+from pddnet.lifecycle.sampling import sampling_of
 from pddnet.model.loader import load_model
 from pddnet.obs.step_times import StepTimes
+from pddnet.protocol import KvAllocRequest, Submit
 
 log = logging.getLogger("pddnet.roles")
 
@@ -30,7 +32,6 @@ class EngineHost:
     config: ClusterConfig
     section: DaemonSection
     counters: Counter[str]
-    section_name: str
     emulation: Emulation | None
     engine: Engine | None
     worker: EngineWorker | None
@@ -50,9 +51,7 @@ class EngineHost:
             else 1.0
         )
         self.pacer = (
-            StepPacer(self.emulation.cost_of(self.section_name), self.dilation)
-            if self.emulation
-            else None
+            StepPacer(self.emulation.cost_of(self.role), self.dilation) if self.emulation else None
         )
         # every engine step's time as measured here (paced, in the modelled world's seconds)
         self.step_times = StepTimes(scale=1.0 / self.dilation)
@@ -93,6 +92,20 @@ class EngineHost:
         """Run an engine operation in the engine thread, between steps."""
         assert self.worker is not None
         return await self.worker.call(fn, *args, **kwargs)
+
+    async def add_sequence(self, req: Submit | KvAllocRequest, **options: Any) -> None:
+        """Add a request's sequence to the engine, sampling as its wire fields say (every tier
+        alike); ``options`` are add_request's (output_token_ids, kv...) and may override its
+        max_tokens and ignore_eos. Raises ValueError if the engine refuses it."""
+        assert self.engine is not None
+        options = {"max_tokens": req.max_tokens, "ignore_eos": req.ignore_eos, **options}
+        await self.compute(
+            self.engine.add_request,
+            req.prompt_token_ids,
+            sampling=sampling_of(req),
+            request_id=req.request_id,
+            **options,
+        )
 
     def wake(self) -> None:
         assert self.worker is not None

@@ -39,9 +39,7 @@ class KvReceiver(Daemon):
         self.fenced: dict[str, KVReservation] = {}
 
     async def start(self) -> None:
-        self.kv_paths = await KVPaths.create(
-            self.config, self.section, self.section_name, (self.kv_path,)
-        )
+        self.kv_paths = await KVPaths.create(self.config, self.section, self.role, (self.kv_path,))
         try:
             await super().start()
         except BaseException:

@@ -47,7 +47,6 @@ from .waiting_allocs import WaitingAllocs
 
 class MainDecodeDaemon(DecodeTier):
     role = "main_decode"
-    section_name = "main_decode"
     kv_path = "wan"
 
     def __init__(self, config: ClusterConfig) -> None:

@@ -52,7 +52,6 @@ BULK_LINK = "main-decode bulk"  # the WAN stripes that carry KV_CHUNK to MD (tcp
 
 class PrefillDaemon(Daemon):
     role = "prefill"
-    section_name = "prefill"
 
     def __init__(self, config: ClusterConfig) -> None:
         super().__init__(config)

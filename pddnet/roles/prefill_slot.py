@@ -13,7 +13,6 @@ from pddnet.engine.sampling import TokenLogprob
 from pddnet.lifecycle.prefill_actions import Action, SendKvDone
 from pddnet.lifecycle.prefill_messages import kv_done
 from pddnet.lifecycle.prefill_request import PrefillRequest, TargetState
-from pddnet.lifecycle.sampling import sampling_of
 from pddnet.protocol import Submit
 
 from .ordering import Serial
@@ -29,6 +28,7 @@ class PrefillHost(Protocol):
     control: dict[str, Peer]
 
     async def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+    async def add_sequence(self, req: Any, **options: Any) -> None: ...
     def wake(self) -> None: ...
     def timeline(
         self, rid: str, event: str, detail_int: int | None = None, detail_str: str = ""
@@ -56,15 +56,7 @@ class PrefillSlot:
         # Set before the call: the engine may step (and fail) before this coroutine resumes.
         self.started = True
         try:
-            await host.compute(
-                host.engine.add_request,
-                sub.prompt_token_ids,
-                1,
-                sampling_of(sub),
-                sub.request_id,
-                ignore_eos=True,
-                keep_blocks=True,
-            )
+            await host.add_sequence(sub, max_tokens=1, ignore_eos=True, keep_blocks=True)
         except ValueError as exc:
             self.started = False
             host.run(self, self.machine.fail("bad_request", f"prefill refused: {exc}"))

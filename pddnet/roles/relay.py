@@ -54,7 +54,6 @@ EARLY_TAKEOVER_TTL_S = 10.0
 
 class RelayDaemon(DecodeTier):
     role = "relay"
-    section_name = "relay"
     kv_path = "intra_dc"
 
     def __init__(self, config: ClusterConfig) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pddnet.engine.engine import StepOutput
 from pddnet.lifecycle.handoff import EmitTokens, FinishRequest, StopSequence
 from pddnet.lifecycle.replay_request import ReplayRequest
-from pddnet.lifecycle.sampling import sampling_of
 from pddnet.protocol import Submit
 
 from .common import Daemon
@@ -48,15 +47,7 @@ class Replays:
         if entry is None or entry[0] is not sub:
             return  # cancelled meanwhile
         try:
-            await d.compute(
-                d.engine.add_request,
-                sub.prompt_token_ids,
-                sub.max_tokens,
-                sampling_of(sub),
-                rid,
-                ignore_eos=sub.ignore_eos,
-                output_token_ids=list(sub.output_token_ids),
-            )
+            await d.add_sequence(sub, output_token_ids=list(sub.output_token_ids))
         except ValueError as exc:
             self._live.pop(rid, None)
             d.error(rid, "replay_refused", f"{d.role} cannot replay the request: {exc}")

@@ -262,17 +262,7 @@ class Router:
 
     async def submit(self, state: RouterRequest) -> None:
         """The request to P (raises ConnectionError when P is not connected)."""
-        req = state.req
-        await self.lanes.send(
-            "prefill",
-            m.Submit(
-                request_id=state.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                seed=state.seed,
-                handoff_mode=req.handoff_mode,
-                **req.sampling_fields(),
-            ),
-        )
+        await self.lanes.send("prefill", state.submit(handoff_mode=state.req.handoff_mode))
 
     def forget(self, states: list[RouterRequest]) -> None:
         for state in states:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from pddnet.engine.engine import KVReservation
@@ -20,40 +21,32 @@ from .outbox import Outbox
 Reserve = Callable[[Outbox, KvAllocRequest, Callable[[], None]], Awaitable[KVReservation | None]]
 
 
+@dataclass(eq=False)
 class WaitingAllocs:
     """The queue of waiting allocations, the retry of its head, the reports to the router."""
 
-    def __init__(
-        self,
-        reserve: Reserve,
-        accept: Callable[[Outbox, KvAllocRequest, KVReservation], None],
-        spawn: Callable[[Awaitable[Any], str], asyncio.Task],
-        timeline: Callable[[str, str, int], None],
-        counters: Counter[str],
-        report_every_s: float,
-    ) -> None:
-        self._reserve = reserve
-        self._accept = accept
-        self._spawn = spawn
-        self._timeline = timeline
-        self._counters = counters
-        self._report_every_s = report_every_s
-        self._queue: deque[tuple[Outbox, KvAllocRequest]] = deque()
-        self._retrying = False
-        self._retry_again = False
-        self._telling_router = False
+    reserve: Reserve
+    accept: Callable[[Outbox, KvAllocRequest, KVReservation], None]
+    spawn: Callable[[Awaitable[Any], str], asyncio.Task]
+    timeline: Callable[[str, str, int], None]
+    counters: Counter[str]
+    report_every_s: float
+    _queue: deque[tuple[Outbox, KvAllocRequest]] = field(default_factory=deque, init=False)
+    _retrying: bool = field(default=False, init=False)
+    _retry_again: bool = field(default=False, init=False)
+    _telling_router: bool = field(default=False, init=False)
 
     def __len__(self) -> int:
         return len(self._queue)
 
     def wait(self, p: Outbox, msg: KvAllocRequest) -> None:
         """``msg`` has no room yet (or others wait before it): queue it."""
-        self._counters["alloc_waits"] += 1
-        self._timeline(msg.request_id, "kv_alloc_wait", len(self._queue))
+        self.counters["alloc_waits"] += 1
+        self.timeline(msg.request_id, "kv_alloc_wait", len(self._queue))
         self._queue.append((p, msg))
         if not self._telling_router:
             self._telling_router = True
-            self._spawn(self._still_waiting(), "KV allocations waiting for room")
+            self.spawn(self._still_waiting(), "KV allocations waiting for room")
         self.kick()  # blocks may have been freed while it was being reserved
 
     def drop(self, rid: str) -> bool:
@@ -75,9 +68,9 @@ class WaitingAllocs:
         would only add load where there is too much already."""
         try:
             while self._queue:
-                await asyncio.sleep(self._report_every_s)
+                await asyncio.sleep(self.report_every_s)
                 for position, (_, msg) in enumerate(list(self._queue)):
-                    self._timeline(msg.request_id, "kv_alloc_wait", position)
+                    self.timeline(msg.request_id, "kv_alloc_wait", position)
         finally:
             self._telling_router = False
 
@@ -89,7 +82,7 @@ class WaitingAllocs:
             self._retry_again = True
             return
         self._retrying = True
-        self._spawn(self._retry_waiting(), "retry waiting KV allocations")
+        self.spawn(self._retry_waiting(), "retry waiting KV allocations")
 
     async def _retry_waiting(self) -> None:
         try:
@@ -103,7 +96,7 @@ class WaitingAllocs:
                     nonlocal short
                     short = True
 
-                res = await self._reserve(p, msg, still_short)
+                res = await self.reserve(p, msg, still_short)
                 if short and self._queue and self._queue[0] is head:
                     if self._retry_again:
                         continue  # something was freed meanwhile: try once more
@@ -111,6 +104,6 @@ class WaitingAllocs:
                 if self._queue and self._queue[0] is head:
                     self._queue.popleft()
                 if res is not None:
-                    self._accept(p, msg, res)
+                    self.accept(p, msg, res)
         finally:
             self._retrying = False
