@@ -16,6 +16,7 @@ from pddnet.lifecycle.replay_request import ReplayRequest
 from pddnet.lifecycle.takeover_hold import TakeoverHold
 from pddnet.policy.handoff import HandoffPolicy
 from pddnet.protocol import KvAllocRequest, KvDone, Takeover
+from tests.samples import kv_alloc_request
 
 PROMPT = 10
 EOS = 2
@@ -24,20 +25,7 @@ EOS = 2
 def alloc(
     rid: str = "r1", pipeline: str = "p_rld_md", max_tokens: int = 50, **kw
 ) -> KvAllocRequest:
-    return KvAllocRequest(
-        request_id=rid,
-        prompt_token_ids=[7] * PROMPT,
-        num_tokens=PROMPT,
-        block_size=4,
-        dtype="float32",
-        num_layers=2,
-        num_kv_heads=1,
-        head_dim=4,
-        expected_hit_tokens=0,
-        max_tokens=max_tokens,
-        pipeline=pipeline,
-        **kw,
-    )
+    return kv_alloc_request(PROMPT, request_id=rid, max_tokens=max_tokens, pipeline=pipeline, **kw)
 
 
 def kv_done(rid: str = "r1", first: int = 100, chunks: int = 0, nbytes: int = 0) -> KvDone:
