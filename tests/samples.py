@@ -10,11 +10,11 @@ import dataclasses
 from typing import Any
 
 from pddnet.kv.pool import KVSpec
-from pddnet.lifecycle.prefill_messages import pipeline_choice as prefill_pipeline_choice
+from pddnet.lifecycle import prefill_messages
 from pddnet.policy.cache_view import HitPrediction
 from pddnet.policy.pipeline import PipelineInputs, PipelinePolicy
 from pddnet.policy.planner import Plan
-from pddnet.protocol import KvAllocRequest, PipelineChoice, Submit
+from pddnet.protocol import KvAllocRequest, KvDone, PipelineChoice, Submit
 
 KV_SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=8, block_size=16, dtype="float64")
 
@@ -40,7 +40,7 @@ def pipeline_choice(**over: Any) -> PipelineChoice:
     inputs = pipeline_inputs()
     prediction = HitPrediction(inputs.prompt_tokens, inputs.hit_tokens, (), 16, stale=False)
     plan = Plan(PipelinePolicy().decide(inputs), inputs, prediction)
-    return dataclasses.replace(prefill_pipeline_choice("req-1", plan, 1.25), **over)
+    return dataclasses.replace(prefill_messages.pipeline_choice("req-1", plan, 1.25), **over)
 
 
 def kv_alloc_request(prompt: int = 40, spec: KVSpec = KV_SPEC, **over: Any) -> KvAllocRequest:
@@ -54,6 +54,12 @@ def kv_alloc_request(prompt: int = 40, spec: KVSpec = KV_SPEC, **over: Any) -> K
         max_tokens=10,
     )
     return KvAllocRequest(**{**fields, **over})
+
+
+def kv_done() -> KvDone:
+    """KV_DONE as P builds it (pddnet.lifecycle.prefill_messages) after 40 positions in 3
+    chunks, its first token 11 without logprobs."""
+    return prefill_messages.kv_done("req-1", 40, 3, 123456, 11, None, 4.0)
 
 
 def sampled_submit(**over: Any) -> Submit:

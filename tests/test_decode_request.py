@@ -11,6 +11,7 @@ from pddnet.engine.engine import StepOutput
 from pddnet.engine.sequence import FinishReason
 from pddnet.lifecycle import decode_actions as act
 from pddnet.lifecycle import handoff as ho
+from pddnet.lifecycle import prefill_messages
 from pddnet.lifecycle.decode_request import TRANSITIONS, DecodeRequest, Phase, Role
 from pddnet.lifecycle.replay_request import ReplayRequest
 from pddnet.lifecycle.takeover_hold import TakeoverHold
@@ -29,14 +30,8 @@ def alloc(
 
 
 def kv_done(rid: str = "r1", first: int = 100, chunks: int = 0, nbytes: int = 0) -> KvDone:
-    return KvDone(
-        request_id=rid,
-        num_tokens=PROMPT,
-        num_chunks=chunks,
-        num_bytes=nbytes,
-        first_token_id=first,
-        time=0.0,
-    )
+    """KV_DONE as P sends it, for the whole prompt."""
+    return prefill_messages.kv_done(rid, PROMPT, chunks, nbytes, first, None, 0.0)
 
 
 def relay(mode: str = "one-shot", hands_off: bool = True, **kw) -> DecodeRequest:

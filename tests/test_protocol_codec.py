@@ -66,7 +66,7 @@ from pddnet.protocol import (
     payload_from_array,
     payload_from_tensor,
 )
-from tests.samples import kv_alloc_request, pipeline_choice, sampled_submit
+from tests.samples import kv_alloc_request, kv_done, pipeline_choice, sampled_submit
 
 NONCE = bytes(range(16))
 MAC = bytes(range(32))
@@ -166,14 +166,7 @@ SAMPLES = [
     ),
     kv_chunk(),
     kv_chunk(dtype="uint8", tokens=1, layers=1, block_ids=[]),
-    KvDone(
-        request_id="req-1",
-        num_tokens=40,
-        num_chunks=3,
-        num_bytes=123456,
-        first_token_id=11,
-        time=4.0,
-    ),
+    kv_done(),
     KvAbort(request_id="req-1", reason="deadline"),
     CacheEvents(seq=3, block_size=32, inserted=[2**64 - 1, 5], evicted=[]),
     CacheEvents(seq=0, block_size=16, inserted=[7], evicted=[], reset=True),
