@@ -11,11 +11,13 @@ from pddnet.engine.engine import StepOutput
 from pddnet.engine.sequence import FinishReason
 from pddnet.lifecycle import decode_actions as act
 from pddnet.lifecycle import handoff as ho
+from pddnet.lifecycle import prefill_messages
 from pddnet.lifecycle.decode_request import TRANSITIONS, DecodeRequest, Phase, Role
 from pddnet.lifecycle.replay_request import ReplayRequest
 from pddnet.lifecycle.takeover_hold import TakeoverHold
 from pddnet.policy.handoff import HandoffPolicy
 from pddnet.protocol import KvAllocRequest, KvDone, Takeover
+from tests.samples import kv_alloc_request
 
 PROMPT = 10
 EOS = 2
@@ -24,31 +26,12 @@ EOS = 2
 def alloc(
     rid: str = "r1", pipeline: str = "p_rld_md", max_tokens: int = 50, **kw
 ) -> KvAllocRequest:
-    return KvAllocRequest(
-        request_id=rid,
-        prompt_token_ids=[7] * PROMPT,
-        num_tokens=PROMPT,
-        block_size=4,
-        dtype="float32",
-        num_layers=2,
-        num_kv_heads=1,
-        head_dim=4,
-        expected_hit_tokens=0,
-        max_tokens=max_tokens,
-        pipeline=pipeline,
-        **kw,
-    )
+    return kv_alloc_request(PROMPT, request_id=rid, max_tokens=max_tokens, pipeline=pipeline, **kw)
 
 
 def kv_done(rid: str = "r1", first: int = 100, chunks: int = 0, nbytes: int = 0) -> KvDone:
-    return KvDone(
-        request_id=rid,
-        num_tokens=PROMPT,
-        num_chunks=chunks,
-        num_bytes=nbytes,
-        first_token_id=first,
-        time=0.0,
-    )
+    """KV_DONE as P sends it, for the whole prompt."""
+    return prefill_messages.kv_done(rid, PROMPT, chunks, nbytes, first, None, 0.0)
 
 
 def relay(mode: str = "one-shot", hands_off: bool = True, **kw) -> DecodeRequest:

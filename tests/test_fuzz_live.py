@@ -287,79 +287,86 @@ def _valid_frame(msg: Any) -> bytes:
 HELLO = Hello(role="prefill", instance_id="fuzzer", nonce=b"n" * 32, lane="control")
 
 
+# Malformed frames, one strategy a kind: garbage, corrupt headers, oversized declared lengths,
+# truncated frames, bad msgpack.
+def _ping_frame(draw) -> bytes:
+    return _valid_frame(Ping(nonce=draw(st.integers(0, 2**32)), time=1.0))
+
+
 @st.composite
-def malformed_frames(draw) -> bytes:
-    """Garbage, corrupt headers, oversized declared lengths, truncated frames, bad msgpack."""
-    kind = draw(
-        st.sampled_from(
-            [
-                "garbage",
-                "bad-crc",
-                "oversized-metadata",
-                "oversized-payload",
-                "truncated",
-                "bad-msgpack",
-                "unknown-type",
-                "bad-flags",
-                "bad-version",
-            ]
-        )
-    )
-    if kind == "garbage":
-        return draw(st.binary(min_size=1, max_size=300))
-    good = _valid_frame(Ping(nonce=draw(st.integers(0, 2**32)), time=1.0))
-    if kind == "bad-crc":
-        head = bytearray(good[:32])
-        head[draw(st.integers(28, 31))] ^= draw(st.integers(1, 255))
-        return bytes(head) + good[32:]
-    if kind == "oversized-metadata":
-        return _header(int(MessageType.PING), draw(st.integers(3 << 20, 2**32 - 1))) + b"\x80"
-    if kind == "oversized-payload":
-        return _header(int(MessageType.KV_CHUNK), 16, draw(st.integers(2 << 30, 2**63))) + b"\x80"
-    if kind == "truncated":
-        frame = _valid_frame(draw(messages(UNKNOWN_REQUEST_MESSAGES)))
-        return frame[: draw(st.integers(1, len(frame) - 1))]
-    if kind == "bad-msgpack":
-        body = draw(st.binary(min_size=1, max_size=64))
-        return _header(int(MessageType.CANCEL), len(body)) + body
-    if kind == "unknown-type":
-        body = msgpack.packb({"nonce": 1, "time": 1.0})
-        return _header(draw(st.integers(200, 255)), len(body)) + body
-    if kind == "bad-flags":
-        body = good[32:]
-        return _header(int(MessageType.PING), len(body), flags=draw(st.integers(2, 0xFFFF))) + body
-    body = good[32:]
+def _bad_crc(draw) -> bytes:
+    good = _ping_frame(draw)
+    head = bytearray(good[:32])
+    head[draw(st.integers(28, 31))] ^= draw(st.integers(1, 255))
+    return bytes(head) + good[32:]
+
+
+@st.composite
+def _oversized_metadata(draw) -> bytes:
+    return _header(int(MessageType.PING), draw(st.integers(3 << 20, 2**32 - 1))) + b"\x80"
+
+
+@st.composite
+def _oversized_payload(draw) -> bytes:
+    return _header(int(MessageType.KV_CHUNK), 16, draw(st.integers(2 << 30, 2**63))) + b"\x80"
+
+
+@st.composite
+def _truncated(draw) -> bytes:
+    frame = _valid_frame(draw(messages(UNKNOWN_REQUEST_MESSAGES)))
+    return frame[: draw(st.integers(1, len(frame) - 1))]
+
+
+@st.composite
+def _bad_msgpack(draw) -> bytes:
+    body = draw(st.binary(min_size=1, max_size=64))
+    return _header(int(MessageType.CANCEL), len(body)) + body
+
+
+@st.composite
+def _unknown_type(draw) -> bytes:
+    body = msgpack.packb({"nonce": 1, "time": 1.0})
+    return _header(draw(st.integers(200, 255)), len(body)) + body
+
+
+@st.composite
+def _bad_flags(draw) -> bytes:
+    body = _ping_frame(draw)[32:]
+    return _header(int(MessageType.PING), len(body), flags=draw(st.integers(2, 0xFFFF))) + body
+
+
+@st.composite
+def _bad_version(draw) -> bytes:
+    body = _ping_frame(draw)[32:]
     return _header(int(MessageType.PING), len(body), version=draw(st.integers(2, 255))) + body
 
 
+MALFORMED_FRAMES = st.one_of(
+    st.binary(min_size=1, max_size=300),  # garbage
+    _bad_crc(),
+    _oversized_metadata(),
+    _oversized_payload(),
+    _truncated(),
+    _bad_msgpack(),
+    _unknown_type(),
+    _bad_flags(),
+    _bad_version(),
+)
+
+
+# What an unauthenticated peer might open with, one strategy a kind.
 @st.composite
-def bad_handshakes(draw) -> bytes:
-    """What an unauthenticated peer might open with."""
-    kind = draw(
-        st.sampled_from(
-            [
-                "frame",
-                "wrong-type-hello",
-                "not-a-handshake-message",
-                "hello-then-bad-auth",
-                "truncated-hello",
-                "huge-hello",
-            ]
-        )
-    )
-    if kind == "frame":
-        return draw(malformed_frames())
-    if kind == "wrong-type-hello":
-        return draw(wrong_type_frames((Hello,)))
-    if kind == "not-a-handshake-message":
-        return _valid_frame(draw(messages((Cancel, Submit, Ping, KvAbort, RequestDone))))
-    if kind == "hello-then-bad-auth":
-        return _valid_frame(HELLO) + _valid_frame(
-            Auth(mac=draw(st.binary(min_size=32, max_size=32)))
-        )
-    if kind == "truncated-hello":
-        frame = _valid_frame(HELLO)
-        return frame[: draw(st.integers(1, len(frame) - 1))]
+def _hello_then_bad_auth(draw) -> bytes:
+    return _valid_frame(HELLO) + _valid_frame(Auth(mac=draw(st.binary(min_size=32, max_size=32))))
+
+
+@st.composite
+def _truncated_hello(draw) -> bytes:
+    frame = _valid_frame(HELLO)
+    return frame[: draw(st.integers(1, len(frame) - 1))]
+
+
+def _huge_hello() -> bytes:
     body = msgpack.packb(
         {"role": "prefill", "instance_id": "x" * 10000, "nonce": b"n" * 32, "lane": "control"},
         use_bin_type=True,
@@ -367,11 +374,21 @@ def bad_handshakes(draw) -> bytes:
     return _header(int(MessageType.HELLO), len(body)) + body
 
 
+BAD_HANDSHAKES = st.one_of(
+    MALFORMED_FRAMES,
+    wrong_type_frames((Hello,)),
+    messages((Cancel, Submit, Ping, KvAbort, RequestDone)).map(_valid_frame),  # not a handshake
+    _hello_then_bad_auth(),
+    _truncated_hello(),
+    st.just(_huge_hello()),
+)
+
+
 # -- the properties --------------------------------------------------------------------------------
 
 
 @FUZZ
-@given(role=st.sampled_from(TARGETS), data=bad_handshakes())
+@given(role=st.sampled_from(TARGETS), data=BAD_HANDSHAKES)
 def test_unauthenticated_input_is_refused(live, role, data):
     live.inputs += 1
     got, closed, _ = live.run(_exchange(*live.address(role), data, None, live.secret))
@@ -390,7 +407,7 @@ def test_unauthenticated_input_is_refused(live, role, data):
 @FUZZ
 @given(
     role=st.sampled_from(TARGETS),
-    data=malformed_frames() | wrong_type_frames(UNKNOWN_REQUEST_MESSAGES + (Ping,)),
+    data=MALFORMED_FRAMES | wrong_type_frames(UNKNOWN_REQUEST_MESSAGES + (Ping,)),
 )
 def test_authenticated_malformed_frame_closes_that_connection(live, role, data):
     live.inputs += 1

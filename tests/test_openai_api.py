@@ -349,6 +349,17 @@ def post_completion(http, router, path="/v1/completions", **body):
     return asyncio.ensure_future(http.post(router.url + path, json={"model": "tiny", **body}))
 
 
+@contextlib.asynccontextmanager
+async def scripted_post(path="/v1/completions", **body):
+    """A scripted router with the client's POST of `body` running: (the pending response, the
+    router, its daemons, the client's session)."""
+    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
+        yield post_completion(http, router, path, **body), router, daemons, http
+
+
+STREAM_WITH_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+
+
 async def test_router_assembles_out_of_order_tokens_from_two_producers():
     async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
         post = post_completion(
@@ -773,17 +784,14 @@ def test_chat_and_logprob_shapes():
 
 
 async def test_router_stop_string_ends_the_choice_and_cancels_the_daemons():
-    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = post_completion(
-            http,
-            router,
-            prompt="ab",
-            max_tokens=50,
-            temperature=0,
-            stop=["!!", "zz"],
-            return_token_ids=True,
-            stream=True,
-        )
+    async with scripted_post(
+        prompt="ab",
+        max_tokens=50,
+        temperature=0,
+        stop=["!!", "zz"],
+        return_token_ids=True,
+        stream=True,
+    ) as (post, router, daemons, _):
         rid = (await daemons["prefill"].wait_for(m.Submit)).request_id
         await send_tokens(daemons["relay"], rid, 0, b"Hi!")
         await send_tokens(daemons["main_decode"], rid, 4, b"yy", "main_decode")  # not released yet
@@ -803,18 +811,15 @@ async def test_router_stop_string_ends_the_choice_and_cancels_the_daemons():
 
 
 async def test_router_n_choices_have_derived_seeds_and_logprobs():
-    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = post_completion(
-            http,
-            router,
-            prompt="ab",
-            max_tokens=2,
-            temperature=0.7,
-            seed=41,
-            n=2,
-            logprobs=1,
-            return_token_ids=True,
-        )
+    async with scripted_post(
+        prompt="ab",
+        max_tokens=2,
+        temperature=0.7,
+        seed=41,
+        n=2,
+        logprobs=1,
+        return_token_ids=True,
+    ) as (post, _, daemons, _):
         subs = await submits(daemons["prefill"], 2)
         assert [s.seed for s in subs] == [41, 42] and all(s.logprobs == 1 for s in subs)
         for i, sub in enumerate(subs):
@@ -842,17 +847,13 @@ async def test_router_n_choices_have_derived_seeds_and_logprobs():
 
 
 async def test_router_chat_stream_shape():
-    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = post_completion(
-            http,
-            router,
-            "/v1/chat/completions",
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=3,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
+    async with scripted_post(
+        "/v1/chat/completions",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        **STREAM_WITH_USAGE,
+    ) as (post, router, daemons, http):
         sub = await daemons["prefill"].wait_for(m.Submit)
         assert sub.prompt_token_ids == tuple(TOK.encode("user: hi\nassistant:", add_bos=True))
         await send_tokens(daemons["relay"], sub.request_id, 0, b"OK.")
@@ -872,17 +873,9 @@ async def test_router_chat_stream_shape():
 
 
 async def test_router_streams_n_choices_each_to_its_end():
-    async with scripted_router() as (router, daemons), aiohttp.ClientSession() as http:
-        post = post_completion(
-            http,
-            router,
-            prompt="ab",
-            max_tokens=3,
-            temperature=0,
-            n=2,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
+    async with scripted_post(
+        prompt="ab", max_tokens=3, temperature=0, n=2, **STREAM_WITH_USAGE
+    ) as (post, _, daemons, _):
         subs = await submits(daemons["prefill"], 2)
         assert [s.seed for s in subs] == [None, None]  # greedy: both choices alike
         await send_tokens(daemons["relay"], subs[1].request_id, 0, b"xyz")  # choice 1 ends first

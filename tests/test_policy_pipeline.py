@@ -1,55 +1,48 @@
 import pytest
 
 from pddnet.policy.admission import RelayAdmission
-from pddnet.policy.pipeline import Pipeline, PipelineInputs, PipelinePolicy
+from pddnet.policy.pipeline import Pipeline, PipelinePolicy
+from tests.samples import pipeline_inputs
 
-
-def inputs(**kw):
-    base = dict(
-        prompt_tokens=4096,
-        hit_tokens=0,
-        max_tokens=256,
-        kv_bytes_per_token=16384,
-        bandwidth_bps=125e6,
-        rtt_s=0.03,
-        rld_s_per_token=0.02,
-        rld_admits=True,
-    )
-    base.update(kw)
-    return PipelineInputs(**base)
+# pipeline_inputs() unless overridden: 4096 uncached prompt tokens, 256 out, 16384 KV bytes per
+# token, 125 MB/s at 30 ms RTT, 20 ms per token on RLD, RLD admits, nothing queued ahead.
 
 
 def test_high_hit_goes_direct_to_md():
-    d = PipelinePolicy(direct_budget_s=0.2).decide(inputs(hit_tokens=4000))
+    d = PipelinePolicy(direct_budget_s=0.2).decide(pipeline_inputs(hit_tokens=4000))
     assert d.pipeline is Pipeline.P_MD
     assert d.incremental_bytes == 96 * 16384
 
 
 def test_low_hit_long_prompt_goes_through_rld():
-    d = PipelinePolicy().decide(inputs(prompt_tokens=32768, hit_tokens=0))
+    d = PipelinePolicy().decide(pipeline_inputs(prompt_tokens=32768, hit_tokens=0))
     assert d.pipeline is Pipeline.P_RLD_MD
     assert d.wan_transfer_s == pytest.approx(0.03 + 32768 * 16384 / 125e6)
 
 
 def test_long_input_short_output_stays_on_rld():
-    d = PipelinePolicy().decide(inputs(prompt_tokens=32768, max_tokens=8))
+    d = PipelinePolicy().decide(pipeline_inputs(prompt_tokens=32768, max_tokens=8))
     assert d.pipeline is Pipeline.RLD_ONLY
-    off = PipelinePolicy(singular_filter=False).decide(inputs(prompt_tokens=32768, max_tokens=8))
+    off = PipelinePolicy(singular_filter=False).decide(
+        pipeline_inputs(prompt_tokens=32768, max_tokens=8)
+    )
     assert off.pipeline is Pipeline.P_RLD_MD
 
 
 def test_rld_full_means_wait_on_md():
-    d = PipelinePolicy().decide(inputs(prompt_tokens=32768, max_tokens=8, rld_admits=False))
+    d = PipelinePolicy().decide(
+        pipeline_inputs(prompt_tokens=32768, max_tokens=8, rld_admits=False)
+    )
     assert d.pipeline is Pipeline.P_MD and "refused" in d.reason
-    rec = d.record(inputs(rld_admits=False))
+    rec = d.record(pipeline_inputs(rld_admits=False))
     assert rec["pipeline"] == "p_md" and rec["inputs"]["rld_admits"] is False
 
 
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="hit_tokens"):
-        PipelinePolicy().decide(inputs(hit_tokens=5000))
+        PipelinePolicy().decide(pipeline_inputs(hit_tokens=5000))
     with pytest.raises(ValueError, match="bandwidth"):
-        PipelinePolicy().decide(inputs(bandwidth_bps=0))
+        PipelinePolicy().decide(pipeline_inputs(bandwidth_bps=0))
 
 
 def test_admission_never_exceeds_limits_under_a_flood():
@@ -114,26 +107,26 @@ def test_the_bytes_queued_ahead_push_a_request_past_the_direct_budget():
     # 96 uncached tokens * 16384 B = 1,572,864 B at 125 MB/s = 12.58 ms, + 30 ms RTT = 42.6 ms:
     # direct. Behind 20 MB P has not seen acknowledged: 42.6 + 160 ms = 202.6 ms > 200 ms.
     policy = PipelinePolicy(direct_budget_s=0.2)
-    alone = policy.decide(inputs(hit_tokens=4000))
+    alone = policy.decide(pipeline_inputs(hit_tokens=4000))
     assert alone.pipeline is Pipeline.P_MD
     assert alone.wan_transfer_s == pytest.approx(0.03 + 96 * 16384 / 125e6)
     assert "behind" not in alone.reason
-    queued = policy.decide(inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000))
+    queued = policy.decide(pipeline_inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000))
     assert queued.pipeline is Pipeline.P_RLD_MD
     assert queued.wan_transfer_s == pytest.approx(0.03 + (20_000_000 + 96 * 16384) / 125e6)
     assert queued.incremental_bytes == alone.incremental_bytes == 96 * 16384
     assert "behind 20.0 MB" in queued.reason
-    rec = queued.record(inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000))
+    rec = queued.record(pipeline_inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000))
     assert rec["wan_backlog_bytes"] == rec["inputs"]["wan_backlog_bytes"] == 20_000_000
     # a backlog that still fits leaves it direct: 19 MB -> 194.6 ms
     assert (
-        policy.decide(inputs(hit_tokens=4000, wan_backlog_bytes=19_000_000)).pipeline
+        policy.decide(pipeline_inputs(hit_tokens=4000, wan_backlog_bytes=19_000_000)).pipeline
         is Pipeline.P_MD
     )
     # RLD refusing: the request waits for its KV on MD, backlog or not
     assert (
         policy.decide(
-            inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000, rld_admits=False)
+            pipeline_inputs(hit_tokens=4000, wan_backlog_bytes=20_000_000, rld_admits=False)
         ).pipeline
         is Pipeline.P_MD
     )
@@ -143,13 +136,13 @@ def test_the_singular_filter_compares_with_the_requests_own_crossing_time():
     # 4096 uncached tokens: 536.9 ms + 30 ms alone. RLD needs 8 * 20 ms = 160 ms for the output
     # (RLD alone either way); 40 tokens = 800 ms: through the relay even behind 1 GB (8.6 s).
     policy = PipelinePolicy()
-    assert policy.decide(inputs(max_tokens=8)).pipeline is Pipeline.RLD_ONLY
-    assert policy.decide(inputs(max_tokens=40)).pipeline is Pipeline.P_RLD_MD
-    behind = policy.decide(inputs(max_tokens=40, wan_backlog_bytes=1 << 30))
+    assert policy.decide(pipeline_inputs(max_tokens=8)).pipeline is Pipeline.RLD_ONLY
+    assert policy.decide(pipeline_inputs(max_tokens=40)).pipeline is Pipeline.P_RLD_MD
+    behind = policy.decide(pipeline_inputs(max_tokens=40, wan_backlog_bytes=1 << 30))
     assert behind.pipeline is Pipeline.P_RLD_MD
     assert behind.wan_transfer_s == pytest.approx(0.03 + ((1 << 30) + 4096 * 16384) / 125e6)
 
 
 def test_a_negative_backlog_is_refused():
     with pytest.raises(ValueError, match="wan_backlog_bytes"):
-        PipelinePolicy().decide(inputs(wan_backlog_bytes=-1))
+        PipelinePolicy().decide(pipeline_inputs(wan_backlog_bytes=-1))

@@ -17,8 +17,9 @@ from pddnet.lifecycle.prefill_messages import (
 from pddnet.lifecycle.sampling import sampling_of
 from pddnet.policy.pipeline import Pipeline, PipelineInputs, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner
-from pddnet.protocol import Submit, decode_bytes, encode_bytes
+from pddnet.protocol import decode_bytes, encode_bytes
 from pddnet.protocol.messages import SAMPLING_FIELD_NAMES
+from tests.samples import sampled_submit
 
 
 def wire(msg):
@@ -27,16 +28,8 @@ def wire(msg):
 
 
 def test_kv_alloc_request_carries_the_submit_sampling_and_the_pool_shape():
-    sub = Submit(
-        request_id="r1",
-        prompt_token_ids=list(range(5, 45)),
-        max_tokens=9,
-        temperature=0.7,
-        top_k=4,
-        seed=123,
-        stop_token_ids=[2],
-        presence_penalty=0.5,
-        handoff_mode="streaming",
+    sub = sampled_submit(
+        request_id="r1", prompt_token_ids=list(range(5, 45)), handoff_mode="streaming"
     )
     spec = KVSpec(num_layers=2, num_kv_heads=3, head_dim=8, block_size=16, dtype="float32")
     ask = AskAllocation("main_decode", Pipeline.P_RLD_MD, expected_hit_tokens=16)
@@ -47,7 +40,9 @@ def test_kv_alloc_request_carries_the_submit_sampling_and_the_pool_shape():
     assert got.dtype == "float32"
     assert (got.expected_hit_tokens, got.pipeline) == (16, "p_rld_md")
     assert got.handoff_mode == "streaming"
+    defaults = {f.name: f.default for f in dataclasses.fields(sub)}
     for name in SAMPLING_FIELD_NAMES:  # every tier samples alike
+        assert getattr(sub, name) != defaults[name], f"the sample leaves {name} at its default"
         assert getattr(got, name) == getattr(sub, name), name
     assert sampling_of(got) == sampling_of(sub)
 

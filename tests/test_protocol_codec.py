@@ -49,7 +49,6 @@ from pddnet.protocol import (
     PayloadError,
     Ping,
     PipelineChange,
-    PipelineChoice,
     Pong,
     ProtocolError,
     RelayTokens,
@@ -67,6 +66,7 @@ from pddnet.protocol import (
     payload_from_array,
     payload_from_tensor,
 )
+from tests.samples import kv_alloc_request, kv_done, pipeline_choice, sampled_submit
 
 NONCE = bytes(range(16))
 MAC = bytes(range(32))
@@ -101,18 +101,7 @@ def kv_chunk(
     return KvChunk(**fields)  # type: ignore[arg-type]
 
 
-KV_ALLOC = KvAllocRequest(
-    request_id="req-1",
-    prompt_token_ids=[5] * 40,
-    num_tokens=40,
-    block_size=16,
-    dtype="float64",
-    num_layers=4,
-    num_kv_heads=2,
-    head_dim=8,
-    expected_hit_tokens=32,
-    max_tokens=10,
-)
+KV_ALLOC = kv_alloc_request(expected_hit_tokens=32)
 KV_GRANT = KvAllocResponse(
     request_id="req-1",
     accepted=True,
@@ -139,18 +128,12 @@ SAMPLES = [
         link="main-decode control", up=False, since=1.5, detail="heartbeat deadline", ready=False
     ),
     Submit(request_id="req-1", prompt_token_ids=[1, 2, 3], max_tokens=16),
-    Submit(
-        request_id="cmpl-abc",
+    sampled_submit(
         prompt_token_ids=list(range(300)),
-        max_tokens=64,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=40,
         seed=2**63,
-        stop_token_ids=[2, 5],
+        temperature=0.7,
         ignore_eos=True,
         output_token_ids=[9, 9, 10],
-        handoff_mode="streaming",
     ),
     Cancel(request_id="req-1", reason="client disconnected"),
     TokenEvent(request_id="req-1", index=0, token_ids=[42], producer="relay", time=1.5),
@@ -183,14 +166,7 @@ SAMPLES = [
     ),
     kv_chunk(),
     kv_chunk(dtype="uint8", tokens=1, layers=1, block_ids=[]),
-    KvDone(
-        request_id="req-1",
-        num_tokens=40,
-        num_chunks=3,
-        num_bytes=123456,
-        first_token_id=11,
-        time=4.0,
-    ),
+    kv_done(),
     KvAbort(request_id="req-1", reason="deadline"),
     CacheEvents(seq=3, block_size=32, inserted=[2**64 - 1, 5], evicted=[]),
     CacheEvents(seq=0, block_size=16, inserted=[7], evicted=[], reset=True),
@@ -206,25 +182,7 @@ SAMPLES = [
         detail_int=100,
         detail_str="one-shot",
     ),
-    PipelineChoice(
-        request_id="req-1",
-        pipeline="p_rld_md",
-        reason="long uncached input",
-        wan_transfer_s=0.8,
-        incremental_bytes=2_048_000,
-        prompt_tokens=2000,
-        hit_tokens=0,
-        max_tokens=100,
-        kv_bytes_per_token=1024,
-        bandwidth_bps=2.5e6,
-        rtt_s=0.02,
-        rld_s_per_token=0.002,
-        rld_admits=True,
-        wan_backlog_bytes=0,
-        predicted_hit=0,
-        view_stale=False,
-        time=1.25,
-    ),
+    pipeline_choice(),
     PipelineChange(request_id="req-1", pipeline="p_md", reason="RLD refused", time=1.5),
     Handoff(request_id="req-1", start_index=1, token_ids=[4, 5, 6], final=True, mode="one-shot"),
     Handoff(request_id="req-1", start_index=1, token_ids=[4], final=False, mode="streaming"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pddnet.api.parse import parse_completion_request
@@ -18,6 +20,7 @@ from pddnet.lifecycle.router_request import (
 )
 from pddnet.model.tokenizer import ByteTokenizer
 from pddnet.protocol import messages as m
+from tests.samples import pipeline_choice, pipeline_inputs
 
 TOK = ByteTokenizer()
 MODEL = ModelInfo("tiny", TOK.vocab_size, max_position=1024, eos_token_id=TOK.eos_token_id)
@@ -66,27 +69,15 @@ def tokens(index: int, ids: tuple[int, ...], producer: str) -> m.TokenEvent:
     return m.TokenEvent(request_id=RID, index=index, token_ids=ids, producer=producer, time=1.0)
 
 
-def choice(pipeline: str = "p_md", **kw) -> m.PipelineChoice:
-    fields = dict(
+def choice(pipeline: str = "p_md") -> m.PipelineChoice:
+    return pipeline_choice(
         request_id=RID,
         pipeline=pipeline,
         reason="rule 2",
         wan_transfer_s=0.1234567,
         incremental_bytes=4096,
-        prompt_tokens=3,
-        hit_tokens=0,
-        max_tokens=8,
-        kv_bytes_per_token=64,
-        bandwidth_bps=1e9,
-        rtt_s=0.05,
-        rld_s_per_token=0.01,
-        rld_admits=True,
-        wan_backlog_bytes=0,
-        predicted_hit=0,
-        view_stale=False,
         time=100.5,
     )
-    return m.PipelineChoice(**{**fields, **kw})
 
 
 # -- carriers ------------------------------------------------------------------------------------
@@ -350,17 +341,7 @@ def test_the_pdd_object_fields_and_key_order():
             "estimated_wan_transfer_s": 0.123457,
             "incremental_kv_bytes": 4096,
             "wan_backlog_bytes": 0,
-            "inputs": {
-                "prompt_tokens": 3,
-                "hit_tokens": 0,
-                "max_tokens": 8,
-                "kv_bytes_per_token": 64,
-                "bandwidth_bps": 1e9,
-                "rtt_s": 0.05,
-                "rld_s_per_token": 0.01,
-                "rld_admits": True,
-                "wan_backlog_bytes": 0,
-            },
+            "inputs": dataclasses.asdict(pipeline_inputs()),
             "predicted_hit_tokens": 0,
             "view_stale": False,
         },
