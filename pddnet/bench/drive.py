@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from pddnet.bench.client import StreamRecord, stream_completion
@@ -34,6 +34,29 @@ def _body(model: str, prompt: Sequence[int], max_tokens: int, **extra: Any) -> d
     }
 
 
+def _sender(
+    session: Any,
+    url: str,
+    model: str,
+    progress: Any,
+    dilation: float,
+    **extra: Any,
+) -> Callable[[float, Sequence[int], int], Awaitable[StreamRecord]]:
+    """The one way both drivers send a request: wait for its arrival offset (stretched by the
+    dilation, counted from now), stream it, and count it done on the progress."""
+    start = time.monotonic()
+
+    async def send(arrival_s: float, prompt: Sequence[int], max_tokens: int) -> StreamRecord:
+        await asyncio.sleep(max(0.0, arrival_s * dilation - (time.monotonic() - start)))
+        body = _body(model, prompt, max_tokens, **extra)
+        rec = await stream_completion(session, url, body, dilation=dilation)
+        if progress is not None:
+            progress.update(1)
+        return rec
+
+    return send
+
+
 async def warm_up(session: Any, url: str, model: str, dilation: float = 1.0) -> None:
     """One tiny request, so that first-touch costs (allocations, lazy imports) are not measured."""
     rec = await stream_completion(session, url, _body(model, [1, 2, 3], 2), dilation=dilation)
@@ -50,21 +73,9 @@ async def drive_poisson(
     dilation: float = 1.0,
     **extra: Any,
 ) -> list[StreamRecord]:
-    start = time.monotonic()
-
-    async def one(req: BenchRequest) -> StreamRecord:
-        await asyncio.sleep(max(0.0, req.arrival_s * dilation - (time.monotonic() - start)))
-        rec = await stream_completion(
-            session,
-            url,
-            _body(model, req.prompt_token_ids, req.max_tokens, **extra),
-            dilation=dilation,
-        )
-        if progress is not None:
-            progress.update(1)
-        return rec
-
-    return list(await asyncio.gather(*(one(r) for r in workload)))
+    send = _sender(session, url, model, progress, dilation, **extra)
+    sends = (send(r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in workload)
+    return list(await asyncio.gather(*sends))
 
 
 async def drive_agent(
@@ -79,21 +90,15 @@ async def drive_agent(
     for i, r in enumerate(workload):
         by_conv.setdefault(r.conversation_id, []).append(i)
     records: list[StreamRecord | None] = [None] * len(workload)
-    start = time.monotonic()
+    send = _sender(session, url, model, progress, dilation)
 
     async def conversation(indices: list[int]) -> None:
         prompt: tuple[int, ...] = ()
         output: list[int] = []
         for i in sorted(indices, key=lambda j: workload[j].turn):
             req = workload[i]
-            await asyncio.sleep(max(0.0, req.arrival_s * dilation - (time.monotonic() - start)))
             prompt = follow_up_prompt(req, prompt, output)
-            rec = await stream_completion(
-                session, url, _body(model, prompt, req.max_tokens), dilation=dilation
-            )
-            records[i] = rec
-            if progress is not None:
-                progress.update(1)
+            rec = records[i] = await send(req.arrival_s, prompt, req.max_tokens)
             if rec.error is not None:  # the conversation cannot go on without this turn
                 for j in indices:
                     if records[j] is None:

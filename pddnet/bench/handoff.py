@@ -70,6 +70,17 @@ from pddnet.bench.results import add_run_arguments, announce, run_config, write_
 
 # -- options --------------------------------------------------------------------------------------
 
+# The line and its competing traffic in the conditions: flag, default, help (all floats)
+_LINK_OPTIONS: tuple[tuple[str, float, str | None], ...] = (
+    ("--rtt-ms", 30.0, None),
+    ("--bw-mbit", 100.0, "bottleneck rate per direction"),
+    ("--queue-ms", 10.0, "bottleneck buffer, in ms of the link rate"),
+    ("--jitter-ms", 5.0, "jitter (normal, std) in the jitter conditions"),
+    ("--bulk-load", 0.5, "competing traffic's offered load, as a share of the link rate"),
+    ("--bulk-mib", 2.0, "mean size of a bulk transfer"),
+    ("--pause-ms", 150.0, "random pause (0..this) before each cut, to sample the bulk traffic"),
+)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -100,27 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=64,
         help="KV-direct: tokens per KV_CHUNK frame (as wan.chunk_tokens)",
     )
-    p.add_argument("--rtt-ms", type=float, default=30.0)
-    p.add_argument("--bw-mbit", type=float, default=100.0, help="bottleneck rate per direction")
-    p.add_argument(
-        "--queue-ms", type=float, default=10.0, help="bottleneck buffer, in ms of the link rate"
-    )
-    p.add_argument(
-        "--jitter-ms", type=float, default=5.0, help="jitter (normal, std) in the jitter conditions"
-    )
-    p.add_argument(
-        "--bulk-load",
-        type=float,
-        default=0.5,
-        help="competing traffic's offered load, as a share of the link rate",
-    )
-    p.add_argument("--bulk-mib", type=float, default=2.0, help="mean size of a bulk transfer")
-    p.add_argument(
-        "--pause-ms",
-        type=float,
-        default=150.0,
-        help="random pause (0..this) before each cut, to sample the bulk traffic",
-    )
+    for flag, default, help_text in _LINK_OPTIONS:
+        p.add_argument(flag, type=float, default=default, help=help_text)
     add_run_arguments(p, threads="torch threads")
 
 

@@ -14,6 +14,7 @@ import time
 from typing import Any, NoReturn
 
 from pddnet.device import flags as device_flags
+from pddnet.model.cli import MODEL_HELP, MODEL_METAVAR
 
 SERVE_ROLES = {
     "prefill": "prefill",
@@ -59,8 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     option = functools.partial(_config_option, up)
     option("--mode", "PDD or one of its two baselines", "pdd", "mode", choices=MODES)
-    model = "preset (seeded random weights, byte vocabulary) or a folder in HF Llama layout"
-    option("--model", model, "tiny", "[model] name", metavar="tiny|small|medium|PATH")
+    option("--model", MODEL_HELP, "tiny", "[model] name", metavar=MODEL_METAVAR)
     option("--rtt-ms", "WAN round trip", "30", type=float)
     option("--jitter-ms", "WAN jitter per direction", "0", type=float)
     option("--bw-mbit", "WAN rate per direction", "1000", type=float)

@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any
 
+from pddnet.model.cli import add_model_argument
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
@@ -39,12 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the prompt's token ids, separated by commas, used exactly as given "
         "(no BOS added); each must be in the model's vocabulary",
     )
-    parser.add_argument(
-        "--model",
-        default="small",
-        metavar="tiny|small|medium|PATH",
-        help="preset name (seeded random weights, byte vocabulary) or a folder in HF Llama layout",
-    )
+    add_model_argument(parser, default="small")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
     parser.add_argument(
         "--seed",

@@ -18,6 +18,17 @@ _TOKENIZER_FILES = (
     "generation_config.json",
 )
 
+# --model wherever a command loads a model (pddnet.model.loader.load_model takes either)
+MODEL_METAVAR = "tiny|small|medium|PATH"
+MODEL_HELP = "preset (seeded random weights, byte vocabulary) or a folder in HF Llama layout"
+
+
+def add_model_argument(parser: argparse.ArgumentParser, default: str | None) -> None:
+    """The --model option: required where the command has no default model."""
+    parser.add_argument(
+        "--model", default=default, required=default is None, metavar=MODEL_METAVAR, help=MODEL_HELP
+    )
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("model", help="model utilities (export a preset as an HF folder)")
@@ -28,12 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write config.json + model.safetensors (HF Llama tensor names) for a preset's "
         "seeded random weights, or re-save a model folder (e.g. in another dtype).",
     )
-    export.add_argument(
-        "--model",
-        required=True,
-        metavar="tiny|small|medium|DIR",
-        help="preset name or a folder in HF Llama layout",
-    )
+    add_model_argument(export, default=None)
     export.add_argument("--out", required=True, metavar="DIR", help="folder to write (created)")
     export.add_argument("--seed", type=int, default=0, help="weight seed for presets")
     export.add_argument(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -180,19 +181,15 @@ def _translate(stats: Mapping[str, Any], base: Mapping[str, str]) -> Iterator[Me
         yield total
     phases = stats.get("active_phases")
     if isinstance(phases, Mapping):
-        g = _family(
+        counts = Counter(str(phase) for phase in phases.values())
+        yield from _labelled(
+            dict(sorted(counts.items())),
             GaugeMetricFamily,
             "pdd_requests_in_phase",
             "live requests by protocol phase (first few)",
             base,
-            ["phase"],
+            "phase",
         )
-        counts: dict[str, int] = {}
-        for phase in phases.values():
-            counts[str(phase)] = counts.get(str(phase), 0) + 1
-        for phase, n in sorted(counts.items()):
-            g.add_metric([*bl, phase], n)
-        yield g
     yield from _labelled(
         stats.get("pipelines"),
         CounterMetricFamily,

@@ -22,6 +22,7 @@ HANDOFF with token ids, cancel). Tokens MD emits reach the router in A one line 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from pddnet.device.cost import InstanceCost
@@ -62,78 +63,44 @@ TOKEN_ID_BYTES = 4
 HASH_BYTES = 8
 
 
+@dataclass(slots=True, eq=False)
 class ReqState:
-    __slots__ = (
-        "req",
-        "pipeline",
-        "p",
-        "md_idx",
-        "rld_idx",
-        "first_user",
-        "last_user",
-        "rld_tokens",
-        "md_tokens",
-        "finished",
-        "transfer",
-        "table",
-        "handle",
-        "prediction",
-        "md_hit",
-        "p_hit",
-        "p_progress",
-        "prefill_done",
-        "prefill_start",
-        "last_chunk_tokens",
-        "alloc_sent",
-        "md_member",
-        "rld_member",
-        "mode",
-        "sent_ids",
-        "rld_started",
-        "takeover_pending",
-        "md_allocated",
-        "kv_at_md",
-        "rld_done",
-        "wan_bytes",
-        "p_estimate",
-        "prompt_hashes",
-    )
+    """The simulator's record of one request as it moves through the system."""
 
-    def __init__(self, req: SimRequest) -> None:
-        self.req = req
-        self.p = 0  # its prefill instance, MD and RLD (set when it arrives)
-        self.md_idx = 0
-        self.rld_idx = -1
-        self.pipeline: Pipeline | None = None
-        self.first_user = -1.0
-        self.last_user = -1.0
-        self.rld_tokens = 0
-        self.md_tokens = 0
-        self.finished = False
-        self.transfer: Transfer | None = None
-        self.table: list[int] | None = None
-        self.handle: PrefixMatch | None = None
-        self.prediction: HitPrediction | None = None
-        self.md_hit = 0
-        self.p_hit = 0
-        self.p_progress = 0
-        self.prefill_done = -1.0
-        self.prefill_start = -1.0
-        self.last_chunk_tokens = 0
-        self.alloc_sent = 0.0
-        self.md_member: Member | None = None
-        self.rld_member: Member | None = None
-        self.mode: HandoffMode | None = None
-        self.sent_ids = 0
-        self.rld_started = False
-        self.takeover_pending = False
-        self.md_allocated = False
-        self.kv_at_md = False
-        self.rld_done = False
-        self.wan_bytes = 0
-        self.p_estimate = 0.0
-        # chained hashes of the prompt's full blocks (set on arrival when a cache uses them)
-        self.prompt_hashes: list[int] | None = None
+    req: SimRequest
+    p: int = 0  # its prefill instance, MD and RLD (set when it arrives)
+    md_idx: int = 0
+    rld_idx: int = -1
+    pipeline: Pipeline | None = None
+    first_user: float = -1.0
+    last_user: float = -1.0
+    rld_tokens: int = 0
+    md_tokens: int = 0
+    finished: bool = False
+    transfer: Transfer | None = None
+    table: list[int] | None = None
+    handle: PrefixMatch | None = None
+    prediction: HitPrediction | None = None
+    md_hit: int = 0
+    p_hit: int = 0
+    p_progress: int = 0
+    prefill_done: float = -1.0
+    prefill_start: float = -1.0
+    last_chunk_tokens: int = 0
+    alloc_sent: float = 0.0
+    md_member: Member | None = None
+    rld_member: Member | None = None
+    mode: HandoffMode | None = None
+    sent_ids: int = 0
+    rld_started: bool = False
+    takeover_pending: bool = False
+    md_allocated: bool = False
+    kv_at_md: bool = False
+    rld_done: bool = False
+    wan_bytes: int = 0
+    p_estimate: float = 0.0
+    # chained hashes of the prompt's full blocks (set on arrival when a cache uses them)
+    prompt_hashes: list[int] | None = None
 
 
 class DecodeSide:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 from emulation.link import Link, LinkDirection
@@ -61,30 +62,25 @@ class Transfer:
         self.done_at: float | None = None
 
 
+# The line's small records (eq=False: compared by identity, as plain objects are)
+@dataclass(slots=True, eq=False)
 class _Write:
     """Bytes of one transfer P made sendable: sent in write order within their sender."""
 
-    __slots__ = ("transfer", "upto")
-
-    def __init__(self, transfer: Transfer, upto: int) -> None:
-        self.transfer = transfer
-        self.upto = upto
+    transfer: Transfer
+    upto: int
 
 
+@dataclass(slots=True, eq=False)
 class _Message:
-    __slots__ = ("callback", "args")
-
-    def __init__(self, callback: Callable[..., None], args: tuple[Any, ...]) -> None:
-        self.callback = callback
-        self.args = args
+    callback: Callable[..., None]
+    args: tuple[Any, ...]
 
 
+@dataclass(slots=True, eq=False)
 class _Piece:
-    __slots__ = ("transfer", "size")
-
-    def __init__(self, transfer: Transfer, size: int) -> None:
-        self.transfer = transfer
-        self.size = size
+    transfer: Transfer
+    size: int
 
 
 class WanLine:
