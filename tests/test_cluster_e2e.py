@@ -25,7 +25,7 @@ import pytest_asyncio
 
 from pddnet.cluster.local import LocalCluster
 from pddnet.kv.shm import segments_of
-from tests.chaos.harness import reference_tokens, sampling_fields
+from tests.chaos.harness import precompute_references, reference_tokens, sampling_fields
 from tests.conftest import root_netns_missing_reason
 from tests.polling import wait_for, wait_for_sync
 
@@ -150,9 +150,7 @@ HANDOFF_MODES = ("one-shot", "streaming", "dynamic")  # the default suite runs t
 
 @pytest_asyncio.fixture(scope="class", loop_scope="class")
 async def pdd_cluster():
-    # the default suite's references, computed before the cluster takes the cores
-    for b in make_requests(E2E_REQUESTS, seed=5):
-        reference_tokens(b)
+    precompute_references(make_requests(E2E_REQUESTS, seed=5))  # the default suite's
     async with LocalCluster(mode="pdd", wan="proxy", **WAN, overrides=PDD_CLUSTER) as cluster:
         yield cluster
 
@@ -278,8 +276,7 @@ class TestOnePddCluster:
 @pytest.mark.parametrize("mode", ["same-dc", "cross-dc"])
 async def test_baselines_token_exact(mode):
     bodies = make_requests(E2E_REQUESTS, seed=5)
-    for b in bodies:
-        reference_tokens(b)
+    precompute_references(bodies)
     async with LocalCluster(mode=mode, wan="proxy", **WAN) as cluster:
         roles = set(cluster.daemons)
         if mode == "same-dc":
