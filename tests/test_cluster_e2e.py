@@ -1,6 +1,7 @@
 """The whole cluster as separate processes, through the router's HTTP API, against the colocated
 reference engine: token-exact in every handoff mode and baseline, eager first tokens, token-id
-handoff sizes, cancel freeing KV everywhere, and `pdd up` + SIGTERM leaving nothing behind.
+handoff sizes, cancel freeing KV everywhere, /metrics on every daemon, and `pdd up` + SIGTERM
+leaving nothing behind.
 
 The WAN: 30 ms RTT, 2 ms jitter per direction and 4 Mbit/s. The tiny model's KV is 1 KiB per
 token, so a 100-token prompt's copy needs ~0.2 s to cross to MD while RLD has it in a few ms.
@@ -267,6 +268,34 @@ class TestOnePddCluster:
         router = await cluster.stats("router")
         assert router["cancelled"] == cancelled_before + 1 and router["active_requests"] == 0
         assert stats["relay"]["requests"]["active"] == 0
+
+    # -- /metrics ------------------------------------------------------------------------------
+
+    async def test_pdd_up_serves_metrics_on_every_daemon(self, pdd_cluster):
+        """/metrics on each daemon (ports in the run file) and on the router, after real
+        traffic."""
+        cluster = pdd_cluster
+        prompt = [random.Random(6).randrange(1, 256) for _ in range(50)]
+        body = await cluster.complete(prompt=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert body["pdd"]["pipeline"] in ("p_md", "p_rld_md", "p_rld")
+        info = json.loads(cluster.run_file.read_text())
+        ports = {d["role"]: d["metrics_port"] for d in info["daemons"]}
+        pages = {}
+        async with aiohttp.ClientSession() as s:
+            for role in ("prefill", "relay", "main_decode"):
+                host = cluster.daemons[role].host
+                async with s.get(f"http://{host}:{ports[role]}/metrics") as r:
+                    assert r.status == 200
+                    pages[role] = await r.text()
+            async with s.get(cluster.url + "/metrics") as r:
+                pages["router"] = await r.text()
+        for role in ("prefill", "relay", "main_decode"):
+            assert "pdd_kv_blocks{" in pages[role] and f'role="{role}"' in pages[role]
+        assert "pdd_requests_by_pipeline_total" in pages["prefill"]
+        assert "pdd_drc_lookups" in pages["main_decode"]
+        assert "pdd_queue_depth" in pages["relay"]
+        assert "pdd_router_inter_token_seconds_bucket" in pages["router"]
+        assert "pdd_router_requests_by_pipeline_total" in pages["router"]
 
 
 # -- baselines --------------------------------------------------------------------------------
