@@ -149,9 +149,27 @@ PDD_CLUSTER = {"policy.handoff": "streaming", "policy.pipeline": "p_rld_md"}
 HANDOFF_MODES = ("one-shot", "streaming", "dynamic")  # the default suite runs the first
 
 
+# The hundred-token test's prompt: its KV (1 KiB a token) needs ~2 s to cross at 4 Mbit/s, time
+# for RLD to make 100+ tokens even on a loaded box with the cluster warm (a 700-token prompt once
+# gave only 86). Its output must outlast the crossing on a fast box too (~1.3 ms a token).
+HUNDRED_TOKEN_PROMPT = 1000
+
+
+def hundred_token_body() -> dict:
+    rng = random.Random(9)
+    return {
+        "prompt": [256] + [rng.randrange(256) for _ in range(HUNDRED_TOKEN_PROMPT)],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+
+
 @pytest_asyncio.fixture(scope="class", loop_scope="class")
 async def pdd_cluster():
-    precompute_references(make_requests(E2E_REQUESTS, seed=5))  # the default suite's
+    # the default suite's references, on both cores before the cluster takes them
+    precompute_references(make_requests(E2E_REQUESTS, seed=5) + [hundred_token_body()])
     async with LocalCluster(mode="pdd", wan="proxy", **WAN, overrides=PDD_CLUSTER) as cluster:
         yield cluster
 
@@ -216,17 +234,7 @@ class TestOnePddCluster:
         """One long prompt (its KV takes ~2 s to cross): RLD makes 100+ tokens, hands them over.
 
         The cluster's policy is streaming; the request's own `handoff_mode` overrides it."""
-        rng = random.Random(9)
-        prompt_len = 1000
-        body = {
-            "prompt": [256] + [rng.randrange(256) for _ in range(prompt_len)],
-            # RLD makes ~100-500 tokens while the KV crosses (fewer on a loaded box, the
-            # cluster warm): MD still makes hundreds
-            "max_tokens": 800,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "return_token_ids": True,
-        }
+        body = hundred_token_body()
         want = reference_tokens(body)
         (res,) = await run_all(pdd_cluster.url, [{**body, "handoff_mode": "one-shot"}])
         p = res["pdd"]
@@ -234,7 +242,7 @@ class TestOnePddCluster:
         assert p["handoff_mode"] == "one-shot", _brief(p)
         assert p["relay_tokens"] >= 100 and p["main_tokens"] > 0, _brief(p)
         assert 0 < p["handoff_bytes"] < 2048 * p["relay_tokens"] / 100, p
-        assert p["wan_kv_bytes"] >= prompt_len * 1024
+        assert p["wan_kv_bytes"] >= HUNDRED_TOKEN_PROMPT * 1024
 
     # -- cancel --------------------------------------------------------------------------------
 
