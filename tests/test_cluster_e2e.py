@@ -340,8 +340,7 @@ async def test_baselines_token_exact(mode):
 )
 async def test_packet_shell_token_exact():
     bodies = make_requests(50, seed=5)[:24]
-    for b in bodies:
-        reference_tokens(b)
+    precompute_references(bodies)  # before the cluster takes the cores
     async with LocalCluster(mode="pdd", wan="packet", **WAN) as cluster:
         assert cluster.wan["shell"] == "packet" and cluster.wan["testbed"]
         md = cluster.daemons["main_decode"]
