@@ -438,7 +438,7 @@ async def test_drivers_stretch_the_workload_by_the_dilation():
     from aiohttp import ClientSession, web
     from aiohttp.test_utils import TestServer
 
-    from pddnet.bench.drive import drive_agent, drive_poisson, warm_up
+    from pddnet.bench.drive import drive, warm_up
     from pddnet.workload.agent import AgentRequest
     from pddnet.workload.poisson import BenchRequest
 
@@ -460,7 +460,7 @@ async def test_drivers_stretch_the_workload_by_the_dilation():
         await warm_up(session, url, "m", dilation=k)
         poisson = [BenchRequest(a, (1, 2), 2) for a in (0.0, 0.05, 0.1)]
         t0 = time.time()
-        recs = await drive_poisson(session, url, poisson, "m", dilation=k)
+        recs = await drive(session, url, poisson, "m", dilation=k)
         for req, rec in zip(poisson, recs, strict=True):
             assert rec.error is None and rec.dilation == k and rec.token_ids == [7, 8]
             assert rec.sent_at - t0 >= req.arrival_s * k - 0.01  # stretched by k
@@ -470,15 +470,63 @@ async def test_drivers_stretch_the_workload_by_the_dilation():
             AgentRequest(0, 1, 0.08, (1, 2, 3, 0, 0, 4), 2, (0, 0), (4,)),
         ]
         t0 = time.time()
-        recs = await drive_agent(session, url, agent, "m", dilation=k)
+        recs = await drive(session, url, agent, "m", dilation=k)
         assert [r.dilation for r in recs] == [k, k]
         assert recs[1].sent_at - t0 >= 0.08 * k - 0.01  # the think time stretched too
         # unpaced: k = 1 on every record, durations exactly the raw ones
         t0 = time.time()
-        recs = await drive_poisson(session, url, poisson, "m")
+        recs = await drive(session, url, poisson, "m")
         for req, rec in zip(poisson, recs, strict=True):
             assert rec.dilation == 1.0 and rec.ttft_s == rec.first_token_at - rec.sent_at
             assert rec.sent_at - t0 >= req.arrival_s - 0.01
+
+
+async def test_drive_chains_a_conversations_turns_and_a_failed_turn_ends_only_its_own():
+    """One driver for both workloads: an agent turn's prompt is built from what the turn before
+    returned; a failed turn leaves its conversation's later turns unsent, while a failed open-loop
+    request (a conversation of one) touches no other request."""
+    from aiohttp import ClientSession, web
+    from aiohttp.test_utils import TestServer
+
+    from pddnet.bench.drive import drive
+    from pddnet.workload.agent import AgentRequest
+    from pddnet.workload.poisson import BenchRequest
+
+    prompts: list[list[int]] = []
+
+    async def completions(request):
+        body = await request.json()
+        prompts.append(body["prompt"])
+        if body["prompt"][0] == 9:  # the server's way to fail a request
+            return web.Response(status=500, text="refused")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"token_ids": list(range(50, 50 + body["max_tokens"]))}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with TestServer(app) as server, ClientSession() as session:
+        url = str(server.make_url("/"))
+        agent = [  # conversation 1 fails at turn 0; its turn 1 is listed first, out of order
+            AgentRequest(1, 1, 0.0, (9, 0, 0, 4), 2, (0, 0), (4,)),
+            AgentRequest(0, 0, 0.0, (1, 2), 2, (0, 0), (1, 2)),
+            AgentRequest(1, 0, 0.0, (9,), 2, (0, 0), (9,)),
+            AgentRequest(0, 1, 0.0, (1, 2, 0, 0, 3), 1, (0,), (3,)),
+        ]
+        recs = await drive(session, url, agent, "m")
+        assert [r.token_ids for r in recs] == [[], [50, 51], [], [50]]
+        assert recs[0].error == "not sent: turn 0 failed"
+        assert recs[2].error is not None and recs[2].error.startswith("HTTP 500")
+        # turn 1 = turn 0's prompt + its real output + what it adds; the failed one's turn 1 unsent
+        assert sorted(prompts) == [[1, 2], [1, 2, 50, 51, 3], [9]]
+        prompts.clear()
+        open_loop = [BenchRequest(0.0, (9, 1), 1), BenchRequest(0.0, (1, 2), 1)]
+        recs = await drive(session, url, open_loop, "m")
+        assert recs[0].error is not None and recs[1].error is None and recs[1].token_ids == [50]
+        assert sorted(prompts) == [[1, 2], [9, 1]]
 
 
 def test_device_setup_resolves_auto_once_on_the_widest_mode(monkeypatch):

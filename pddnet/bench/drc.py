@@ -84,7 +84,7 @@ async def run_variant(
     import aiohttp
 
     from pddnet.bench.devices import UNPACED, daemon_stats
-    from pddnet.bench.drive import drive_agent, warm_up
+    from pddnet.bench.drive import drive, warm_up
     from pddnet.bench.progress import progress
     from pddnet.cluster.local import LocalCluster
 
@@ -105,9 +105,7 @@ async def run_variant(
             await warm_up(session, cluster.url, args.model, dilation=k)
             t0 = time.monotonic()
             with progress(len(workload), f"drc {prefix_cache}", enabled=show_progress) as bar:
-                records = await drive_agent(
-                    session, cluster.url, workload, args.model, bar, dilation=k
-                )
+                records = await drive(session, cluster.url, workload, args.model, bar, dilation=k)
             duration = (time.monotonic() - t0) / k
         stats = await daemon_stats(cluster)
         shell = cluster.wan.get("shell")

@@ -1,10 +1,11 @@
 """Load drivers shared by the benchmarks and the demo: send a seeded workload to a router and
 record what the client sees (`StreamRecord` per request, in workload order).
 
-- `drive_poisson`: independent requests at their arrival offsets (open loop).
-- `drive_agent`: multi-turn conversations; turn t is sent at max(its arrival, turn t-1 done)
-  and its prompt is built from what turn t-1 really returned (closed loop per conversation).
-Both take a `progress` (pddnet.bench.progress) updated once per finished request.
+`drive` sends any workload as conversations: an agent workload's turn t is sent at max(its
+arrival, turn t-1 done) and its prompt is built from what turn t-1 really returned (closed loop
+per conversation); a Poisson `BenchRequest` is a conversation of one turn, so such a workload is
+sent open loop at its arrival offsets. It takes a `progress` (pddnet.bench.progress) updated
+once per finished request.
 
 On emulated devices (``dilation`` k > 1) the workload's own time is stretched: a request due
 at ``arrival_s`` is sent ``arrival_s x k`` wall seconds after the start (think times included),
@@ -64,47 +65,50 @@ async def warm_up(session: Any, url: str, model: str, dilation: float = 1.0) -> 
         raise RuntimeError(f"warm-up request failed: {rec.error}")
 
 
-async def drive_poisson(
+def _turn(req: BenchRequest | AgentRequest) -> int:
+    return req.turn if isinstance(req, AgentRequest) else 0
+
+
+def _conversations(workload: Sequence[BenchRequest | AgentRequest]) -> list[list[int]]:
+    """Workload indices per conversation (in order of first appearance), turns in order; each
+    `BenchRequest` is a conversation of its own."""
+    by_conv: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(workload):
+        key = ("agent", r.conversation_id) if isinstance(r, AgentRequest) else ("open", i)
+        by_conv.setdefault(key, []).append(i)
+    return [sorted(ix, key=lambda j: _turn(workload[j])) for ix in by_conv.values()]
+
+
+async def drive(
     session: Any,
     url: str,
-    workload: Sequence[BenchRequest],
+    workload: Sequence[BenchRequest | AgentRequest],
     model: str,
     progress: Any = None,
     dilation: float = 1.0,
     **extra: Any,
 ) -> list[StreamRecord]:
-    send = _sender(session, url, model, progress, dilation, **extra)
-    sends = (send(r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in workload)
-    return list(await asyncio.gather(*sends))
-
-
-async def drive_agent(
-    session: Any,
-    url: str,
-    workload: Sequence[AgentRequest],
-    model: str,
-    progress: Any = None,
-    dilation: float = 1.0,
-) -> list[StreamRecord]:
-    by_conv: dict[int, list[int]] = {}
-    for i, r in enumerate(workload):
-        by_conv.setdefault(r.conversation_id, []).append(i)
+    """Send `workload` to the router at `url`; the records come back in workload order."""
+    conversations = _conversations(workload)
     records: list[StreamRecord | None] = [None] * len(workload)
-    send = _sender(session, url, model, progress, dilation)
+    send = _sender(session, url, model, progress, dilation, **extra)
 
-    async def conversation(indices: list[int]) -> None:
+    async def conversation(turns: list[int]) -> None:
         prompt: tuple[int, ...] = ()
         output: list[int] = []
-        for i in sorted(indices, key=lambda j: workload[j].turn):
+        for i in turns:
             req = workload[i]
-            prompt = follow_up_prompt(req, prompt, output)
+            if isinstance(req, AgentRequest):
+                prompt = follow_up_prompt(req, prompt, output)
+            else:
+                prompt = req.prompt_token_ids
             rec = records[i] = await send(req.arrival_s, prompt, req.max_tokens)
             if rec.error is not None:  # the conversation cannot go on without this turn
-                for j in indices:
+                for j in turns:
                     if records[j] is None:
                         records[j] = StreamRecord(
                             sent_at=time.time(),
-                            error=f"not sent: turn {req.turn} failed",
+                            error=f"not sent: turn {_turn(req)} failed",
                             dilation=dilation,
                         )
                         if progress is not None:
@@ -112,5 +116,5 @@ async def drive_agent(
                 return
             output = rec.token_ids
 
-    await asyncio.gather(*(conversation(ix) for ix in by_conv.values()))
+    await asyncio.gather(*(conversation(turns) for turns in conversations))
     return [r for r in records if r is not None]

@@ -34,7 +34,7 @@ from pddnet.bench.devices import (
     print_validity,
     setup_devices,
 )
-from pddnet.bench.drive import drive_agent, drive_poisson, warm_up
+from pddnet.bench.drive import drive, warm_up
 from pddnet.bench.plots import cdf_plot
 from pddnet.bench.progress import progress
 from pddnet.bench.results import add_run_arguments, run_config, write_result
@@ -242,14 +242,7 @@ async def run_mode(
                 before = await cluster.stats("main_decode") if has_md else None
                 t0 = time.monotonic()
                 with progress(len(workload), f"{mode:>8} {name:<5}", enabled=show_progress) as bar:
-                    if name == "agent":
-                        recs = await drive_agent(
-                            session, cluster.url, workload, args.model, bar, dilation=k
-                        )
-                    else:
-                        recs = await drive_poisson(
-                            session, cluster.url, workload, args.model, bar, dilation=k
-                        )
+                    recs = await drive(session, cluster.url, workload, args.model, bar, dilation=k)
                 wall = time.monotonic() - t0
                 out["makespan_wall_s"][name] = wall
                 out["makespan_s"][name] = wall / k
