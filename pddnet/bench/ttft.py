@@ -39,6 +39,7 @@ from pddnet.bench.plots import cdf_plot
 from pddnet.bench.progress import progress
 from pddnet.bench.results import add_run_arguments, run_config, write_result
 from pddnet.device import flags as device_flags
+from pddnet.model.cli import add_model_argument
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
 from pddnet.workload.poisson import poisson_long_prompts
 
@@ -294,7 +295,7 @@ def add_long_prompt_arguments(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, few requests (smoke test)")
-    p.add_argument("--model", default="small")
+    add_model_argument(p, default="small")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     add_long_prompt_arguments(p, requests=24, rate=0.5, prompt_len=(256, 768), max_tokens=(32, 96))
