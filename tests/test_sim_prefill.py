@@ -64,6 +64,17 @@ def instance(cost, budget=2048, max_seqs=64, **kw):
     )
 
 
+def run(cost, prompts, **kw):
+    """`prompts` (name -> tokens) submitted in order at time 0 to an `instance(cost, **kw)`,
+    run to the end: the instance and its reports."""
+    loop, p = instance(cost, **kw)
+    rec = Recorder()
+    for name, tokens in prompts.items():
+        p.submit(request(name, tokens), rec)
+    loop.run()
+    return p, rec
+
+
 def test_one_forward_over_several_chunks_adds_their_work(cost):
     assert cost.prefill_step_time([(0, 1000)]) == cost.prefill_chunk_time(0, 1000)
     assert cost.prefill_step_time([(0, 1000), (200, 500)]) == pytest.approx(
@@ -101,12 +112,7 @@ def test_waiting_prompts_share_one_step_up_to_the_budget(cost):
     assert b.prefill_start == pytest.approx(t1)
 
     # Both waiting when a step starts: one forward over both, both done at its end.
-    loop, p = instance(cost)
-    rec = Recorder()
-    p.submit(request("x", 300), rec)
-    for name, n in (("a", 1000), ("b", 500)):
-        p.submit(request(name, n), rec)
-    loop.run()
+    p, rec = run(cost, {"x": 300, "a": 1000, "b": 500})
     t0 = secs((0, 300))
     both = t0 + secs((0, 1000), (0, 500))
     assert rec.done_at("a") == pytest.approx(both) and rec.done_at("b") == pytest.approx(both)
@@ -143,12 +149,7 @@ def test_the_last_admitted_prompt_is_chunked_to_the_remaining_budget(cost):
 
 
 def test_max_seqs_caps_the_prompts_of_a_step(cost):
-    loop, p = instance(cost, max_seqs=2)
-    rec = Recorder()
-    p.submit(request("x", 100), rec)
-    for name in "abc":
-        p.submit(request(name, 100), rec)
-    loop.run()
+    p, rec = run(cost, dict.fromkeys("xabc", 100), max_seqs=2)
     t1 = secs((0, 100))
     t2 = t1 + secs((0, 100), (0, 100))
     assert rec.done_at("a") == pytest.approx(t2) and rec.done_at("b") == pytest.approx(t2)
@@ -233,11 +234,8 @@ def test_bad_instance_settings_are_refused(cost):
 
 
 def test_export_waits_for_a_next_step_that_starts_at_once(cost):
-    loop, p = instance(cost, export_wait=1.0)
-    rec = Recorder()
-    p.submit(request("a", 1000), rec)
-    p.submit(request("b", 500), rec)  # waiting when a's step ends: the next step at once
-    loop.run()
+    # b waits when a's step ends: the next step starts at once
+    p, rec = run(cost, {"a": 1000, "b": 500}, export_wait=1.0)
     t1 = secs((0, 1000))
     t2 = t1 + secs((0, 500))
     # a's KV leaves only when b's step ends, and is reported before b's own
@@ -263,10 +261,7 @@ def test_export_goes_at_once_when_p_is_idle_after_the_step(cost):
 
 
 def test_a_chunk_report_waits_for_the_prompts_next_chunk(cost):
-    loop, p = instance(cost, budget=600, export_wait=1.0)
-    rec = Recorder()
-    p.submit(request("a", 1000), rec)
-    loop.run()
+    _, rec = run(cost, {"a": 1000}, budget=600, export_wait=1.0)
     t1 = secs((0, 600))
     t2 = t1 + secs((600, 1000))
     # the running prompt continues at once, so its first chunk's KV leaves with the second
@@ -278,17 +273,14 @@ def test_a_chunk_report_waits_for_the_prompts_next_chunk(cost):
 
 
 def test_export_wait_is_a_seeded_share_of_the_reports_that_could_wait(cost):
-    def run(share):
-        loop, p = instance(cost, max_seqs=1, export_wait=share)
-        rec = Recorder()
-        for i in range(400):  # one prompt a step, the queue never empty
-            p.submit(request(f"r{i}", 100), rec)
-        loop.run()
+    def held_and_seen(share):
+        # one prompt a step, the queue never empty
+        p, rec = run(cost, {f"r{i}": 100 for i in range(400)}, max_seqs=1, export_wait=share)
         return p.exports_held, rec.seen
 
-    held, seen = run(0.25)
+    held, seen = held_and_seen(0.25)
     assert 70 <= held <= 130  # 399 reports could wait, each with p = 0.25
-    assert (held, seen) == run(0.25)  # the same draws every run
-    assert run(0.0)[0] == 0
+    assert (held, seen) == held_and_seen(0.25)  # the same draws every run
+    assert held_and_seen(0.0)[0] == 0
     done = [n for n, _, _, d in seen if d]
     assert sorted(done) == sorted(f"r{i}" for i in range(400))

@@ -26,6 +26,7 @@ from typing import Any
 
 from pddnet.bench import metrics
 from pddnet.bench.results import add_run_arguments, percentile, write_result
+from pddnet.bench.ttft import add_wan_arguments
 from pddnet.device import flags as device_flags
 from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS, hit_interval
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
@@ -50,8 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="agent conversations (default: 40, or 4 with --quick)",
     )
     p.add_argument("--model", default="tiny", help="model preset (tiny: 1 KiB KV per token)")
-    p.add_argument("--wan", default="auto", choices=["auto", "packet", "proxy"])
-    p.add_argument("--rtt-ms", type=float, default=30.0)
+    add_wan_arguments(p, wan="auto", rtt_ms=30.0, shaped=False)
     p.add_argument("--bw-mbit", type=float, default=1000.0)
     p.add_argument(
         "--md-blocks",

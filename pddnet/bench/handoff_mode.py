@@ -47,6 +47,7 @@ from pddnet.bench.progress import progress
 from pddnet.bench.results import add_run_arguments, closing, run_config, write_result
 from pddnet.bench.ttft import add_wan_arguments
 from pddnet.device import flags as device_flags
+from pddnet.model.cli import add_model_argument
 
 MODES = ("one-shot", "streaming", "dynamic")
 STALL_TAIL_TOKENS = 8  # tokens after the cut that still count as "around the handoff"
@@ -471,7 +472,7 @@ def print_table(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, two backlogs (smoke test)")
-    p.add_argument("--model", default="small")
+    add_model_argument(p, default="small")
     p.add_argument("--backlogs", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--prompt-len", type=int, default=256)

@@ -39,6 +39,7 @@ from pddnet.bench.plots import cdf_plot
 from pddnet.bench.progress import progress
 from pddnet.bench.results import add_run_arguments, run_config, write_result
 from pddnet.device import flags as device_flags
+from pddnet.model.cli import add_model_argument
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
 from pddnet.workload.poisson import poisson_long_prompts
 
@@ -142,33 +143,28 @@ def md_lane_bytes(
 # -- the run ----------------------------------------------------------------------------------
 
 
+# The agent conversations of a run, field by field: (--quick's, a full run's); lengths in tokens.
+# A full run's count and rate are --conversations and --conversation-rate.
+AGENT_SHAPES: dict[str, tuple[Any, Any]] = {
+    "think_time_s": (0.2, 1.0),
+    "num_system_prompts": (1, 2),
+    "system_prompt_len": ((96, 160), (300, 800)),
+    "task_len": ((16, 48), (50, 200)),
+    "max_turns": ((2, 3), (2, 4)),
+    "small_tool_len": ((4, 16), (4, 48)),
+    "large_tool_len": ((64, 128), (200, 600)),
+    "output_len": ((4, 8), (8, 32)),
+    "max_context": (4096, 3000),
+}
+
+
 def agent_params(args: argparse.Namespace) -> AgentWorkloadParams:
-    if args.quick:
-        return AgentWorkloadParams(
-            num_conversations=2,
-            conversation_rate_per_s=4.0,
-            think_time_s=0.2,
-            num_system_prompts=1,
-            system_prompt_len=(96, 160),
-            task_len=(16, 48),
-            max_turns=(2, 3),
-            small_tool_len=(4, 16),
-            large_tool_len=(64, 128),
-            output_len=(4, 8),
-        )
-    return AgentWorkloadParams(
-        num_conversations=args.conversations,
-        conversation_rate_per_s=args.conversation_rate,
-        think_time_s=1.0,
-        num_system_prompts=2,
-        system_prompt_len=(300, 800),
-        task_len=(50, 200),
-        max_turns=(2, 4),
-        small_tool_len=(4, 48),
-        large_tool_len=(200, 600),
-        output_len=(8, 32),
-        max_context=3000,
-    )
+    if args.quick:  # a smoke test: two conversations, whatever the options say
+        count, rate, column = 2, 4.0, 0
+    else:
+        count, rate, column = args.conversations, args.conversation_rate, 1
+    shape = {field: values[column] for field, values in AGENT_SHAPES.items()}
+    return AgentWorkloadParams(num_conversations=count, conversation_rate_per_s=rate, **shape)
 
 
 def make_workloads(args: argparse.Namespace) -> dict[str, list[Any]]:
@@ -292,7 +288,7 @@ def add_long_prompt_arguments(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, few requests (smoke test)")
-    p.add_argument("--model", default="small")
+    add_model_argument(p, default="small")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     add_long_prompt_arguments(p, requests=24, rate=0.5, prompt_len=(256, 768), max_tokens=(32, 96))

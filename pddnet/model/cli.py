@@ -9,7 +9,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-DTYPE_CHOICES = ("float64", "float32", "bfloat16")
+from pddnet.model.config import DTYPES
+
 # Tokenizer files travel with the weights when exporting from a folder.
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--seed", type=int, default=0, help="weight seed for presets")
     export.add_argument(
         "--dtype",
-        choices=DTYPE_CHOICES,
+        choices=DTYPES,
         default=None,
         help="dtype of the written weights (default: the model's own)",
     )
