@@ -245,7 +245,7 @@ async def test_the_machines_cut_md_takes_over_token_exact(tiny, prep):
     machine applies it and emits from the cut on."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pddnet.lifecycle.handoff import SendHandoff
+    from pddnet.lifecycle.actions import SendHandoff
 
     model, tok = tiny
     n = 7

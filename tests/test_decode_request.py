@@ -9,8 +9,7 @@ import pytest
 
 from pddnet.engine.engine import StepOutput
 from pddnet.engine.sequence import FinishReason
-from pddnet.lifecycle import decode_actions as act
-from pddnet.lifecycle import handoff as ho
+from pddnet.lifecycle import actions as act
 from pddnet.lifecycle import prefill_messages
 from pddnet.lifecycle.decode_request import TRANSITIONS, DecodeRequest, Phase, Role
 from pddnet.lifecycle.replay_request import ReplayRequest
@@ -96,14 +95,14 @@ def test_relay_allocation_then_kv_done_starts_decoding_and_finishes_alone():
     acts = drive(m, "kv_done", kv_done(nbytes=640), 1.0)
     assert acts == [
         act.KvComplete(640),
-        ho.StartSequence((100,), hold=False),
-        ho.EmitTokens(0, (100,)),
+        act.StartSequence((100,), hold=False),
+        act.EmitTokens(0, (100,)),
     ]
     assert m.phase is Phase.DECODING
-    assert engine(m, step(1, [101], PROMPT + 1)) == [ho.EmitTokens(1, (101,))]
+    assert engine(m, step(1, [101], PROMPT + 1)) == [act.EmitTokens(1, (101,))]
     acts = engine(m, step(2, [102], PROMPT + 2, FinishReason.LENGTH))
     # same-dc: nobody else to stop
-    assert acts == [ho.EmitTokens(2, (102,)), ho.FinishRequest("length", 3), ho.StopSequence()]
+    assert acts == [act.EmitTokens(2, (102,)), act.FinishRequest("length", 3), act.StopSequence()]
     assert m.phase is Phase.ENDED
     assert engine(m, step(3, [103], PROMPT + 3)) == []  # stale
 
@@ -113,7 +112,7 @@ def test_relay_rejects_a_kv_done_for_other_positions_and_tells_p_and_md():
     bad = KvDone(request_id="r1", num_tokens=3, num_chunks=0, num_bytes=0, first_token_id=5, time=0)
     acts = drive(m, "kv_done", bad, 0.0)
     assert isinstance(acts[0], act.Failed) and acts[0].code == "relay_failed"
-    assert [type(a) for a in acts[1:]] == [act.SendKvAbort, ho.CancelPeer, ho.StopSequence]
+    assert [type(a) for a in acts[1:]] == [act.SendKvAbort, act.CancelPeer, act.StopSequence]
     assert m.writes_ended and m.phase is Phase.ENDED
 
 
@@ -122,11 +121,11 @@ def test_relay_first_token_that_ends_the_request_stops_p_and_md():
     acts = drive(m, "kv_done", kv_done(first=EOS), 0.0)
     assert acts == [
         act.KvComplete(0),
-        ho.EmitTokens(0, (EOS,)),
-        ho.FinishRequest("eos", 1),
+        act.EmitTokens(0, (EOS,)),
+        act.FinishRequest("eos", 1),
         act.SendKvAbort("relay finished the request"),
-        ho.StopSequence(),
-        ho.CancelPeer("relay finished the request"),
+        act.StopSequence(),
+        act.CancelPeer("relay finished the request"),
     ]
 
 
@@ -143,10 +142,10 @@ def relay_decoding(mode: str, n: int) -> DecodeRequest:
 def test_relay_one_shot_handoff_cuts_at_the_takeover():
     m = relay_decoding("one-shot", 4)
     acts = drive(m, "takeover", PROMPT, 4, 0.1)
-    assert isinstance(acts[0], ho.HandoffStarted) and acts[0].mode == "one-shot"
+    assert isinstance(acts[0], act.HandoffStarted) and acts[0].mode == "one-shot"
     assert acts[1:] == [
-        ho.StopSequence(),
-        ho.SendHandoff(0, (100, 101, 102, 103, 104), True, "one-shot"),
+        act.StopSequence(),
+        act.SendHandoff(0, (100, 101, 102, 103, 104), True, "one-shot"),
     ]
     assert m.phase is Phase.ENDED
     assert drive(m, "takeover", PROMPT + 3, 4, 0.1) == []  # a late progress report
@@ -156,7 +155,7 @@ def test_relay_streaming_handoff_forwards_then_cuts_when_md_keeps_pace():
     m = relay_decoding("streaming", 9)
     acts = drive(m, "takeover", PROMPT, 4, 0.1)
     assert m.phase is Phase.STREAMING
-    sent = [a for a in acts if isinstance(a, ho.SendHandoff)]
+    sent = [a for a in acts if isinstance(a, act.SendHandoff)]
     assert [(a.start_index, len(a.token_ids), a.final) for a in sent] == [
         (0, 4, False),
         (4, 4, False),
@@ -164,10 +163,10 @@ def test_relay_streaming_handoff_forwards_then_cuts_when_md_keeps_pace():
     ]
     # RLD keeps decoding and forwarding while MD digests
     acts = engine(m, step(10, [110], PROMPT + 10))
-    assert acts == [ho.EmitTokens(10, (110,))]
+    assert acts == [act.EmitTokens(10, (110,))]
     # MD reports it digested everything it held: it keeps pace, RLD cuts
     acts = drive(m, "takeover", PROMPT + 10 - 1, 4, 0.1)
-    assert acts[0] == ho.StopSequence() and acts[-1].final and m.phase is Phase.ENDED
+    assert acts[0] == act.StopSequence() and acts[-1].final and m.phase is Phase.ENDED
 
 
 def test_relay_takeover_before_kv_done_waits_for_p_first_token():
@@ -175,17 +174,17 @@ def test_relay_takeover_before_kv_done_waits_for_p_first_token():
     assert drive(m, "takeover", PROMPT, 4, 0.0) == []
     assert m.phase is Phase.RECEIVING_KV
     acts = drive(m, "kv_done", kv_done(), 0.0)
-    assert ho.StopSequence() in acts and ho.SendHandoff(0, (100,), True, "one-shot") in acts
+    assert act.StopSequence() in acts and act.SendHandoff(0, (100,), True, "one-shot") in acts
 
 
 def test_relay_finishes_alone_when_md_is_lost_mid_stream():
     m = relay_decoding("streaming", 9)
     drive(m, "takeover", PROMPT, 4, 0.1)
     acts = drive(m, "peer_lost")
-    assert acts == [ho.HandoffAbandoned("main decode lost during a streaming handoff")]
+    assert acts == [act.HandoffAbandoned("main decode lost during a streaming handoff")]
     assert m.phase is Phase.DECODING and not m.has_peer
     acts = engine(m, step(10, [110], PROMPT + 10, FinishReason.STOP))
-    assert acts == [ho.EmitTokens(10, (110,)), ho.FinishRequest("eos", 11), ho.StopSequence()]
+    assert acts == [act.EmitTokens(10, (110,)), act.FinishRequest("eos", 11), act.StopSequence()]
 
 
 # -- MD ------------------------------------------------------------------------------------------
@@ -202,8 +201,8 @@ def test_main_counts_chunks_against_kv_done_then_asks_for_the_cut():
     assert acts == [
         act.KvComplete(600),
         act.SendKvReceived(600, 300, 1.0),
-        ho.StartSequence((100,), hold=True),
-        ho.SendTakeover(PROMPT, 4),
+        act.StartSequence((100,), hold=True),
+        act.SendTakeover(PROMPT, 4),
     ]
     assert m.phase is Phase.WAITING_CUT
 
@@ -221,7 +220,7 @@ def test_main_aborts_a_chunk_that_is_not_this_requests(chunk, fault):
     drive(m, "kv_chunk", 0, 4, 8, 300, 1.0)
     acts = drive(m, "kv_chunk", *chunk, 300, 1.1)
     assert isinstance(acts[0], act.Failed) and fault in acts[0].reason
-    assert acts[-1] == ho.StopSequence() and m.phase is Phase.ENDED
+    assert acts[-1] == act.StopSequence() and m.phase is Phase.ENDED
 
 
 def test_main_aborts_more_bytes_than_kv_done_counts():
@@ -245,10 +244,10 @@ def test_main_without_relay_decodes_from_index_zero():
     m = main(pipeline="p_md")
     acts = drive(m, "kv_done", kv_done(), 0.0)
     acts = drive(m, "kv_chunk", 0, 0, 10, 0, 0.0) + acts  # (no chunks: KV_DONE said 0)
-    assert ho.StartSequence((100,), hold=False) in acts and ho.EmitTokens(0, (100,)) in acts
+    assert act.StartSequence((100,), hold=False) in acts and act.EmitTokens(0, (100,)) in acts
     assert m.phase is Phase.DECODING
     acts = engine(m, step(1, [101], PROMPT + 1, FinishReason.STOP))
-    assert acts == [ho.EmitTokens(1, (101,)), ho.FinishRequest("eos", 2), ho.StopSequence()]
+    assert acts == [act.EmitTokens(1, (101,)), act.FinishRequest("eos", 2), act.StopSequence()]
 
 
 def test_main_one_shot_handoff_then_decodes_from_the_cut_and_tells_rld_it_finished():
@@ -257,20 +256,20 @@ def test_main_one_shot_handoff_then_decodes_from_the_cut_and_tells_rld_it_finish
     assert engine(m, step(1, [], PROMPT)) == []  # held: digesting, nothing sampled
     acts = drive(m, "handoff", 0, (100, 101, 102), True, "one-shot", 60)
     assert acts == [
-        ho.SetChunk(None),
-        ho.AppendTokens((101, 102)),
-        ho.ReleaseHold(),
-        ho.HandoffEnded("one-shot", 3),
+        act.SetChunk(None),
+        act.AppendTokens((101, 102)),
+        act.ReleaseHold(),
+        act.HandoffEnded("one-shot", 3),
     ]
     assert m.phase is Phase.DECODING and m.handoff_bytes == 60
     acts = engine(m, step(3, [103], PROMPT + 3))
-    assert acts == [ho.EmitTokens(3, (103,)), ho.FirstMainToken(3)]
+    assert acts == [act.EmitTokens(3, (103,)), act.FirstMainToken(3)]
     acts = engine(m, step(4, [104], PROMPT + 4, FinishReason.LENGTH))
     assert acts == [
-        ho.EmitTokens(4, (104,)),
-        ho.FinishRequest("length", 5),
+        act.EmitTokens(4, (104,)),
+        act.FinishRequest("length", 5),
         act.ForwardDone(),
-        ho.StopSequence(),
+        act.StopSequence(),
     ]
 
 
@@ -278,10 +277,10 @@ def test_main_streaming_handoff_reports_progress_when_it_has_digested_everything
     m = main()
     drive(m, "kv_done", kv_done(), 0.0)
     acts = drive(m, "handoff", 0, (100, 101, 102, 103), False, "streaming", 50)
-    assert acts == [ho.SetChunk(4), ho.AppendTokens((101, 102, 103))]
-    assert engine(m, step(1, [], PROMPT + 3)) == [ho.SendTakeover(PROMPT + 3, 4)]
+    assert acts == [act.SetChunk(4), act.AppendTokens((101, 102, 103))]
+    assert engine(m, step(1, [], PROMPT + 3)) == [act.SendTakeover(PROMPT + 3, 4)]
     acts = drive(m, "handoff", 4, (104,), True, "streaming", 30)
-    assert acts[-2:] == [ho.ReleaseHold(), ho.HandoffEnded("streaming", 5)]
+    assert acts[-2:] == [act.ReleaseHold(), act.HandoffEnded("streaming", 5)]
 
 
 def test_main_keeps_a_request_past_its_final_handoff_when_rlds_lane_closes():
@@ -295,7 +294,7 @@ def test_main_keeps_a_request_past_its_final_handoff_when_rlds_lane_closes():
     assert acts[0] == act.Failed(
         "main_decode_failed", "relay connection closed before the final handoff", False
     )
-    assert acts[-1] == ho.StopSequence() and waiting.phase is Phase.ENDED
+    assert acts[-1] == act.StopSequence() and waiting.phase is Phase.ENDED
     alone = main(pipeline="p_md")  # no relay: its loss changes nothing
     assert drive(alone, "peer_lost") == [] and alone.phase is Phase.RECEIVING_KV
 
@@ -311,7 +310,7 @@ def test_a_replay_replaces_mds_part_tells_p_and_ignores_stale_messages():
     m = main()
     drive(m, "kv_chunk", 0, 0, 10, 300, 1.0)
     acts = drive(m, "replaced")
-    assert acts == [act.SendKvAbort("replayed on main decode by the router"), ho.StopSequence()]
+    assert acts == [act.SendKvAbort("replayed on main decode by the router"), act.StopSequence()]
     assert m.phase is Phase.ENDED
     # the lost attempt's messages, arriving late, do nothing
     assert drive(m, "kv_done", kv_done(chunks=1, nbytes=300), 2.0) == []
@@ -319,13 +318,13 @@ def test_a_replay_replaces_mds_part_tells_p_and_ignores_stale_messages():
     assert drive(m, "handoff", 0, (100,), True, "one-shot", 30) == []
     assert drive(m, "cancel") == []
     r = relay()
-    assert drive(r, "replaced") == [ho.StopSequence()]  # RLD: P's KV is local, nothing to tell
+    assert drive(r, "replaced") == [act.StopSequence()]  # RLD: P's KV is local, nothing to tell
 
 
 def test_cancel_by_kv_abort_marks_the_writes_ended():
     m = main(one_sided=True)
     assert not m.writes_ended
-    assert drive(m, "cancel", True) == [ho.StopSequence()]
+    assert drive(m, "cancel", True) == [act.StopSequence()]
     assert m.writes_ended
 
 
@@ -411,10 +410,10 @@ def test_refusal_overflow_and_p_loss_release_parked_takeovers_with_a_cancel():
 def test_replay_emits_and_stops_an_extra_stop_token_the_engine_does_not_know():
     r = ReplayRequest(PROMPT, stop_token_ids=(55,))
     acts, lp = r.engine_step(step(3, [54], PROMPT + 3))
-    assert acts == [ho.EmitTokens(3, (54,))] and lp is None
+    assert acts == [act.EmitTokens(3, (54,))] and lp is None
     acts, _ = r.engine_step(step(4, [55], PROMPT + 4))
-    assert acts == [ho.EmitTokens(4, (55,)), ho.FinishRequest("stop", 5), ho.StopSequence()]
+    assert acts == [act.EmitTokens(4, (55,)), act.FinishRequest("stop", 5), act.StopSequence()]
     r2 = ReplayRequest(PROMPT, stop_token_ids=())
     acts, _ = r2.engine_step(step(4, [9], PROMPT + 4, FinishReason.LENGTH))
-    assert acts == [ho.EmitTokens(4, (9,)), ho.FinishRequest("length", 5)]  # the engine freed it
+    assert acts == [act.EmitTokens(4, (9,)), act.FinishRequest("length", 5)]  # the engine freed it
     assert r2.engine_step(step(0, [], 0, FinishReason.ABORT))[0] == []  # our own abort

@@ -15,19 +15,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pddnet.lifecycle.handoff import (
+from pddnet.lifecycle.actions import (
     AppendTokens,
     CancelPeer,
     EmitTokens,
     FinishRequest,
     FirstMainToken,
     HandoffEnded,
-    HandoffError,
     HandoffStarted,
-    MainHandoff,
-    MainPhase,
-    RelayHandoff,
-    RelayPhase,
     ReleaseHold,
     SendHandoff,
     SendTakeover,
@@ -35,6 +30,7 @@ from pddnet.lifecycle.handoff import (
     StartSequence,
     StopSequence,
 )
+from pddnet.lifecycle.handoff import HandoffError, MainHandoff, MainPhase, RelayHandoff, RelayPhase
 from pddnet.policy.handoff import HandoffPolicy
 
 
@@ -368,7 +364,7 @@ def test_main_reports_progress_only_when_idle_during_streaming():
 
 
 def test_relay_finishes_alone_when_main_decode_is_lost_mid_stream():
-    from pddnet.lifecycle.handoff import HandoffAbandoned
+    from pddnet.lifecycle.actions import HandoffAbandoned
 
     fsm = RelayHandoff(10, HandoffPolicy(mode="streaming", chunk=2))
     for i in range(4):

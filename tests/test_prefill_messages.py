@@ -7,7 +7,7 @@ import dataclasses
 
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.kv.pool import KVSpec
-from pddnet.lifecycle.prefill_actions import AskAllocation
+from pddnet.lifecycle.actions import AskAllocation
 from pddnet.lifecycle.prefill_messages import (
     kv_alloc_request,
     kv_done,

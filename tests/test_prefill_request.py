@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pddnet.lifecycle.prefill_actions import (
+from pddnet.lifecycle.actions import (
     AbortTarget,
     AskAllocation,
     CommitWan,

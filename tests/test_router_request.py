@@ -8,16 +8,11 @@ import pytest
 
 from pddnet.api.parse import parse_completion_request
 from pddnet.api.types import CompletionRequest, ModelInfo
+from pddnet.lifecycle.actions import CancelAll, Replay, Stalled, TokenGaps
 from pddnet.lifecycle.assembler import StreamAssembler
 from pddnet.lifecycle.choice_text import ChoiceText
 from pddnet.lifecycle.pdd_object import RouterFacts
-from pddnet.lifecycle.router_request import (
-    CancelAll,
-    Replay,
-    RouterRequest,
-    Stalled,
-    TokenGaps,
-)
+from pddnet.lifecycle.router_request import RouterRequest
 from pddnet.model.tokenizer import ByteTokenizer
 from pddnet.protocol import messages as m
 from tests.samples import pipeline_choice, pipeline_inputs

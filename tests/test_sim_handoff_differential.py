@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from pddnet.lifecycle import actions as act
 from pddnet.lifecycle import handoff as fsm
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 from pddnet.sim.handoff import (
@@ -111,7 +112,7 @@ def through_machines(tr: Trace) -> Record:
     rld_stopped = [False]
 
     def rld_apply(actions: list[Any]) -> None:
-        sends = [a for a in actions if isinstance(a, fsm.SendHandoff)]
+        sends = [a for a in actions if isinstance(a, act.SendHandoff)]
         if sends:
             ids = sum(len(a.token_ids) for a in sends)
             rec.bursts.append((clock.now, ids, sends[-1].final))
@@ -119,14 +120,14 @@ def through_machines(tr: Trace) -> Record:
             if sends[-1].final:
                 rec.cut = relay.num_tokens
         for a in actions:
-            if isinstance(a, fsm.SendHandoff):
+            if isinstance(a, act.SendHandoff):
                 rec.mode = a.mode
                 clock.at(clock.now + tr.delay, ARRIVAL, md_handoff, a)
-            elif isinstance(a, fsm.FinishRequest):
+            elif isinstance(a, act.FinishRequest):
                 rec.ended_by = "rld"
-            elif isinstance(a, fsm.CancelPeer):
+            elif isinstance(a, act.CancelPeer):
                 clock.at(clock.now + tr.delay, ARRIVAL, main.cancel)
-            elif isinstance(a, fsm.StopSequence):
+            elif isinstance(a, act.StopSequence):
                 rld_stopped[0] = True
 
     def rld_token(index: int) -> None:
@@ -137,20 +138,20 @@ def through_machines(tr: Trace) -> Record:
         if not last:
             clock.at(clock.now + tr.rld_step, RLD_TOKEN, rld_token, index + 1)
 
-    def takeover_at_rld(t: fsm.SendTakeover) -> None:
+    def takeover_at_rld(t: act.SendTakeover) -> None:
         if relay.phase.value in ("decoding", "streaming"):
             rec.takeovers += 1  # one RLD acts on (not one crossing RLD's end or cut)
         rld_apply(relay.takeover(t.ready_position, t.chunk_tokens, tr.rld_load))
 
     def md_apply(actions: list[Any]) -> None:
         for a in actions:
-            if isinstance(a, fsm.SendTakeover):
+            if isinstance(a, act.SendTakeover):
                 clock.at(clock.now + tr.delay, ARRIVAL, takeover_at_rld, a)
-            elif isinstance(a, fsm.SetChunk):
+            elif isinstance(a, act.SetChunk):
                 md["cap"] = a.max_chunk_tokens
-            elif isinstance(a, fsm.ReleaseHold):
+            elif isinstance(a, act.ReleaseHold):
                 md["held"] = False
-            elif isinstance(a, fsm.AppendTokens):
+            elif isinstance(a, act.AppendTokens):
                 pass  # main.known holds them
         clock.at(clock.now, MD_START, md_maybe_step)
 
@@ -184,7 +185,7 @@ def through_machines(tr: Trace) -> Record:
             rec.ended_by, rec.first_md_tick = "md", clock.now
             main.cancel()  # the trace ends at MD's first token
 
-    def md_handoff(a: fsm.SendHandoff) -> None:
+    def md_handoff(a: act.SendHandoff) -> None:
         md_apply(main.handoff(a.start_index, a.token_ids, a.final, a.mode))
 
     clock.at(tr.rld_start, RLD_TOKEN, rld_token, 0)

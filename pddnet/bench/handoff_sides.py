@@ -17,11 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pddnet.bench.handoff_setup import BLOCK_SIZE, KV_DIRECT, TOKEN_ID, Prepared, engine_for
-from pddnet.lifecycle.handoff import (
+from pddnet.lifecycle.actions import (
     AppendTokens,
     FirstMainToken,
-    MainHandoff,
-    RelayHandoff,
     ReleaseHold,
     SendHandoff,
     SendTakeover,
@@ -29,6 +27,7 @@ from pddnet.lifecycle.handoff import (
     SetChunk,
     StartSequence,
 )
+from pddnet.lifecycle.handoff import MainHandoff, RelayHandoff
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 
 BULK_PREFIX = "bulk-"

@@ -3,8 +3,7 @@ to P (MD), HANDOFF to MD (RLD), TAKEOVER to RLD (MD). Sans-IO; the daemon only p
 
 from __future__ import annotations
 
-from pddnet.lifecycle.decode_actions import SendKvReceived
-from pddnet.lifecycle.handoff import SendHandoff, SendTakeover
+from pddnet.lifecycle.actions import SendHandoff, SendKvReceived, SendTakeover
 from pddnet.protocol import Handoff, KvReceived, Takeover
 
 

@@ -6,7 +6,7 @@ in as a method call and comes out as typed actions, in order, for the daemon to 
 chunk accounting (MD over tcp), KV_DONE and the completion of the copy, the start of decoding,
 the one-shot and streaming handoff (driving pddnet.lifecycle.handoff's RelayHandoff on RLD and
 MainHandoff on MD), cancel, abort, peer loss and the router's replay. Its actions are in
-decode_actions.py, the end and logprob rules of its tokens in decode_tokens.py, MD's counts of
+actions.py, the end and logprob rules of its tokens in decode_tokens.py, MD's counts of
 the copy in kv_copy.py; two small
 companions have their own files: takeover_hold.py (RLD parks a TAKEOVER that overtook its
 request's allocation) and replay_request.py (a request the router replays here by token ids).
@@ -24,29 +24,23 @@ from collections.abc import Sequence
 
 from pddnet.engine.engine import StepOutput
 from pddnet.engine.sampling import TokenLogprob
-from pddnet.lifecycle.decode_actions import (
+from pddnet.lifecycle.actions import (
+    CancelPeer,
     DecodeAction,
+    EmitTokens,
     Failed,
+    FinishRequest,
     ForwardDone,
+    HandoffAction,
     ImportChunk,
     KvComplete,
     SendKvAbort,
     SendKvReceived,
-)
-from pddnet.lifecycle.decode_tokens import first_token_ends, first_token_logprob, take_logprobs
-from pddnet.lifecycle.handoff import (
-    Action,
-    CancelPeer,
-    EmitTokens,
-    FinishRequest,
-    HandoffError,
-    MainHandoff,
-    MainPhase,
-    RelayHandoff,
-    RelayPhase,
     StartSequence,
     StopSequence,
 )
+from pddnet.lifecycle.decode_tokens import first_token_ends, first_token_logprob, take_logprobs
+from pddnet.lifecycle.handoff import HandoffError, MainHandoff, MainPhase, RelayHandoff, RelayPhase
 from pddnet.lifecycle.kv_copy import KvCopy
 from pddnet.policy.handoff import HandoffPolicy
 from pddnet.protocol import KvAllocRequest, KvDone
@@ -326,7 +320,7 @@ class DecodeRequest:
         fsm = self.fsm
         try:
             if isinstance(fsm, RelayHandoff):
-                actions: list[Action] = []
+                actions: list[HandoffAction] = []
                 for i, (tok, reason) in enumerate(zip(out.new_token_ids, reasons, strict=False)):
                     actions += fsm.rld_token(out.output_index + i, tok, reason)
                 return self._follow(actions)
@@ -391,7 +385,7 @@ class DecodeRequest:
         self._ended = True
         return actions
 
-    def _follow(self, actions: list[Action]) -> list[DecodeAction]:
+    def _follow(self, actions: list[HandoffAction]) -> list[DecodeAction]:
         """The handoff machine's actions, each with what this role does right after it."""
         out: list[DecodeAction] = []
         for a in actions:

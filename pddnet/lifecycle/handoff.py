@@ -1,9 +1,9 @@
 """Sans-IO handoff state machines: RLD decides the cut, MD digests token ids.
 
 One ``RelayHandoff`` per request on RLD, one ``MainHandoff`` per request on MD. Events go in as
-method calls; each returns the actions the daemon must carry out, in order. Neither touches a
-socket, an engine or a clock, so the exactly-once property is tested by driving both machines
-through a simulated link (tests/test_handoff_fsm.py).
+method calls; each returns the actions (actions.py) the daemon must carry out, in order. Neither
+touches a socket, an engine or a clock, so the exactly-once property is tested by driving both
+machines through a simulated link (tests/test_handoff_fsm.py).
 
 Indices are output-token indices (0 = P's first token). Positions are sequence positions
 (``prompt_len + index``); MD reports progress as the number of positions it holds KV for.
@@ -24,142 +24,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from pddnet.lifecycle import actions as act
 from pddnet.policy.handoff import HandoffMode, HandoffPolicy
 
 
 class HandoffError(ValueError):
     """A peer broke the handoff protocol (gap, conflicting tokens, tokens after the cut...)."""
-
-
-# -- actions ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EmitTokens:
-    """Send TOKEN_EVENT(index, token_ids) to the router."""
-
-    index: int
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SendHandoff:
-    """RLD -> MD: HANDOFF(start_index, token_ids, final, mode)."""
-
-    start_index: int
-    token_ids: tuple[int, ...]
-    final: bool
-    mode: str
-
-
-@dataclass(frozen=True)
-class StopSequence:
-    """Abort the request's sequence in the local engine (frees its blocks)."""
-
-
-@dataclass(frozen=True)
-class FinishRequest:
-    """This instance produced the request's last token: REQUEST_DONE to the router."""
-
-    reason: str  # eos | length | stop
-    num_output_tokens: int
-
-
-@dataclass(frozen=True)
-class CancelPeer:
-    """Tell the other decode tier to drop the request (it will not be needed)."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class HandoffAbandoned:
-    """RLD: the main decode tier was lost before the cut; RLD now finishes the request alone."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class HandoffStarted:
-    """RLD chose how to hand over (for the timeline)."""
-
-    mode: str
-    backlog_tokens: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class StartSequence:
-    """MD: the KV copy is complete; start the sequence on the reservation with the known tokens.
-    ``hold``: compute but do not sample (a relay is still producing)."""
-
-    output_token_ids: tuple[int, ...]
-    hold: bool
-
-
-@dataclass(frozen=True)
-class SendTakeover:
-    """MD -> RLD: TAKEOVER(ready_position, chunk_tokens): first the request, then progress."""
-
-    ready_position: int
-    chunk_tokens: int
-
-
-@dataclass(frozen=True)
-class AppendTokens:
-    """MD: append handed-over token ids to the sequence (computed by extend, not sampled)."""
-
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SetChunk:
-    """MD: cap the tokens its sequence computes per step (None: no cap beyond the batch)."""
-
-    max_chunk_tokens: int | None
-
-
-@dataclass(frozen=True)
-class ReleaseHold:
-    """MD: the final cut arrived; the sequence may sample again."""
-
-
-@dataclass(frozen=True)
-class HandoffEnded:
-    """MD applied the final HANDOFF (for the timeline): MD continues at ``next_index``."""
-
-    mode: str
-    next_index: int
-
-
-@dataclass(frozen=True)
-class FirstMainToken:
-    """MD sampled its first token of the request (for the timeline)."""
-
-    index: int
-
-
-Action = (
-    EmitTokens
-    | SendHandoff
-    | StopSequence
-    | FinishRequest
-    | CancelPeer
-    | HandoffStarted
-    | StartSequence
-    | SendTakeover
-    | AppendTokens
-    | SetChunk
-    | ReleaseHold
-    | HandoffEnded
-    | FirstMainToken
-    | HandoffAbandoned
-)
-
-# MD's edits of its held sequence: a daemon applies one event's edits as ONE engine call.
-SequenceEdit = AppendTokens | SetChunk | ReleaseHold
 
 
 # -- RLD side -------------------------------------------------------------------------------------
@@ -194,23 +65,25 @@ class RelayHandoff:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
-    def rld_token(self, index: int, token: int, finish_reason: str | None = None) -> list[Action]:
+    def rld_token(
+        self, index: int, token: int, finish_reason: str | None = None
+    ) -> list[act.HandoffAction]:
         """RLD's engine produced ``token`` at output ``index`` (index 0: P's first token)."""
         if self.phase in (RelayPhase.CUT, RelayPhase.FINISHED):
             return []  # past the cut: MD owns this index and will compute the same token
         if index != len(self.tokens):
             raise HandoffError(f"relay token index {index}, expected {len(self.tokens)}")
         self.tokens.append(token)
-        actions: list[Action] = [EmitTokens(index, (token,))]
+        actions: list[act.HandoffAction] = [act.EmitTokens(index, (token,))]
         if finish_reason is not None:
             streaming = self.phase is RelayPhase.STREAMING
             self.phase = RelayPhase.FINISHED
-            actions.append(FinishRequest(finish_reason, len(self.tokens)))
+            actions.append(act.FinishRequest(finish_reason, len(self.tokens)))
             if self.hands_off:
                 why = "relay finished the request" + (
                     " during a streaming handoff" if streaming else ""
                 )
-                actions.append(CancelPeer(why))
+                actions.append(act.CancelPeer(why))
             return actions
         if self.phase is RelayPhase.STREAMING:
             # Batched: a HANDOFF per `chunk` new tokens (MD digests that much per step anyway),
@@ -223,7 +96,9 @@ class RelayHandoff:
             actions += self.takeover(ready, chunk, load)
         return actions
 
-    def takeover(self, ready_position: int, chunk_tokens: int, rld_load: float) -> list[Action]:
+    def takeover(
+        self, ready_position: int, chunk_tokens: int, rld_load: float
+    ) -> list[act.HandoffAction]:
         """MD sent TAKEOVER: the first one asks for the handoff, later ones report progress."""
         if not self.hands_off:
             raise HandoffError("this request has no main-decode tier (same-dc): no takeover")
@@ -240,15 +115,15 @@ class RelayHandoff:
         self.mode = decision.mode
         self.chunk = chunk_tokens
         self.md_position = ready_position
-        actions: list[Action] = [
-            HandoffStarted(decision.mode.value, len(self.tokens), decision.reason)
+        actions: list[act.HandoffAction] = [
+            act.HandoffStarted(decision.mode.value, len(self.tokens), decision.reason)
         ]
         if decision.mode is HandoffMode.ONE_SHOT or self._caught_up(len(self.tokens)):
             return actions + self._cut()
         self.phase = RelayPhase.STREAMING
         return actions + self._forward()
 
-    def md_progress(self, ready_position: int) -> list[Action]:
+    def md_progress(self, ready_position: int) -> list[act.HandoffAction]:
         """MD holds KV for ``ready_position`` positions (streaming handoff)."""
         if self.phase is not RelayPhase.STREAMING:
             return []
@@ -264,7 +139,7 @@ class RelayHandoff:
             return self._cut()
         return []
 
-    def peer_lost(self) -> list[Action]:
+    def peer_lost(self) -> list[act.HandoffAction]:
         """MD is gone (dead, hung or cut off) before the cut: RLD is the fallback and decodes
         the request to its end alone. Until the final HANDOFF every token is RLD's (a
         streaming handoff only forwarded copies), so nothing is lost or produced twice."""
@@ -275,46 +150,46 @@ class RelayHandoff:
         self.phase = RelayPhase.DECODING
         self._pending_takeover = None
         return [
-            HandoffAbandoned(
+            act.HandoffAbandoned(
                 "main decode lost" + (" during a streaming handoff" if was_streaming else "")
             )
         ]
 
-    def cancel(self) -> list[Action]:
+    def cancel(self) -> list[act.HandoffAction]:
         """Router cancel, or MD dropped the request: stop decoding."""
         if self.phase in (RelayPhase.CUT, RelayPhase.FINISHED):
             return []
         self.phase = RelayPhase.FINISHED
-        return [StopSequence()]
+        return [act.StopSequence()]
 
     def _caught_up(self, handed: int) -> bool:
         # MD needs KV for every handed token (positions up to prompt_len + handed) before it
         # samples the next one: within one extend step of `chunk`, the cut costs MD one step.
         return self.prompt_len + handed - self.md_position <= self.chunk
 
-    def _forward(self) -> list[Action]:
+    def _forward(self) -> list[act.HandoffAction]:
         """Non-final HANDOFFs for every token not handed over yet, `chunk` tokens each."""
-        out: list[Action] = []
+        out: list[act.HandoffAction] = []
         for start in range(self.sent, len(self.tokens), self.chunk):
             piece = tuple(self.tokens[start : start + self.chunk])
-            out.append(SendHandoff(start, piece, False, HandoffMode.STREAMING.value))
+            out.append(act.SendHandoff(start, piece, False, HandoffMode.STREAMING.value))
             self._boundaries.add(start + len(piece))
         self.sent = len(self.tokens)
         return out
 
-    def _cut(self) -> list[Action]:
+    def _cut(self) -> list[act.HandoffAction]:
         """Stop, and hand over what MD does not have yet: one-shot in a single final message;
         streaming in `chunk`-sized messages of which the last is final."""
         mode = self.mode if self.mode is not None else HandoffMode.ONE_SHOT
-        actions: list[Action] = [StopSequence()]
+        actions: list[act.HandoffAction] = [act.StopSequence()]
         if mode is HandoffMode.STREAMING:
             starts = list(range(self.sent, len(self.tokens), self.chunk)) or [self.sent]
             for k, start in enumerate(starts):
                 piece = tuple(self.tokens[start : start + self.chunk])
-                actions.append(SendHandoff(start, piece, k == len(starts) - 1, mode.value))
+                actions.append(act.SendHandoff(start, piece, k == len(starts) - 1, mode.value))
         else:
             actions.append(
-                SendHandoff(self.sent, tuple(self.tokens[self.sent :]), True, mode.value)
+                act.SendHandoff(self.sent, tuple(self.tokens[self.sent :]), True, mode.value)
             )
         self.sent = len(self.tokens)
         self.phase = RelayPhase.CUT
@@ -348,7 +223,7 @@ class MainHandoff:
         self._reported = 0
         self._first_emitted = False
 
-    def kv_complete(self, first_token: int) -> list[Action]:
+    def kv_complete(self, first_token: int) -> list[act.HandoffAction]:
         """MD holds the prompt's KV and P's first token (KV_DONE + every chunk)."""
         if self.phase is not MainPhase.RECEIVING_KV:
             raise HandoffError(f"KV completed twice (phase {self.phase.value})")
@@ -358,19 +233,19 @@ class MainHandoff:
             self.phase = MainPhase.DECODING
             self._first_emitted = True
             return [
-                StartSequence((first_token,), hold=False),
-                EmitTokens(0, (first_token,)),
-                FirstMainToken(0),
+                act.StartSequence((first_token,), hold=False),
+                act.EmitTokens(0, (first_token,)),
+                act.FirstMainToken(0),
             ]
         self.phase = MainPhase.WAITING_CUT
         return [
-            StartSequence((first_token,), hold=True),
-            SendTakeover(self.prompt_len, self.chunk_tokens),
+            act.StartSequence((first_token,), hold=True),
+            act.SendTakeover(self.prompt_len, self.chunk_tokens),
         ]
 
     def handoff(
         self, start_index: int, token_ids: Sequence[int], final: bool, mode: str
-    ) -> list[Action]:
+    ) -> list[act.HandoffAction]:
         """RLD's HANDOFF arrived."""
         if self.phase is not MainPhase.WAITING_CUT:
             if self.phase is MainPhase.DONE:
@@ -385,19 +260,19 @@ class MainHandoff:
         if overlap != self.known[start_index : start_index + len(overlap)]:
             raise HandoffError(f"HANDOFF tokens at {start_index} contradict the tokens MD holds")
         new = tuple(token_ids[len(overlap) :])
-        actions: list[Action] = []
+        actions: list[act.HandoffAction] = []
         if self.mode is None:
             self.mode = mode
             actions.append(
-                SetChunk(self.chunk_tokens if mode == HandoffMode.STREAMING.value else None)
+                act.SetChunk(self.chunk_tokens if mode == HandoffMode.STREAMING.value else None)
             )
         if new:
             self.known += new
-            actions.append(AppendTokens(new))
+            actions.append(act.AppendTokens(new))
         if final:
             self.phase = MainPhase.DECODING
             self.next_index = len(self.known)
-            actions += [ReleaseHold(), HandoffEnded(mode, self.next_index)]
+            actions += [act.ReleaseHold(), act.HandoffEnded(mode, self.next_index)]
         return actions
 
     def md_step(
@@ -406,12 +281,12 @@ class MainHandoff:
         output_index: int,
         new_tokens: Sequence[int],
         finish_reason: str | None = None,
-    ) -> list[Action]:
+    ) -> list[act.HandoffAction]:
         """MD's engine ran a step for this request."""
         if self.phase is MainPhase.DONE:
             return []
         self.position = max(self.position, num_computed)
-        actions: list[Action] = []
+        actions: list[act.HandoffAction] = []
         if self.phase is MainPhase.WAITING_CUT:
             if new_tokens:
                 raise HandoffError(
@@ -422,7 +297,7 @@ class MainHandoff:
             idle = self.position >= self.prompt_len + len(self.known) - 1
             if self.mode == HandoffMode.STREAMING.value and idle and self.position > self._reported:
                 self._reported = self.position
-                actions.append(SendTakeover(self.position, self.chunk_tokens))
+                actions.append(act.SendTakeover(self.position, self.chunk_tokens))
             return actions
         if self.phase is not MainPhase.DECODING:
             raise HandoffError(f"MD step in phase {self.phase.value}")
@@ -432,41 +307,26 @@ class MainHandoff:
             self.known += list(new_tokens)
             if not self._first_emitted:
                 self._first_emitted = True
-                actions.append(FirstMainToken(output_index))
-            actions.insert(0, EmitTokens(output_index, tuple(new_tokens)))
+                actions.append(act.FirstMainToken(output_index))
+            actions.insert(0, act.EmitTokens(output_index, tuple(new_tokens)))
         if finish_reason is not None:
             self.phase = MainPhase.DONE
-            actions.append(FinishRequest(finish_reason, len(self.known)))
+            actions.append(act.FinishRequest(finish_reason, len(self.known)))
         return actions
 
-    def cancel(self) -> list[Action]:
+    def cancel(self) -> list[act.HandoffAction]:
         """Router cancel, or RLD finished the request itself: drop it."""
         if self.phase is MainPhase.DONE:
             return []
         started = self.phase is not MainPhase.RECEIVING_KV
         self.phase = MainPhase.DONE
-        return [StopSequence()] if started else []
+        return [act.StopSequence()] if started else []
 
 
 __all__ = [
     "HandoffError",
-    "Action",
-    "EmitTokens",
-    "SendHandoff",
-    "StopSequence",
-    "FinishRequest",
-    "CancelPeer",
-    "HandoffStarted",
-    "StartSequence",
-    "SendTakeover",
-    "AppendTokens",
-    "SetChunk",
-    "ReleaseHold",
-    "HandoffEnded",
-    "FirstMainToken",
     "RelayPhase",
     "RelayHandoff",
     "MainPhase",
     "MainHandoff",
-    "HandoffAbandoned",
 ]

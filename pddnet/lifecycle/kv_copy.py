@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pddnet.lifecycle.decode_actions import SendKvReceived
+from pddnet.lifecycle.actions import SendKvReceived
 from pddnet.protocol import KvDone
 
 

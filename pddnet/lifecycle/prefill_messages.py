@@ -8,7 +8,7 @@ import dataclasses
 
 from pddnet.engine.sampling import TokenLogprob
 from pddnet.kv.pool import KVSpec
-from pddnet.lifecycle.prefill_actions import AskAllocation
+from pddnet.lifecycle.actions import AskAllocation
 from pddnet.lifecycle.sampling import kv_done_logprob, sampling_fields
 from pddnet.policy.pipeline import Pipeline
 from pddnet.policy.planner import Plan

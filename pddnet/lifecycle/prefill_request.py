@@ -16,7 +16,7 @@ exist, from the target's prefix hit on (positions below the hit are never sent).
 target follows its last range and the first token; P's blocks go back when every target holds
 its KV (RLD once its KV_DONE is out, MD on its KV_RECEIVED) or the request is over.
 
-Inputs are method calls, one per event; each returns the actions to run (prefill_actions.py), in
+Inputs are method calls, one per event; each returns the actions to run (actions.py), in
 order; the messages they ask for are built in prefill_messages.py. The shell
 (pddnet/roles/prefill.py) runs a target's actions in order, so a KV_DONE never overtakes a
 write. Times are passed in; nothing here reads a clock, a socket or the engine.
@@ -50,7 +50,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pddnet.lifecycle import prefill_actions as act
+from pddnet.lifecycle import actions as act
 from pddnet.policy.cache_view import Observation
 from pddnet.policy.pipeline import Pipeline
 from pddnet.policy.planner import Plan
@@ -155,11 +155,11 @@ class PrefillRequest:
 
     # -- events -------------------------------------------------------------------------------
 
-    def start(self) -> list[act.Action]:
+    def start(self) -> list[act.PrefillAction]:
         if self._started:
             raise IllegalTransition("start: the request was started already")
         self._started = True
-        out: list[act.Action] = [
+        out: list[act.PrefillAction] = [
             act.Count("submitted"),
             act.Count(f"pipeline_{self.pipeline.wire}"),
         ]
@@ -174,7 +174,7 @@ class PrefillRequest:
         now: float,
         seen: Observation | None = None,
         recheck: Plan | None = None,
-    ) -> list[act.Action]:
+    ) -> list[act.PrefillAction]:
         """``target`` reserved room for the request, ``hit_tokens`` of it cached already. For
         MD, ``seen`` is the planner's comparison of its prediction with MD's hit and
         ``recheck`` the new plan the hit calls for (planner.md_answered / recheck)."""
@@ -186,7 +186,7 @@ class PrefillRequest:
             return [act.AbortTarget(target, "request no longer active")]
         self._move(target, "allocated")
         t.hit = t.sent = hit_tokens
-        out: list[act.Action] = []
+        out: list[act.PrefillAction] = []
         if target == MAIN:
             # MD's hit fixes what will cross: queued ahead of later requests' KV until MD
             # acknowledges it (released once MD's copy is finished, dropped or over)
@@ -200,13 +200,13 @@ class PrefillRequest:
             out += self._main_answered(hit_tokens, seen, recheck)
         return out + self._settle_wan()
 
-    def allocation_unusable(self, target: str, why: str) -> list[act.Action]:
+    def allocation_unusable(self, target: str, why: str) -> list[act.PrefillAction]:
         """``target`` reserved blocks P cannot write into: give them back, then it is a
         refusal."""
         reason = f"unusable allocation: {why}"
         return [act.AbortTarget(target, reason)] + self.refused(target, reason)
 
-    def refused(self, target: str, error: str) -> list[act.Action]:
+    def refused(self, target: str, error: str) -> list[act.PrefillAction]:
         t = self._target(target)
         if self.over or t.state is D:  # a late answer: nothing was reserved, nothing to do
             if t.state is A:
@@ -216,7 +216,7 @@ class PrefillRequest:
             # RLD's admission said no (it is full): the request goes P->MD and waits for its
             # KV there instead of queueing behind RLD.
             self._move(target, "refused")
-            out: list[act.Action] = [
+            out: list[act.PrefillAction] = [
                 act.Count("relay_refused"),
                 act.Timeline("relay_refused", None, error[:256]),
             ]
@@ -234,7 +234,7 @@ class PrefillRequest:
         out = [act.FailRequest("kv_alloc_refused", f"{target} refused: {error}")]
         return out + self._end(f"{target} refused the request")
 
-    def computed(self, num_computed: int) -> list[act.Action]:
+    def computed(self, num_computed: int) -> list[act.PrefillAction]:
         if self.over:
             return []
         if num_computed < self.num_computed or num_computed > self.num_tokens:
@@ -244,7 +244,7 @@ class PrefillRequest:
         self.num_computed = num_computed
         return self._pump()
 
-    def first_token_sampled(self, token: int) -> list[act.Action]:
+    def first_token_sampled(self, token: int) -> list[act.PrefillAction]:
         if self.over:
             return []
         if self.num_computed != self.num_tokens:
@@ -260,7 +260,7 @@ class PrefillRequest:
         if target == MAIN:
             self.wan_bytes += num_bytes
 
-    def kv_done_out(self, target: str, num_bytes: int) -> list[act.Action]:
+    def kv_done_out(self, target: str, num_bytes: int) -> list[act.PrefillAction]:
         """The shell posted ``target``'s KV_DONE (``num_bytes`` of KV went there)."""
         if self.over:
             raise IllegalTransition(f"kv_done_out({target}): the request is over")
@@ -277,9 +277,9 @@ class PrefillRequest:
             [act.Timeline("rld_kv_sent", num_bytes)] + self._release_if_done() + self._settle_wan()
         )
 
-    def kv_received(self, num_bytes: int, now: float) -> list[act.Action]:
+    def kv_received(self, num_bytes: int, now: float) -> list[act.PrefillAction]:
         """MD acknowledged the request's KV (KV_RECEIVED)."""
-        out: list[act.Action] = []
+        out: list[act.PrefillAction] = []
         if self._wan_started is not None:
             # The goodput sample is P's delivery rate: the KV's bytes over the time from MD's
             # answer to MD's acknowledgement, what the direct-budget test predicts (the line's
@@ -294,7 +294,7 @@ class PrefillRequest:
             out += [act.Timeline("wan_kv_acked", num_bytes)] + self._release_if_done()
         return out + self._settle_wan()
 
-    def transfer_failed(self, target: str, why: str) -> list[act.Action]:
+    def transfer_failed(self, target: str, why: str) -> list[act.PrefillAction]:
         """A write to ``target`` failed: the receiver is dead, hung, or refused it."""
         if self.over or self._target(target).state in (F, D):
             return []  # a target left out (or done) no longer matters
@@ -304,19 +304,19 @@ class PrefillRequest:
         # the router replays it by token ids on the other decode tier, or fails it
         return self.fail(f"{target}_lost", why)
 
-    def peer_lost(self, target: str, why: str) -> list[act.Action]:
+    def peer_lost(self, target: str, why: str) -> list[act.PrefillAction]:
         """``target``'s control connection closed."""
         t = self._t.get(target)
         if t is None or t.state in (F, D) or self.over:
             return []
-        out: list[act.Action] = [act.StopWrites(target, why)]
+        out: list[act.PrefillAction] = [act.StopWrites(target, why)]
         if self._relay_can_continue_without(target):
             # RLD is the fallback: it decodes the request to its end (it sees MD gone too).
             out += [act.Count("main_lost_relay_continues")]
             return out + self._change_pipeline(Pipeline.RLD_ONLY, why) + self._drop(MAIN, "")
         return out + self.fail(f"{target}_lost", why)
 
-    def cancel(self, reason: str, by: str = "router") -> list[act.Action]:
+    def cancel(self, reason: str, by: str = "router") -> list[act.PrefillAction]:
         """CANCEL from the router, or KV_ABORT from a decode tier (``by``)."""
         if self.over:
             return []
@@ -336,25 +336,25 @@ class PrefillRequest:
             ]
         return out + [act.Count("cancelled")] + self._end(reason)
 
-    def fail(self, code: str, message: str) -> list[act.Action]:
+    def fail(self, code: str, message: str) -> list[act.PrefillAction]:
         if self.over:
             return []
         return [act.FailRequest(code, message)] + self._end(message)
 
-    def engine_failed(self, reason: str) -> list[act.Action]:
+    def engine_failed(self, reason: str) -> list[act.PrefillAction]:
         """P's engine failed: a request still prefilling fails (a prefilled one only keeps
         its blocks, and ships on)."""
         return [] if self.prefilled else self.fail("engine_failed", reason)
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _ask(self, target: str) -> list[act.Action]:
+    def _ask(self, target: str) -> list[act.PrefillAction]:
         self._move(target, "ask")
         plan = self.plan
         hit = plan.prediction.hit_tokens if plan is not None and target == MAIN else 0
         return [act.AskAllocation(target, self.pipeline, hit)]
 
-    def _relay_admitted(self) -> list[act.Action]:
+    def _relay_admitted(self) -> list[act.PrefillAction]:
         """RLD admitted the request: MD now hears of it (P->RLD->MD), or never (P->RLD)."""
         if MAIN not in self._t or self._t[MAIN].state is not W:
             return []
@@ -365,10 +365,10 @@ class PrefillRequest:
 
     def _main_answered(
         self, hit_tokens: int, seen: Observation | None, recheck: Plan | None
-    ) -> list[act.Action]:
+    ) -> list[act.PrefillAction]:
         """MD's hit is authoritative: the planner repaired P's view and rechecked the
         pipeline with it."""
-        out: list[act.Action] = [
+        out: list[act.PrefillAction] = [
             act.Timeline("prefix_hit_tokens", hit_tokens)
         ]  # KV below stays home
         if seen is not None and seen.wrong:
@@ -398,14 +398,14 @@ class PrefillRequest:
             and relay.state in (S, Q, F)
         )
 
-    def _change_pipeline(self, pipeline: Pipeline, reason: str) -> list[act.Action]:
+    def _change_pipeline(self, pipeline: Pipeline, reason: str) -> list[act.PrefillAction]:
         old, self.pipeline = self.pipeline, pipeline
         return [
             act.Count(f"pipeline_{old.wire}_to_{pipeline.wire}"),
             act.ReportPipelineChange(pipeline, reason),
         ]
 
-    def _drop(self, target: str, reason: str) -> list[act.Action]:
+    def _drop(self, target: str, reason: str) -> list[act.PrefillAction]:
         """Leave ``target`` out from now on. One that had reserved blocks is told to free them
         (when there is a ``reason``); the others go on."""
         t = self._target(target)
@@ -413,30 +413,32 @@ class PrefillRequest:
             return []
         reserved = t.state in (S, Q)
         self._move(target, "drop")
-        out: list[act.Action] = [act.AbortTarget(target, reason)] if reserved and reason else []
+        out: list[act.PrefillAction] = (
+            [act.AbortTarget(target, reason)] if reserved and reason else []
+        )
         if all(x.state is D for x in self._t.values()):  # nobody is left to serve it
             fail = act.FailRequest("no_target", f"{target} dropped: {reason}")
             return out + [fail] + self._end(reason, abort=False)
         return out + self._pump() + self._release_if_done() + self._settle_wan()
 
-    def _end(self, reason: str, abort: bool = True) -> list[act.Action]:
+    def _end(self, reason: str, abort: bool = True) -> list[act.PrefillAction]:
         """The request is over before it shipped: every target still holding (or about to
         hold) something for it frees it, and so does P."""
         self.over = True
-        out: list[act.Action] = [
+        out: list[act.PrefillAction] = [
             act.AbortTarget(name, reason)
             for name, t in self._t.items()
             if abort and t.state not in (F, D)
         ]
         return out + [act.ReleaseBlocks()] + self._settle_wan()
 
-    def _release_if_done(self) -> list[act.Action]:
+    def _release_if_done(self) -> list[act.PrefillAction]:
         if not self.over and self.shipped:
             self.over = True
             return [act.ReleaseBlocks()]
         return []
 
-    def _settle_wan(self) -> list[act.Action]:
+    def _settle_wan(self) -> list[act.PrefillAction]:
         """Once nothing more of the request's KV will cross to MD (MD acknowledged it, MD was
         dropped or refused, the request was cancelled or failed), its bytes leave P's WAN
         backlog."""
@@ -446,10 +448,10 @@ class PrefillRequest:
             return [act.ReleaseWan()]
         return []
 
-    def _pump(self) -> list[act.Action]:
+    def _pump(self) -> list[act.PrefillAction]:
         if self.over:
             return []
-        out: list[act.Action] = []
+        out: list[act.PrefillAction] = []
         for name, t in self._t.items():
             if t.state is not S:
                 continue

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pddnet.engine.engine import StepOutput
 from pddnet.engine.sampling import TokenLogprob
-from pddnet.lifecycle.decode_actions import DecodeAction
+from pddnet.lifecycle.actions import DecodeAction, EmitTokens, FinishRequest, StopSequence
 from pddnet.lifecycle.decode_tokens import step_end_reasons
-from pddnet.lifecycle.handoff import EmitTokens, FinishRequest, StopSequence
 
 
 class ReplayRequest:

@@ -3,7 +3,8 @@
 One `RouterRequest` per choice of an HTTP request. Inputs: the daemons' messages about it
 (`receive`), a lost daemon (`peer_lost`), the stall clock (`stalled`), the request timeout
 (`time_out`); each takes the router's clock (`now`) and the connected daemons (`up`). Outputs:
-actions for the shell (pddnet/roles/router.py): `Replay`, `CancelAll`, `TokenGaps`, `Stalled`.
+actions for the shell (pddnet/roles/router.py, the actions in actions.py): `Replay`, `CancelAll`,
+`TokenGaps`, `Stalled`.
 Tokens are assembled by a `StreamAssembler`, the text (stop strings) by a `ChoiceText`, the `pdd`
 object's figures by `Served`.
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from pddnet.api.responses import LogprobEntry
 from pddnet.api.types import CompletionRequest
+from pddnet.lifecycle.actions import CancelAll, Replay, RouterAction, Stalled, TokenGaps
 from pddnet.lifecycle.assembler import StreamAssembler
 from pddnet.lifecycle.choice_text import ChoiceText
 from pddnet.lifecycle.pdd_object import Event, Pdd, RouterFacts, Served, build_pdd
@@ -54,41 +56,6 @@ CARRIER_MOVES: dict[str, CarrierMove] = {
     "handoff_start": CarrierMove(None, md_too=True),
     "handoff_end": CarrierMove("main_decode"),
 }
-
-
-@dataclass(frozen=True)
-class Replay:
-    """Send `submit` (by token ids) to `target`; if that fails, call `replay_failed`."""
-
-    target: str
-    submit: m.Submit
-    lost: str
-    why: str
-
-
-@dataclass(frozen=True)
-class CancelAll:
-    """Send CANCEL for the request to every daemon."""
-
-    request_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class TokenGaps:
-    """Tokens went to the client: the gaps since the previous release (modelled seconds)."""
-
-    gaps: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Stalled:
-    """The stall timer fired for the request (the last resort: counted, expected never)."""
-
-    why: str
-
-
-Action = Replay | CancelAll | TokenGaps | Stalled
 
 
 class RouterRequest:
@@ -167,9 +134,11 @@ class RouterRequest:
 
     # -- inputs ------------------------------------------------------------------------------------
 
-    def receive(self, msg: m.Message, sender: str, now: float, up: Container[str]) -> list[Action]:
+    def receive(
+        self, msg: m.Message, sender: str, now: float, up: Container[str]
+    ) -> list[RouterAction]:
         """A message about this request from the daemon `sender` (its events lane)."""
-        out: list[Action] = []
+        out: list[RouterAction] = []
         if isinstance(msg, m.TokenEvent):
             self._on_tokens(msg, now, out)
         elif isinstance(msg, m.RequestDone):
@@ -198,15 +167,15 @@ class RouterRequest:
         self.last_change = now
         return out
 
-    def peer_lost(self, role: str, why: str, now: float, up: Container[str]) -> list[Action]:
+    def peer_lost(self, role: str, why: str, now: float, up: Container[str]) -> list[RouterAction]:
         """The events lane to `role` is gone (dead, hung past the heartbeat deadline, cut off):
         replay the request elsewhere if `role` carried it, else fail it."""
-        out: list[Action] = []
+        out: list[RouterAction] = []
         if not self.finished and role in self.carriers():
             self._replay_or_fail(role, f"lost the connection to {role}: {why}", now, up, out)
         return out
 
-    def stalled(self, now: float, stall_s: float, up: Container[str]) -> list[Action]:
+    def stalled(self, now: float, stall_s: float, up: Container[str]) -> list[RouterAction]:
         """The stall clock: nothing said about the request for `stall_s`. Replayed by token ids
         (once), elsewhere than its silent carrier if possible, else wherever is live."""
         if self.finished or now - self.last_change < stall_s:
@@ -215,7 +184,7 @@ class RouterRequest:
         if self.replays:
             return []
         why = f"no progress for {stall_s:g} s (last carried by {self.owner})"
-        out: list[Action] = [Stalled(why)]
+        out: list[RouterAction] = [Stalled(why)]
         if not self._replay(self.owner, why, now, up, out):
             self._replay("none", why, now, up, out)
         return out
@@ -282,7 +251,7 @@ class RouterRequest:
     def _event(self, event: str, t: float, producer: str, detail: Any = None) -> None:
         self.timeline.append(Event(event, t, producer, detail))
 
-    def _on_tokens(self, msg: m.TokenEvent, now: float, out: list[Action]) -> None:
+    def _on_tokens(self, msg: m.TokenEvent, now: float, out: list[RouterAction]) -> None:
         if self.replay_target is None or msg.producer == self.replay_target:
             self.owner = msg.producer
         if msg.logprobs:
@@ -312,7 +281,7 @@ class RouterRequest:
             self.error_code = "stream_inconsistent"
 
     def _text_released(
-        self, start: int, token_ids: list[int], now: float, out: list[Action]
+        self, start: int, token_ids: list[int], now: float, out: list[RouterAction]
     ) -> None:
         """Tokens released in order: their text. A stop string ends the choice here, at the
         token that completed it; the daemons, which do not know stop strings, are told to stop
@@ -327,7 +296,7 @@ class RouterRequest:
         out.append(self.cancel_all("stop string"))
 
     def _on_timeline(
-        self, msg: m.Timeline, sender: str, now: float, up: Container[str], out: list[Action]
+        self, msg: m.Timeline, sender: str, now: float, up: Container[str], out: list[RouterAction]
     ) -> None:
         number, label = msg.detail_int, msg.detail_str
         detail: Any = (
@@ -351,7 +320,7 @@ class RouterRequest:
         self.md_carries = self.md_carries or move.md_too
 
     def _replay_if_a_new_carrier_is_gone(
-        self, new: set[str], event: str, now: float, up: Container[str], out: list[Action]
+        self, new: set[str], event: str, now: float, up: Container[str], out: list[RouterAction]
     ) -> None:
         """The request just gained carriers (`new`): one whose loss reached us before this news
         was not replayed then; replay now, not at the stall timer."""
@@ -361,13 +330,13 @@ class RouterRequest:
             self._replay_or_fail(gone[0], why, now, up, out)
 
     def _replay_or_fail(
-        self, lost: str, why: str, now: float, up: Container[str], out: list[Action]
+        self, lost: str, why: str, now: float, up: Container[str], out: list[RouterAction]
     ) -> None:
         if not self._replay(lost, why, now, up, out):
             self.fail("router", f"{lost}_lost", why)
 
     def _replay(
-        self, lost: str, why: str, now: float, up: Container[str], out: list[Action]
+        self, lost: str, why: str, now: float, up: Container[str], out: list[RouterAction]
     ) -> bool:
         """Replay the request by token ids on a live decode tier other than `lost`: prompt +
         the tokens the client already has, recomputed there by one prefill, decoding on from

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pddnet.lifecycle.decode_actions import ArmTimer, CancelParked, DecodeAction
+from pddnet.lifecycle.actions import ArmTimer, CancelParked, DecodeAction
 from pddnet.protocol import Takeover
 
 

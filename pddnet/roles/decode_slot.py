@@ -10,13 +10,13 @@ from typing import Any, Protocol
 
 from pddnet.engine.engine import Engine, KVReservation
 from pddnet.engine.sequence import FinishReason
-from pddnet.lifecycle.decode_request import DecodeRequest
-from pddnet.lifecycle.handoff import (
+from pddnet.lifecycle.actions import (
     AppendTokens,
     SequenceEdit,
     SetChunk,
     StartSequence,
 )
+from pddnet.lifecycle.decode_request import DecodeRequest
 
 from .ordering import Serial
 from .outbox import Outbox

@@ -14,8 +14,7 @@ from typing import Any
 
 from pddnet.config import ClusterConfig
 from pddnet.engine.engine import KVReservation, StepOutput
-from pddnet.lifecycle import decode_actions as act
-from pddnet.lifecycle import handoff as ho
+from pddnet.lifecycle import actions as act
 from pddnet.lifecycle.decode_messages import handoff, kv_received, takeover
 from pddnet.lifecycle.decode_request import DecodeRequest, Role
 from pddnet.lifecycle.decode_tokens import step_end_reasons
@@ -177,18 +176,18 @@ class DecodeTier(KvReceiver):
         peer = self.decode_peer
         done: RequestDone | None = None
         for a in actions:
-            if isinstance(a, ho.SequenceEdit):
+            if isinstance(a, act.SequenceEdit):
                 slot.edits.append(a)
                 continue
             slot.queue_edits(self)
-            if isinstance(a, ho.EmitTokens):
+            if isinstance(a, act.EmitTokens):
                 self.emit_tokens(rid, a.index, a.token_ids, m.take_logprobs(a))
-            elif isinstance(a, ho.StartSequence):
+            elif isinstance(a, act.StartSequence):
                 slot.started = True  # before the call: the engine may step (and fail) first
                 slot.serial.submit(lambda a=a: slot.start(self, a))
-            elif isinstance(a, ho.StopSequence):
+            elif isinstance(a, act.StopSequence):
                 self._stop(slot)
-            elif isinstance(a, ho.FinishRequest):
+            elif isinstance(a, act.FinishRequest):
                 self.counters["finished_here"] += 1
                 done = self.request_done(rid, a.reason, m.alloc.num_tokens, a.num_output_tokens)
             elif isinstance(a, act.ForwardDone):
@@ -203,7 +202,7 @@ class DecodeTier(KvReceiver):
                 slot.p_conn.post(kv_received(rid, a))
             elif isinstance(a, act.SendKvAbort):
                 slot.p_conn.post(KvAbort(request_id=rid, reason=a.reason))
-            elif isinstance(a, ho.CancelPeer):
+            elif isinstance(a, act.CancelPeer):
                 if peer is not None:
                     peer.post(Cancel(request_id=rid, reason=a.reason))
             elif isinstance(a, act.Failed):
@@ -212,24 +211,24 @@ class DecodeTier(KvReceiver):
                     self.error(rid, a.code, a.reason)
                 else:
                     self.timeline(rid, "md_dropped", None, a.reason[:128])
-            elif isinstance(a, ho.SendHandoff):
+            elif isinstance(a, act.SendHandoff):
                 assert peer is not None
                 peer.post(handoff(rid, a))
                 if a.final:
                     self.counters["handed_off"] += 1
-            elif isinstance(a, ho.SendTakeover):
+            elif isinstance(a, act.SendTakeover):
                 if peer is None or not peer.alive:
                     self.apply(slot, m.abort("no relay connected to hand over from"))
                     return
                 peer.post(takeover(rid, a))
-            elif isinstance(a, ho.HandoffStarted):
+            elif isinstance(a, act.HandoffStarted):
                 self.timeline(rid, "handoff_start", a.backlog_tokens, a.mode)
-            elif isinstance(a, ho.HandoffAbandoned):
+            elif isinstance(a, act.HandoffAbandoned):
                 self.counters["handoffs_abandoned"] += 1
                 self.timeline(rid, "handoff_abandoned", None, a.reason[:128])
-            elif isinstance(a, ho.FirstMainToken):
+            elif isinstance(a, act.FirstMainToken):
                 self.timeline(rid, "first_md_token", a.index)
-            elif isinstance(a, ho.HandoffEnded):
+            elif isinstance(a, act.HandoffEnded):
                 self.counters["handoffs"] += 1
                 self.handoff_ended(a.mode)
                 self.timeline(rid, "handoff_end", m.handoff_bytes, a.mode)

@@ -31,7 +31,7 @@ from typing import Any
 
 from pddnet.config import ClusterConfig
 from pddnet.engine.engine import KVReservation, StepOutput
-from pddnet.lifecycle.decode_actions import ImportChunk
+from pddnet.lifecycle.actions import ImportChunk
 from pddnet.lifecycle.decode_request import DecodeRequest, Phase, Role
 from pddnet.protocol import Handoff, KvAllocRequest, KvChunk, Message, encode_bytes
 from pddnet.transport import Connection

@@ -17,7 +17,7 @@ from typing import Any
 
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
-from pddnet.lifecycle import prefill_actions as pa
+from pddnet.lifecycle import actions as act
 from pddnet.lifecycle.prefill_messages import (
     kv_alloc_request,
     pipeline_change,
@@ -202,41 +202,41 @@ class PrefillDaemon(Daemon):
 
     # -- actions out -------------------------------------------------------------------------------
 
-    def run(self, req: PrefillSlot, actions: list[pa.Action]) -> None:
+    def run(self, req: PrefillSlot, actions: list[act.PrefillAction]) -> None:
         """Carry out a request's actions, in order (a target's on its own Serial)."""
         rid = req.submit.request_id
         for a in actions:
-            if isinstance(a, pa.Timeline):
+            if isinstance(a, act.Timeline):
                 self.timeline(rid, a.event, a.value, a.detail)
-            elif isinstance(a, pa.Count):
+            elif isinstance(a, act.Count):
                 self.counters[a.name] += 1
-            elif isinstance(a, pa.Transfer):
+            elif isinstance(a, act.Transfer):
                 req.serial[a.target].submit(lambda a=a: self._transfer(req, a))
-            elif isinstance(a, pa.SendKvDone):
+            elif isinstance(a, act.SendKvDone):
                 req.serial[a.target].submit(lambda a=a: req.send_kv_done(self, a))
-            elif isinstance(a, pa.AbortTarget):
+            elif isinstance(a, act.AbortTarget):
                 box, msg = self.control[a.target], KvAbort(request_id=rid, reason=a.reason[:4096])
                 self.kv.abort_then(req.kv, a.target, a.reason, lambda b=box, m=msg: b.post(m))
-            elif isinstance(a, pa.StopWrites):
+            elif isinstance(a, act.StopWrites):
                 self.kv.stop(req.kv, a.target, a.reason)
-            elif isinstance(a, pa.ReleaseBlocks):
+            elif isinstance(a, act.ReleaseBlocks):
                 req.serial["engine"].submit(lambda: self._release(req))
-            elif isinstance(a, pa.FailRequest):
+            elif isinstance(a, act.FailRequest):
                 self.counters["failed"] += 1
                 self.error(rid, a.code, a.message)
-            elif isinstance(a, pa.AskAllocation):
+            elif isinstance(a, act.AskAllocation):
                 alloc = kv_alloc_request(req.submit, req.machine.num_tokens, self.engine.spec, a)
                 self.control[a.target].post(alloc)
-            elif isinstance(a, pa.StartPrefill):
+            elif isinstance(a, act.StartPrefill):
                 req.serial["engine"].submit(lambda: req.start_prefill(self))
-            elif isinstance(a, pa.ReportPipelineChoice):
+            elif isinstance(a, act.ReportPipelineChoice):
                 self.to_router(pipeline_choice(rid, a.plan, now()))
-            elif isinstance(a, pa.ReportPipelineChange):
+            elif isinstance(a, act.ReportPipelineChange):
                 self.to_router(pipeline_change(rid, a.pipeline, a.reason, now()))
             elif isinstance(a, FED) and self.planner is not None:  # WAN backlog, goodput
                 feed(self.planner, rid, a)
 
-    async def _transfer(self, req: PrefillSlot, a: pa.Transfer) -> None:
+    async def _transfer(self, req: PrefillSlot, a: act.Transfer) -> None:
         self.run(req, await self.kv.ship(req.kv, req.machine, a, self.engine))
 
     async def _release(self, req: PrefillSlot) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pddnet.config import ClusterConfig, ClusterMode
-from pddnet.lifecycle.prefill_actions import CommitWan, ObserveWanTransfer, ReleaseWan
+from pddnet.lifecycle.actions import CommitWan, ObserveWanTransfer, ReleaseWan
 from pddnet.lifecycle.prefill_request import MAIN, RELAY, PrefillRequest
 from pddnet.policy.cache_view import Observation
 from pddnet.policy.pipeline import Pipeline, PipelinePolicy

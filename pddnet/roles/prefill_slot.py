@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from pddnet.engine.engine import Engine
 from pddnet.engine.sampling import TokenLogprob
-from pddnet.lifecycle.prefill_actions import Action, SendKvDone
+from pddnet.lifecycle.actions import PrefillAction, SendKvDone
 from pddnet.lifecycle.prefill_messages import kv_done
 from pddnet.lifecycle.prefill_request import PrefillRequest, TargetState
 from pddnet.protocol import Submit
@@ -33,7 +33,7 @@ class PrefillHost(Protocol):
     def timeline(
         self, rid: str, event: str, detail_int: int | None = None, detail_str: str = ""
     ) -> None: ...
-    def run(self, req: PrefillSlot, actions: list[Action]) -> None: ...
+    def run(self, req: PrefillSlot, actions: list[PrefillAction]) -> None: ...
 
 
 @dataclass

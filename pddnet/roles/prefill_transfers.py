@@ -21,7 +21,7 @@ from typing import Any
 
 from pddnet.engine.engine import Engine
 from pddnet.kv.transfer import ExportedKV, export_kv
-from pddnet.lifecycle.prefill_actions import Action, Timeline, Transfer
+from pddnet.lifecycle.actions import PrefillAction, Timeline, Transfer
 from pddnet.lifecycle.prefill_request import PrefillRequest, TargetState
 from pddnet.protocol import KvAllocResponse
 from pddnet.transport import Connection
@@ -122,7 +122,7 @@ class PrefillTransfers:
 
     async def ship(
         self, kv: RequestKV, m: PrefillRequest, a: Transfer, engine: Engine
-    ) -> list[Action]:
+    ) -> list[PrefillAction]:
         """Run the machine's Transfer: positions [a.start, a.end) to ``a.target``, unless the
         request is over or the target was left out meanwhile (it was told KV_ABORT). Gives the
         actions to run next (the timeline of the transport used; a failure's fallback)."""
@@ -130,7 +130,7 @@ class PrefillTransfers:
         def wanted() -> bool:
             return not m.over and m.state(a.target) in LIVE
 
-        out: list[Action] = []
+        out: list[PrefillAction] = []
         try:
             xfer = kv.xfers.get(a.target)
             if xfer is None:

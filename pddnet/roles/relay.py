@@ -33,7 +33,7 @@ from typing import Any
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.engine.engine import StepOutput
 from pddnet.kv.shm import segment_name
-from pddnet.lifecycle.decode_actions import ArmTimer, CancelParked, DecodeAction
+from pddnet.lifecycle.actions import ArmTimer, CancelParked, DecodeAction
 from pddnet.lifecycle.decode_request import DecodeRequest, Role
 from pddnet.lifecycle.takeover_hold import TakeoverHold
 from pddnet.policy.admission import RelayAdmission

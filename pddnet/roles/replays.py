@@ -8,7 +8,7 @@ prefill/extend and decodes on; what to emit and when it ends is ReplayRequest's.
 from __future__ import annotations
 
 from pddnet.engine.engine import StepOutput
-from pddnet.lifecycle.handoff import EmitTokens, FinishRequest, StopSequence
+from pddnet.lifecycle.actions import EmitTokens, FinishRequest, StopSequence
 from pddnet.lifecycle.replay_request import ReplayRequest
 from pddnet.protocol import Submit
 

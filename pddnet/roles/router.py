@@ -26,17 +26,11 @@ from typing import Any
 from pddnet.api.types import CompletionRequest
 from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.device.dilation import real_kv_bytes_per_token, wallclock
+from pddnet.lifecycle.actions import CancelAll, Replay, RouterAction, Stalled, TokenGaps
 from pddnet.lifecycle.assembler import StreamAssembler
 from pddnet.lifecycle.choice_text import ChoiceText
 from pddnet.lifecycle.pdd_object import RouterFacts
-from pddnet.lifecycle.router_request import (
-    Action,
-    CancelAll,
-    Replay,
-    RouterRequest,
-    Stalled,
-    TokenGaps,
-)
+from pddnet.lifecycle.router_request import RouterRequest
 from pddnet.obs.metrics import RouterMetrics
 from pddnet.protocol import messages as m
 from pddnet.roles.event_lanes import EventLanes
@@ -181,7 +175,7 @@ class Router:
             if actions:
                 self._spawn(self.apply(state, actions), f"replay {state.request_id}")
 
-    async def apply(self, state: RouterRequest, actions: list[Action]) -> None:
+    async def apply(self, state: RouterRequest, actions: list[RouterAction]) -> None:
         """Carry out a machine's actions, then wake whoever waits for the request."""
         for action in actions:
             if isinstance(action, Replay):

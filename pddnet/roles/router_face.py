@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from pddnet.api.types import CompletionRequest, ModelInfo
     from pddnet.config import ClusterConfig
-    from pddnet.lifecycle.router_request import Action, RouterRequest
+    from pddnet.lifecycle.actions import RouterAction
+    from pddnet.lifecycle.router_request import RouterRequest
     from pddnet.model.tokenizer import Tokenizer
     from pddnet.obs.metrics import RouterMetrics
     from pddnet.roles.event_lanes import EventLanes
@@ -42,7 +43,7 @@ class RouterFace(Protocol):
 
     async def submit(self, state: RouterRequest) -> None: ...
 
-    async def apply(self, state: RouterRequest, actions: list[Action]) -> None: ...
+    async def apply(self, state: RouterRequest, actions: list[RouterAction]) -> None: ...
 
     async def cancel(self, state: RouterRequest, reason: str) -> None: ...
 
