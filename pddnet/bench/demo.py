@@ -30,6 +30,7 @@ from pddnet.bench import metrics
 from pddnet.bench.plots import cdf_plot, stacked_bars
 from pddnet.bench.results import add_run_arguments, run_config, write_result
 from pddnet.device import flags as device_flags
+from pddnet.model.cli import add_model_argument
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
 from pddnet.workload.poisson import poisson_long_prompts
 
@@ -398,7 +399,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pddnet.bench import ttft
 
     p.add_argument("--quick", action="store_true", help="tiny model, a handful of requests")
-    p.add_argument("--model", default="small")
+    add_model_argument(p, default="small")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     # outputs long next to their KV's crossing time, so that pdd's pipeline policy sends the
     # long prompts P->RLD->MD and RLD is still decoding when MD's copy lands: they hand off

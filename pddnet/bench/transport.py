@@ -43,6 +43,7 @@ from pddnet.bench.progress import progress
 from pddnet.bench.results import add_run_arguments, closing, run_config, write_result
 from pddnet.bench.ttft import add_wan_arguments
 from pddnet.device import flags as device_flags
+from pddnet.model.cli import add_model_argument
 
 # -- 1. shared memory -----------------------------------------------------------------------
 
@@ -440,7 +441,7 @@ def print_table(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, short runs (smoke test)")
-    p.add_argument("--model", default="small")
+    add_model_argument(p, default="small")
     p.add_argument("--shm-tokens", type=int, default=2048, help="KV tokens per shm write")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument(
