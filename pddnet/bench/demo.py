@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from pddnet.bench import metrics
+from pddnet.bench.options import add_long_prompt_arguments, add_run_arguments, add_wan_arguments
 from pddnet.bench.plots import cdf_plot, stacked_bars
-from pddnet.bench.results import add_run_arguments, run_config, write_result
+from pddnet.bench.results import run_config, write_result
 from pddnet.device import flags as device_flags
 from pddnet.model.cli import add_model_argument
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
@@ -396,19 +397,15 @@ def print_table(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pddnet.bench import ttft
-
     p.add_argument("--quick", action="store_true", help="tiny model, a handful of requests")
     add_model_argument(p, default="small")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     # outputs long next to their KV's crossing time, so that pdd's pipeline policy sends the
     # long prompts P->RLD->MD and RLD is still decoding when MD's copy lands: they hand off
-    ttft.add_long_prompt_arguments(
-        p, requests=8, rate=0.8, prompt_len=(192, 448), max_tokens=(64, 128)
-    )
+    add_long_prompt_arguments(p, requests=8, rate=0.8, prompt_len=(192, 448), max_tokens=(64, 128))
     p.add_argument("--conversations", type=int, default=1, help="agent conversations per mode")
     metrics.add_arguments(p)
-    ttft.add_wan_arguments(p, wan="auto")
+    add_wan_arguments(p, wan="auto")
     add_run_arguments(
         p, threads="torch threads per daemon", out_help="the demo writes into OUT/demo/<timestamp>/"
     )

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from pddnet.bench import metrics
-from pddnet.bench.results import add_run_arguments, percentile, write_result
-from pddnet.bench.ttft import add_wan_arguments
+from pddnet.bench.options import add_run_arguments, add_wan_arguments
+from pddnet.bench.results import percentile, write_result
 from pddnet.device import flags as device_flags
 from pddnet.kv.hit_histogram import HIT_INTERVAL_LABELS, hit_interval
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload

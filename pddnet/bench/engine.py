@@ -32,9 +32,10 @@ import statistics
 import time
 from typing import Any
 
+from pddnet.bench.options import add_run_arguments
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import add_run_arguments, announce, run_config, write_result
+from pddnet.bench.results import announce, run_config, write_result
 
 PATHS = ("gather", "paged")
 GIB = 2**30

@@ -65,8 +65,9 @@ from pddnet.bench.handoff_setup import (
     prepare_prompt,
 )
 from pddnet.bench.handoff_summary import headline, plot, print_table, summarise
+from pddnet.bench.options import add_run_arguments
 from pddnet.bench.progress import progress
-from pddnet.bench.results import add_run_arguments, announce, run_config, write_result
+from pddnet.bench.results import announce, run_config, write_result
 
 # -- options --------------------------------------------------------------------------------------
 

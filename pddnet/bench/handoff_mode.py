@@ -42,10 +42,10 @@ from pddnet.bench.devices import (
     setup_devices,
 )
 from pddnet.bench.drive import warm_up
+from pddnet.bench.options import add_run_arguments, add_wan_arguments
 from pddnet.bench.plots import panels_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import add_run_arguments, closing, run_config, write_result
-from pddnet.bench.ttft import add_wan_arguments
+from pddnet.bench.results import closing, run_config, write_result
 from pddnet.device import flags as device_flags
 from pddnet.model.cli import add_model_argument
 

@@ -1,5 +1,5 @@
 """Writing benchmark results: one JSON per run with the configuration and the machine inside,
-the options every benchmark takes for it, and the lines a run ends with (where it wrote)."""
+and the lines a run ends with (where it wrote)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,12 @@ import math
 import os
 import platform
 import time
-from argparse import ArgumentParser, Namespace
+from argparse import Namespace
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pddnet.bench.devices import print_validity
-
-
-def add_run_arguments(
-    p: ArgumentParser, threads: str | None = None, out_help: str = "folder for results/<bench>/..."
-) -> None:
-    """The options every benchmark takes: its seed, where it writes, whether it shows progress;
-    with `threads` (that option's help) also the torch threads it runs with."""
-    if threads is not None:
-        p.add_argument("--threads", type=int, default=1, help=threads)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--out", default="results", help=out_help)
 
 
 def machine_info() -> dict[str, Any]:

@@ -38,10 +38,10 @@ from pddnet.bench.devices import (
 from pddnet.bench.drive import warm_up
 from pddnet.bench.metrics import DEFAULT_PERCENTILES, serving_metrics
 from pddnet.bench.metrics import add_arguments as add_metric_arguments
+from pddnet.bench.options import add_run_arguments, add_wan_arguments
 from pddnet.bench.plots import grouped_bars
 from pddnet.bench.progress import progress
-from pddnet.bench.results import add_run_arguments, closing, run_config, write_result
-from pddnet.bench.ttft import add_wan_arguments
+from pddnet.bench.results import closing, run_config, write_result
 from pddnet.device import flags as device_flags
 from pddnet.model.cli import add_model_argument
 

@@ -35,9 +35,10 @@ from pddnet.bench.devices import (
     setup_devices,
 )
 from pddnet.bench.drive import drive, warm_up
+from pddnet.bench.options import add_long_prompt_arguments, add_run_arguments, add_wan_arguments
 from pddnet.bench.plots import cdf_plot
 from pddnet.bench.progress import progress
-from pddnet.bench.results import add_run_arguments, run_config, write_result
+from pddnet.bench.results import run_config, write_result
 from pddnet.device import flags as device_flags
 from pddnet.model.cli import add_model_argument
 from pddnet.workload.agent import AgentWorkloadParams, generate_agent_workload
@@ -250,40 +251,6 @@ async def run_mode(
             out["stats"][role] = await cluster.stats(role)
     out["devices"] = device_reports({mode: out["stats"]})[mode]
     return out
-
-
-def add_wan_arguments(
-    p: argparse.ArgumentParser, wan: str, rtt_ms: float = 30.0, shaped: bool = True
-) -> None:
-    """The emulated WAN of a cluster benchmark's clusters: its shell and round trip; `shaped`:
-    also the jitter and the rate (this benchmark and `pdd demo`; the others set their own)."""
-    p.add_argument("--rtt-ms", type=float, default=rtt_ms)
-    if shaped:
-        p.add_argument("--jitter-ms", type=float, default=2.0)
-        p.add_argument(
-            "--bw-mbit",
-            type=float,
-            default=None,
-            help="WAN rate per direction, in the modelled world when devices are "
-            "emulated (default 100; --quick: 4)",
-        )
-    p.add_argument("--wan", default=wan, choices=("auto", "kernel", "packet", "proxy"))
-
-
-def add_long_prompt_arguments(
-    p: argparse.ArgumentParser,
-    requests: int,
-    rate: float,
-    prompt_len: tuple[int, int],
-    max_tokens: tuple[int, int],
-) -> None:
-    """The long-prompt Poisson workload of a mode (`pdd demo` drives it too); the defaults are
-    the benchmark's."""
-    p.add_argument("--requests", type=int, default=requests, help="long-prompt requests per mode")
-    p.add_argument("--rate", type=float, default=rate, help="Poisson arrivals per second")
-    minmax = ("MIN", "MAX")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=prompt_len, metavar=minmax)
-    p.add_argument("--max-tokens", type=int, nargs=2, default=max_tokens, metavar=minmax)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
