@@ -246,6 +246,15 @@ class TestOnePddCluster:
 
     # -- cancel --------------------------------------------------------------------------------
 
+    async def test_only_the_engine_daemons_load_torch(self, pdd_cluster):
+        # The router holds no model and no KV: it must start without importing torch (~3.5 s of
+        # CPU per cluster start); P, RLD and MD do load it, which shows the check can fail.
+        def maps_torch(pid: int) -> bool:
+            return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+        loaded = {role: maps_torch(d.pid) for role, d in pdd_cluster.daemons.items()}
+        assert loaded == {role: role != "router" for role in loaded}, loaded
+
     async def test_client_disconnect_frees_kv_on_every_daemon(self, pdd_cluster):
         rng = random.Random(3)
         body = {

@@ -278,10 +278,12 @@ def _serve(args: argparse.Namespace) -> int:
     role = SERVE_ROLES[args.role]
     _setup_logging(role)
     _limit_threads(config.model.threads, role)
+    if role == "router":  # no model and no KV transport here: it starts without loading torch
+        _exit_after_close(_run_loop(serve_daemon(role, config, args.stats_file)) or 0)
     from pddnet.transport.kv_backend import TransferError
 
     try:
-        if args.stats_file is None and role != "router":
+        if args.stats_file is None:
             from pddnet.roles import run_role
 
             code = _run_loop(run_role(role, config)) or 0
