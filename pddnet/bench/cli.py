@@ -57,6 +57,11 @@ BENCHES: dict[str, BenchSpec] = {
             "token shares",
         ),
         BenchSpec(
+            "reproduce",
+            "pddnet.bench.reproduce",
+            "the source's experiments on emulated H100/H200 daemons, the simulator beside",
+        ),
+        BenchSpec(
             "handoff-mode",
             "pddnet.bench.handoff_mode",
             "one-shot vs streaming vs dynamic handoff over RLD backlogs of 8..512 tokens",

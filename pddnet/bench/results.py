@@ -32,7 +32,34 @@ def machine_info() -> dict[str, Any]:
         info["loadavg"] = os.getloadavg()
     except OSError:  # pragma: no cover
         pass
+    info["commit"] = source_commit()
     return info
+
+
+def source_commit() -> str | None:
+    """The commit the running pddnet comes from (``+dirty`` with uncommitted changes), so
+    that every figure names its code; None outside a git checkout."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short=7", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def run_config(args: Namespace) -> dict[str, Any]:

@@ -202,9 +202,11 @@ async def run_mode(
     args: argparse.Namespace,
     show_progress: bool = True,
     devices: DeviceSetup | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One cluster in `mode`; every workload in turn; records, makespans and daemon stats.
-    `devices`: the run's emulated devices (`drive.setup_devices`); None: from `args`' flags."""
+    `devices`: the run's emulated devices (`drive.setup_devices`); None: from `args`' flags.
+    `overrides`: more config settings for this cluster (e.g. pool sizes)."""
     import aiohttp
 
     from pddnet.cluster.local import LocalCluster
@@ -212,7 +214,12 @@ async def run_mode(
     if devices is None:
         devices = setup_devices(args, {mode: cluster_overrides(mode, args)})
     k = devices.dilation
-    overrides = {"model.threads": args.threads, "policy.handoff": args.handoff, **devices.overrides}
+    overrides = {
+        "model.threads": args.threads,
+        "policy.handoff": args.handoff,
+        **(overrides or {}),
+        **devices.overrides,
+    }
     out: dict[str, Any] = {
         "records": {},
         "makespan_s": {},

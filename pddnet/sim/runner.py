@@ -95,8 +95,10 @@ def simulate(
     progress: Callable[[int], None] | None = None,
     replay: Schedule | None = None,
     record: Schedule | None = None,
+    requests: Sequence[SimRequest] | None = None,
 ) -> dict[str, Any]:
-    """One system on the config's workload; returns its report.
+    """One system on the config's workload (or on ``requests``, in arrival order: a live
+    benchmark's own requests, see pddnet.bench.reproduce_sim); returns its report.
 
     Arrivals (``workload.arrivals``): "closed" and "baseline" keep agents causal -- a
     conversation's next turn is sent only once its previous turn finished, at max(its time,
@@ -106,7 +108,8 @@ def simulate(
     waits, and is counted in ``deferred_turns``)."""
     sim = SimulatedSystem(cfg, system)
     loop = sim.loop
-    stream = requests_for(cfg) if replay is None else replay.replay(requests_for(cfg))
+    source = iter(requests) if requests is not None else requests_for(cfg)
+    stream = source if replay is None else replay.replay(source)
     causal = cfg.workload.arrivals != "open"
     live: dict[int, int] = {}  # conversation -> its turns being served
     parked: dict[int, list[SimRequest]] = {}

@@ -1,0 +1,363 @@
+"""reproduce: the source's experiments on the live daemons, at one instance per pool of the
+source's deployment and its per-instance load, with the simulator's answer to the same
+requests beside every figure.
+
+One command runs, in turn, on emulated accelerators (docs/emulated-devices.md: the small model
+computes the tokens, each forward lasts the target model's roofline time on the role's chip,
+every time is dilated by one k):
+
+1. the source's agent workload (multi-turn conversations whose prompts grow by appending, to
+   64K tokens of context, outputs up to 1K, decode-side hits skewed as the source's) served by
+   same-DC PD, naive cross-DC PD and PDD (`pdd bench ttft`'s `run_mode`, one cluster per mode):
+   TTFT P50/P90/P99 and the other serving metrics under vLLM's names (docs/benchmarks.md,
+   Metrics), RLD's and MD's share of the decode tokens, WAN KV bytes, goodput under the SLA,
+   each daemon's overruns;
+2. the same requests through naive cross-DC PD with MD's cache off (unpaced: bytes only), for
+   the WAN KV bytes without the decode-side cache;
+3. the 100-token handoff, token ids vs KV-direct, quiet and under jitter with competing
+   traffic (`pdd bench handoff`'s `source_figure`), on the same chips and k;
+4. the simulator on the very same requests, chips, line and policy (reproduce_sim.py).
+
+The scale is per instance: one P, one RLD, one MD (one D in same-DC), each on one chip of the
+source's kind, the line one P's share of the source scenario's line, and the offered load per
+instance what `pdd sim reproduce`'s full scenario offers each of its 40 P instances. The
+datacenter-scale table stays `pdd sim reproduce`'s. reproduce_table.py turns it all into the
+side-by-side table and the checks against the issue's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from pddnet.bench import metrics
+from pddnet.bench.devices import UNPACED, DeviceSetup, print_validity, setup_devices
+from pddnet.bench.options import add_run_arguments
+from pddnet.bench.plots import cdf_plot
+from pddnet.bench.reproduce_sim import sim_config_dict, simulate_beside
+from pddnet.bench.reproduce_table import figures, markdown, print_report
+from pddnet.bench.results import run_config, source_commit, write_result
+from pddnet.model.cli import add_model_argument
+from pddnet.workload.agent import AgentRequest, AgentWorkloadParams, generate_agent_workload
+
+MODES = ("same-dc", "cross-dc", "pdd")
+
+# `pdd sim reproduce`'s full scenario (pddnet/sim/reproduce.py), per P instance: 40 P share a
+# 34 Gbit/s line and 1.8 new conversations per second.
+SOURCE_P_INSTANCES = 40
+SOURCE_LINE_GBIT = 34.0
+SOURCE_CONVERSATION_RATE = 1.8
+
+# The workload's lengths (tokens): `pdd sim reproduce`'s AGENT_LENGTHS and output range; the
+# number of turns is cut so that a run ends in minutes (the context still reaches 64K through
+# the large tool results).
+FULL_SHAPE: dict[str, Any] = {
+    "think_time_s": 2.0,
+    "system_prompt_len": (4000, 16000),
+    "task_len": (1000, 4000),
+    "small_tool_len": (64, 1024),
+    "large_tool_len": (8000, 32000),
+    "large_tool_prob": 0.18,
+    "output_len": (64, 1024),
+    "max_turns": (4, 10),
+    "max_context": 65536,
+}
+QUICK_SHAPE: dict[str, Any] = {
+    "think_time_s": 0.5,
+    "system_prompt_len": (256, 512),
+    "task_len": (32, 64),
+    "small_tool_len": (8, 32),
+    "large_tool_len": (128, 256),
+    "large_tool_prob": 0.3,
+    "output_len": (8, 16),
+    "max_turns": (2, 3),
+    "max_context": 2048,
+}
+# KV pools in blocks of 16 tokens (room for the conversations' contexts; checked against the
+# modelled chips' memory by the config).
+FULL_POOLS = {"prefill": 8192, "relay": 8192, "main_decode": 32768}
+QUICK_POOLS = {"prefill": 1024, "relay": 1024, "main_decode": 2048}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny scale for the tests (minutes)")
+    add_model_argument(p, default="tiny-window")
+    p.add_argument("--target-model", default="qwen2.5-7b", help="model profile to emulate")
+    p.add_argument("--prefill-chip", default="h100-sxm", help="P's and same-DC D's chip")
+    p.add_argument("--relay-chip", default="h100-sxm", help="the relay pool's chip")
+    p.add_argument("--md-chip", default="h200-sxm", help="MD's chip (datacenter B)")
+    p.add_argument("--gpus", type=int, default=1, help="chips per instance")
+    p.add_argument("--dilation", default="auto", metavar="K|auto", help="time dilation k")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--conversations", type=int, default=8, help="agent conversations")
+    p.add_argument("--max-requests", type=int, default=40, help="the first N turns by arrival")
+    p.add_argument(
+        "--conversation-rate",
+        type=float,
+        default=None,
+        help="new conversations per second (default: 4x one P's share of the scenario's)",
+    )
+    p.add_argument("--line-gbit", type=float, default=None, help="modelled line rate")
+    p.add_argument("--rtt-ms", type=float, default=30.0)
+    p.add_argument("--jitter-ms", type=float, default=1.0)
+    p.add_argument("--wan", default="proxy", choices=("proxy", "packet", "kernel", "auto"))
+    p.add_argument("--request-timeout", type=float, default=600.0, help="modelled seconds")
+    p.add_argument("--no-sim", action="store_true", help="skip the simulator beside")
+    p.add_argument("--no-handoff", action="store_true", help="skip the handoff figure")
+    p.add_argument("--no-drc-off", action="store_true", help="skip the no-DRC bytes run")
+    metrics.add_arguments(p)
+    # the source scenario's SLA (`pdd sim reproduce`): TTFT 5 s, TPOT 100 ms
+    p.set_defaults(goodput=[("ttft", 5000.0), ("tpot", 100.0)])
+    add_run_arguments(p, threads="torch threads per daemon")
+
+
+def line_gbit(args: argparse.Namespace) -> float:
+    if args.line_gbit is not None:
+        return args.line_gbit
+    return 1.0 if args.quick else SOURCE_LINE_GBIT / SOURCE_P_INSTANCES
+
+
+def workload(args: argparse.Namespace) -> list[AgentRequest]:
+    """The agent conversations, cut to the first --max-requests turns by arrival (each
+    conversation keeps a prefix of its turns, so every prompt's history is intact)."""
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    count = 2 if args.quick else args.conversations
+    # Four times one P's share of the scenario's conversation rate: a run of minutes reaches
+    # the concurrency the scenario has at steady state (conversations last minutes there).
+    rate = args.conversation_rate or (
+        2.0 if args.quick else 4 * SOURCE_CONVERSATION_RATE / SOURCE_P_INSTANCES
+    )
+    params = AgentWorkloadParams(num_conversations=count, conversation_rate_per_s=rate, **shape)
+    requests = generate_agent_workload(params, seed=args.seed)
+    return requests[: 6 if args.quick else args.max_requests]
+
+
+def chips(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
+    """Role -> (chip, gpus); `decode` is same-DC's D (datacenter A, P's chip)."""
+    return {
+        "prefill": (args.prefill_chip, args.gpus),
+        "relay": (args.relay_chip, args.gpus),
+        "main_decode": (args.md_chip, args.gpus),
+        "decode": (args.prefill_chip, args.gpus),
+    }
+
+
+def cluster_settings(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A mode's cluster config beside the devices: model, line, pools."""
+    pools = dict(QUICK_POOLS if args.quick else FULL_POOLS)
+    if mode == "same-dc":  # its decode instance runs as `relay`, holding what MD holds
+        pools["relay"] = pools["main_decode"]
+    return {
+        "mode": mode,
+        "model.name": args.model,
+        "model.threads": args.threads,
+        "wan.shell": args.wan,
+        "wan.rtt_ms": args.rtt_ms,
+        "wan.jitter_ms": args.jitter_ms,
+        "wan.bw_mbit": line_gbit(args) * 1e3,
+        **{f"{role}.num_blocks": n for role, n in pools.items()},
+    }
+
+
+def device_flags(mode: str, args: argparse.Namespace, dilation: str) -> argparse.Namespace:
+    """The emulated-device flags of `mode`'s cluster: same-DC's D (the `relay` role in that
+    mode) is on P's chip in A."""
+    c = chips(args)
+    roles = {
+        "same-dc": (("prefill", "prefill"), ("relay", "decode")),
+        "cross-dc": (("prefill", "prefill"), ("main-decode", "main_decode")),
+        "pdd": (("prefill", "prefill"), ("relay", "relay"), ("main-decode", "main_decode")),
+    }[mode]
+    flags = [f"{flag}={c[role][0]}:{c[role][1]}" for flag, role in roles]
+    return argparse.Namespace(target_model=args.target_model, device=flags, dilation=dilation)
+
+
+def devices_per_mode(args: argparse.Namespace) -> dict[str, DeviceSetup]:
+    """Every mode's devices at one k (``auto`` probed once, on the cluster with the most roles)."""
+    k = args.dilation
+    first = "pdd" if "pdd" in args.modes else args.modes[0]
+    order = [first] + [m for m in args.modes if m != first]
+    out: dict[str, DeviceSetup] = {}
+    for mode in order:
+        setup = setup_devices(device_flags(mode, args, k), {mode: cluster_settings(mode, args)})
+        k = str(setup.dilation)
+        out[mode] = setup
+    return out
+
+
+def _ttft_args(args: argparse.Namespace) -> argparse.Namespace:
+    """What `ttft.run_mode` reads of its options."""
+    return argparse.Namespace(
+        model=args.model,
+        wan=args.wan,
+        rtt_ms=args.rtt_ms,
+        jitter_ms=args.jitter_ms,
+        bw_mbit=line_gbit(args) * 1e3,
+        threads=args.threads,
+        handoff="dynamic",
+        request_timeout=args.request_timeout,
+    )
+
+
+async def run_live(
+    args: argparse.Namespace, requests: list[AgentRequest], devices: dict[str, DeviceSetup]
+) -> dict[str, dict[str, Any]]:
+    from pddnet.bench.ttft import run_mode
+
+    out = {}
+    for mode in args.modes:
+        settings = cluster_settings(mode, args)
+        extra = {k: v for k, v in settings.items() if k.endswith(".num_blocks")}
+        out[mode] = await run_mode(
+            mode,
+            {"agent": requests},
+            _ttft_args(args),
+            not args.no_progress,
+            devices[mode],
+            overrides=extra,
+        )
+    return out
+
+
+async def run_drc_off(args: argparse.Namespace, requests: list[AgentRequest]) -> dict[str, Any]:
+    """Naive cross-DC with MD caching nothing, unpaced and on a fast line: the WAN KV bytes
+    without the decode-side cache (bytes do not depend on time: every request goes P -> MD)."""
+    from pddnet.bench.ttft import run_mode
+
+    settings = cluster_settings("cross-dc", args)
+    extra = {k: v for k, v in settings.items() if k.endswith(".num_blocks")}
+    fast = argparse.Namespace(**{**vars(_ttft_args(args)), "bw_mbit": 1000.0, "jitter_ms": 0.0})
+    return await run_mode(
+        "cross-dc",
+        {"agent": requests},
+        fast,
+        not args.no_progress,
+        UNPACED,
+        overrides={**extra, "main_decode.prefix_cache": "off"},
+    )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.conversations < 1 or args.max_requests < 1 or args.gpus < 1:
+        raise ValueError("--conversations, --max-requests and --gpus must be >= 1")
+    if args.line_gbit is not None and args.line_gbit <= 0:
+        raise ValueError("--line-gbit must be > 0")
+    if "same-dc" not in args.modes:
+        raise ValueError("--modes must include same-dc: every ratio is against it")
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    check_args(args)
+    t_start = time.monotonic()
+    load_before = os.getloadavg()
+    slos = metrics.goodput_config(args)
+    requests = workload(args)
+    devices = devices_per_mode(args)
+    k = devices[args.modes[0]].dilation
+    live = await run_live(args, requests, devices)
+    drc_off = None
+    if not args.no_drc_off and "cross-dc" in args.modes:
+        drc_off = await run_drc_off(args, requests)
+    handoff = None
+    if not args.no_handoff:
+        from pddnet.bench.handoff import source_figure
+
+        handoff = await source_figure(
+            model=args.model,
+            target_model=args.target_model,
+            relay_device=f"{args.relay_chip}:{args.gpus}",
+            md_device=f"{args.md_chip}:{args.gpus}",
+            dilation=k,
+            rtt_ms=args.rtt_ms,
+            quick=args.quick,
+            threads=args.threads,
+            show_progress=not args.no_progress,
+        )
+    sim = None
+    sim_config = None
+    if not args.no_sim:
+        from pddnet.config import load_config
+
+        # the engine and policy settings every mode's daemons run with
+        pdd_config = load_config(None, cluster_settings("pdd", args))
+        pdd_config.target_model = args.target_model
+        sim_config = sim_config_dict(
+            pdd_config, chips(args), line_gbit(args), args.rtt_ms, args.jitter_ms, slos, args.seed
+        )
+        sim = simulate_beside(sim_config, requests, args.modes)
+    wall_s = time.monotonic() - t_start
+    result = figures(args, live, drc_off, handoff, sim, slos, wall_s)
+    config = run_config(args)
+    config.update(
+        {
+            "line_gbit": line_gbit(args),
+            "dilation_k": k,
+            "goodput_slos_ms": slos,
+            "chips": chips(args),
+            "requests": len(requests),
+            "conversations": len({r.conversation_id for r in requests}),
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+            "wall_s": wall_s,
+            "commit": source_commit(),
+        }
+    )
+    path = write_result(
+        "reproduce",
+        {
+            "config": config,
+            **result,
+            "sim_config": sim_config,
+            "emulation": {m: d.to_dict() for m, d in devices.items()},
+            "daemon_stats": {m: live[m]["stats"] for m in live},
+        },
+        args.out,
+    )
+    plots = _plots(live, sim, path, k)
+    table = path.with_name(f"{path.stem}-table.md")
+    table.write_text(markdown(result, config, _command_line()))
+    plots.append(str(table))
+    print_report(result, config, path, plots)
+    warnings = print_validity(result["devices"], "reproduce")
+    return {"path": str(path), **result, "plots": plots, "warnings": warnings}
+
+
+def _command_line() -> str:
+    """The command as the user typed it (for the docs' table); from Python, the options."""
+    if sys.argv[1:3] == ["bench", "reproduce"]:
+        return " ".join(["pdd bench reproduce", *sys.argv[3:]])
+    return "pdd bench reproduce (called from Python)"
+
+
+def _plots(live: dict[str, Any], sim: dict[str, Any] | None, path: Any, k: float) -> list[str]:
+    series: dict[str, list[float]] = {}
+    for mode, run in live.items():
+        series[f"{mode} (live)"] = [
+            r.ttft_s for r in run["records"]["agent"] if r.ttft_s is not None
+        ]
+    for mode, report in (sim or {}).items():
+        if mode in live:
+            series[f"{mode} (sim)"] = _cdf_samples(report.get("ttft_cdf") or [])
+    png = cdf_plot(
+        series,
+        path.with_name(f"{path.stem}-ttft-cdf.png"),
+        f"TTFT (ms, modelled: wall / k = {k:g})",
+        "TTFT CDF: live daemons vs the simulator on the same requests",
+    )
+    return [str(png)] if png else []
+
+
+def _cdf_samples(points: list[list[float]], n: int = 200) -> list[float]:
+    """A CDF's (value, share) points as `n` samples with that distribution (for cdf_plot)."""
+    out = []
+    j = 0
+    for i in range(n):
+        q = (i + 0.5) / n
+        while j < len(points) - 1 and points[j][1] < q:
+            j += 1
+        if points:
+            out.append(points[j][0])
+    return out

@@ -1,0 +1,143 @@
+"""The simulator beside `pdd bench reproduce`: the live run's own requests, chips, line and
+policy through `pddnet.sim`, so that each live figure has the simulator's answer next to it.
+
+Compute is modelled the same way on both sides (the live daemons are paced by
+`pddnet.device.cost`, which is the simulator's cost function), so what the two may still
+disagree on is the network, the queueing and the protocol. The requests are the live
+workload's, one unit per token (units are the token ids, so every prefix cache matches exactly
+what the daemons' caches match); the deployment is the live cluster's (one instance per pool);
+the engine and policy settings are read from the live cluster's config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pddnet.config import ClusterConfig
+from pddnet.workload.agent import AgentRequest
+from pddnet.workload.units import SimRequest
+
+# live mode -> the simulator's system of the same name (and the DRC ablation beside cross-dc)
+SYSTEMS = {"same-dc": "same-dc", "cross-dc": "cross-dc", "pdd": "pdd"}
+NO_DRC = "cross-dc-no-drc"
+
+
+def sim_requests(workload: Sequence[AgentRequest]) -> list[SimRequest]:
+    """The live workload as the simulator's requests, in arrival order, one unit per token.
+    A conversation's later prompts are its earlier prompt + output + appended tokens in both
+    worlds (live: the model's real output; here: the history's), so hits are the same shape."""
+    ordered = sorted(workload, key=lambda r: (r.arrival_s, r.conversation_id, r.turn))
+    return [
+        SimRequest(
+            i,
+            r.conversation_id,
+            r.arrival_s,
+            tuple(r.prompt_token_ids),
+            len(r.prompt_token_ids),
+            r.max_tokens,
+            tuple(r.output_token_ids),
+        )
+        for i, r in enumerate(ordered)
+    ]
+
+
+def _pool(chip: str, gpus: int) -> dict[str, Any]:
+    return {"chip": chip, "instances": 1, "gpus": gpus}
+
+
+def sim_config_dict(
+    live: ClusterConfig,
+    chips: dict[str, tuple[str, int]],
+    line_gbit: float,
+    rtt_ms: float,
+    jitter_ms: float,
+    slos_ms: dict[str, float],
+    seed: int,
+) -> dict[str, Any]:
+    """The simulator's config for the live cluster `live` (its pdd-mode config: engine and
+    policy settings), `chips` (role -> (chip profile, gpus): prefill, relay, main_decode and
+    the same-dc decode), the modelled line and the goodput SLOs (ms)."""
+    pol = live.policy
+    p_chip, p_gpus = chips["prefill"]
+    r_chip, r_gpus = chips["relay"]
+    md_chip, md_gpus = chips["main_decode"]
+    d_chip, d_gpus = chips["decode"]
+    return {
+        "seed": seed,
+        "model": live.target_model,
+        "tokens_per_unit": 1,
+        "systems": [*SYSTEMS.values(), NO_DRC],
+        "chips": {"p": p_chip, "r": r_chip, "md": md_chip, "d": d_chip},
+        "pdd": {
+            "prefill": _pool("p", p_gpus),
+            "relay": _pool("r", r_gpus),
+            "main_decode": _pool("md", md_gpus),
+        },
+        "baseline": {"prefill": _pool("p", p_gpus), "decode": _pool("d", d_gpus)},
+        "line": {"bw_gbit": line_gbit, "rtt_ms": rtt_ms, "jitter_ms": jitter_ms},
+        "engine": {
+            "block_tokens": live.prefill.block_size,
+            "chunk_tokens": live.prefill.max_num_batched_tokens,
+            "max_seqs": live.main_decode.max_num_seqs,
+            "p_prefix_cache": live.prefill.prefix_cache != "off",
+        },
+        "policy": {
+            "direct_budget_s": pol.direct_budget_s,
+            "singular_filter": pol.singular_filter,
+            "singular_margin": pol.singular_margin,
+            "handoff": pol.handoff,
+            "handoff_threshold": pol.handoff_threshold_tokens,
+            "handoff_chunk": pol.handoff_chunk,
+            "rld_load_limit": pol.rld_load_limit,
+            "rld_max_requests": pol.rld_max_requests,
+        },
+        "sla": {
+            "ttft_s": slos_ms.get("ttft", 5000.0) / 1e3,
+            "tpot_s": slos_ms.get("tpot", 100.0) / 1e3,
+        },
+        "workload": {"arrivals": "closed", "requests": 1},
+    }
+
+
+def simulate_beside(
+    config: dict[str, Any], workload: Sequence[AgentRequest], modes: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """Each live mode's system (and, with cross-dc, its no-DRC ablation) on the live requests;
+    the simulator's reports keyed by live mode name (and NO_DRC)."""
+    from pddnet.sim.config import parse_config
+    from pddnet.sim.runner import simulate
+
+    requests = sim_requests(workload)
+    cfg = parse_config({**config, "workload": {**config["workload"], "requests": len(requests)}})
+    systems = {m: SYSTEMS[m] for m in modes}
+    if "cross-dc" in modes:
+        systems[NO_DRC] = NO_DRC
+    return {name: simulate(cfg, system, requests=requests) for name, system in systems.items()}
+
+
+def vllm_figures(report: dict[str, Any]) -> dict[str, float | None]:
+    """The simulator's report under the live benchmark's (vLLM's) key names, in ms."""
+
+    def ms(section: str, stat: str) -> float | None:
+        v = (report.get(section) or {}).get(stat)
+        return None if v is None else v * 1e3
+
+    out: dict[str, float | None] = {}
+    for name, section in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("itl", "itl_s")):
+        out[f"mean_{name}_ms"] = ms(section, "mean")
+        out[f"median_{name}_ms"] = ms(section, "p50")
+        for p in ("p90", "p99"):
+            out[f"{p}_{name}_ms"] = ms(section, p)
+    out["median_e2el_ms"] = ms("e2e_s", "p50")
+    share = report.get("token_share") or {}
+    out["rld_token_share"] = share.get("rld")
+    wan = report.get("wan") or {}
+    out["target_wan_kv_bytes"] = wan.get("kv_bytes")
+    # vLLM's request_goodput: good requests / the run's duration (first sent -> last done)
+    span = report.get("makespan_s") or 0.0
+    good = (report.get("sla") or {}).get("good")
+    out["request_goodput"] = good / span if good is not None and span > 0 else None
+    out["busy"] = report.get("busy")  # type: ignore[assignment]
+    out["line_utilisation"] = wan.get("utilisation")
+    return out

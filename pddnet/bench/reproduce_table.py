@@ -1,0 +1,323 @@
+"""`pdd bench reproduce`'s figures: the source's number, the live daemons' and the simulator's
+side by side, and the issue's targets checked on the live figures.
+
+Every duration is modelled time (wall / k) in ms, under vLLM's names (docs/benchmarks.md,
+Metrics). "sim vs live" is (sim - live) / live: the simulator models compute exactly as the
+daemons are paced, so what it leaves out is network, queueing and protocol detail.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from pddnet.bench.reproduce_sim import NO_DRC, vllm_figures
+from pddnet.bench.ttft import mode_summary, ratio
+
+# The source report's figures (its TTFT in ms; shares of the decode tokens; handoff in ms).
+SOURCE: dict[str, Any] = {
+    "ttft_ms": {
+        "same-dc": {"median": 3900, "p90": 10400, "p99": 17200},
+        "pdd": {"median": 4200, "p90": 9800, "p99": 14400},
+        "cross-dc": {"median": 6700, "p90": 18300, "p99": 29700},
+    },
+    "rld_share": 0.062,
+    "md_share": 0.938,
+    "drc_cut_x": 10.0,
+    "handoff_ms": {
+        "token-id": {"mean": 305.0, "max": 321.4},
+        "kv-direct": {"mean": 185.0, "max": 512.6},
+    },
+}
+# The issue's targets (benchmark output, never timed tests).
+TARGETS = {
+    "pdd_p99_vs_same_dc_max": 1.2,
+    "cross_dc_p99_vs_same_dc_min": 3.0,
+    "rld_share_factor": 1.5,
+    "drc_cut_min": 9.0,
+    "overrun_share_max": 0.01,
+    "wall_s_max": 1800.0,
+    "token_id_max_over_mean": 1.10,
+    "kv_direct_max_over_mean_min": 2.0,
+    "sim_vs_live_max": 0.10,
+}
+STATS = ("median", "p90", "p99")
+
+
+def _rld_share(summary: dict[str, Any]) -> float | None:
+    """RLD's share of the output tokens (the source's 6.2%; the simulator's token_share.rld)."""
+    return summary.get("rld_token_share") if summary.get("completed") else None
+
+
+def _busy(stats: dict[str, Any], makespan_s: float) -> dict[str, float | None]:
+    """Each daemon's modelled busy time over the run's modelled makespan."""
+    out: dict[str, float | None] = {}
+    for role, s in stats.items():
+        dev = (s or {}).get("device") or {}
+        busy = dev.get("modelled_busy_s")
+        out[role] = busy / makespan_s if busy is not None and makespan_s > 0 else None
+    return out
+
+
+def _error(sim: float | None, live: float | None) -> float | None:
+    return None if sim is None or not live else (sim - live) / live
+
+
+def figures(
+    args: argparse.Namespace,
+    live: dict[str, dict[str, Any]],
+    drc_off: dict[str, Any] | None,
+    handoff: dict[str, Any] | None,
+    sim: dict[str, dict[str, Any]] | None,
+    slos: dict[str, float],
+    wall_s: float,
+) -> dict[str, Any]:
+    """The result's figures: per mode the live summary and the simulator's, the rows of the
+    side-by-side table, and the targets' checks."""
+    summaries = {
+        m: mode_summary(run["records"]["agent"], slos, run["makespan_s"]["agent"])
+        for m, run in live.items()
+    }
+    sims = {m: vllm_figures(r) for m, r in (sim or {}).items()}
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, source: Any, live_v: Any, sim_v: Any = None, unit: str = "ms") -> None:
+        rows.append(
+            {
+                "figure": name,
+                "unit": unit,
+                "source": source,
+                "live": live_v,
+                "sim": sim_v,
+                "sim_vs_live": _error(sim_v, live_v)
+                if isinstance(live_v, (int, float)) and isinstance(sim_v, (int, float))
+                else None,
+            }
+        )
+
+    for m, s in summaries.items():
+        for stat in STATS:
+            key = f"{stat}_ttft_ms"
+            src = SOURCE["ttft_ms"].get(m, {}).get(stat)
+            row(f"TTFT {stat} {m}", src, s.get(key), sims.get(m, {}).get(key))
+        row(f"ITL median {m}", None, s.get("median_itl_ms"), sims.get(m, {}).get("median_itl_ms"))
+        row(
+            f"TPOT median {m}", None, s.get("median_tpot_ms"), sims.get(m, {}).get("median_tpot_ms")
+        )
+        row(
+            f"goodput {m}",
+            None,
+            s.get("request_goodput"),
+            sims.get(m, {}).get("request_goodput"),
+            "req/s",
+        )
+    if "pdd" in summaries:
+        row(
+            "RLD share of output tokens (pdd)",
+            SOURCE["rld_share"],
+            _rld_share(summaries["pdd"]),
+            sims.get("pdd", {}).get("rld_token_share"),
+            "share",
+        )
+    ratios = {
+        f"{m}/same-dc p99": ratio(
+            summaries[m].get("p99_ttft_ms"), summaries["same-dc"].get("p99_ttft_ms")
+        )
+        for m in summaries
+        if m != "same-dc"
+    }
+    drc = None
+    if drc_off is not None and "cross-dc" in summaries:
+        off = mode_summary(drc_off["records"]["agent"], None, drc_off["makespan_s"]["agent"])
+        with_b, without_b = summaries["cross-dc"]["wan_kv_bytes"], off["wan_kv_bytes"]
+        sim_with = sims.get("cross-dc", {}).get("target_wan_kv_bytes")
+        sim_without = sims.get(NO_DRC, {}).get("target_wan_kv_bytes")
+        drc = {
+            "wan_kv_bytes_with": with_b,
+            "wan_kv_bytes_without": without_b,
+            "target_wan_kv_bytes_with": summaries["cross-dc"]["target_wan_kv_bytes"],
+            "cut_x": without_b / with_b if with_b else None,
+            "sim_cut_x": sim_without / sim_with if sim_with and sim_without else None,
+            "failed_without": off["failed"],
+        }
+        row(
+            "WAN KV cut by the DRC (cross-dc)",
+            SOURCE["drc_cut_x"],
+            drc["cut_x"],
+            drc["sim_cut_x"],
+            "x",
+        )
+    devices = {m: run["devices"] for m, run in live.items()}
+    utilisation = {
+        m: {
+            "live": _busy(run["stats"], run["makespan_s"]["agent"]),
+            "sim": (sim or {}).get(m, {}).get("busy"),
+            "sim_line": ((sim or {}).get(m, {}).get("wan") or {}).get("utilisation"),
+        }
+        for m, run in live.items()
+    }
+    checks = _checks(summaries, ratios, drc, handoff, devices, rows, wall_s)
+    return {
+        "source": SOURCE,
+        "targets": TARGETS,
+        "live": summaries,
+        "sim": sims,
+        "rows": rows,
+        "ttft_p99_ratios": ratios,
+        "drc": drc,
+        "handoff": handoff,
+        "utilisation": utilisation,
+        "devices": devices,
+        "checks": checks,
+        "wall_s": wall_s,
+    }
+
+
+def _checks(
+    summaries: dict[str, Any],
+    ratios: dict[str, float | None],
+    drc: dict[str, Any] | None,
+    handoff: dict[str, Any] | None,
+    devices: dict[str, Any],
+    rows: list[dict[str, Any]],
+    wall_s: float,
+) -> dict[str, bool | None]:
+    """Each target: True / False on this run's figures, None where the run has no such figure."""
+    t = TARGETS
+
+    def at_most(v: float | None, bound: float) -> bool | None:
+        return None if v is None else v <= bound
+
+    def at_least(v: float | None, bound: float) -> bool | None:
+        return None if v is None else v >= bound
+
+    rld = _rld_share(summaries["pdd"]) if "pdd" in summaries else None
+    lo, hi = (
+        SOURCE["rld_share"] / t["rld_share_factor"],
+        SOURCE["rld_share"] * t["rld_share_factor"],
+    )
+    overrun = [d.get("overrun_share") for d in devices.values() if d]
+    sim_rows = [
+        r["sim_vs_live"]
+        for r in rows
+        if r["sim_vs_live"] is not None
+        and (r["figure"].startswith(("TTFT median", "TTFT p90", "ITL median")))
+    ]
+    out: dict[str, bool | None] = {
+        "PDD TTFT P99 <= 1.2x same-dc": at_most(
+            ratios.get("pdd/same-dc p99"), t["pdd_p99_vs_same_dc_max"]
+        ),
+        "naive cross-dc TTFT P99 >= 3x same-dc": at_least(
+            ratios.get("cross-dc/same-dc p99"), t["cross_dc_p99_vs_same_dc_min"]
+        ),
+        "RLD share within 1.5x of 6.2%": None if rld is None else lo <= rld <= hi,
+        "DRC cuts WAN KV bytes >= 9x": at_least((drc or {}).get("cut_x"), t["drc_cut_min"]),
+        "overruns < 1% of steps": None
+        if not overrun or None in overrun
+        else max(overrun) < t["overrun_share_max"],
+        "whole run < 30 min": wall_s < t["wall_s_max"],
+        "sim within 10% of live (TTFT P50/P90, ITL P50)": None
+        if not sim_rows
+        else max(abs(e) for e in sim_rows) <= t["sim_vs_live_max"],
+    }
+    if handoff:
+        out["token-id handoff max/mean <= 1.10 (jitter + traffic)"] = at_most(
+            handoff.get("token_id_max_over_mean"), t["token_id_max_over_mean"]
+        )
+        out["KV-direct handoff max/mean >= 2 (jitter + traffic)"] = at_least(
+            handoff.get("kv_direct_max_over_mean"), t["kv_direct_max_over_mean_min"]
+        )
+    return out
+
+
+def _cell(v: Any, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "share":
+        return f"{v:.1%}"
+    if unit == "x":
+        return f"{v:.1f}x"
+    if unit == "req/s":
+        return f"{v:.3f}"
+    return f"{v:.0f}"
+
+
+def print_report(
+    result: dict[str, Any], config: dict[str, Any], path: Path, files: list[str]
+) -> None:
+    print(
+        f"\nreproduce: {config['requests']} requests of {config['conversations']} agent "
+        f"conversations; line {config['line_gbit']:g} Gbit/s, k = {config['dilation_k']:g}; "
+        f"wall {config['wall_s'] / 60:.1f} min; load {config['load_before'][0]:.2f} -> "
+        f"{config['load_after'][0]:.2f}"
+    )
+    print("durations in modelled ms (wall / k); sim vs live = (sim - live) / live")
+    heads = ("figure", "source", "live", "sim", "sim vs live")
+    cells = [
+        (
+            r["figure"],
+            _cell(r["source"], r["unit"]),
+            _cell(r["live"], r["unit"]),
+            _cell(r["sim"], r["unit"]),
+            "-" if r["sim_vs_live"] is None else f"{r['sim_vs_live']:+.0%}",
+        )
+        for r in result["rows"]
+    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    print(
+        "  ".join(
+            h.ljust(w) if i == 0 else h.rjust(w)
+            for i, (h, w) in enumerate(zip(heads, widths, strict=True))
+        )
+    )
+    for c in cells:
+        print(
+            "  ".join(
+                x.ljust(w) if i == 0 else x.rjust(w)
+                for i, (x, w) in enumerate(zip(c, widths, strict=True))
+            )
+        )
+    for m, u in result["utilisation"].items():
+        live = ", ".join(f"{r} {v:.0%}" for r, v in u["live"].items() if v is not None)
+        sim = u["sim"] or {}
+        simt = ", ".join(f"{r} {v:.0%}" for r, v in sim.items() if v is not None)
+        print(f"busy ({m}): live {live or '-'}; sim {simt or '-'}")
+    if result["handoff"]:
+        h = result["handoff"]
+        print(f"handoff (100 relay tokens): {h.get('line', h)}")
+    print("\ntargets:")
+    for name, ok in result["checks"].items():
+        print(f"  {'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {name}")
+    print(f"\nwrote {path}")
+    for f in files:
+        print(f"wrote {f}")
+
+
+def markdown(result: dict[str, Any], config: dict[str, Any], command: str) -> str:
+    """The run as the Markdown docs/reproduction.md quotes: the command, commit, load and k,
+    the side-by-side table, the busy shares and the targets."""
+    lines = [
+        f"`{command}` at commit `{config.get('commit')}`: {config['requests']} requests of "
+        f"{config['conversations']} conversations, line {config['line_gbit']:g} Gbit/s, "
+        f"k = {config['dilation_k']:g}, {config['wall_s'] / 60:.1f} min of wall time, load "
+        f"average {config['load_before'][0]:.2f} before, {config['load_after'][0]:.2f} after.",
+        "",
+        "| figure | source | live | sim | sim vs live |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        err = "-" if r["sim_vs_live"] is None else f"{r['sim_vs_live']:+.0%}"
+        lines.append(
+            f"| {r['figure']} | {_cell(r['source'], r['unit'])} | {_cell(r['live'], r['unit'])} "
+            f"| {_cell(r['sim'], r['unit'])} | {err} |"
+        )
+    lines.append("")
+    for m, u in result["utilisation"].items():
+        live = ", ".join(f"{r} {v:.0%}" for r, v in u["live"].items() if v is not None)
+        sim = ", ".join(f"{r} {v:.0%}" for r, v in (u["sim"] or {}).items() if v is not None)
+        lines.append(f"- busy, {m}: live {live or '-'}; sim {sim or '-'}")
+    lines.append("")
+    for name, ok in result["checks"].items():
+        lines.append(f"- {'PASS' if ok else ('n/a' if ok is None else 'FAIL')}: {name}")
+    return "\n".join(lines) + "\n"
