@@ -5,6 +5,7 @@ blocks older than its chunk's window, and the engine token-exact on a prompt lon
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -18,7 +19,7 @@ from pddnet.model.attention import causal_attention
 from pddnet.model.config import ModelConfig
 from pddnet.model.loader import load_model
 from pddnet.model.paged_attention import paged_attention, plan_chunk
-from pddnet.model.weights import init_random
+from pddnet.model.weights import CheckpointError, config_from_hf, init_random, load_hf, save_hf
 from tests.test_paged_attention import _case
 
 TOL = 1e-12
@@ -244,3 +245,21 @@ def test_tiny_window_engine_is_token_exact_across_chunkings_and_a_prefix_hit():
     before = chunked.num_computed_tokens_total
     assert chunked.generate(prompt + out[:4], 4, ignore_eos=True) == out[4:]
     assert chunked.num_computed_tokens_total - before < 16 + 4
+
+
+def test_hf_folder_of_a_windowed_model_is_a_mistral_and_round_trips(tmp_path):
+    model = _windowed_tiny(5)
+    save_hf(model, tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["architectures"] == ["MistralForCausalLM"] and hf["model_type"] == "mistral"
+    assert hf["sliding_window"] == 5
+    loaded = load_hf(tmp_path)
+    assert loaded.config == model.config
+    ids = random.Random(3).choices(range(256), k=20)
+    assert torch.equal(_full_forward(loaded, ids, 5), _full_forward(model, ids, 5))
+    # Mistral's null window is full attention; a Llama config's window field is not read
+    assert config_from_hf({**hf, "sliding_window": None}, "m").sliding_window is None
+    llama = {**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    assert config_from_hf(llama, "m").sliding_window is None
+    with pytest.raises(CheckpointError, match="sliding_window must be None or an integer >= 1"):
+        config_from_hf({**hf, "sliding_window": 0}, "m")
