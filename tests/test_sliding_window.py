@@ -45,6 +45,10 @@ def test_preset_and_validation():
     x = torch.zeros(2, 2, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="window must be None or >= 1"):
         causal_attention(x, x[:, :1], x[:, :1], 0, window=0)
+    # a windowed plan made for 1 query skips keys that the first of 2 queries sees
+    kb = torch.zeros(4, 16, 1, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="plan starts at key 32, the query at position 38 sees"):
+        paged_attention(x, kb, kb, plan_chunk([0, 1, 2], 40, 16, 1, 2, 1, window=8), 38)
 
 
 def test_reference_window_sees_exactly_the_last_w_keys():

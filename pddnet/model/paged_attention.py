@@ -188,6 +188,12 @@ def paged_attention(
             f"plan covers {plan.num_keys} keys, queries at positions {q_offset}.."
             f"{q_offset + t - 1} need {q_offset + t}"
         )
+    window = plan.window
+    if window is not None and plan.tiles[0].start > max(0, q_offset - window + 1):
+        raise ValueError(
+            f"plan starts at key {plan.tiles[0].start}, the query at position {q_offset} sees "
+            f"keys from {max(0, q_offset - window + 1)} (a plan made for fewer queries)"
+        )
     if plan.max_block >= k_blocks.shape[0]:
         raise ValueError(
             f"plan reads block {plan.max_block}, outside the pool's {k_blocks.shape[0]} blocks"
@@ -203,7 +209,6 @@ def paged_attention(
         .reshape(num_kv_heads, t * group, head_dim)
     )
     bounds = [(q0, min(t, q0 + plan.query_tile)) for q0 in range(0, t, plan.query_tile)]
-    window = plan.window
     # Per query tile: running max, running sum, unnormalised output (None until its first tile).
     state: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(bounds)
     for tile in plan.tiles:
@@ -219,7 +224,7 @@ def paged_attention(
                 last,
             )
             if first == last:
-                continue  # older than every window (only in a plan made for earlier queries)
+                continue  # older than every window (a plan made for more queries than these)
         n = tile.end - tile.start
         k = _tile_kv(k_blocks, tile, n)
         v = _tile_kv(v_blocks, tile, n)
