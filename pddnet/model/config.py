@@ -4,8 +4,8 @@ All presets use the byte tokenizer's vocabulary (256 bytes, then BOS, EOS, PAD),
 runs without any tokenizer file. `tiny` runs in float64 so tests can compare results exactly,
 and so does `tiny-long`, its long-context sibling (128K positions, the smallest compute), and
 `tiny-window`, tiny-long with sliding-window attention (its real attention cost bounded by the
-window, not the context); `small` and `medium` are sized for benchmarks: their per-token KV (16 KiB and 32 KiB in float32)
-makes KV transfers behave like a real model's, scaled down.
+window, not the context); `small` and `medium` are sized for benchmarks: their per-token KV
+(16 KiB and 32 KiB in float32) makes KV transfers behave like a real model's, scaled down.
 """
 
 from __future__ import annotations

@@ -168,9 +168,9 @@ def paged_attention(
 
     q [t, Hq, D]; k_blocks, v_blocks [num_blocks, block_size, Hkv, D] in the pool's dtype;
     query i sees keys ``0..q_offset+i`` (only the last ``plan.window`` of them with a window),
-    so n must be ``q_offset + t`` (the chunk's own keys already written). Returns [t, Hq, D] in q's dtype. As with ``causal_attention`` after
-    ``KVPool.gather(dtype=q.dtype)``, stored K/V are first cast to q's dtype, then
-    low-precision values are computed in float32.
+    so n must be ``q_offset + t`` (the chunk's own keys already written). Returns [t, Hq, D]
+    in q's dtype. As with ``causal_attention`` after ``KVPool.gather(dtype=q.dtype)``, stored
+    K/V are first cast to q's dtype, then low-precision values are computed in float32.
     """
     t, num_heads, head_dim = q.shape
     num_kv_heads = k_blocks.shape[2]
