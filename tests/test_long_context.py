@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from pddnet.engine.engine import Engine
@@ -17,8 +18,9 @@ from pddnet.model.rope import RotaryEmbedding
 PROMPT_TOKENS = 16_500  # past 16K; each full prefill of it takes ~5 s on one core
 
 
-def test_tiny_long_preset_reaches_128k_positions_in_float64():
-    config = ModelConfig.preset("tiny-long")
+@pytest.mark.parametrize("preset", ["tiny-long", "tiny-window"])
+def test_long_context_preset_reaches_128k_positions_in_float64(preset):
+    config = ModelConfig.preset(preset)
     assert config.max_position >= 131072 and config.dtype == "float64"
     assert config.num_layers >= 2 and config.num_heads > config.num_kv_heads
     # rotary angles of the last position are finite and do not depend on the batch around it

@@ -17,9 +17,10 @@ from pddnet.model.rope import RotaryEmbedding, apply_rotary, inverse_frequencies
 class ContiguousCache:
     """The simplest AttentionFn: one growing K/V tensor per layer for a single sequence."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, window: int | None = None) -> None:
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.window = window
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -28,7 +29,7 @@ class ContiguousCache:
         offset = 0 if old_k is None else old_k.shape[0]
         self.k[layer] = k if old_k is None else torch.cat([old_k, k])
         self.v[layer] = v if old_v is None else torch.cat([old_v, v])
-        return causal_attention(q, self.k[layer], self.v[layer], offset)
+        return causal_attention(q, self.k[layer], self.v[layer], offset, self.window)
 
     @property
     def length(self) -> int:
@@ -42,7 +43,7 @@ def run(model: LlamaModel, cache: ContiguousCache, ids: list[int]) -> torch.Tens
 
 
 def greedy(model: LlamaModel, prompt: list[int], n: int) -> list[int]:
-    cache = ContiguousCache(model.config.num_layers)
+    cache = ContiguousCache(model.config.num_layers, model.config.sliding_window)
     logits = run(model, cache, prompt)[-1]
     out: list[int] = []
     for _ in range(n):
@@ -157,7 +158,7 @@ def test_same_prompt_twice_gives_identical_tokens(tiny: LlamaModel) -> None:
     assert greedy(init_random(ModelConfig.preset("tiny"), seed=1), prompt, 24) != first
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-long", "small", "medium"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-long", "tiny-window", "small", "medium"])
 def test_greedy_output_is_not_degenerate(preset: str) -> None:
     model = init_random(ModelConfig.preset(preset), seed=0)
     tok = ByteTokenizer()

@@ -5,7 +5,8 @@ extend of several known tokens on top of an existing cache, or a single decode t
 same to the runner. Linear layers run once over every chunk's tokens flattened; attention, per
 layer, first writes the step's K/V of all chunks into their slots, then lets each chunk's queries
 attend over its own sequence's keys ``0..start+len-1`` read from its blocks in place
-(pddnet/model/paged_attention.py: tile by tile, online softmax, no copy of the context). Reading
+(pddnet/model/paged_attention.py: tile by tile, online softmax, no copy of the context), or
+only the last ``sliding_window`` of them for a model that has one. Reading
 the chunk's own K/V back from the pool (instead of using the fresh tensors) is deliberate:
 decode, extend and prefill then see bit-identical keys, also when the pool stores a narrower
 dtype.
@@ -108,6 +109,7 @@ class ModelRunner:
                     len(c.token_ids),
                     cfg.num_heads,
                     cfg.num_kv_heads,
+                    cfg.sliding_window,
                 )
                 for c in chunks
             ]
@@ -132,7 +134,9 @@ class ModelRunner:
             out = torch.empty_like(q)
             for c, (s, e) in zip(chunks, bounds, strict=True):
                 keys, values = pool.gather(layer, c.block_table, c.end, dtype=q.dtype)
-                out[s:e] = causal_attention(q[s:e], keys, values, q_offset=c.start)
+                out[s:e] = causal_attention(
+                    q[s:e], keys, values, q_offset=c.start, window=cfg.sliding_window
+                )
             return out
 
         input_ids = torch.tensor(ids, dtype=torch.long)

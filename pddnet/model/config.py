@@ -2,9 +2,10 @@
 
 All presets use the byte tokenizer's vocabulary (256 bytes, then BOS, EOS, PAD), so a preset
 runs without any tokenizer file. `tiny` runs in float64 so tests can compare results exactly,
-and so does `tiny-long`, its long-context sibling (128K positions, the smallest compute);
-`small` and `medium` are sized for benchmarks: their per-token KV (16 KiB and 32 KiB in float32)
-makes KV transfers behave like a real model's, scaled down.
+and so does `tiny-long`, its long-context sibling (128K positions, the smallest compute), and
+`tiny-window`, tiny-long with sliding-window attention (its real attention cost bounded by the
+window, not the context); `small` and `medium` are sized for benchmarks: their per-token KV
+(16 KiB and 32 KiB in float32) makes KV transfers behave like a real model's, scaled down.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class ModelConfig:
     # HF `rope_scaling` as sorted (key, value) pairs (hashable), e.g. Llama 3.x's "llama3" type;
     # empty for plain RoPE.
     rope_scaling: tuple[tuple[str, object], ...] = ()
+    # Sliding-window attention (Mistral's, HF's convention): the query at position p sees keys
+    # max(0, p - W + 1) .. p, W keys including itself. None: full causal attention. The KV of
+    # every position is still stored (the pool, transfers and the prefix cache do not change);
+    # only what attention reads does.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,6 +76,11 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        window = self.sliding_window
+        if window is not None and (
+            not isinstance(window, int) or isinstance(window, bool) or window < 1
+        ):
+            raise ValueError(f"sliding_window must be None or an integer >= 1, got {window!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         for field in ("bos_token_id", "eos_token_id"):
@@ -122,6 +133,7 @@ def _byte_vocab_config(
     max_position: int,
     dtype: str,
     rope_theta: float = 10000.0,
+    sliding_window: int | None = None,
 ) -> ModelConfig:
     """A preset over the byte vocabulary; ``shape``: hidden size, MLP size, layers, query
     heads, kv heads, head_dim."""
@@ -142,6 +154,7 @@ def _byte_vocab_config(
         bos_token_id=BYTE_BOS_ID,
         eos_token_id=BYTE_EOS_ID,
         dtype=dtype,
+        sliding_window=sliding_window,
     )
 
 
@@ -155,6 +168,18 @@ PRESETS: dict[str, ModelConfig] = {
     # attention is nearly all of its work, so its step time is the paged attention's.
     "tiny-long": _byte_vocab_config(
         "tiny-long", (32, 64, 2, 2, 1, 8), 131072, "float64", rope_theta=500000.0
+    ),
+    # tiny-long whose attention reads only the last 1024 positions (as Mistral's): its real cost
+    # per token is bounded by the window, not the context, while the KV of every position is
+    # still stored, moved and cached. Emulated devices pace it to a target model's full attention
+    # (docs/emulated-devices.md), so long contexts need a small dilation.
+    "tiny-window": _byte_vocab_config(
+        "tiny-window",
+        (32, 64, 2, 2, 1, 8),
+        131072,
+        "float64",
+        rope_theta=500000.0,
+        sliding_window=1024,
     ),
     # 8 layers x 2 (K,V) x 4 kv heads x 64 x 4 bytes = 16 KiB per token; ~19M parameters.
     "small": _byte_vocab_config("small", (512, 1024, 8, 8, 4, 64), 16384, "float32"),

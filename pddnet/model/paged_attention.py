@@ -14,6 +14,12 @@ Queries are cut into tiles too, which bounds the scores of a long prefill chunk 
 mask is built only for pairs that straddle the diagonal. Key tiles are the outer loop, so a
 gathered or dtype-converted tile is made once per layer, not once per query tile.
 
+With a sliding window W (ModelConfig.sliding_window) the plan starts at the block holding the
+chunk's first query's oldest visible key: blocks wholly older are never read, so a chunk's cost
+is bounded by W plus the chunk, not by the context. Pairs of tiles that straddle a query's
+window edge get that edge in their mask too, and a query row that sees no key of a tile adds
+nothing to its running sums.
+
 ``causal_attention`` (attention.py) stays the reference this is tested against.
 """
 
@@ -61,6 +67,7 @@ class ChunkPlan:
     query_tile: int
     num_keys: int
     max_block: int  # the largest block id read, checked against the pool once per call
+    window: int | None = None  # sliding window: a query at p sees keys p-window+1..p
 
 
 def plan_chunk(
@@ -70,11 +77,16 @@ def plan_chunk(
     num_queries: int,
     num_heads: int,
     num_kv_heads: int,
+    window: int | None = None,
 ) -> ChunkPlan:
     """Plan the attention of ``num_queries`` queries over keys ``0..num_keys-1`` stored in
-    ``block_table`` (computed once per chunk and step, used by every layer)."""
+    ``block_table`` (computed once per chunk and step, used by every layer). With a sliding
+    ``window`` the tiles start at the block of key ``num_keys - num_queries - window + 1``, the
+    oldest one the chunk's first query sees."""
     if num_keys <= 0 or num_queries <= 0:
         raise ValueError(f"need keys and queries, got {num_keys} keys, {num_queries} queries")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be None or >= 1, got {window}")
     needed = -(-num_keys // block_size)
     if needed > len(block_table):
         raise ValueError(
@@ -85,17 +97,21 @@ def plan_chunk(
     rows = min(num_queries, query_tile) * group * num_kv_heads
     tile_keys = min(MAX_TILE_KEYS, max(MIN_TILE_KEYS, SCORE_TILE_ELEMENTS // rows))
     tile_blocks = max(1, tile_keys // block_size)
-    ids = list(block_table[:needed])
+    oldest = 0 if window is None else max(0, num_keys - num_queries - window + 1)
+    skip = oldest // block_size  # blocks every query's window has left behind: never read
+    ids = list(block_table[skip:needed])
     if min(ids) < 0:  # a negative start would slice the pool from its end
         raise ValueError(f"block table {ids} has negative ids")
-    tiles = _key_tiles(ids, num_keys, block_size, tile_blocks)
-    return ChunkPlan(tuple(tiles), query_tile, num_keys, max(ids))
+    tiles = _key_tiles(ids, skip, num_keys, block_size, tile_blocks)
+    return ChunkPlan(tuple(tiles), query_tile, num_keys, max(ids), window)
 
 
-def _key_tiles(ids: list[int], num_keys: int, block_size: int, tile_blocks: int) -> list[KeyTile]:
-    """Runs of consecutive ids become views (split at ``tile_blocks``); short runs are packed
-    into gathered tiles of at most ``tile_blocks`` blocks. A table that is one run is all views,
-    however short."""
+def _key_tiles(
+    ids: list[int], skip: int, num_keys: int, block_size: int, tile_blocks: int
+) -> list[KeyTile]:
+    """Tiles over ``ids``, the block table from its entry ``skip`` on: runs of consecutive ids
+    become views (split at ``tile_blocks``); short runs are packed into gathered tiles of at
+    most ``tile_blocks`` blocks. A table that is one run is all views, however short."""
     table = torch.tensor(ids, dtype=torch.long)
     # Where a run of consecutive ids starts: index 0 and wherever the id does not follow on.
     breaks = (table[1:] != table[:-1] + 1).nonzero().flatten().add_(1).tolist()
@@ -108,8 +124,8 @@ def _key_tiles(ids: list[int], num_keys: int, block_size: int, tile_blocks: int)
     def add(first: int, count: int, index: torch.Tensor | None) -> None:
         tiles.append(
             KeyTile(
-                first * block_size,
-                min(num_keys, (first + count) * block_size),
+                (skip + first) * block_size,
+                min(num_keys, (skip + first + count) * block_size),
                 ids[first],
                 count,
                 index,
@@ -151,10 +167,10 @@ def paged_attention(
     """Attention of queries at positions ``q_offset..`` over the plan's keys ``0..n-1``.
 
     q [t, Hq, D]; k_blocks, v_blocks [num_blocks, block_size, Hkv, D] in the pool's dtype;
-    query i sees keys ``0..q_offset+i``, so n must be ``q_offset + t`` (the chunk's own keys
-    already written). Returns [t, Hq, D] in q's dtype. As with ``causal_attention`` after
-    ``KVPool.gather(dtype=q.dtype)``, stored K/V are first cast to q's dtype, then
-    low-precision values are computed in float32.
+    query i sees keys ``0..q_offset+i`` (only the last ``plan.window`` of them with a window),
+    so n must be ``q_offset + t`` (the chunk's own keys already written). Returns [t, Hq, D]
+    in q's dtype. As with ``causal_attention`` after ``KVPool.gather(dtype=q.dtype)``, stored
+    K/V are first cast to q's dtype, then low-precision values are computed in float32.
     """
     t, num_heads, head_dim = q.shape
     num_kv_heads = k_blocks.shape[2]
@@ -171,6 +187,12 @@ def paged_attention(
         raise ValueError(
             f"plan covers {plan.num_keys} keys, queries at positions {q_offset}.."
             f"{q_offset + t - 1} need {q_offset + t}"
+        )
+    window = plan.window
+    if window is not None and plan.tiles[0].start > max(0, q_offset - window + 1):
+        raise ValueError(
+            f"plan starts at key {plan.tiles[0].start}, the query at position {q_offset} sees "
+            f"keys from {max(0, q_offset - window + 1)} (a plan made for fewer queries)"
         )
     if plan.max_block >= k_blocks.shape[0]:
         raise ValueError(
@@ -190,10 +212,19 @@ def paged_attention(
     # Per query tile: running max, running sum, unnormalised output (None until its first tile).
     state: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(bounds)
     for tile in plan.tiles:
-        last = len(bounds)
-        first = next((i for i, (_, q1) in enumerate(bounds) if q_offset + q1 > tile.start), last)
-        if first == last:
+        # The query tiles that see some key of this tile: from the first one not wholly before
+        # it (causality) up to the first one whose oldest query's window starts after it.
+        first = next((i for i, (_, q1) in enumerate(bounds) if q_offset + q1 > tile.start), None)
+        if first is None:
             break  # this and every later tile lies in all queries' future
+        last = len(bounds)
+        if window is not None:
+            last = next(
+                (i for i in range(first, last) if q_offset + bounds[i][0] - window + 1 >= tile.end),
+                last,
+            )
+            if first == last:
+                continue  # older than every window (a plan made for more queries than these)
         n = tile.end - tile.start
         k = _tile_kv(k_blocks, tile, n)
         v = _tile_kv(v_blocks, tile, n)
@@ -204,33 +235,42 @@ def paged_attention(
         for i in range(first, last):
             q0, q1 = bounds[i]
             p0, p1 = q_offset + q0, q_offset + q1  # positions of this query tile
-            nk = min(tile.end, p1) - tile.start  # keys after p1-1 are in every query's future
-            kt, vt = k[:nk].permute(1, 2, 0), v[:nk].permute(1, 0, 2)  # [Hkv, D, nk], [Hkv, nk, D]
+            # keys older than the first query's window are in no query's window; keys after
+            # p1-1 are in every query's future
+            lo = 0 if window is None else max(0, p0 - window + 1 - tile.start)
+            hi = min(tile.end, p1) - tile.start
+            kt, vt = k[lo:hi].permute(1, 2, 0), v[lo:hi].permute(1, 0, 2)  # [Hkv, D, nk], ...
             s = torch.bmm(qf[:, q0 * group : q1 * group], kt)  # [Hkv, rows, nk]
-            if tile.start + nk - 1 > p0:  # some key is in some query's future
-                future = (
-                    torch.arange(tile.start, tile.start + nk)[None, :]
-                    > torch.arange(p0, p1)[:, None]
-                )
+            k0, nk = tile.start + lo, hi - lo  # position of the first key in s, keys in s
+            future = k0 + nk - 1 > p0  # some key is in some query's future
+            old = window is not None and k0 < p1 - window  # some key left some query's window
+            if future or old:
+                keys, positions = torch.arange(k0, k0 + nk)[None, :], torch.arange(p0, p1)[:, None]
+                hidden = keys > positions
+                if old:
+                    hidden |= keys <= positions - window
                 s.view(num_kv_heads, q1 - q0, group, nk).masked_fill_(
-                    future[None, :, None, :], float("-inf")
+                    hidden[None, :, None, :], float("-inf")
                 )
             tile_max = s.amax(-1)
             prev = state[i]
-            if prev is None:  # the first tile holds key 0, visible to every query: max finite
-                s.sub_(tile_max.unsqueeze(-1)).exp_()
-                state[i] = (tile_max, s.sum(-1), torch.bmm(s, vt))
+            new_max = tile_max if prev is None else torch.maximum(prev[0], tile_max)
+            # Without a window the first tile holds key 0, visible to every query: the max is
+            # finite. With one, a row may not have seen any key yet (max -inf): shifting it by
+            # 0 makes its exp(-inf) terms 0 instead of NaN.
+            shift = new_max if window is None else new_max.nan_to_num(neginf=0.0)
+            s.sub_(shift.unsqueeze(-1)).exp_()
+            if prev is None:
+                state[i] = (new_max, s.sum(-1), torch.bmm(s, vt))
                 continue
             m, total, acc = prev
-            new_max = torch.maximum(m, tile_max)
-            scale = (m - new_max).exp_()
-            s.sub_(new_max.unsqueeze(-1)).exp_()
+            scale = (m - shift).exp_()
             total.mul_(scale).add_(s.sum(-1))
             acc.mul_(scale.unsqueeze(-1)).baddbmm_(s, vt)
             state[i] = (new_max, total, acc)
     out = torch.empty(num_kv_heads, t * group, head_dim, dtype=compute)
     for (q0, q1), st in zip(bounds, state, strict=True):
-        assert st is not None  # every query sees key 0, in the first tile
+        assert st is not None  # every query sees itself, in the tile of its own position
         _, total, acc = st
         out[:, q0 * group : q1 * group] = acc.div_(total.unsqueeze(-1))
     return (

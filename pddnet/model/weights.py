@@ -2,7 +2,9 @@
 
 A folder is `config.json` (LlamaForCausalLM fields) plus `model.safetensors` (or shards named
 by `model.safetensors.index.json`) with HF tensor names, so a real small Llama-family checkpoint
-loads as is. Only safetensors are read: pickle-based `.bin` files are refused, never unpickled.
+loads as is. A model with a sliding window is a MistralForCausalLM (the same tensors, plus
+`sliding_window`). Only safetensors are read: pickle-based `.bin` files are refused, never
+unpickled.
 """
 
 from __future__ import annotations
@@ -94,9 +96,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, object]:
+    # HF's Llama has no sliding window; Mistral is Llama's tensors and fields plus one
+    mistral = config.sliding_window is not None
+    window = {"sliding_window": config.sliding_window} if mistral else {}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
+        "model_type": "mistral" if mistral else "llama",
+        **window,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_layers,
@@ -131,11 +137,12 @@ _REQUIRED = (
 def config_from_hf(hf: dict[str, object], name: str, dtype: str | None = None) -> ModelConfig:
     """ModelConfig from a config.json dict; `dtype` overrides the checkpoint's own."""
     where = f"{name}/{CONFIG_FILE}"
-    archs = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:  # type: ignore[operator]
+    archs = list(hf.get("architectures") or [])  # type: ignore[call-overload]
+    mistral = hf.get("model_type") == "mistral" or "MistralForCausalLM" in archs
+    if not mistral and hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
         raise CheckpointError(
             f"{where}: architecture {archs or '?'} (model_type {hf.get('model_type')!r}) is not "
-            f"supported; pddnet loads LlamaForCausalLM checkpoints"
+            f"supported; pddnet loads LlamaForCausalLM and MistralForCausalLM checkpoints"
         )
     missing = [k for k in _REQUIRED if k not in hf]
     if missing:
@@ -176,6 +183,9 @@ def config_from_hf(hf: dict[str, object], name: str, dtype: str | None = None) -
             bos_token_id=int(hf.get("bos_token_id") or 0),  # type: ignore[arg-type]
             eos_token_id=int(eos),  # type: ignore[arg-type]
             rope_scaling=tuple(sorted(scaling.items())),
+            # only Mistral's is read (a Llama config's would be ignored by HF as well);
+            # null means full attention
+            sliding_window=hf.get("sliding_window") if mistral else None,  # type: ignore[arg-type]
         )
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: {exc}") from None
