@@ -171,10 +171,17 @@ class HashPrefixCache:
         Blocks are handled tail first so that, among a chain's blocks, the deepest become the
         least recently used and are evicted before the blocks their chain starts with.
         """
-        freed: list[int] = []
-        for b in reversed(list(block_ids)):
-            freed += self.allocator.decref([b])
-            self._maybe_evictable(b)
+        ids = list(block_ids)[::-1]
+        # One batched decref (checked at C speed; a bad id changes nothing), then the cache's
+        # own bookkeeping: a 64K-token sequence is 4096 blocks, one call each cost ~15 ms.
+        freed = self.allocator.decref(ids)
+        rc = self.allocator.refcounts()
+        hash_of, by_hash, evictable = self._hash_of_block, self._by_hash, self._evictable
+        for b in ids:
+            h = hash_of.get(b)
+            if h is not None and by_hash[h].pins == 0 and rc[b] == 1:
+                evictable[b] = None
+                evictable.move_to_end(b)
         return freed
 
     def _maybe_evictable(self, block_id: int) -> None:

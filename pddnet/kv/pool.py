@@ -231,13 +231,17 @@ class KVPool:
                 f"token range [{start}, {end}) needs {needed} blocks, "
                 f"block table has {len(block_table)}"
             )
-        table = torch.as_tensor(list(block_table[:needed]), dtype=torch.long)
-        if needed and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
+        # Only the blocks the range touches: a decode step at 64K context maps one slot, and
+        # converting the whole table every step cost more than the step's attention.
+        first = start // bs
+        ids = list(block_table[first:needed])
+        table = torch.as_tensor(ids, dtype=torch.long)
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
             raise ValueError(
                 f"block table {list(block_table[:needed])} has ids outside 0..{self.num_blocks - 1}"
             )
         pos = torch.arange(start, end, dtype=torch.long)
-        return table[pos // bs] * bs + pos % bs
+        return table[pos // bs - first] * bs + pos % bs
 
     def _flat(self, layer: int, kv: int) -> torch.Tensor:
         data = self._tensor()
