@@ -88,7 +88,8 @@ from pddnet.device import flags as device_flags
 # -- options --------------------------------------------------------------------------------------
 
 # The options --quick and the emulated devices change: None in the parser, so that one given
-# wins; otherwise the first of these that sets it (with --quick, then with --target-model).
+# wins; otherwise the first table that has it: the emulated line's (with --target-model), then
+# --quick's, then DEFAULTS (apply_defaults).
 DEFAULTS: dict[str, Any] = {
     "model": "small",
     "relay_tokens": [10, 25, 50, 100, 200],

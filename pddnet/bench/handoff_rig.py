@@ -307,7 +307,9 @@ async def handoff_once(
         rig.main.trials.pop(rid, None)
         await trial.close()
     sent = {
-        k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) > before.get(k, 0)
+        name: after[name] - before.get(name, 0)
+        for name in after
+        if after[name] > before.get(name, 0)
     }
     expected = prep.reference[n + 1 : n + 3]
     payload = sum(sent.values())
