@@ -337,6 +337,9 @@ def test_handoff_devices_pace_relay_and_md_and_say_when_not_valid(capsys):
     assert not unpaced.emulated and unpaced.pacers == {} and unpaced.report() == {"emulated": False}
     with pytest.raises(ValueError, match="no-such-chip"):
         setup_handoff_devices(parsed([*EMULATED, "--device", "relay=no-such-chip"]))
+    md_only = ["--target-model", "llama-3-70b", "--device", "main-decode=h200-sxm:8", "--quick"]
+    with pytest.raises(ValueError, match="relay has no device"):  # P's is not asked for
+        setup_handoff_devices(parsed(md_only))
 
 
 @pytest.mark.timeout(120)
