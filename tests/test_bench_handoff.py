@@ -1,6 +1,7 @@
 """`pdd bench handoff`: MD's side of both handoff transports fed frames by hand (no sockets),
-and the --quick run through the emulated WAN as a smoke test: it completes, writes its JSON and
-plots, and its numbers agree with each other (never with a clock)."""
+and the --quick run through the emulated WAN as a smoke test, unpaced and on emulated devices
+(the source's figure): it completes, writes its JSON and plots, and its numbers agree with each
+other (never with a clock)."""
 
 from __future__ import annotations
 
@@ -130,6 +131,7 @@ def test_summaries_and_ratios_from_trials():
             "forward_s": lat / 3,
             "import_s": 0.0,
             "payload_bytes": payload,
+            "payload_target_bytes": payload,
             "kv_bytes_received": 0,
             "forward_tokens": 1,
             "token_exact": True,
@@ -174,10 +176,8 @@ def test_summaries_and_ratios_from_trials():
     ],
 )
 def test_bad_options_are_refused(argv, message):
-    p = argparse.ArgumentParser()
-    handoff.add_arguments(p)
     with pytest.raises(ValueError, match=message):
-        handoff.check_args(p.parse_args(argv))
+        handoff.check_args(parsed(argv))
 
 
 @pytest.mark.timeout(120)
@@ -270,3 +270,132 @@ async def test_the_machines_cut_md_takes_over_token_exact(tiny, prep):
         await trial.close()
         assert got["tokens"] == prep.reference[n + 1 : n + 3]
         assert trial.fsm.next_index == n + 1 and trial.fsm.known[: n + 1] == prep.relay[: n + 1]
+
+
+# -- emulated devices -------------------------------------------------------------------------
+
+EMULATED = [
+    "--target-model",
+    "llama-3-70b",
+    "--device",
+    "relay=h100-sxm:8",
+    "--device",
+    "main-decode=h200-sxm:8",
+]
+TARGET_KVB = 327_680  # llama-3-70b's KV bytes per token
+
+
+def parsed(argv):
+    p = argparse.ArgumentParser()
+    handoff.add_arguments(p)
+    args = p.parse_args(argv)
+    handoff.apply_defaults(args)
+    return args
+
+
+def test_defaults_quick_and_emulated_and_given_options_win():
+    full, quick = parsed([]), parsed(["--quick"])
+    assert (full.model, full.bw_mbit, full.relay_tokens) == ("small", 100.0, [10, 25, 50, 100, 200])
+    assert (quick.model, quick.bw_mbit, quick.repeats) == ("tiny", 20.0, 3)
+    emulated = parsed([*EMULATED, "--quick"])  # the modelled line is the source's
+    assert (emulated.model, emulated.bw_mbit, emulated.bulk_mib) == ("tiny", 10000.0, 32.0)
+    assert parsed(EMULATED).bulk_mib == 256.0
+    given = parsed(["--quick", "--relay-tokens", "100", "--repeats", "2", "--bw-mbit", "7"])
+    assert (given.relay_tokens, given.repeats, given.bw_mbit) == ([100], 2, 7.0)
+
+
+def test_handoff_devices_pace_relay_and_md_and_say_when_not_valid(capsys):
+    """The pacers are the daemons' (the target on each role's chip, k), P is not paced, and a
+    run whose forwards overran says NOT VALID, naming the k to use."""
+    from pddnet.bench.devices import print_validity
+    from pddnet.bench.handoff_devices import setup_handoff_devices
+    from pddnet.device.cost import InstanceCost
+    from pddnet.device.profiles import load_chip
+    from pddnet.device.profiles import load_model as load_profile
+
+    devices = setup_handoff_devices(parsed([*EMULATED, "--quick", "--dilation", "3"]))
+    assert devices.k == 3.0 and set(devices.pacers) == {"relay", "main_decode"}
+    assert set(devices.setup.devices) == {"relay", "main_decode"}
+    assert devices.setup.wire_scale == pytest.approx(KVB / TARGET_KVB)
+    assert devices.target_bytes(10 * KVB) == 10 * TARGET_KVB
+    md = devices.pacer("main_decode")
+    h200 = InstanceCost(load_chip("h200-sxm"), load_profile("llama-3-70b"), gpus=8)
+    assert md.modelled([(64, 165)]) == h200.prefill_step_time([(64, 165)])
+    fine = md.modelled([(64, 165)]) * 3
+    md.pace([(64, 165)], 0.0, fine / 2)  # kept pace: waits the other half
+    report = devices.report()
+    assert report["emulated"] and report["valid"] and report["steps"] == 1
+    assert print_validity({"": report}, "handoff") == []
+    md.pace([(64, 165)], 0.0, fine * 10)  # 10x over its modelled time at k = 3
+    report = devices.report()
+    assert (report["steps"], report["overruns"], report["valid"]) == (2, 1, False)
+    assert report["roles"]["main_decode"]["chip"] == "h200-sxm"
+    (warning,) = print_validity({"": report}, "handoff")
+    assert "NOT VALID" in warning and "NOT VALID" in capsys.readouterr().out
+    assert report["dilation_needed"] >= 30
+    unpaced = setup_handoff_devices(parsed(["--quick"]))
+    assert not unpaced.emulated and unpaced.pacers == {} and unpaced.report() == {"emulated": False}
+    with pytest.raises(ValueError, match="no-such-chip"):
+        setup_handoff_devices(parsed([*EMULATED, "--device", "relay=no-such-chip"]))
+    md_only = ["--target-model", "llama-3-70b", "--device", "main-decode=h200-sxm:8", "--quick"]
+    with pytest.raises(ValueError, match="relay has no device"):  # P's is not asked for
+        setup_handoff_devices(parsed(md_only))
+
+
+@pytest.mark.timeout(120)
+async def test_source_figure_on_emulated_devices(tmp_path):
+    """The source's figure (100 relay tokens, quiet and jitter+bulk, both paths) as `pdd bench
+    reproduce` runs it, --quick on llama-3-70b devices at k = 2: the forwards and the link are
+    the modelled ones, the payload is also given in the target's bytes, tokens stay exact."""
+    from pddnet.device.cost import InstanceCost
+    from pddnet.device.profiles import load_chip
+    from pddnet.device.profiles import load_model as load_profile
+
+    k, n = 2.0, 100
+    fig = await handoff.source_figure(
+        [*EMULATED, "--dilation", "2", "--quick", "--repeats", "2"]
+        + ["--out", str(tmp_path), "--no-progress"]
+    )
+    data = json.loads(Path(fig["path"]).read_text())
+    assert fig == {**data["figure"], "path": fig["path"]}
+    assert fig["relay_tokens"] == n and set(fig["conditions"]) == {"quiet", "jitter+bulk"}
+    assert fig["emulated"] and fig["dilation"] == k and fig["valid"] == data["devices"]["valid"]
+    assert fig["target"]["met"] in (True, False)  # decided, whatever the box's load
+    for c in fig["conditions"].values():
+        for s in c.values():
+            assert s["max_over_mean"] == pytest.approx(s["max_ms"] / s["mean_ms"])
+    # payload: the ids as they are, KV-direct's KV as llama-3-70b's
+    real, target = fig["payload_bytes"], fig["payload_target_bytes"]
+    assert target[TOKEN_ID] == real[TOKEN_ID]
+    assert target[KV_DIRECT] == real[KV_DIRECT] + n * (TARGET_KVB - KVB)
+    assert fig["payload_target_ratio"] == pytest.approx(target[KV_DIRECT] / target[TOKEN_ID])
+
+    assert data["config"]["dilation_k"] == k and data["emulation"]["target_model"] == "llama-3-70b"
+    assert data["link"]["initial"]["rate_mbit"] == pytest.approx(10000 * KVB / TARGET_KVB / k)
+    assert data["link"]["initial"]["delay_ms"] == pytest.approx(10 / 2 * k)
+    assert data["conditions"]["jitter+bulk"]["effects"]["jitter_ms"] == pytest.approx(5 * k)
+    bulk = data["conditions"]["jitter+bulk"]["bulk"]
+    assert bulk["target_bytes"] == bulk["bytes"] * TARGET_KVB // KVB
+    assert all(data["consistency"][c] for c in ("all_token_exact", "kv_bytes_received_match"))
+    assert data["consistency"]["forwards_last_their_modelled_time"]
+    trials = data["trials"]
+    assert len(trials) == 2 * 2 * 2 and all(t["token_exact"] for t in trials)
+    # MD's sampling forward, paced: the extend of P's first token and the relay tokens, or
+    # KV-direct's one decode, at their modelled time on 8 H200s
+    h200 = InstanceCost(load_chip("h200-sxm"), load_profile("llama-3-70b"), gpus=8)
+    prompt = data["config"]["prompt_len"]
+    for t in trials:
+        (chunk,) = [tuple(c) for c in t["forward_chunks"]]
+        want = (prompt, prompt + n + 1) if t["path"] == TOKEN_ID else (prompt + n, prompt + n + 1)
+        assert chunk == want and t["dilation"] == k
+        assert t["forward_modelled_s"] == pytest.approx(h200.prefill_step_time([want]))
+        assert t["forward_s"] >= t["forward_modelled_s"] - 1e-6  # wall / k
+        assert t["wire_s"] + t["md_s"] == pytest.approx(t["latency_s"])
+    dev = data["devices"]
+    assert dev["emulated"] and set(dev["roles"]) == {"relay", "main_decode"}
+    md, rld = dev["roles"]["main_decode"], dev["roles"]["relay"]
+    assert md["steps"] == len(trials) + 2  # and the two warm-up handoffs
+    assert rld["steps"] == n  # RLD's decode to the cut, once per prompt
+    assert (md["chip"], rld["chip"], md["gpus"]) == ("h200-sxm", "h100-sxm", 8)
+    assert dev["steps"] == md["steps"] + rld["steps"]
+    assert dev["overrun_share"] == pytest.approx(dev["overruns"] / dev["steps"])

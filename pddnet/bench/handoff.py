@@ -43,6 +43,18 @@ Setup (not timed): per prompt, a colocated reference `Engine.generate` (the orac
 relay count; a cut at n sends RLD's first n tokens and their KV (causal: exactly what RLD had
 after n tokens). Each handoff gets a fresh MD engine holding the prompt KV. Every handoff checks
 that MD's next two tokens are the reference's (token-exact) and the result records it.
+
+With emulated devices (--target-model, --device relay=CHIP[:GPUS] --device main-decode=...,
+--dilation K|auto; handoff_devices.py) RLD's decode and MD's sampling forward are paced to the
+target model's time on their chips x k, the link and the competing traffic are the modelled
+line's as this box runs them (rate x real / target KV bytes per token / k, delay, jitter and
+pauses x k; handoff_rig.py), every reported time is wall / k, the payload is given in the
+target's bytes beside the real ones, and the JSON's `devices` says how well the box kept up (a
+run that overran on more than 1% of its forwards ends with a NOT VALID banner). The defaults
+then model the source's line (10 Gbit/s) and other requests' KV of ~800 llama-3-70b tokens.
+
+`source_figure` runs just the source's figure (100 relay tokens, quiet and jitter+bulk, both
+paths) and returns its summary (handoff_summary.figure): what `pdd bench reproduce` calls.
 """
 
 from __future__ import annotations
@@ -51,9 +63,12 @@ import argparse
 import asyncio
 import random
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pddnet.bench.devices import print_validity
+from pddnet.bench.handoff_devices import setup_handoff_devices
 from pddnet.bench.handoff_rig import CONDITIONS, Rig, WanLink, handoff_once, run_condition
 from pddnet.bench.handoff_setup import (
     BLOCK_SIZE,
@@ -64,22 +79,65 @@ from pddnet.bench.handoff_setup import (
     make_prompts,
     prepare_prompt,
 )
-from pddnet.bench.handoff_summary import headline, plot, print_table, summarise
+from pddnet.bench.handoff_summary import figure, headline, plot, print_table, summarise
 from pddnet.bench.options import add_run_arguments
 from pddnet.bench.progress import progress
 from pddnet.bench.results import announce, run_config, write_result
+from pddnet.device import flags as device_flags
 
 # -- options --------------------------------------------------------------------------------------
 
-# The line and its competing traffic in the conditions: flag, default, help (all floats)
-_LINK_OPTIONS: tuple[tuple[str, float, str | None], ...] = (
-    ("--rtt-ms", 30.0, None),
-    ("--bw-mbit", 100.0, "bottleneck rate per direction"),
+# The options --quick and the emulated devices change: None in the parser, so that one given
+# wins; otherwise the first table that has it: the emulated line's (with --target-model), then
+# --quick's, then DEFAULTS (apply_defaults).
+DEFAULTS: dict[str, Any] = {
+    "model": "small",
+    "relay_tokens": [10, 25, 50, 100, 200],
+    "repeats": 16,
+    "prompts": 2,
+    "prompt_len": 256,
+    "chunk_tokens": 64,
+    "rtt_ms": 30.0,
+    "bw_mbit": 100.0,
+    "bulk_mib": 2.0,
+    "pause_ms": 150.0,
+}
+QUICK: dict[str, Any] = {
+    "model": "tiny",
+    "relay_tokens": [10, 40],
+    "repeats": 3,
+    "prompts": 1,
+    "prompt_len": 64,
+    "chunk_tokens": 16,
+    "rtt_ms": 10.0,
+    "bw_mbit": 20.0,
+    "bulk_mib": 0.25,
+    "pause_ms": 40.0,
+}
+# modelled with a target model: the source's 10 Gbit/s line; bulk transfers of other requests'
+# KV (256 MiB: ~800 tokens of llama-3-70b; 32 MiB with --quick)
+EMULATED: dict[str, Any] = {"bw_mbit": 10000.0, "bulk_mib": 256.0}
+QUICK_EMULATED: dict[str, Any] = {"bw_mbit": 10000.0, "bulk_mib": 32.0}
+
+
+def _defaults_help(name: str) -> str:
+    said = [f"default {DEFAULTS[name]}"]
+    for label, table in (("--quick", QUICK), ("with --target-model", EMULATED)):
+        if name in table:
+            said.append(f"{label} {table[name]}")
+    return "; ".join(said)
+
+
+# The line and its competing traffic in the conditions: flag, default (None: see DEFAULTS), help;
+# in the modelled world when devices are emulated
+_LINK_OPTIONS: tuple[tuple[str, float | None, str], ...] = (
+    ("--rtt-ms", None, "round trip"),
+    ("--bw-mbit", None, "bottleneck rate per direction"),
     ("--queue-ms", 10.0, "bottleneck buffer, in ms of the link rate"),
     ("--jitter-ms", 5.0, "jitter (normal, std) in the jitter conditions"),
     ("--bulk-load", 0.5, "competing traffic's offered load, as a share of the link rate"),
-    ("--bulk-mib", 2.0, "mean size of a bulk transfer"),
-    ("--pause-ms", 150.0, "random pause (0..this) before each cut, to sample the bulk traffic"),
+    ("--bulk-mib", None, "mean size of a bulk transfer (the target model's bytes when emulated)"),
+    ("--pause-ms", None, "random pause (0..this) before each cut, to sample the bulk traffic"),
 )
 
 
@@ -87,41 +145,65 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="tiny model, two relay counts, 3 handoffs each (smoke test)",
+        help="tiny model, two relay counts, 3 handoffs each (smoke test); options given win",
     )
-    p.add_argument("--model", default="small", help="model preset (small: 16 KiB KV per token)")
+    p.add_argument("--model", default=None, help=f"model preset ({_defaults_help('model')})")
     p.add_argument(
         "--relay-tokens",
         type=int,
         nargs="+",
-        default=[10, 25, 50, 100, 200],
-        help="relay token counts to hand over",
+        default=None,
+        help=f"relay token counts to hand over ({_defaults_help('relay_tokens')})",
     )
-    p.add_argument("--repeats", type=int, default=16, help="handoffs per count, path, condition")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"handoffs per count, path, condition ({_defaults_help('repeats')})",
+    )
     p.add_argument(
         "--conditions", nargs="+", default=["quiet", "jitter+bulk"], choices=list(CONDITIONS)
     )
     p.add_argument(
-        "--prompt-len", type=int, default=256, help=f"prompt tokens (a multiple of {BLOCK_SIZE})"
+        "--prompt-len",
+        type=int,
+        default=None,
+        help=f"prompt tokens, a multiple of {BLOCK_SIZE} ({_defaults_help('prompt_len')})",
     )
-    p.add_argument("--prompts", type=int, default=2, help="distinct prompts, used in turn")
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help=f"distinct prompts, used in turn ({_defaults_help('prompts')})",
+    )
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy; seeded otherwise")
     p.add_argument(
         "--chunk-tokens",
         type=int,
-        default=64,
-        help="KV-direct: tokens per KV_CHUNK frame (as wan.chunk_tokens)",
+        default=None,
+        help=f"KV-direct: tokens per KV_CHUNK frame, as wan.chunk_tokens "
+        f"({_defaults_help('chunk_tokens')})",
     )
     for flag, default, help_text in _LINK_OPTIONS:
-        p.add_argument(flag, type=float, default=default, help=help_text)
+        name = flag[2:].replace("-", "_")
+        said = f"{help_text} ({_defaults_help(name)})" if default is None else help_text
+        p.add_argument(flag, type=float, default=default, help=said)
     add_run_arguments(p, threads="torch threads")
+    device_flags.add_arguments(p)
 
 
-def apply_quick(args: argparse.Namespace) -> None:
+def apply_defaults(args: argparse.Namespace) -> None:
+    """Fill the options left unset: the emulated line's (with --target-model), then --quick's,
+    then DEFAULTS."""
+    tables = []
+    if getattr(args, "target_model", None) is not None:
+        tables.append(QUICK_EMULATED if args.quick else EMULATED)
     if args.quick:
-        args.model, args.relay_tokens, args.repeats, args.prompts = "tiny", [10, 40], 3, 1
-        args.prompt_len, args.chunk_tokens, args.bw_mbit, args.rtt_ms = 64, 16, 20.0, 10.0
-        args.bulk_mib, args.pause_ms = 0.25, 40.0
+        tables.append(QUICK)
+    tables.append(DEFAULTS)
+    for name in DEFAULTS:
+        if getattr(args, name, None) is None:
+            setattr(args, name, next(t[name] for t in tables if name in t))
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -150,8 +232,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    apply_quick(args)
+    apply_defaults(args)
     check_args(args)
+    devices = setup_handoff_devices(args)  # before anything starts (--dilation auto: a probe)
     import torch
 
     from pddnet.engine.sampling import SamplingParams
@@ -177,15 +260,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     preps: list[Prepared] = []
     trials: list[dict[str, Any]] = []
     infos: dict[str, Any] = {}
-    rig = Rig(model, tok, md_ex, rld_ex)
+    rig = Rig(model, tok, md_ex, rld_ex, devices)
     try:
         prompts = make_prompts(
             args.prompts, args.prompt_len, config.vocab_size, config.bos_token_id, args.seed
         )
+        rld_pacer = devices.pacer("relay")
         for i, prompt in enumerate(prompts):
             sp = SamplingParams(temperature=args.temperature, seed=args.seed * 1000 + i)
             preps.append(
-                await loop.run_in_executor(rld_ex, prepare_prompt, model, tok, i, prompt, n_max, sp)
+                await loop.run_in_executor(
+                    rld_ex, prepare_prompt, model, tok, i, prompt, n_max, sp, rld_pacer
+                )
             )
         await rig.start(args)
         for kind in PATHS:  # warm-up (torch, lanes, proxy), not recorded
@@ -205,7 +291,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         md_ex.shutdown()
     rows = summarise(trials, args.conditions, args.relay_tokens)
     head = headline(rows)
+    report = devices.report()
+    fig = figure(head, report)
     cfg = run_config(args)
+    cfg["dilation_k"] = devices.k
     consistency = {
         "all_token_exact": all(t["token_exact"] for t in trials),
         "token_id_payload_below_kv_direct": all(
@@ -224,6 +313,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_direct_forward_is_one_token": all(
             t["forward_tokens"] == 1 for t in trials if t["path"] == KV_DIRECT
         ),
+        # paced: MD's sampling forward lasted at least its modelled time (wall / k)
+        "forwards_last_their_modelled_time": all(
+            t["forward_s"] >= t["forward_modelled_s"] - 1e-6
+            for t in trials
+            if t["forward_modelled_s"] is not None
+        ),
         "unexpected_frames": unexpected[:5],
     }
     path = write_result(
@@ -233,13 +328,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "threads_per_daemon": args.threads,
             "kv_bytes_per_token": spec.bytes_per_token,
             "model_dtype": config.dtype,
+            "emulation": devices.setup.to_dict(),
+            "devices": report,
             "link": {
-                "initial": WanLink(0, args).initial_effects,
-                "jitter_ms": args.jitter_ms,
+                "initial": WanLink(0, args, devices.setup).initial_effects,
+                "jitter_ms": args.jitter_ms * devices.k,
+                "modelled": {
+                    "rtt_ms": args.rtt_ms,
+                    "bw_mbit": args.bw_mbit,
+                    "queue_ms": args.queue_ms,
+                    "jitter_ms": args.jitter_ms,
+                },
                 "shell": "proxy",
             },
             "conditions": {c: {"rows": rows[c], **infos[c]} for c in args.conditions},
             "headline": head,
+            "figure": fig,
             "consistency": consistency,
             "prompts": [
                 {
@@ -255,12 +359,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         args.out,
     )
     pngs = plot(args, rows, trials, head, path)
-    print_table(args, rows, head, spec.bytes_per_token, infos)
+    print_table(args, rows, head, spec.bytes_per_token, infos, devices.setup.line())
     announce(path, pngs)
+    warnings = print_validity({"": report}, "handoff")
     return {
         "path": str(path),
         "rows": rows,
         "headline": head,
+        "figure": fig,
+        "devices": report,
         "consistency": consistency,
         "plots": pngs,
+        "warnings": warnings,
     }
+
+
+# The source's figure: 100 relay tokens, quiet and under jitter with competing traffic
+SOURCE_FIGURE_ARGV = ("--relay-tokens", "100", "--conditions", "quiet", "jitter+bulk")
+
+
+async def source_figure(argv: Sequence[str] = ()) -> dict[str, Any]:
+    """Run just the source's 100-token handoff figure, both paths, and return its summary
+    (`handoff_summary.figure`, with the result JSON's `path`). `argv`: more `pdd bench handoff`
+    flags (--target-model, --device, --dilation, --repeats, --quick, --out, ...)."""
+    p = argparse.ArgumentParser(prog="pdd bench handoff")
+    add_arguments(p)
+    result = await run(p.parse_args([*SOURCE_FIGURE_ARGV, *argv]))
+    return {**result["figure"], "path": result["path"]}

@@ -1,7 +1,13 @@
 """handoff bench: the rig, started in order and closed in reverse: MD's server, the emulated WAN
 (`pdd wan proxy` in its own process, changed at run time through its control API), RLD's lanes
 through it, and the competing bulk traffic; then one handoff, and one link condition's handoffs,
-run on it."""
+run on it.
+
+With emulated devices (`HandoffDevices`) the link and the traffic are the modelled world's as
+this box must run them (pddnet/device/dilation.py): the rate x wire scale / k (the target
+model's KV volume carried by the small model's bytes), delay, jitter and the buffer's time x k,
+the bulk transfers' sizes in real bytes of the same scale, the pauses x k; every time a trial
+records is wall / k."""
 
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pddnet.bench.devices import UNPACED, DeviceSetup
+from pddnet.bench.handoff_devices import HandoffDevices
 from pddnet.bench.handoff_setup import PATHS, Prepared
 from pddnet.bench.handoff_sides import (
     BULK_PREFIX,
@@ -49,8 +57,9 @@ class BulkStats:
 
 class BulkSender:
     """Other requests' KV crossing to MD on its own bulk lane: transfers of 1..2m-1 chunks
-    (mean `mean_bytes`) arriving as a Poisson process whose offered load is `load` of the link
-    rate. Bounded: it stops when `stop` is set or after `max_seconds`."""
+    (mean `mean_bytes`, real bytes) arriving as a Poisson process whose offered load is `load`
+    of the link rate (`rate_mbit`, the emulator's). Bounded: it stops when `stop` is set or
+    after `max_seconds`."""
 
     def __init__(
         self,
@@ -69,7 +78,8 @@ class BulkSender:
         self.conn = conn
         self.rng = random.Random(seed)
         self.max_seconds = max_seconds
-        tokens = 64
+        # chunks of up to 64 tokens, fewer when a whole transfer is smaller than that
+        tokens = max(1, min(64, round(mean_bytes / spec.bytes_per_token)))
         g = torch.Generator().manual_seed(seed)
         kv = torch.randn(
             (spec.num_layers, 2, tokens, spec.num_kv_heads, spec.head_dim), generator=g
@@ -122,19 +132,28 @@ _PROXY_LINE = re.compile(r"wan proxy: (\S+):(\d+) -> .*; control (http://\S+)")
 class WanLink:
     """The proxy-shell emulator between RLD (dc-a) and MD (dc-b), and its control API."""
 
-    def __init__(self, upstream_port: int, args: argparse.Namespace) -> None:
+    def __init__(
+        self, upstream_port: int, args: argparse.Namespace, devices: DeviceSetup = UNPACED
+    ) -> None:
         self.upstream_port = upstream_port
         self.args = args
+        self.devices = devices
         self.proc: Any = None
         self.port: int | None = None
         self.control_url: str | None = None
         self._log: Any = None
 
     @property
+    def rate_mbit(self) -> float:
+        """The emulator's rate: the modelled --bw-mbit x wire scale / k."""
+        return self.devices.wall_rate_mbit(self.args.bw_mbit)
+
+    @property
     def initial_effects(self) -> dict[str, Any]:
-        a = self.args
-        queue = max(1500, int(a.bw_mbit * 1e6 / 8 * a.queue_ms / 1e3))
-        return {"delay_ms": a.rtt_ms / 2, "rate_mbit": a.bw_mbit, "queue_bytes": queue}
+        """The emulator's settings (wall clock, real bytes)."""
+        a, k = self.args, self.devices.dilation
+        queue = max(1500, int(self.rate_mbit * 1e6 / 8 * a.queue_ms * k / 1e3))
+        return {"delay_ms": a.rtt_ms * k / 2, "rate_mbit": self.rate_mbit, "queue_bytes": queue}
 
     async def start(self) -> None:
         from pddnet.cluster.wan_setup import child_env, popen, proxy_argv
@@ -143,7 +162,7 @@ class WanLink:
         argv = [
             *proxy_argv(f"{HOST}:0", f"{HOST}:{self.upstream_port}", f"{HOST}:0"),
             "--rtt-ms",
-            repr(self.args.rtt_ms),
+            repr(fx["delay_ms"] * 2),
             "--bw-mbit",
             repr(fx["rate_mbit"]),
             "--queue-bytes",
@@ -179,7 +198,8 @@ class WanLink:
         client = self.client()
         await client.clear()
         if CONDITIONS[name]["jitter"] and self.args.jitter_ms > 0:
-            await client.set("both", jitter_ms=self.args.jitter_ms, jitter_dist="normal")
+            jitter_ms = self.args.jitter_ms * self.devices.dilation
+            await client.set("both", jitter_ms=jitter_ms, jitter_dist="normal")
         return (await client.show("a_to_b"))["a_to_b"]["effects"]
 
     async def counters(self) -> dict[str, Any]:
@@ -207,6 +227,7 @@ class Rig:
     tok: Any
     md_executor: ThreadPoolExecutor
     rld_executor: ThreadPoolExecutor
+    devices: HandoffDevices = field(default_factory=HandoffDevices)
     main: MainSide | None = None
     wan: WanLink | None = None
     relay: RelaySide | None = None
@@ -219,7 +240,7 @@ class Rig:
         secret = secrets.token_bytes(32)
         self.main = MainSide(secret)
         md_port = await self.main.server.start()
-        self.wan = WanLink(md_port, args)
+        self.wan = WanLink(md_port, args, self.devices.setup)
         await self.wan.start()
         port = self.wan.port
         assert port is not None
@@ -259,22 +280,26 @@ class Rig:
 async def handoff_once(
     rig: Rig, path: str, rid: str, prep: Prepared, n: int, pause_s: float
 ) -> dict[str, Any]:
-    """One handoff: MD's and RLD's state (untimed), a random pause, MD's TAKEOVER reaching
-    RLD's machine, which cuts; MD's first tokens."""
+    """One handoff: MD's and RLD's state (untimed), a random pause (`pause_s`, modelled), MD's
+    TAKEOVER reaching RLD's machine, which cuts; MD's first tokens. Times in the result are
+    modelled (wall / k); `forward_modelled_s` is MD's paced forward's modelled time (None
+    unpaced)."""
     assert rig.main is not None and rig.relay is not None
-    trial = MainTrial(path, rid, n, prep, rig.model, rig.tok, rig.md_executor)
+    k = rig.devices.k
+    pacer = rig.devices.pacer("main_decode")
+    trial = MainTrial(path, rid, n, prep, rig.model, rig.tok, rig.md_executor, pacer)
     rig.main.trials[rid] = trial
     try:
         takeover = await trial.setup()
         relay = relay_machine(prep, n)
-        await asyncio.sleep(pause_s)
+        await asyncio.sleep(pause_s * k)
         before = rig.relay.bytes_out()
         t_cut = await rig.relay.cut(path, rid, relay, takeover, prep)
         try:
-            got = await asyncio.wait_for(asyncio.shield(trial.done), TRIAL_TIMEOUT_S)
+            got = await asyncio.wait_for(asyncio.shield(trial.done), TRIAL_TIMEOUT_S * k)
         except asyncio.TimeoutError:
             raise RuntimeError(
-                f"handoff {rid}: MD had not sampled {TRIAL_TIMEOUT_S:g} s after "
+                f"handoff {rid}: MD had not sampled {TRIAL_TIMEOUT_S * k:g} s after "
                 f"the cut (messages lost on the link?)"
             ) from None
         after = rig.relay.bytes_out()
@@ -282,21 +307,29 @@ async def handoff_once(
         rig.main.trials.pop(rid, None)
         await trial.close()
     sent = {
-        k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) > before.get(k, 0)
+        name: after[name] - before.get(name, 0)
+        for name in after
+        if after[name] > before.get(name, 0)
     }
     expected = prep.reference[n + 1 : n + 3]
+    payload = sum(sent.values())
     return {
         "path": path,
         "request_id": rid,
         "relay_tokens": n,
         "prompt": prep.index,
-        "latency_s": got["t_sampled"] - t_cut,
-        "wire_s": got["t_arrived"] - t_cut,
-        "md_s": got["t_sampled"] - got["t_arrived"],
-        "forward_s": got["forward_s"],
+        "dilation": k,
+        "latency_s": (got["t_sampled"] - t_cut) / k,
+        "wire_s": (got["t_arrived"] - t_cut) / k,
+        "md_s": (got["t_sampled"] - got["t_arrived"]) / k,
+        "forward_s": got["forward_s"] / k,
+        "forward_modelled_s": None if pacer is None else pacer.modelled(trial.forward_chunks),
+        "forward_chunks": [list(c) for c in trial.forward_chunks],
         "forward_tokens": got["forward_tokens"],
-        "import_s": trial.import_s,
-        "payload_bytes": sum(sent.values()),
+        "import_s": trial.import_s / k,
+        "payload_bytes": payload,
+        # the KV in the target model's bytes, the ids and framing as they are
+        "payload_target_bytes": payload - trial.kv_bytes + rig.devices.target_bytes(trial.kv_bytes),
         "frames_bytes": sent,
         "kv_bytes_received": trial.kv_bytes,
         "tokens": got["tokens"],
@@ -323,6 +356,7 @@ async def run_condition(
     spec: Any,
 ) -> dict[str, Any]:
     assert rig.wan is not None and rig.main is not None
+    k = rig.devices.k
     load_before = _loadavg()
     effects = await rig.wan.set_condition(name)
     stop = asyncio.Event()
@@ -332,14 +366,14 @@ async def run_condition(
         sender = BulkSender(
             rig.bulk_conn,
             spec,
-            args.bulk_mib * (1 << 20),
+            args.bulk_mib * (1 << 20) * rig.devices.setup.wire_scale,  # modelled -> real bytes
             args.bulk_load,
-            args.bw_mbit,
+            rig.wan.rate_mbit,
             args.seed + 1000 + ci,
             max_seconds=3600.0,
         )
         bulk_task = asyncio.create_task(sender.run(stop), name=f"bulk {name}")
-        await asyncio.sleep(min(1.0, 4 * sender.mean_gap_s))  # let the traffic get going
+        await asyncio.sleep(min(k, 4 * sender.mean_gap_s))  # let the traffic get going
     trials = []
     try:
         for rep in range(args.repeats):
@@ -360,7 +394,7 @@ async def run_condition(
         stop.set()
         bulk = await bulk_task if bulk_task is not None else None
     if bulk is not None:  # drain what is still crossing before the next condition starts
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60 * k
         while rig.main.bulk_bytes - sink_before < bulk.bytes and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
     info: dict[str, Any] = {
@@ -373,9 +407,10 @@ async def run_condition(
         info["bulk"] = {
             "transfers": bulk.transfers,
             "bytes": bulk.bytes,
-            "seconds": bulk.seconds,
+            "target_bytes": rig.devices.target_bytes(bulk.bytes),
+            "seconds": bulk.seconds / k,
             "received_bytes": rig.main.bulk_bytes - sink_before,
             "offered_load": args.bulk_load,
-            "measured_load": bulk.bytes * 8 / max(bulk.seconds, 1e-9) / (args.bw_mbit * 1e6),
+            "measured_load": bulk.bytes * 8 / max(bulk.seconds, 1e-9) / (rig.wan.rate_mbit * 1e6),
         }
     return {"trials": trials, "info": info}

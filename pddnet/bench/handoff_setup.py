@@ -8,6 +8,9 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from pddnet.bench.handoff_devices import paced_step
+from pddnet.device.pacer import StepPacer
+
 TOKEN_ID = "token-id"
 KV_DIRECT = "kv-direct"
 PATHS = (TOKEN_ID, KV_DIRECT)
@@ -41,8 +44,16 @@ def engine_for(model: Any, tok: Any, tokens: int) -> Any:
 
 
 def prepare_prompt(
-    model: Any, tok: Any, index: int, prompt: list[int], n_max: int, sampling: Any
+    model: Any,
+    tok: Any,
+    index: int,
+    prompt: list[int],
+    n_max: int,
+    sampling: Any,
+    pacer: StepPacer | None = None,
 ) -> Prepared:
+    """`pacer`: the relay's, when devices are emulated: RLD's decode steps are paced as its
+    daemon's are (P's prefill, setup here, and the reference engine, the oracle, are not)."""
     from pddnet.kv.transfer import export_kv, import_kv
 
     length = len(prompt)
@@ -68,7 +79,7 @@ def prepare_prompt(
     )
     relay = list(first)
     while len(relay) < n_max + 1:
-        relay += [t for out in rld.step() for t in out.new_token_ids]
+        relay += [t for out in paced_step(rld, pacer) for t in out.new_token_ids]
     if relay != reference[: n_max + 1]:
         rld.close()
         at = next(i for i, (a, b) in enumerate(zip(relay, reference, strict=False)) if a != b)

@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pddnet.bench.handoff_devices import paced_step
 from pddnet.bench.handoff_setup import BLOCK_SIZE, KV_DIRECT, TOKEN_ID, Prepared, engine_for
+from pddnet.device.pacer import StepPacer
 from pddnet.lifecycle.actions import (
     AppendTokens,
     FirstMainToken,
@@ -42,7 +44,10 @@ MD_CHUNK_TOKENS = HandoffPolicy().chunk
 class MainTrial:
     """MD's half of one handoff, driven by MainHandoff: the engine state when MD's copy of the
     prompt is complete (`setup`, which yields MD's TAKEOVER), then the messages from RLD
-    (`on_handoff`, `on_chunk`), ending in `done` with MD's first two tokens."""
+    (`on_handoff`, `on_chunk`), ending in `done` with MD's first two tokens. With `pacer` (MD's
+    emulated device) the forward that samples MD's first token is paced (`paced_step`); the
+    bench's own steps around it (indexing the prompt's KV in setup, the token after it for the
+    check) are not: MD's daemon never makes the first, and the second is after the handoff."""
 
     def __init__(
         self,
@@ -53,9 +58,10 @@ class MainTrial:
         model: Any,
         tok: Any,
         executor: ThreadPoolExecutor,
+        pacer: StepPacer | None = None,
     ) -> None:
         self.path, self.rid, self.n, self.prep = path, request_id, n, prep
-        self.model, self.tok, self.executor = model, tok, executor
+        self.model, self.tok, self.executor, self.pacer = model, tok, executor, pacer
         self.max_tokens = n + 3
         self.fsm = MainHandoff(len(prep.prompt), MD_CHUNK_TOKENS)
         self.edits: list[SequenceEdit] = []  # the HANDOFFs' edits of MD's held sequence
@@ -70,6 +76,7 @@ class MainTrial:
         self.t_last_chunk: float | None = None
         self.import_s = 0.0
         self.t_sampled = 0.0
+        self.forward_chunks: tuple[tuple[int, int], ...] = ()  # the sampling forward's shape
         self._finishing = False
 
     async def _call(self, fn: Callable[..., Any], *a: Any) -> Any:
@@ -172,7 +179,7 @@ class MainTrial:
         t0 = time.perf_counter()
         if edit_sequence(md, self.rid, edits):
             raise AssertionError("the handed-over tokens ended the request")
-        (out,) = md.step()  # ONE extend: P's first token + the n relay tokens
+        (out,) = paced_step(md, self.pacer)  # ONE extend: P's first token + the n relay tokens
         return self._then_one_more(out, t0)
 
     def _reserve(self) -> Any:
@@ -234,13 +241,14 @@ class MainTrial:
         t0 = time.perf_counter()
         self._start_sequence(self.fsm.known, self.reservation)
         self.reservation = None
-        (out,) = md.step()
+        (out,) = paced_step(md, self.pacer)
         return self._then_one_more(out, t0)
 
     def _then_one_more(self, out: Any, t0: float) -> tuple[Any, list[int], float]:
         """Stamp the moment MD sampled its first token, then (untimed) one more for the check."""
         t_sampled = time.perf_counter()
         self.t_sampled = t_sampled
+        self.forward_chunks = self.engine.last_step.chunks
         tokens = list(out.new_token_ids)
         while self.engine.has_request(self.rid):
             tokens += [t for o in self.engine.step() for t in o.new_token_ids]

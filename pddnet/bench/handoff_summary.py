@@ -13,6 +13,18 @@ from pddnet.bench.metrics import stats_ms
 from pddnet.bench.plots import cdf_plot, panels_plot
 
 HEADLINE_TOKENS = 100  # the source's comparison point (4649 KB vs 1.5 KB for 100 tokens)
+# The source's 100-token handoff (pddnet/sim/reproduce.py's SOURCE["handoff"], docs/simulator.md)
+SOURCE_FIGURE: dict[str, Any] = {
+    "relay_tokens": HEADLINE_TOKENS,
+    "payload_kb": {TOKEN_ID: 1.5, KV_DIRECT: 4649.0},
+    "mean_ms": {TOKEN_ID: 305.0, KV_DIRECT: 185.0},
+    "max_ms": {TOKEN_ID: 321.4, KV_DIRECT: 512.6},
+}
+# Issue 26's target for that figure: under jitter with competing traffic, token-id's max/mean
+# at most this and KV-direct's at least that
+TARGET_CONDITION = "jitter+bulk"
+TOKEN_ID_MAX_OVER_MEAN = 1.10
+KV_DIRECT_MAX_OVER_MEAN = 2.0
 
 # -- summarising (pure) ---------------------------------------------------------------------------
 
@@ -41,6 +53,7 @@ def path_summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
         **st("import", "import_s"),
         "payload_bytes": max((t["payload_bytes"] for t in trials), default=None),
         "payload_bytes_min": min((t["payload_bytes"] for t in trials), default=None),
+        "payload_target_bytes": max((t["payload_target_bytes"] for t in trials), default=None),
         "kv_bytes_received": max((t["kv_bytes_received"] for t in trials), default=None),
         "forward_tokens": sorted({t["forward_tokens"] for t in trials}),
         "token_exact": all(t["token_exact"] for t in trials),
@@ -112,6 +125,9 @@ def headline(
         row = next(r for r in cond_rows if r["relay_tokens"] == n)
         out["payload_bytes"] = {p: row[p]["payload_bytes"] for p in PATHS}
         out["payload_ratio"] = row["kv_direct_over_token_id"]["payload"]
+        target = {p: row[p]["payload_target_bytes"] for p in PATHS}
+        out["payload_target_bytes"] = target
+        out["payload_target_ratio"] = _ratio(target[KV_DIRECT], target[TOKEN_ID])
         out["conditions"][cond] = {
             **{p: {k: row[p][k] for k in HEADLINE_KEYS} for p in PATHS},
             "kv_direct_over_token_id": row["kv_direct_over_token_id"],
@@ -134,6 +150,51 @@ def headline(
     return out
 
 
+def figure(head: dict[str, Any], devices: dict[str, Any]) -> dict[str, Any]:
+    """The source's handoff figure from a run's `headline` and its `device_report`: per
+    condition and path the latency's mean, max and max/mean (modelled ms when emulated), the
+    payload in real and target bytes, whether issue 26's target holds (None without the
+    jitter+bulk condition) and whether the run's devices kept pace (`valid`; None unpaced: the
+    times are this box's)."""
+    conditions = {
+        cond: {
+            p: {
+                "mean_ms": c[p]["mean_handoff_latency_ms"],
+                "max_ms": c[p]["max_handoff_latency_ms"],
+                "max_over_mean": c[p]["max_over_mean"],
+            }
+            for p in PATHS
+        }
+        for cond, c in head["conditions"].items()
+    }
+    met = None
+    jb = conditions.get(TARGET_CONDITION)
+    if jb is not None and None not in (jb[p]["max_over_mean"] for p in PATHS):
+        met = (
+            jb[TOKEN_ID]["max_over_mean"] <= TOKEN_ID_MAX_OVER_MEAN
+            and jb[KV_DIRECT]["max_over_mean"] >= KV_DIRECT_MAX_OVER_MEAN
+        )
+    emulated = bool(devices.get("emulated"))
+    return {
+        "relay_tokens": head["relay_tokens"],
+        "payload_bytes": head["payload_bytes"],
+        "payload_ratio": head["payload_ratio"],
+        "payload_target_bytes": head["payload_target_bytes"],
+        "payload_target_ratio": head["payload_target_ratio"],
+        "conditions": conditions,
+        "target": {
+            "condition": TARGET_CONDITION,
+            "token_id_max_over_mean_at_most": TOKEN_ID_MAX_OVER_MEAN,
+            "kv_direct_max_over_mean_at_least": KV_DIRECT_MAX_OVER_MEAN,
+            "met": met,
+        },
+        "emulated": emulated,
+        "dilation": devices.get("dilation", 1.0) if emulated else 1.0,
+        "valid": devices["valid"] if emulated else None,
+        "source": SOURCE_FIGURE,
+    }
+
+
 # -- output ---------------------------------------------------------------------------------------
 
 
@@ -143,6 +204,7 @@ def print_table(
     head: dict[str, Any],
     kv_per_token: int,
     infos: dict[str, Any],
+    devices_line: str,
 ) -> None:
     def ms(v: float | None) -> str:
         return f"{'-':>6}" if v is None else f"{v:6.1f}"
@@ -153,7 +215,8 @@ def print_table(
     print(
         f"\nhandoff benchmark: model {args.model} ({kv_per_token} B of KV per token), prompt "
         f"{args.prompt_len} tokens, WAN {args.rtt_ms:g} ms RTT, {args.bw_mbit:g} Mbit/s, "
-        f"buffer {args.queue_ms:g} ms; {args.repeats} handoffs per point and path"
+        f"buffer {args.queue_ms:g} ms; {args.repeats} handoffs per point and path\n"
+        f"{devices_line}"
     )
     for cond, cond_rows in rows.items():
         info = infos[cond]
@@ -202,10 +265,16 @@ def print_table(
                 f"{ms(kv['mean_md_ms'])}"
             )
     n = head["relay_tokens"]
-    pb = head["payload_bytes"]
+    pb, tb = head["payload_bytes"], head["payload_target_bytes"]
+    target = ""
+    if tb != pb:
+        target = (
+            f"; as the target model's KV: {tb[TOKEN_ID]} B vs {tb[KV_DIRECT]} B "
+            f"({head['payload_target_ratio']:.0f}x)"
+        )
     print(
         f"\nat {n} relay tokens: payload token-id {pb[TOKEN_ID]} B vs KV-direct "
-        f"{pb[KV_DIRECT]} B ({head['payload_ratio']:.0f}x; source: 1.5 KB vs 4649 KB)"
+        f"{pb[KV_DIRECT]} B ({head['payload_ratio']:.0f}x{target}; source: 1.5 KB vs 4649 KB)"
     )
     for cond, c in head["conditions"].items():
         t, k = c[TOKEN_ID], c[KV_DIRECT]
