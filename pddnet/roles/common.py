@@ -26,7 +26,7 @@ from .engine_host import EngineHost
 from .inbox import read_in_order
 from .ordering import RecentIds
 from .outbox import Outbox
-from .peer import Peer, PeerHost
+from .peer import Peer, PeerHost, beat
 from .readiness import STARTED, Link, all_up
 from .to_router import ToRouter
 
@@ -221,7 +221,15 @@ class Daemon(EngineHost, ToRouter, DaemonStats):
             box = self.outbox(conn, f"{conn.peer_role} events")
             self._router.append(box)
             self._report_links(box)
-        await self._serve(conn)
+        if conn.lane == "bulk":
+            await self._serve(conn)
+            return
+        # Our beats let the dialler hear us while its PINGs queue behind bulk KV (peer.py).
+        beating = self.spawn(beat(conn, self.config.wan.heartbeat_s), f"beat {conn.peer_role}")
+        try:
+            await self._serve(conn)
+        finally:
+            beating.cancel()
 
     async def _serve(self, conn: Connection) -> None:
         """Read a connection until it closes (pddnet/roles/inbox.py), then forget its lanes."""
