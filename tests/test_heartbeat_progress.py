@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 
+import aiohttp
 import numpy as np
+import pytest
 
 from emulation.link import Link
 from emulation.proxy import WanProxy
@@ -203,3 +206,57 @@ async def test_a_line_cut_mid_transfer_is_still_lost_within_the_deadline():
         finally:
             sending.cancel()
             await asyncio.gather(sending, return_exceptions=True)
+
+
+# -- the daemons: P's KV to MD fills the line for longer than the deadline ---------------------
+
+# 4 Mbit/s: a 1000-token prompt's KV (1 KiB a token) needs ~2 s to cross, and every PING toward
+# MD waits behind it that long: twice the 1 s deadline. The output outlasts the crossing.
+CLUSTER_WAN = {"rtt_ms": 10.0, "jitter_ms": 0.0, "bw_mbit": 4.0}
+CLUSTER_OVERRIDES = {
+    "policy.pipeline": "p_rld_md",
+    "policy.handoff": "one-shot",
+    "wan.heartbeat_s": 0.25,
+    "wan.heartbeat_deadline_s": 1.0,
+}
+
+
+@pytest.mark.timeout(240)
+async def test_a_request_is_handed_off_to_md_across_a_line_its_kv_fills():
+    from pddnet.cluster.local import LocalCluster
+
+    rng = random.Random(26)
+    body = {
+        "model": "tiny",
+        "prompt": [256] + [rng.randrange(256) for _ in range(1000)],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    async with LocalCluster(
+        mode="pdd", wan="proxy", **CLUSTER_WAN, overrides=CLUSTER_OVERRIDES
+    ) as cluster:
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(cluster.url + "/v1/completions", json=body) as r:
+                res = await r.json()
+        assert r.status == 200, res
+        pdd = res["pdd"]
+        brief = {k: pdd.get(k) for k in ("pipeline", "relay_tokens", "main_tokens", "replays")}
+        stats = {role: await cluster.stats(role) for role in ("prefill", "relay", "router")}
+        losses = {  # every lane each dials (the router's stats count connects instead)
+            role: {
+                n: p["losses"] if "losses" in p else p["connects"] - 1
+                for n, p in s["peers"].items()
+            }
+            for role, s in stats.items()
+        }
+        deadlines = {
+            role: s.get("counters", s).get("heartbeat_deadlines", 0) for role, s in stats.items()
+        }
+        # handed off to MD (RLD did not finish alone), and no lane to MD was ever dropped
+        assert pdd["relay_tokens"] > 0 and pdd["main_tokens"] > 0, (brief, losses, deadlines)
+        assert not pdd.get("replays"), brief
+        assert deadlines == dict.fromkeys(stats, 0), deadlines
+        assert all(n == 0 for lanes in losses.values() for n in lanes.values()), losses
+        assert pdd["wan_kv_bytes"] >= 1000 * 1024, pdd
