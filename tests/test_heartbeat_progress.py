@@ -49,6 +49,7 @@ class MainDecode:
     def __init__(self) -> None:
         self.kv_bytes = 0
         self.hung = asyncio.Event()
+        self.server: Server | None = None
 
     def hang(self) -> None:
         self.hung.set()
@@ -63,7 +64,8 @@ class MainDecode:
             work = read_in_order(conn, nothing, lambda msg: None, "md control")
         tasks = [asyncio.ensure_future(work)]
         if conn.lane != "bulk":
-            tasks.append(asyncio.ensure_future(beat(conn, HEARTBEAT_S)))
+            heard = lambda: self.server.last_received  # noqa: E731 - as Daemon._on_connection
+            tasks.append(asyncio.ensure_future(beat(conn, HEARTBEAT_S, DEADLINE_S, heard)))
         hung = asyncio.ensure_future(self.hung.wait())
         try:
             await asyncio.wait([tasks[0], hung], return_when=asyncio.FIRST_COMPLETED)
@@ -137,6 +139,7 @@ async def lane_over_a_slow_line():
         secret=SECRET,
         on_connection=md.on_connection,
     )
+    md.server = server
     await server.start()
     link = Link(delay_ms=5.0, rate_mbit=RATE_MBIT, queue_bytes=QUEUE_BYTES)
     host = PrefillHost()
@@ -202,6 +205,23 @@ async def test_a_line_cut_mid_transfer_is_still_lost_within_the_deadline():
             cut_at = time.monotonic()
             await wait_for(lambda: peer.losses >= 1, 10, "the cut lane to be declared lost")
             assert time.monotonic() - cut_at < DEADLINE_S + 3 * HEARTBEAT_S + 0.5
+            assert peer.last_loss.startswith("heartbeat deadline"), peer.last_loss
+        finally:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+
+
+async def test_a_cut_of_the_direction_toward_md_alone_is_still_lost():
+    """MD's beats still cross back, but they stop once nothing reaches MD any more: a cut of
+    one direction is a loss too, after MD's deadline and then P's."""
+    async with lane_over_a_slow_line() as (md, port, link, host, peer):
+        sending = asyncio.ensure_future(send_kv(port))
+        try:
+            await wait_for(lambda: md.kv_bytes >= 4 * CHUNK_BYTES, 30, "the transfer to flow")
+            link.blackhole(time.monotonic(), "a_to_b")
+            cut_at = time.monotonic()
+            await wait_for(lambda: peer.losses >= 1, 10, "the one-way cut to be declared lost")
+            assert time.monotonic() - cut_at < 2 * DEADLINE_S + 4 * HEARTBEAT_S + 0.5
             assert peer.last_loss.startswith("heartbeat deadline"), peer.last_loss
         finally:
             sending.cancel()

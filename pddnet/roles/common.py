@@ -225,7 +225,12 @@ class Daemon(EngineHost, ToRouter, DaemonStats):
             await self._serve(conn)
             return
         # Our beats let the dialler hear us while its PINGs queue behind bulk KV (peer.py).
-        beating = self.spawn(beat(conn, self.config.wan.heartbeat_s), f"beat {conn.peer_role}")
+        wan, server = self.config.wan, self.server
+        assert server is not None  # it accepted this connection
+        beating = self.spawn(
+            beat(conn, wan.heartbeat_s, wan.heartbeat_deadline_s, lambda: server.last_received),
+            f"beat {conn.peer_role} {conn.lane}",
+        )
         try:
             await self._serve(conn)
         finally:

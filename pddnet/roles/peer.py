@@ -50,14 +50,23 @@ async def silent_past_deadline(
     return silent if silent > deadline_s and unanswered() >= 2 else None
 
 
-async def beat(conn: Connection, heartbeat_s: float) -> None:
+async def beat(
+    conn: Connection, heartbeat_s: float, deadline_s: float, last_heard: Callable[[], float]
+) -> None:
     """The accepting side's heartbeat on `conn` (a control or events lane someone dialled): a
     PING every `heartbeat_s` until the connection closes, so that the dialler hears us over our
-    direction of the line while its own PINGs queue behind bulk bytes in the other. Its PONGs
-    need no judging here: the dialler's Peer judges the lane, and closes it when we go silent."""
+    direction of the line while its own PINGs queue behind bulk bytes in the other.
+
+    Only while we hear the line ourselves (`last_heard`: bytes arrived on any lane we accepted
+    within `deadline_s`): a beat says "alive, and your side's bytes reach me". When the direction
+    toward us alone is cut, nothing arrives and we fall silent too, so the dialler still loses
+    the lane (after our deadline and then its own). Nothing is judged here: the dialler's Peer
+    judges the lane and closes it."""
     nonce = 0
     while not conn.closed:
         await asyncio.sleep(heartbeat_s)
+        if time.monotonic() - last_heard() > deadline_s:
+            continue
         nonce += 1
         try:
             await conn.send(Ping(nonce=nonce, time=time.monotonic()))

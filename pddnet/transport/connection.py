@@ -557,6 +557,12 @@ class Server:
         log.info("%s %s listening on %s:%d", self.role, self.instance_id, self.host, self.port)
         return self.port
 
+    @property
+    def last_received(self) -> float:
+        """When bytes last arrived on any connection this server accepted (time.monotonic(); 0
+        with none): whether the line toward us is moving at all (pddnet.roles.peer.beat)."""
+        return max((conn.last_received for conn in self.connections), default=0.0)
+
     async def close(self, grace: float = 1.0) -> None:
         """Stop listening, close every connection, give handlers `grace` s to finish, cancel
         the rest and wait for them: no task is left behind."""
