@@ -5,12 +5,14 @@ queue, and every PING toward MD (P's, RLD's, the router's: they share that direc
 behind it for longer than the heartbeat deadline. The dialler then saw no PONG in time and
 dropped a lane whose peer was alive and receiving. The rule now (pddnet/roles/peer.py): a
 lane is lost only when nothing at all arrived from the peer for the deadline, and the accepting
-side beats (PINGs of its own, `beat`), so the dialler hears it while its own PINGs queue.
+side beats (PINGs of its own, `beat`, while bytes reach it), so the dialler hears it while its
+own PINGs queue.
 
 Here the two ends of such a lane run over the WAN proxy's link model, MD's side as a daemon runs
 it (`read_in_order` answers PINGs at once, `beat` beats), with a bulk transfer that keeps the
 queue full for several deadlines. The lane must be kept through it, and still be declared lost
-within the deadline when MD hangs or the line is cut mid-transfer.
+within the deadline when MD hangs or the line is cut mid-transfer (within two when only the
+direction toward MD is cut); then the same over the daemons themselves.
 """
 
 from __future__ import annotations
