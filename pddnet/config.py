@@ -105,8 +105,8 @@ class WanSection:
     stripes: int = 4  # parallel TCP streams for KV chunks
     chunk_tokens: int = 64  # KV tokens per KV_CHUNK frame
     control: str = "127.0.0.1:0"  # the emulator's control API
-    heartbeat_s: float = 1.0  # PING period on every dialled control lane (P's RTT samples)
-    heartbeat_deadline_s: float = 3.0  # no PONG for this long: the peer is lost (hung, cut off)
+    heartbeat_s: float = 1.0  # PING period on every control / events lane (P's RTT samples)
+    heartbeat_deadline_s: float = 3.0  # nothing from the peer this long: lost (hung, cut off)
 
 
 @dataclass

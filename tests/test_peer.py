@@ -128,7 +128,7 @@ async def test_a_hung_daemon_is_lost_at_the_heartbeat_deadline():
     await asyncio.wait_for(peer.up.wait(), 5)
     await wait_for(check(lambda: host.counters["heartbeat_deadlines"] >= 1), 5, "the deadline")
     await wait_for(check(lambda: False in host.changes), 5, "the loss to be reported")
-    assert peer.last_loss.startswith("heartbeat deadline: no PONG from prefill")
+    assert peer.last_loss.startswith("heartbeat deadline: nothing from prefill")
     host.closing = True  # the redial loop ends on `closing`, even if a cancel is swallowed
     await asyncio.wait_for(peer.close(), 5)
     await server.close()

@@ -26,7 +26,7 @@ from .engine_host import EngineHost
 from .inbox import read_in_order
 from .ordering import RecentIds
 from .outbox import Outbox
-from .peer import Peer, PeerHost
+from .peer import Peer, PeerHost, beat
 from .readiness import STARTED, Link, all_up
 from .to_router import ToRouter
 
@@ -221,7 +221,20 @@ class Daemon(EngineHost, ToRouter, DaemonStats):
             box = self.outbox(conn, f"{conn.peer_role} events")
             self._router.append(box)
             self._report_links(box)
-        await self._serve(conn)
+        if conn.lane == "bulk":
+            await self._serve(conn)
+            return
+        # Our beats let the dialler hear us while its PINGs queue behind bulk KV (peer.py).
+        wan, server = self.config.wan, self.server
+        assert server is not None  # it accepted this connection
+        beating = self.spawn(
+            beat(conn, wan.heartbeat_s, wan.heartbeat_deadline_s, lambda: server.last_received),
+            f"beat {conn.peer_role} {conn.lane}",
+        )
+        try:
+            await self._serve(conn)
+        finally:
+            beating.cancel()
 
     async def _serve(self, conn: Connection) -> None:
         """Read a connection until it closes (pddnet/roles/inbox.py), then forget its lanes."""

@@ -2,14 +2,19 @@
 
 The dialling side of every control lane (P -> RLD, P -> MD, RLD -> MD) and of the router's
 events lanes (router -> P, RLD, MD) is a Peer; what it needs from the process that keeps it (a
-daemon, the router) is a `PeerHost`. While it is up it sends PING every `heartbeat_s`; a PONG that
-does not come within `deadline_s` (a hung or partitioned peer: TCP alone would wait for minutes)
-closes the connection with that reason. Either way a lost connection ends the host's `serve` (a
-daemon's `connection_lost` fails or re-routes the requests that depended on it) and runs its
-`link_changed` (the router replays the requests the peer carried); the Peer redials with backoff
-until the host closes, so a restarted peer rejoins without restarting anybody else. `on_up(conn)`
-runs after every (re)connect, before messages are read, e.g. P dials the bulk lanes that go with
-MD's control lane.
+daemon, the router) is a `PeerHost`. While it is up it sends PING every `heartbeat_s`. The lane is
+lost when nothing at all arrived from the peer for `deadline_s` (no PONG, no message, no part of
+a frame) with two PINGs unanswered: a hung or partitioned peer (TCP alone would wait for
+minutes); the connection is closed with that reason. A late PONG alone is not a loss: on a slow
+WAN our PINGs wait in the bottleneck queue behind the bulk KV going the same way (P's, even for
+RLD's and the router's lanes) for longer than the deadline, while the peer is alive and
+receiving. So the accepting side beats too (`beat`, a PING of its own every `heartbeat_s` while
+bytes reach it), and the dialler hears it over the other direction. Either way a lost connection ends the host's
+`serve` (a daemon's `connection_lost` fails or re-routes the requests that depended on it) and
+runs its `link_changed` (the router replays the requests the peer carried); the Peer redials with
+backoff until the host closes, so a restarted peer rejoins without restarting anybody else.
+`on_up(conn)` runs after every (re)connect, before messages are read, e.g. P dials the bulk lanes
+that go with MD's control lane.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pddnet.protocol import Message, Ping, Pong
-from pddnet.transport import Connection
+from pddnet.transport import Connection, ConnectionClosed
 
 from .outbox import Outbox
 from .readiness import Link
@@ -32,17 +37,41 @@ log = logging.getLogger("pddnet.roles")
 
 
 async def silent_past_deadline(
-    last_pong: Callable[[], float], unanswered: Callable[[], int], deadline_s: float
+    last_heard: Callable[[], float], unanswered: Callable[[], int], deadline_s: float
 ) -> float | None:
-    """How long a peer has been silent, when that makes it lost (else None): no PONG for
-    `deadline_s` and two PINGs unanswered (a stall of our own event loop is not the peer's),
-    judged again after the readers had a turn (PONGs that arrived during such a stall may still
-    wait to be read: this timer can run first)."""
-    if time.monotonic() - last_pong() <= deadline_s or unanswered() < 2:
+    """How long a peer has been silent, when that makes it lost (else None): nothing heard from
+    it (`last_heard`: a PONG, or any bytes) for `deadline_s` and two PINGs unanswered (a stall
+    of our own event loop is not the peer's), judged again after the readers had a turn (bytes
+    that arrived during such a stall may still wait to be read: this timer can run first)."""
+    if time.monotonic() - last_heard() <= deadline_s or unanswered() < 2:
         return None
     await asyncio.sleep(0.05)
-    silent = time.monotonic() - last_pong()
+    silent = time.monotonic() - last_heard()
     return silent if silent > deadline_s and unanswered() >= 2 else None
+
+
+async def beat(
+    conn: Connection, heartbeat_s: float, deadline_s: float, last_heard: Callable[[], float]
+) -> None:
+    """The accepting side's heartbeat on `conn` (a control or events lane someone dialled): a
+    PING every `heartbeat_s` until the connection closes, so that the dialler hears us over our
+    direction of the line while its own PINGs queue behind bulk bytes in the other.
+
+    Only while we hear the line ourselves (`last_heard`: bytes arrived on any lane we accepted
+    within `deadline_s`): a beat says "alive, and your side's bytes reach me". When the direction
+    toward us alone is cut, nothing arrives and we fall silent too, so the dialler still loses
+    the lane (after our deadline and then its own). Nothing is judged here: the dialler's Peer
+    judges the lane and closes it."""
+    nonce = 0
+    while not conn.closed:
+        await asyncio.sleep(heartbeat_s)
+        if time.monotonic() - last_heard() > deadline_s:
+            continue
+        nonce += 1
+        try:
+            await conn.send(Ping(nonce=nonce, time=time.monotonic()))
+        except ConnectionClosed:
+            return
 
 
 @dataclass(frozen=True)
@@ -226,14 +255,16 @@ class Peer:
         while not conn.closed:
             await asyncio.sleep(self.heartbeat_s)
             silent = await silent_past_deadline(
-                lambda: self._last_pong, lambda: self._unanswered, self.deadline_s
+                lambda: max(self._last_pong, conn.last_received),
+                lambda: self._unanswered,
+                self.deadline_s,
             )
             if silent is not None:
                 self.host.counters["heartbeat_deadlines"] = (
                     self.host.counters.get("heartbeat_deadlines", 0) + 1
                 )
                 await conn.close(
-                    f"heartbeat deadline: no PONG from {self.name} for "
+                    f"heartbeat deadline: nothing from {self.name} for "
                     f"{silent:.1f} s (deadline {self.deadline_s:g} s)"
                 )
                 return

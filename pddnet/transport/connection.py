@@ -132,6 +132,7 @@ class _FrameReader:
         self._head = bytearray()
         self._header: FrameHeader | None = None
         self._remaining = 0
+        self.last_data = time.monotonic()  # when bytes last arrived (a frame's part counts)
 
     async def read(self) -> tuple[Message, int]:
         """The next message and its frame size in bytes. Raises ProtocolError or _EOF."""
@@ -140,6 +141,7 @@ class _FrameReader:
             data = await reader.read(HEADER_SIZE - len(self._head))
             if not data:
                 raise _EOF(partial=bool(self._head))
+            self.last_data = time.monotonic()
             self._head += data
             decoder.feed(data)
             if len(self._head) == HEADER_SIZE:
@@ -151,6 +153,7 @@ class _FrameReader:
             if not data:
                 decoder.eof()  # raises TruncatedFrame naming how much of which frame arrived
                 raise _EOF(partial=True)  # pragma: no cover - eof() always raises in a frame
+            self.last_data = time.monotonic()
             self._remaining -= len(data)
             messages = decoder.feed(data)
         assert len(messages) == 1, "a whole frame decodes to exactly one message"
@@ -246,6 +249,12 @@ class Connection:
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         """The transport's extra info ("peername", "sockname", "socket", ...)."""
         return self._writer.get_extra_info(name, default)
+
+    @property
+    def last_received(self) -> float:
+        """When bytes from the peer last arrived (time.monotonic()), a large frame's parts too:
+        the peer's liveness as the heartbeat judges it (pddnet/roles/peer.py)."""
+        return self._frames.last_data
 
     def write_buffer_size(self) -> int:
         """Bytes queued in the transport, not yet handed to the kernel (for striping)."""
@@ -547,6 +556,12 @@ class Server:
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("%s %s listening on %s:%d", self.role, self.instance_id, self.host, self.port)
         return self.port
+
+    @property
+    def last_received(self) -> float:
+        """When bytes last arrived on any connection this server accepted (time.monotonic(); 0
+        with none): whether the line toward us is moving at all (pddnet.roles.peer.beat)."""
+        return max((conn.last_received for conn in self.connections), default=0.0)
 
     async def close(self, grace: float = 1.0) -> None:
         """Stop listening, close every connection, give handlers `grace` s to finish, cancel
