@@ -101,6 +101,10 @@ class WanSection:
     rtt_ms: float = 30.0
     jitter_ms: float = 0.0
     bw_mbit: float | None = 1000.0
+    # the bottleneck's queue in ms of the line's rate (a router's buffer; dilated like every
+    # delay, so in bytes it holds the same share of the target's traffic at any k); unset:
+    # the emulator's default, 1 MiB of real bytes whatever the rate
+    queue_ms: float | None = None
     loss_pct: float = 0.0
     stripes: int = 4  # parallel TCP streams for KV chunks
     chunk_tokens: int = 64  # KV tokens per KV_CHUNK frame
@@ -272,6 +276,8 @@ class ClusterConfig:
             raise ConfigError(f"wan.chunk_tokens must be >= 1, got {self.wan.chunk_tokens}")
         if self.wan.rtt_ms < 0 or self.wan.jitter_ms < 0:
             raise ConfigError("wan.rtt_ms and wan.jitter_ms must be >= 0")
+        if self.wan.queue_ms is not None and not self.wan.queue_ms > 0:
+            raise ConfigError(f"wan.queue_ms must be > 0 (or unset), got {self.wan.queue_ms}")
         if self.wan.bw_mbit is not None and self.wan.bw_mbit <= 0:
             raise ConfigError(
                 f"wan.bw_mbit must be > 0 (or absent for unlimited), got {self.wan.bw_mbit}"

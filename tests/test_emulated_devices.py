@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from pddnet.cluster.wan_setup import queue_bytes
 from pddnet.config import ConfigError, load_config
 from pddnet.device.cost import InstanceCost
 from pddnet.device.dilation import (
@@ -535,6 +536,7 @@ def user_config():
         {
             **SCENARIO,
             "wan.jitter_ms": 2.0,
+            "wan.queue_ms": 10.0,
             "policy.wan_bw_mbit": 500.0,
             "transport.abort_grace_s": 1.5,
         },
@@ -554,6 +556,7 @@ def test_wallclock_dilates_times_and_scales_rates(user_config):
     for section, field in [
         ("wan", "rtt_ms"),
         ("wan", "jitter_ms"),
+        ("wan", "queue_ms"),
         ("wan", "heartbeat_s"),
         ("wan", "heartbeat_deadline_s"),
         ("transport", "deadline_s"),
@@ -569,6 +572,9 @@ def test_wallclock_dilates_times_and_scales_rates(user_config):
     assert w.transport.progress_timeout_s == math.ceil(c.transport.progress_timeout_s * k)
     assert w.wan.bw_mbit == pytest.approx(1000.0 * WIRE_SCALE / k)  # 0.78125
     assert w.policy.wan_bw_mbit == pytest.approx(500.0 * WIRE_SCALE / k)
+    # the queue holds the same real bytes at any k: 10 ms of the target's 1 Gbit/s, scaled
+    assert queue_bytes(w.wan) == int(1000e6 / 8 * 0.010 * WIRE_SCALE)
+    assert queue_bytes(c.wan) == int(1000e6 / 8 * 0.010)
     # the user's config is not touched; what is not a time stays
     assert (c.wan.rtt_ms, c.wan.bw_mbit, c.router.stall_timeout_s) == (30.0, 1000.0, 30.0)
     assert (w.wan.stripes, w.wan.loss_pct, w.dilation, w.target_model) == (

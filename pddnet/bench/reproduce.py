@@ -76,6 +76,9 @@ QUICK_SHAPE: dict[str, Any] = {
     "max_turns": (2, 3),
     "max_context": 2048,
 }
+# The line's bottleneck buffer, in ms of its rate (a router's; the emulator's default is 1 MiB of
+# real bytes, seconds of queue at the few Mbit/s a scaled line runs at on this box)
+QUEUE_MS = 20.0
 # KV pools in blocks of 16 tokens (room for the conversations' contexts; checked against the
 # modelled chips' memory by the config).
 FULL_POOLS = {"prefill": 8192, "relay": 8192, "main_decode": 32768}
@@ -158,6 +161,7 @@ def cluster_settings(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "wan.rtt_ms": args.rtt_ms,
         "wan.jitter_ms": args.jitter_ms,
         "wan.bw_mbit": line_gbit(args) * 1e3,
+        "wan.queue_ms": QUEUE_MS,
         **{f"{role}.num_blocks": n for role, n in pools.items()},
     }
 
@@ -240,6 +244,23 @@ async def run_drc_off(args: argparse.Namespace, requests: list[AgentRequest]) ->
     )
 
 
+def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
+    """`pdd bench handoff` flags for the source's 100-token figure on this run's chips and k,
+    RLD and MD holding a prompt of the workload's longest context (64K in a full run)."""
+    argv = [
+        *("--model", args.model, "--target-model", args.target_model),
+        *("--device", f"relay={args.relay_chip}:{args.gpus}"),
+        *("--device", f"main-decode={args.md_chip}:{args.gpus}"),
+        *("--dilation", f"{k:g}", "--rtt-ms", f"{args.rtt_ms:g}"),
+        *("--threads", str(args.threads), "--seed", str(args.seed), "--out", str(args.out)),
+    ]
+    if args.no_progress:
+        argv.append("--no-progress")
+    if args.quick:
+        return [*argv, "--quick"]
+    return [*argv, "--prompt-len", str(FULL_SHAPE["max_context"] - 1024), "--repeats", "8"]
+
+
 def check_args(args: argparse.Namespace) -> None:
     if args.conversations < 1 or args.max_requests < 1 or args.gpus < 1:
         raise ValueError("--conversations, --max-requests and --gpus must be >= 1")
@@ -265,17 +286,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_handoff:
         from pddnet.bench.handoff import source_figure
 
-        handoff = await source_figure(
-            model=args.model,
-            target_model=args.target_model,
-            relay_device=f"{args.relay_chip}:{args.gpus}",
-            md_device=f"{args.md_chip}:{args.gpus}",
-            dilation=k,
-            rtt_ms=args.rtt_ms,
-            quick=args.quick,
-            threads=args.threads,
-            show_progress=not args.no_progress,
-        )
+        handoff = await source_figure(handoff_argv(args, k))
     sim = None
     sim_config = None
     if not args.no_sim:

@@ -46,6 +46,20 @@ def _pool(chip: str, gpus: int) -> dict[str, Any]:
     return {"chip": chip, "instances": 1, "gpus": gpus}
 
 
+def line(live: ClusterConfig, gbit: float, rtt_ms: float, jitter_ms: float) -> dict[str, Any]:
+    """The simulator's line as the live one: its queue (``wan.queue_ms`` of the rate) and, as
+    the unit the line interleaves, one KV_CHUNK frame of the target model's KV."""
+    from pddnet.device.profiles import load_model
+
+    out: dict[str, Any] = {"bw_gbit": gbit, "rtt_ms": rtt_ms, "jitter_ms": jitter_ms}
+    chunk = live.wan.chunk_tokens * load_model(live.target_model).kv_bytes_per_token
+    out["piece_mb"] = chunk / 2**20
+    out["piece_ms"] = 0.0
+    if live.wan.queue_ms is not None:
+        out["queue_mb"] = gbit * 1e9 / 8 * live.wan.queue_ms / 1e3 / 2**20
+    return out
+
+
 def sim_config_dict(
     live: ClusterConfig,
     chips: dict[str, tuple[str, int]],
@@ -75,7 +89,7 @@ def sim_config_dict(
             "main_decode": _pool("md", md_gpus),
         },
         "baseline": {"prefill": _pool("p", p_gpus), "decode": _pool("d", d_gpus)},
-        "line": {"bw_gbit": line_gbit, "rtt_ms": rtt_ms, "jitter_ms": jitter_ms},
+        "line": line(live, line_gbit, rtt_ms, jitter_ms),
         "engine": {
             "block_tokens": live.prefill.block_size,
             "chunk_tokens": live.prefill.max_num_batched_tokens,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from emulation.lifetime import die_with_parent
-from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.config import ClusterConfig, ClusterMode, WanSection
 from pddnet.device.dilation import wallclock
 
 WAN_CHOICES = ("auto", "kernel", "packet", "proxy")
@@ -157,6 +157,14 @@ def child_env(threads: int) -> dict[str, str]:
         env[var] = str(threads)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def queue_bytes(wan: WanSection) -> int | None:
+    """The emulator's bottleneck queue: ``wan.queue_ms`` of the line's (wall-clock) rate, at
+    least one packet; None (the emulator's default) when either is unset."""
+    if wan.queue_ms is None or wan.bw_mbit is None:
+        return None
+    return max(1500, int(wan.bw_mbit * 1e6 / 8 * wan.queue_ms / 1e3))
 
 
 def proxy_argv(listen: str, upstream: str, control: str) -> list[str]:
@@ -279,6 +287,9 @@ class ProxyPlacement(Placement):
         ]
         if wan.bw_mbit is not None:
             argv += ["--bw-mbit", repr(wan.bw_mbit)]
+        queue = queue_bytes(wan)
+        if queue is not None:
+            argv += ["--queue-bytes", str(queue)]
         log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - handed to the child
         try:
             self.proc = popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(1))
@@ -311,6 +322,7 @@ class TestbedPlacement(Placement):
             jitter_ms=wan.jitter_ms,
             bw_mbit=wan.bw_mbit,
             loss_pct=wan.loss_pct,
+            queue_bytes=queue_bytes(wan),
             shell=choice.shell,
             seed=config.model.seed,
             die_with_parent=True,

@@ -52,6 +52,8 @@ def wallclock(config: ClusterConfig) -> ClusterConfig:
     wan, tr, router, pol = out.wan, out.transport, out.router, out.policy
     wan.rtt_ms *= k
     wan.jitter_ms *= k
+    if wan.queue_ms is not None:
+        wan.queue_ms *= k
     wan.heartbeat_s *= k
     wan.heartbeat_deadline_s *= k
     if wan.bw_mbit is not None:
