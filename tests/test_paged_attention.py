@@ -64,14 +64,16 @@ def _case(
     )
 
 
+@pytest.mark.parametrize("windowed", [False, True])
 @pytest.mark.parametrize("tiles", ["default", "small"])
-def test_paged_attention_equals_causal_attention(tiles, monkeypatch):
+def test_paged_attention_equals_causal_attention(tiles, windowed, monkeypatch):
     if tiles == "small":  # many query and key tiles, partial ones, masks on several of them
         monkeypatch.setattr(pa, "SCORE_TILE_ELEMENTS", 64)
         monkeypatch.setattr(pa, "QUERY_TILE_ROWS", 8)
         monkeypatch.setattr(pa, "MIN_TILE_KEYS", 4)
-    rng = random.Random(7)
-    torch.manual_seed(7)
+    seed = 17 if windowed else 7
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
     cases = 0
     for kind in ("consecutive", "scattered", "mixed"):
         for mode in ("decode", "extend", "prefill", "chunk"):
@@ -83,17 +85,25 @@ def test_paged_attention_equals_causal_attention(tiles, monkeypatch):
                     "prefill": n,
                     "chunk": rng.randint(1, n),
                 }[mode]
+                # sliding windows: W = 1, smaller than the chunk, about it, past the context
+                window = (
+                    rng.choice([1, 2, max(1, t // 3), t, t + 5, rng.randint(1, n), n + 9])
+                    if windowed
+                    else None
+                )
                 block_size = rng.choice([1, 3, 4, 16])
                 kv_heads, group = rng.choice([(1, 1), (1, 2), (2, 2), (2, 4), (4, 1)])
                 q, kb, vb, table, keys, values = _case(
                     rng, n, t, block_size, kv_heads, group, rng.choice([8, 16]), kind
                 )
-                plan = plan_chunk(table, n, block_size, t, kv_heads * group, kv_heads)
+                heads = kv_heads * group
+                plan = plan_chunk(table, n, block_size, t, heads, kv_heads, window)
                 out = paged_attention(q, kb, vb, plan, q_offset=n - t)
-                ref = causal_attention(q, keys, values, q_offset=n - t)
+                ref = causal_attention(q, keys, values, q_offset=n - t, window=window)
                 assert out.dtype == torch.float64 and out.shape == ref.shape
+                assert torch.isfinite(out).all()
                 err = (out - ref).abs().max().item()
-                assert err < 1e-10, (kind, mode, n, t, block_size, kv_heads, group, err)
+                assert err < 1e-10, (kind, mode, n, t, window, block_size, kv_heads, group, err)
                 cases += 1
     assert cases == 48
 

@@ -67,39 +67,7 @@ def test_reference_window_sees_exactly_the_last_w_keys():
     assert torch.equal(causal_attention(q, k, v, 0, window=1)[:, 0], torch.eye(n).double())
 
 
-@pytest.mark.parametrize("tiles", ["default", "small"])
-def test_paged_attention_with_a_window_equals_the_reference(tiles, monkeypatch):
-    if tiles == "small":  # many query and key tiles: window edges inside and across tiles
-        monkeypatch.setattr(pa, "SCORE_TILE_ELEMENTS", 64)
-        monkeypatch.setattr(pa, "QUERY_TILE_ROWS", 8)
-        monkeypatch.setattr(pa, "MIN_TILE_KEYS", 4)
-    rng = random.Random(17)
-    torch.manual_seed(17)
-    cases = 0
-    for kind in ("consecutive", "scattered", "mixed"):
-        for mode in ("decode", "extend", "prefill", "chunk"):
-            for _ in range(4):
-                n = rng.randint(1, 700 if tiles == "default" else 150)
-                t = {
-                    "decode": 1,
-                    "extend": rng.randint(1, min(n, 9)),
-                    "prefill": n,
-                    "chunk": rng.randint(1, n),
-                }[mode]
-                # W = 1, smaller than the chunk, about the chunk, past the context
-                window = rng.choice([1, 2, max(1, t // 3), t, t + 5, rng.randint(1, n), n + 9])
-                block_size = rng.choice([1, 3, 4, 16])
-                kv_heads, group = rng.choice([(1, 1), (1, 2), (2, 2), (2, 4), (4, 1)])
-                q, kb, vb, table, keys, values = _case(
-                    rng, n, t, block_size, kv_heads, group, rng.choice([8, 16]), kind
-                )
-                out = _windowed(q, kb, vb, table, n, t, block_size, window)
-                ref = causal_attention(q, keys, values, n - t, window=window)
-                assert torch.isfinite(out).all()
-                err = (out - ref).abs().max().item()
-                assert err < TOL, (kind, mode, n, t, window, block_size, kv_heads, group, err)
-                cases += 1
-    assert cases == 48
+# paged vs reference with windows: tests/test_paged_attention.py, windowed=True
 
 
 def test_a_window_past_the_context_is_full_attention_bit_for_bit():
