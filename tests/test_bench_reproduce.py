@@ -55,7 +55,14 @@ def test_reproduce_quick(tmp_path, capsys):
         if row["sim_vs_live"] is not None:
             assert row["sim_vs_live"] == pytest.approx((row["sim"] - row["live"]) / row["live"])
     # the handoff figure: both paths at 100 relay tokens, quiet and under jitter + traffic
-    assert data["handoff"] is not None
+    h = data["handoff"]
+    assert set(h["conditions"]) == {"quiet", "jitter+bulk"} and h["relay_tokens"] == 100
+    for paths in h["conditions"].values():
+        for way in ("token-id", "kv-direct"):
+            assert 0 < paths[way]["mean_ms"] <= paths[way]["max_ms"]
+    assert h["emulated"] and h["dilation"] == 10.0
+    # token ids are a few hundred bytes; KV-direct carries the target model's KV of 100 tokens
+    assert h["payload_bytes"]["token-id"] < 1000 < h["payload_target_bytes"]["kv-direct"]
     # every target is reported as passed, failed or not measured, and printed
     assert set(data["checks"]) >= {
         "PDD TTFT P99 <= 1.2x same-dc",

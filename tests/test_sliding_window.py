@@ -33,7 +33,7 @@ def _windowed(q, kb, vb, table, n, t, block_size, window):
 def test_preset_and_validation():
     cfg = ModelConfig.preset("tiny-window")
     long = ModelConfig.preset("tiny-long")
-    assert cfg.sliding_window == 1024 and long.sliding_window is None
+    assert cfg.sliding_window == 512 and long.sliding_window is None
     # tiny-long's shape and KV, only the attention window differs
     assert dataclasses.replace(cfg, name="tiny-long", sliding_window=None) == long
     assert cfg.kv_bytes_per_token == 256 and cfg.max_position == 131072

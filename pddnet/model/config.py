@@ -169,7 +169,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-long": _byte_vocab_config(
         "tiny-long", (32, 64, 2, 2, 1, 8), 131072, "float64", rope_theta=500000.0
     ),
-    # tiny-long whose attention reads only the last 1024 positions (as Mistral's): its real cost
+    # tiny-long whose attention reads only the last 512 positions (as Mistral's): its real cost
     # per token is bounded by the window, not the context, while the KV of every position is
     # still stored, moved and cached. Emulated devices pace it to a target model's full attention
     # (docs/emulated-devices.md), so long contexts need a small dilation.
@@ -179,7 +179,7 @@ PRESETS: dict[str, ModelConfig] = {
         131072,
         "float64",
         rope_theta=500000.0,
-        sliding_window=1024,
+        sliding_window=512,
     ),
     # 8 layers x 2 (K,V) x 4 kv heads x 64 x 4 bytes = 16 KiB per token; ~19M parameters.
     "small": _byte_vocab_config("small", (512, 1024, 8, 8, 4, 64), 16384, "float32"),
