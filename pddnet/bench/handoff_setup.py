@@ -66,7 +66,9 @@ def prepare_prompt(
     p = engine_for(model, tok, length + 1)
     try:
         pid = p.add_request(prompt, 1, sampling, keep_blocks=True, ignore_eos=True)
-        first = [t for out in p.step() for t in out.new_token_ids]
+        first: list[int] = []
+        while not first:  # a long prompt is prefilled in several chunks, one per step
+            first = [t for out in p.step() for t in out.new_token_ids]
         prompt_kv = export_kv(p.pool, p.get_sequence(pid).block_table, 0, length)
         p.release(pid)
     finally:

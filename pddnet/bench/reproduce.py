@@ -32,6 +32,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pddnet.bench import metrics
@@ -212,23 +213,43 @@ def _ttft_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 async def run_live(
-    args: argparse.Namespace, requests: list[AgentRequest], devices: dict[str, DeviceSetup]
-) -> dict[str, dict[str, Any]]:
+    args: argparse.Namespace,
+    requests: list[AgentRequest],
+    devices: dict[str, DeviceSetup],
+    mode: str,
+) -> dict[str, Any]:
+    """One mode's cluster on the workload (`ttft.run_mode`), with this run's pools."""
     from pddnet.bench.ttft import run_mode
 
-    out = {}
-    for mode in args.modes:
-        settings = cluster_settings(mode, args)
-        extra = {k: v for k, v in settings.items() if k.endswith(".num_blocks")}
-        out[mode] = await run_mode(
-            mode,
-            {"agent": requests},
-            _ttft_args(args),
-            not args.no_progress,
-            devices[mode],
-            overrides=extra,
-        )
-    return out
+    settings = cluster_settings(mode, args)
+    extra = {k: v for k, v in settings.items() if k.endswith(".num_blocks")}
+    return await run_mode(
+        mode,
+        {"agent": requests},
+        _ttft_args(args),
+        not args.no_progress,
+        devices[mode],
+        overrides=extra,
+    )
+
+
+def simulator_config(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, Any]:
+    """The simulator's config for this run: the engine and policy settings every mode's
+    daemons run with, the chips, the line, the SLA."""
+    from pddnet.config import load_config
+
+    live = load_config(None, cluster_settings("pdd", args))
+    live.target_model = args.target_model
+    return sim_config_dict(
+        live, chips(args), line_gbit(args), args.rtt_ms, args.jitter_ms, slos, args.seed
+    )
+
+
+def _async(fn: Callable[..., Any], *a: Any) -> Callable[[], Awaitable[Any]]:
+    """``fn(*a)`` in a thread, as a stage (the simulator is CPU work for seconds)."""
+    import asyncio
+
+    return lambda: asyncio.to_thread(fn, *a)
 
 
 async def run_drc_off(args: argparse.Namespace, requests: list[AgentRequest]) -> dict[str, Any]:
@@ -283,29 +304,42 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     requests = workload(args)
     devices = devices_per_mode(args)
     k = devices[args.modes[0]].dilation
-    live = await run_live(args, requests, devices)
-    drc_off = None
-    if not args.no_drc_off and "cross-dc" in args.modes:
-        drc_off = await run_drc_off(args, requests)
+    failed: dict[str, str] = {}
+
+    async def stage(name: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        """One stage; a failure is recorded and said, and the other stages' figures are kept."""
+        try:
+            return await work()
+        except Exception as exc:  # noqa: BLE001 - reported in the result, never swallowed
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            print(f"reproduce: {name} failed: {failed[name]}", file=sys.stderr)
+            return None
+
+    # the quick, in-process stages first: a mistake there shows before the clusters' minutes
+    sim_config = None
+    if not args.no_sim:
+        sim_config = simulator_config(args, slos)
+    sim = (
+        None
+        if sim_config is None
+        else await stage("sim", _async(simulate_beside, sim_config, requests, args.modes))
+    )
     handoff = None
     if not args.no_handoff:
         from pddnet.bench.handoff import source_figure
 
-        handoff = await source_figure(handoff_argv(args, k))
-    sim = None
-    sim_config = None
-    if not args.no_sim:
-        from pddnet.config import load_config
-
-        # the engine and policy settings every mode's daemons run with
-        pdd_config = load_config(None, cluster_settings("pdd", args))
-        pdd_config.target_model = args.target_model
-        sim_config = sim_config_dict(
-            pdd_config, chips(args), line_gbit(args), args.rtt_ms, args.jitter_ms, slos, args.seed
-        )
-        sim = simulate_beside(sim_config, requests, args.modes)
+        handoff = await stage("handoff", lambda: source_figure(handoff_argv(args, k)))
+    live: dict[str, dict[str, Any]] = {}
+    for mode in args.modes:
+        run_one = await stage(mode, lambda m=mode: run_live(args, requests, devices, m))
+        if run_one is not None:
+            live[mode] = run_one
+    drc_off = None
+    if not args.no_drc_off and "cross-dc" in live:
+        drc_off = await stage("drc-off", lambda: run_drc_off(args, requests))
     wall_s = time.monotonic() - t_start
     result = figures(args, live, drc_off, handoff, sim, slos, wall_s)
+    result["failed_stages"] = failed
     config = run_config(args)
     config.update(
         {

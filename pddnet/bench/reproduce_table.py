@@ -168,7 +168,7 @@ def figures(
             summaries[m].get("p99_ttft_ms"), summaries["same-dc"].get("p99_ttft_ms")
         )
         for m in summaries
-        if m != "same-dc"
+        if m != "same-dc" and "same-dc" in summaries
     }
     drc = None
     if drc_off is not None and "cross-dc" in summaries:
@@ -358,6 +358,8 @@ def print_report(
             f"{h['payload_target_bytes'].get('kv-direct')} B of the target's KV "
             f"(details: {h['path']})"
         )
+    for name, why in result.get("failed_stages", {}).items():
+        print(f"FAILED STAGE {name}: {why} (its figures are missing)")
     print("\ntargets:")
     for name, ok in result["checks"].items():
         print(f"  {'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {name}")
@@ -390,6 +392,8 @@ def markdown(result: dict[str, Any], config: dict[str, Any], command: str) -> st
         sim = ", ".join(f"{r} {v:.0%}" for r, v in (u["sim"] or {}).items() if v is not None)
         lines.append(f"- busy, {m}: live {live or '-'}; sim {sim or '-'}")
     lines.append("")
+    for name, why in result.get("failed_stages", {}).items():
+        lines.append(f"- FAILED STAGE {name}: {why} (its figures are missing)")
     for name, ok in result["checks"].items():
         lines.append(f"- {'PASS' if ok else ('n/a' if ok is None else 'FAIL')}: {name}")
     return "\n".join(lines) + "\n"
