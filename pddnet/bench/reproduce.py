@@ -53,30 +53,19 @@ SOURCE_P_INSTANCES = 40
 SOURCE_CONVERSATION_RATE = 1.8
 DEFAULT_LINE_GBIT = 2.0
 
-# The workload's lengths (tokens): `pdd sim reproduce`'s AGENT_LENGTHS and output range; the
-# number of turns is cut so that a run ends in minutes (the context still reaches 64K through
-# the large tool results).
-FULL_SHAPE: dict[str, Any] = {
-    "think_time_s": 2.0,
-    "system_prompt_len": (4000, 16000),
-    "task_len": (1000, 4000),
-    "small_tool_len": (64, 1024),
-    "large_tool_len": (8000, 32000),
-    "large_tool_prob": 0.18,
-    "output_len": (64, 1024),
-    "max_turns": (4, 10),
-    "max_context": 65536,
-}
-QUICK_SHAPE: dict[str, Any] = {
-    "think_time_s": 0.5,
-    "system_prompt_len": (256, 512),
-    "task_len": (32, 64),
-    "small_tool_len": (8, 32),
-    "large_tool_len": (128, 256),
-    "large_tool_prob": 0.3,
-    "output_len": (8, 16),
-    "max_turns": (2, 3),
-    "max_context": 2048,
+# The workload, field by field: (--quick's, a full run's); lengths in tokens. A full run's are
+# `pdd sim reproduce`'s AGENT_LENGTHS and output range, with fewer turns so that a run ends in
+# minutes (the context still reaches 64K through the large tool results).
+SHAPES: dict[str, tuple[Any, Any]] = {
+    "think_time_s": (0.5, 2.0),
+    "system_prompt_len": ((256, 512), (4000, 16000)),
+    "task_len": ((32, 64), (1000, 4000)),
+    "small_tool_len": ((8, 32), (64, 1024)),
+    "large_tool_len": ((128, 256), (8000, 32000)),
+    "large_tool_prob": (0.3, 0.18),
+    "output_len": ((8, 16), (64, 1024)),
+    "max_turns": ((2, 3), (4, 10)),
+    "max_context": (2048, 65536),
 }
 # The line's bottleneck buffer, in ms of its rate (a router's; the emulator's default is 1 MiB of
 # real bytes, seconds of queue at the few Mbit/s a scaled line runs at on this box)
@@ -132,7 +121,7 @@ def line_gbit(args: argparse.Namespace) -> float:
 def workload(args: argparse.Namespace) -> list[AgentRequest]:
     """The agent conversations, cut to the first --max-requests turns by arrival (each
     conversation keeps a prefix of its turns, so every prompt's history is intact)."""
-    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    shape = {field: values[0 if args.quick else 1] for field, values in SHAPES.items()}
     count = 2 if args.quick else args.conversations
     # Four times one P's share of the scenario's conversation rate: a run of minutes reaches
     # the concurrency the scenario has at steady state (conversations last minutes there).
@@ -284,7 +273,7 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
         argv.append("--no-progress")
     if args.quick:
         return [*argv, "--quick"]
-    return [*argv, "--prompt-len", str(FULL_SHAPE["max_context"] - 1024), "--repeats", "8"]
+    return [*argv, "--prompt-len", str(SHAPES["max_context"][1] - 1024), "--repeats", "8"]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -355,6 +344,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "commit": source_commit(),
         }
     )
+    from pddnet.bench.ttft import request_row
+
     path = write_result(
         "reproduce",
         {
@@ -363,6 +354,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "sim_config": sim_config,
             "emulation": {m: d.to_dict() for m, d in devices.items()},
             "daemon_stats": {m: live[m]["stats"] for m in live},
+            # every request as `pdd bench ttft` keeps it (`pdd trace REQUEST_ID` reads these)
+            "requests": {
+                m: [request_row(r, "agent") for r in run["records"]["agent"]]
+                for m, run in live.items()
+            },
         },
         args.out,
     )
