@@ -70,10 +70,11 @@ SHAPES: dict[str, tuple[Any, Any]] = {
 # The line's bottleneck buffer, in ms of its rate (a router's; the emulator's default is 1 MiB of
 # real bytes, seconds of queue at the few Mbit/s a scaled line runs at on this box)
 QUEUE_MS = 20.0
-# KV pools in blocks of 16 tokens (room for the conversations' contexts; checked against the
-# modelled chips' memory by the config).
-FULL_POOLS = {"prefill": 8192, "relay": 8192, "main_decode": 32768}
+# KV pools in blocks of 16 tokens: a full run's hold what the modelled chips hold after the
+# weights, at the simulator's memory utilisation (`pool_blocks`), so that the daemons admit,
+# refuse and evict as the simulator beside them does; --quick's are small.
 QUICK_POOLS = {"prefill": 1024, "relay": 1024, "main_decode": 2048}
+MEMORY_UTILISATION = 0.9  # the simulator's default ([engine] memory_utilisation)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,9 +146,15 @@ def chips(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
 
 def cluster_settings(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """A mode's cluster config beside the devices: model, line, pools."""
-    pools = dict(QUICK_POOLS if args.quick else FULL_POOLS)
-    if mode == "same-dc":  # its decode instance runs as `relay`, holding what MD holds
-        pools["relay"] = pools["main_decode"]
+    if args.quick:
+        pools = dict(QUICK_POOLS)
+        if mode == "same-dc":  # its decode instance runs as `relay`, holding what MD holds
+            pools["relay"] = pools["main_decode"]
+    else:
+        c = chips(args)
+        on = {"prefill": "prefill", "relay": "decode" if mode == "same-dc" else "relay"}
+        on["main_decode"] = "main_decode"
+        pools = {role: pool_blocks(*c[chip], args.target_model) for role, chip in on.items()}
     return {
         "mode": mode,
         "model.name": args.model,
@@ -159,6 +166,16 @@ def cluster_settings(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "wan.queue_ms": QUEUE_MS,
         **{f"{role}.num_blocks": n for role, n in pools.items()},
     }
+
+
+def pool_blocks(chip: str, gpus: int, target_model: str) -> int:
+    """Blocks of 16 tokens of the target's KV that `gpus` x `chip` hold after its weights, as
+    the simulator sizes its pools."""
+    from pddnet.device.cost import InstanceCost
+    from pddnet.device.profiles import load_chip, load_model
+
+    cost = InstanceCost(load_chip(chip), load_model(target_model), gpus, MEMORY_UTILISATION)
+    return cost.kv_capacity_tokens() // 16
 
 
 def device_flags(mode: str, args: argparse.Namespace, dilation: str) -> argparse.Namespace:
