@@ -153,5 +153,6 @@ def vllm_figures(report: dict[str, Any]) -> dict[str, float | None]:
     good = (report.get("sla") or {}).get("good")
     out["request_goodput"] = good / span if good is not None and span > 0 else None
     out["busy"] = report.get("busy")  # type: ignore[assignment]
+    out["pipelines"] = report.get("pipelines")  # type: ignore[assignment]
     out["line_utilisation"] = wan.get("utilisation")
     return out

@@ -391,6 +391,9 @@ def markdown(result: dict[str, Any], config: dict[str, Any], command: str) -> st
         live = ", ".join(f"{r} {v:.0%}" for r, v in u["live"].items() if v is not None)
         sim = ", ".join(f"{r} {v:.0%}" for r, v in (u["sim"] or {}).items() if v is not None)
         lines.append(f"- busy, {m}: live {live or '-'}; sim {sim or '-'}")
+    for m, s in result["live"].items():
+        sim_split = (result["sim"].get(m) or {}).get("pipelines")
+        lines.append(f"- pipelines, {m}: live {s['pipeline_split']}; sim {sim_split or '-'}")
     lines.append("")
     for name, why in result.get("failed_stages", {}).items():
         lines.append(f"- FAILED STAGE {name}: {why} (its figures are missing)")
