@@ -158,9 +158,12 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_spec(spec: BenchSpec, argv: list[str]) -> int:
     import asyncio
 
+    from pddnet.bench.results import source_commit
+
     p = spec.parser()
     ns = p.parse_args(argv)
     ns.bench_spec = spec.name
+    source_commit()  # read now: the tree may change while a long benchmark runs
     try:
         asyncio.run(spec.load().run(ns))
     except ValueError as exc:  # a bad option combination, said precisely by the benchmark

@@ -304,6 +304,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
+    commit = source_commit()  # before anything runs (the tree may change during the run)
     t_start = time.monotonic()
     load_before = os.getloadavg()
     slos = metrics.goodput_config(args)
@@ -358,7 +359,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "load_before": load_before,
             "load_after": os.getloadavg(),
             "wall_s": wall_s,
-            "commit": source_commit(),
+            "commit": commit,
         }
     )
     from pddnet.bench.ttft import request_row

@@ -3,6 +3,7 @@ and the lines a run ends with (where it wrote)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -36,9 +37,11 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+@functools.cache
 def source_commit() -> str | None:
     """The commit the running pddnet comes from (``+dirty`` with uncommitted changes), so
-    that every figure names its code; None outside a git checkout."""
+    that every figure names its code; None outside a git checkout. Read once per process (the
+    benchmark CLI reads it before a run starts: the code that runs is what was there then)."""
     import subprocess
 
     here = Path(__file__).resolve().parent
