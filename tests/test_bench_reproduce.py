@@ -28,7 +28,7 @@ def test_reproduce_quick(tmp_path, capsys):
     (path,) = (tmp_path / "reproduce").glob("*.json")
     data = json.loads(path.read_text())
     cfg = data["config"]
-    assert cfg["quick"] is True and cfg["dilation_k"] == 10.0 and cfg["requests"] == 6
+    assert cfg["quick"] is True and cfg["dilation_k"] == 10.0 and cfg["requests"] == 4
     assert cfg["goodput_slos_ms"] == {"ttft": 5000.0, "tpot": 100.0}  # the source's SLA
     assert set(data["live"]) == set(data["devices"]) == {"same-dc", "cross-dc", "pdd"}
     for mode, s in data["live"].items():

@@ -95,7 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="new conversations per second (default: 4x one P's share of the scenario's)",
     )
-    p.add_argument("--line-gbit", type=float, default=None, help="modelled line rate")
+    p.add_argument(
+        "--line-gbit",
+        type=float,
+        default=None,
+        help=f"modelled line rate (default: {DEFAULT_LINE_GBIT:g}, 1 with --quick)",
+    )
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--jitter-ms", type=float, default=1.0)
     p.add_argument("--wan", default="proxy", choices=("proxy", "packet", "kernel", "auto"))
@@ -131,7 +136,7 @@ def workload(args: argparse.Namespace) -> list[AgentRequest]:
     )
     params = AgentWorkloadParams(num_conversations=count, conversation_rate_per_s=rate, **shape)
     requests = generate_agent_workload(params, seed=args.seed)
-    return requests[: 6 if args.quick else args.max_requests]
+    return requests[: 4 if args.quick else args.max_requests]
 
 
 def chips(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
