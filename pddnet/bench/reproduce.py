@@ -151,15 +151,6 @@ def chips(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
 
 def cluster_settings(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """A mode's cluster config beside the devices: model, line, pools."""
-    if args.quick:
-        pools = dict(QUICK_POOLS)
-        if mode == "same-dc":  # its decode instance runs as `relay`, holding what MD holds
-            pools["relay"] = pools["main_decode"]
-    else:
-        c = chips(args)
-        on = {"prefill": "prefill", "relay": "decode" if mode == "same-dc" else "relay"}
-        on["main_decode"] = "main_decode"
-        pools = {role: pool_blocks(*c[chip], args.target_model) for role, chip in on.items()}
     return {
         "mode": mode,
         "model.name": args.model,
@@ -169,8 +160,22 @@ def cluster_settings(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "wan.jitter_ms": args.jitter_ms,
         "wan.bw_mbit": line_gbit(args) * 1e3,
         "wan.queue_ms": QUEUE_MS,
-        **{f"{role}.num_blocks": n for role, n in pools.items()},
+        **pool_overrides(mode, args),
     }
+
+
+def pool_overrides(mode: str, args: argparse.Namespace) -> dict[str, int]:
+    """`mode`'s KV pools as config overrides (`ROLE.num_blocks`)."""
+    if args.quick:
+        pools = dict(QUICK_POOLS)
+        if mode == "same-dc":  # its decode instance runs as `relay`, holding what MD holds
+            pools["relay"] = pools["main_decode"]
+    else:
+        c = chips(args)
+        on = {"prefill": "prefill", "relay": "decode" if mode == "same-dc" else "relay"}
+        on["main_decode"] = "main_decode"
+        pools = {role: pool_blocks(*c[chip], args.target_model) for role, chip in on.items()}
+    return {f"{role}.num_blocks": n for role, n in pools.items()}
 
 
 def pool_blocks(chip: str, gpus: int, target_model: str) -> int:
@@ -232,15 +237,13 @@ async def run_live(
     """One mode's cluster on the workload (`ttft.run_mode`), with this run's pools."""
     from pddnet.bench.ttft import run_mode
 
-    settings = cluster_settings(mode, args)
-    extra = {k: v for k, v in settings.items() if k.endswith(".num_blocks")}
     return await run_mode(
         mode,
         {"agent": requests},
         _ttft_args(args),
         not args.no_progress,
         devices[mode],
-        overrides=extra,
+        overrides=pool_overrides(mode, args),
     )
 
 
@@ -268,8 +271,6 @@ async def run_drc_off(args: argparse.Namespace, requests: list[AgentRequest]) ->
     without the decode-side cache (bytes do not depend on time: every request goes P -> MD)."""
     from pddnet.bench.ttft import run_mode
 
-    settings = cluster_settings("cross-dc", args)
-    extra = {k: v for k, v in settings.items() if k.endswith(".num_blocks")}
     fast = argparse.Namespace(**{**vars(_ttft_args(args)), "bw_mbit": 1000.0, "jitter_ms": 0.0})
     return await run_mode(
         "cross-dc",
@@ -277,7 +278,7 @@ async def run_drc_off(args: argparse.Namespace, requests: list[AgentRequest]) ->
         fast,
         not args.no_progress,
         UNPACED,
-        overrides={**extra, "main_decode.prefix_cache": "off"},
+        overrides={**pool_overrides("cross-dc", args), "main_decode.prefix_cache": "off"},
     )
 
 

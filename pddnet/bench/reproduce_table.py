@@ -296,6 +296,23 @@ def _checks(
     return out
 
 
+def notes(result: dict[str, Any]) -> list[str]:
+    """The lines under the table (terminal and Markdown alike): each mode's busy shares and
+    pipeline split, live and simulated."""
+
+    def shares(busy: dict[str, float | None] | None) -> str:
+        return ", ".join(f"{r} {v:.0%}" for r, v in (busy or {}).items() if v is not None) or "-"
+
+    out = [
+        f"busy, {m}: live {shares(u['live'])}; sim {shares(u['sim'])}"
+        for m, u in result["utilisation"].items()
+    ]
+    for m, s in result["live"].items():
+        sim_split = (result["sim"].get(m) or {}).get("pipelines")
+        out.append(f"pipelines, {m}: live {s['pipeline_split']}; sim {sim_split or '-'}")
+    return out
+
+
 def _cell(v: Any, unit: str) -> str:
     if v is None:
         return "-"
@@ -345,11 +362,8 @@ def print_report(
                 for i, (x, w) in enumerate(zip(c, widths, strict=True))
             )
         )
-    for m, u in result["utilisation"].items():
-        live = ", ".join(f"{r} {v:.0%}" for r, v in u["live"].items() if v is not None)
-        sim = u["sim"] or {}
-        simt = ", ".join(f"{r} {v:.0%}" for r, v in sim.items() if v is not None)
-        print(f"busy ({m}): live {live or '-'}; sim {simt or '-'}")
+    for line in notes(result):
+        print(line)
     if result["handoff"]:
         h = result["handoff"]
         print(
@@ -387,13 +401,7 @@ def markdown(result: dict[str, Any], config: dict[str, Any], command: str) -> st
             f"| {_cell(r['sim'], r['unit'])} | {err} |"
         )
     lines.append("")
-    for m, u in result["utilisation"].items():
-        live = ", ".join(f"{r} {v:.0%}" for r, v in u["live"].items() if v is not None)
-        sim = ", ".join(f"{r} {v:.0%}" for r, v in (u["sim"] or {}).items() if v is not None)
-        lines.append(f"- busy, {m}: live {live or '-'}; sim {sim or '-'}")
-    for m, s in result["live"].items():
-        sim_split = (result["sim"].get(m) or {}).get("pipelines")
-        lines.append(f"- pipelines, {m}: live {s['pipeline_split']}; sim {sim_split or '-'}")
+    lines += [f"- {line}" for line in notes(result)]
     lines.append("")
     for name, why in result.get("failed_stages", {}).items():
         lines.append(f"- FAILED STAGE {name}: {why} (its figures are missing)")

@@ -173,22 +173,18 @@ class HashPrefixCache:
         """
         ids = list(block_ids)[::-1]
         # One batched decref (checked at C speed; a bad id changes nothing), then the cache's
-        # own bookkeeping: a 64K-token sequence is 4096 blocks, one call each cost ~15 ms.
+        # own bookkeeping: a 64K-token sequence is 4096 blocks, a decref each cost ~15 ms.
         freed = self.allocator.decref(ids)
-        rc = self.allocator.refcounts()
-        hash_of, by_hash, evictable = self._hash_of_block, self._by_hash, self._evictable
         for b in ids:
-            h = hash_of.get(b)
-            if h is not None and by_hash[h].pins == 0 and rc[b] == 1:
-                evictable[b] = None
-                evictable.move_to_end(b)
+            self._maybe_evictable(b)
         return freed
 
     def _maybe_evictable(self, block_id: int) -> None:
         h = self._hash_of_block.get(block_id)
         if h is None:
             return
-        if self._by_hash[h].pins == 0 and self.allocator.refcount(block_id) == 1:
+        # a cached block's id is valid: read its count without the per-call check
+        if self._by_hash[h].pins == 0 and self.allocator.refcounts()[block_id] == 1:
             self._evictable[block_id] = None
             self._evictable.move_to_end(block_id)
 

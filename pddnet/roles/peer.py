@@ -9,12 +9,12 @@ minutes); the connection is closed with that reason. A late PONG alone is not a 
 WAN our PINGs wait in the bottleneck queue behind the bulk KV going the same way (P's, even for
 RLD's and the router's lanes) for longer than the deadline, while the peer is alive and
 receiving. So the accepting side beats too (`beat`, a PING of its own every `heartbeat_s` while
-bytes reach it), and the dialler hears it over the other direction. Either way a lost connection ends the host's
-`serve` (a daemon's `connection_lost` fails or re-routes the requests that depended on it) and
-runs its `link_changed` (the router replays the requests the peer carried); the Peer redials with
-backoff until the host closes, so a restarted peer rejoins without restarting anybody else.
-`on_up(conn)` runs after every (re)connect, before messages are read, e.g. P dials the bulk lanes
-that go with MD's control lane.
+bytes reach it), and the dialler hears it over the other direction. Either way a lost
+connection ends the host's `serve` (a daemon's `connection_lost` fails or re-routes the
+requests that depended on it) and runs its `link_changed` (the router replays the requests the
+peer carried); the Peer redials with backoff until the host closes, so a restarted peer rejoins
+without restarting anybody else. `on_up(conn)` runs after every (re)connect, before messages
+are read, e.g. P dials the bulk lanes that go with MD's control lane.
 """
 
 from __future__ import annotations
