@@ -1,6 +1,7 @@
-"""`pdd bench reproduce --quick`: the three modes on emulated devices, the no-DRC bytes run, the
-handoff figure and the simulator on the same requests finish, and the figures are consistent
-with each other and with the simulator's inputs (never with wall-clock expectations)."""
+"""`pdd bench reproduce --quick`: the three modes on emulated devices, the 64K-in / 1K-out shape
+run, the decode-side cache's bytes runs, the handoff figure and the simulator on the same
+requests finish, and the figures are consistent with each other and with the simulator's inputs
+(never with wall-clock expectations); a stage that fails is reported and the others are kept."""
 
 from __future__ import annotations
 
@@ -21,16 +22,29 @@ def pdd(*argv: str) -> int:
     return args.handler(args)
 
 
-def test_reproduce_quick(tmp_path, capsys):
+@pytest.mark.timeout(420)  # five clusters, the handoff figure and the simulator, in turn
+def test_reproduce_quick(tmp_path, capsys, monkeypatch):
+    from pddnet.bench import reproduce
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected")
+
+    # one stage fails (the simulator on the shape): said, recorded, and everything else kept
+    monkeypatch.setattr(reproduce, "simulate_shape", broken)
     argv = ("bench", "reproduce", "--quick", "--no-progress", "--dilation", "10")
     assert pdd(*argv, "--out", str(tmp_path)) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert data_failed(tmp_path) == {"sim shape": "RuntimeError: injected"}
+    assert "reproduce: sim shape failed: RuntimeError: injected" in captured.err
+    assert "FAILED STAGE sim shape: RuntimeError: injected" in out
     (path,) = (tmp_path / "reproduce").glob("*.json")
     data = json.loads(path.read_text())
     cfg = data["config"]
     assert cfg["quick"] is True and cfg["dilation_k"] == 10.0 and cfg["requests"] == 4
     assert cfg["goodput_slos_ms"] == {"ttft": 5000.0, "tpot": 100.0}  # the source's SLA
-    assert set(data["live"]) == set(data["devices"]) == {"same-dc", "cross-dc", "pdd"}
+    assert set(data["live"]) == {"same-dc", "cross-dc", "pdd"}
+    assert set(data["devices"]) == {*data["live"], "pdd shape"}
     for mode, s in data["live"].items():
         assert s["completed"] == cfg["requests"] and s["failed"] == 0, (mode, s["errors"])
         report = data["devices"][mode]
@@ -40,12 +54,26 @@ def test_reproduce_quick(tmp_path, capsys):
     # the same conversations in every mode: the model is deterministic, so are the prompts
     inputs = {m: s["total_input_tokens"] for m, s in data["live"].items()}
     assert len(set(inputs.values())) == 1, inputs
-    # same-dc sends nothing over the WAN; the naive design sends the uncached KV, and without
-    # MD's cache it sends every prompt's whole KV: more bytes, the cut is their ratio
-    assert data["live"]["same-dc"]["wan_kv_bytes"] == 0
+    assert data["live"]["same-dc"]["wan_kv_bytes"] == 0  # same-dc sends nothing over the WAN
+    # the long conversations, MD's cache on and off: with it only the uncached KV crosses,
+    # without it every prompt's whole KV; the cut is their ratio, the hits MD's own
     drc = data["drc"]
-    assert 0 < drc["wan_kv_bytes_with"] < drc["wan_kv_bytes_without"]
-    assert drc["cut_x"] == pytest.approx(drc["wan_kv_bytes_without"] / drc["wan_kv_bytes_with"])
+    assert drc["requests"] == cfg["drc_requests"] == len(drc["rows"])
+    assert 0 < drc["wan_kv_bytes_drc"] < drc["wan_kv_bytes_no_drc"]
+    assert drc["byte_reduction"] == pytest.approx(
+        drc["wan_kv_bytes_no_drc"] / drc["wan_kv_bytes_drc"]
+    )
+    assert 0 < drc["hit_ratio_of_tokens"] < 1 and drc["sim_cut_x"] > 1
+    # the shape run: the warm-up went to MD (its context is what the conversations hit there),
+    # then every conversation's request completed; RLD's share is of their tokens
+    shape = data["shape"]
+    assert shape["requests"] == cfg["shape_requests"] and shape["failed"] == 0
+    assert shape["warm_up"]["error"] is None and shape["warm_up"]["main_tokens"] > 0
+    assert shape["md_hit_ratio"] > 0.5
+    rld = sum(r["relay_tokens"] for r in shape["per_request"])
+    assert shape["rld_share"] == pytest.approx(rld / shape["output_tokens"])
+    assert shape["sim_rld_share"] is None  # its stage failed
+    assert len(data["requests"]["pdd shape"]) == cfg["shape_requests"]
     # the simulator ran the very same requests, one per live request, on the live settings
     assert data["sim_config"]["tokens_per_unit"] == 1
     assert data["sim_config"]["line"]["bw_gbit"] == cfg["line_gbit"]
@@ -67,12 +95,18 @@ def test_reproduce_quick(tmp_path, capsys):
     assert set(data["checks"]) >= {
         "PDD TTFT P99 <= 1.2x same-dc",
         "naive cross-dc TTFT P99 >= 3x same-dc",
-        "DRC cuts WAN KV bytes >= 9x",
+        "DRC cuts WAN KV bytes >= 9x (long conversations, ~90% hit)",
+        "RLD share on the 64K-in / 1K-out shape within 1.5x of 6.2%",
         "overruns < 1% of steps (every daemon)",
     }
     for name, ok in data["checks"].items():
         assert f"{'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {name}" in out
     assert (tmp_path / "reproduce" / f"{path.stem}-ttft-cdf.png").exists()
+
+
+def data_failed(tmp_path) -> dict:
+    (path,) = (tmp_path / "reproduce").glob("*.json")
+    return json.loads(path.read_text())["failed_stages"]
 
 
 def test_sim_requests_keep_the_live_requests_and_their_prefixes():
@@ -97,6 +131,34 @@ def test_sim_requests_keep_the_live_requests_and_their_prefixes():
     first = [s for s in sim if s.conversation == 0]
     for a, b in zip(first, first[1:], strict=False):
         assert b.units[: len(a.units) + len(a.output_units)] == a.units + a.output_units
+
+
+def test_the_simulator_sees_the_shape_as_the_live_cluster_does():
+    """The warm-up alone, then with the conversations after it: the warm-up is served the
+    same in both runs, so the conversations' RLD tokens are the difference."""
+    from pddnet.bench import reproduce
+    from pddnet.bench.reproduce_table import shape_figures
+
+    args = reproduce_args("--quick")
+    warm, conversations = reproduce.shape_workload(args)
+    config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+    sim = reproduce.simulate_shape(config, warm, conversations)
+    alone, both = sim["warm_up"], sim["with_conversations"]
+    assert alone["requests"] == 1 and both["requests"] == 1 + len(conversations)
+    assert both["finished"] == both["requests"]
+    # the conversations arrive once the warm-up is done: its context is in MD's cache then
+    assert both["prefix"]["decode_side_hit_ratio"] > 0.5
+    assert both["ttft_s"]["max"] > 0 and alone["e2e_s"]["max"] < both["makespan_s"]
+    # no live run: nothing to report
+    assert shape_figures(None, sim, warm, conversations) is None
+
+
+def reproduce_args(*argv: str) -> argparse.Namespace:
+    from pddnet.bench.reproduce import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,10 @@ async def run_variant(
     prefix_cache: str,
     show_progress: bool,
     devices: Any = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One cluster, MD's cache `prefix_cache`, every request P->MD; `overrides`: more config
+    settings (e.g. pool sizes) over the variant's."""
     import aiohttp
 
     from pddnet.bench.devices import UNPACED, daemon_stats
@@ -90,7 +93,11 @@ async def run_variant(
 
     devices = devices or UNPACED
     k = devices.dilation
-    overrides = {**variant_overrides(args, prefix_cache), **devices.overrides}
+    overrides = {
+        **variant_overrides(args, prefix_cache),
+        **(overrides or {}),
+        **devices.overrides,
+    }
     async with LocalCluster(
         mode="pdd",
         model=args.model,
@@ -128,6 +135,44 @@ def prompt_tokens(pdd: dict[str, Any]) -> int:
         if e["event"] == "arrival" and isinstance(e["detail"], int):
             return e["detail"]
     raise RuntimeError(f"request {pdd.get('request_id')} has no arrival event in its timeline")
+
+
+def compare(records_on: list[Any], records_off: list[Any]) -> dict[str, Any]:
+    """The two runs' requests paired by index (the same prompts: greedy decoding with
+    ignore_eos), each binned by the hit MD really had with its cache: WAN KV bytes with and
+    without the cache, overall and per hit interval, and the hits measured."""
+    rows = []
+    for rec_on, rec_off in zip(records_on, records_off, strict=True):
+        if rec_on.token_ids != rec_off.token_ids:
+            raise RuntimeError("the two runs produced different tokens for the same request")
+        hit = rec_on.pdd.get("prefix_hit_tokens", 0)
+        prompt = prompt_tokens(rec_on.pdd)
+        rows.append(
+            {
+                "prompt_tokens": prompt,
+                "hit_tokens": hit,
+                "interval": hit_interval(hit / prompt),
+                "bytes_drc": rec_on.pdd.get("wan_kv_bytes", 0),
+                "bytes_no_drc": rec_off.pdd.get("wan_kv_bytes", 0),
+                "ttft_ms_drc": rec_on.ttft_s * 1e3,
+                "ttft_ms_no_drc": rec_off.ttft_s * 1e3,
+            }
+        )
+    total_on = sum(r["bytes_drc"] for r in rows)
+    total_off = sum(r["bytes_no_drc"] for r in rows)
+    counts = [sum(r["interval"] == i for r in rows) for i in range(len(HIT_INTERVAL_LABELS))]
+    return {
+        "requests": len(rows),
+        "mean_hit": sum(r["hit_tokens"] / r["prompt_tokens"] for r in rows) / len(rows),
+        "hit_distribution_measured": {
+            label: c / len(rows) for label, c in zip(HIT_INTERVAL_LABELS, counts, strict=True)
+        },
+        "wan_kv_bytes_drc": total_on,
+        "wan_kv_bytes_no_drc": total_off,
+        "byte_reduction": (total_off / total_on) if total_on else None,
+        "per_interval": _per_interval(rows),
+        "rows": rows,
+    }
 
 
 def _per_interval(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -171,34 +216,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     on = await run_variant(args, workload, "radix", show, devices)
     off = await run_variant(args, workload, "off", show, devices)
     reports = device_reports({"radix": on["stats"], "off": off["stats"]})
-    rows = []
-    for rec_on, rec_off in zip(on["records"], off["records"], strict=True):
-        if rec_on.token_ids != rec_off.token_ids:
-            raise RuntimeError("the two runs produced different tokens for the same request")
-        hit = rec_on.pdd.get("prefix_hit_tokens", 0)
-        prompt = prompt_tokens(rec_on.pdd)
-        rows.append(
-            {
-                "prompt_tokens": prompt,
-                "hit_tokens": hit,
-                "interval": hit_interval(hit / prompt),
-                "bytes_drc": rec_on.pdd.get("wan_kv_bytes", 0),
-                "bytes_no_drc": rec_off.pdd.get("wan_kv_bytes", 0),
-                "ttft_ms_drc": rec_on.ttft_s * 1e3,
-                "ttft_ms_no_drc": rec_off.ttft_s * 1e3,
-            }
-        )
-    total_on = sum(r["bytes_drc"] for r in rows)
-    total_off = sum(r["bytes_no_drc"] for r in rows)
-    measured = {
-        label: c / len(rows)
-        for label, c in zip(
-            HIT_INTERVAL_LABELS,
-            [sum(r["interval"] == i for r in rows) for i in range(len(HIT_INTERVAL_LABELS))],
-            strict=True,
-        )
-    }
-    mean_hit = sum(r["hit_tokens"] / r["prompt_tokens"] for r in rows) / len(rows)
+    compared = compare(on["records"], off["records"])
     result = {
         "config": {
             "model": args.model,
@@ -220,13 +238,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "emulation": devices.to_dict(),
         "devices": reports,
         "devices_line": devices.line(),
-        "requests": len(rows),
-        "mean_hit": mean_hit,
-        "hit_distribution_measured": measured,
+        **compared,
         "hit_distribution_ideal": ideal,
-        "wan_kv_bytes_drc": total_on,
-        "wan_kv_bytes_no_drc": total_off,
-        "byte_reduction": (total_off / total_on) if total_on else None,
         # vLLM's serving metrics of each run (pddnet.bench.metrics)
         "serving": {
             "drc": metrics.serving_metrics(
@@ -236,10 +249,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 off["records"], off["duration"], slos, args.metric_percentiles
             ),
         },
-        "per_interval": _per_interval(rows),
         "md_drc_stats": on["md"].get("drc"),
         "p_view": on["prefill"].get("planner", {}).get("view"),
-        "rows": rows,
     }
     path = write_result("drc", result, args.out)
     result["path"] = str(path)

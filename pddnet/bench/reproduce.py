@@ -29,6 +29,7 @@ side-by-side table and the checks against the issue's targets; docs/reproduction
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -39,34 +40,27 @@ from pddnet.bench import metrics
 from pddnet.bench.devices import UNPACED, DeviceSetup, print_validity, setup_devices
 from pddnet.bench.options import add_run_arguments
 from pddnet.bench.plots import cdf_plot
-from pddnet.bench.reproduce_sim import sim_config_dict, simulate_beside
-from pddnet.bench.reproduce_table import figures, markdown, print_report
+from pddnet.bench.reproduce_sim import DRC_SYSTEMS, SYSTEMS, sim_config_dict, simulate_beside
+from pddnet.bench.reproduce_table import (
+    drc_figures,
+    figures,
+    markdown,
+    print_report,
+    shape_figures,
+)
+from pddnet.bench.reproduce_workload import (
+    SHAPES,
+    drc_workload,
+    main_workload,
+    shape_workload,
+)
 from pddnet.bench.results import run_config, source_commit, write_result
 from pddnet.model.cli import add_model_argument
-from pddnet.workload.agent import AgentRequest, AgentWorkloadParams, generate_agent_workload
+from pddnet.workload.agent import AgentRequest
 
 MODES = ("same-dc", "cross-dc", "pdd")
-
-# `pdd sim reproduce`'s full scenario (pddnet/sim/reproduce.py) offers its 40 P instances 1.8
-# new conversations per second.
-SOURCE_P_INSTANCES = 40
-SOURCE_CONVERSATION_RATE = 1.8
 DEFAULT_LINE_GBIT = 2.0
 
-# The workload, field by field: (--quick's, a full run's); lengths in tokens. A full run's are
-# `pdd sim reproduce`'s AGENT_LENGTHS and output range, with fewer turns so that a run ends in
-# minutes (the context still reaches 64K through the large tool results).
-SHAPES: dict[str, tuple[Any, Any]] = {
-    "think_time_s": (0.5, 2.0),
-    "system_prompt_len": ((256, 512), (4000, 16000)),
-    "task_len": ((32, 64), (1000, 4000)),
-    "small_tool_len": ((8, 32), (64, 1024)),
-    "large_tool_len": ((128, 256), (8000, 32000)),
-    "large_tool_prob": (0.3, 0.18),
-    "output_len": ((8, 16), (64, 1024)),
-    "max_turns": ((2, 3), (4, 10)),
-    "max_context": (2048, 65536),
-}
 # The line's bottleneck buffer, in ms of its rate (a router's; the emulator's default is 1 MiB of
 # real bytes, seconds of queue at the few Mbit/s a scaled line runs at on this box)
 QUEUE_MS = 20.0
@@ -107,7 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="modelled seconds")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator beside")
     p.add_argument("--no-handoff", action="store_true", help="skip the handoff figure")
-    p.add_argument("--no-drc-off", action="store_true", help="skip the no-DRC bytes run")
+    p.add_argument(
+        "--no-shape", action="store_true", help="skip the 64K-in / 1K-out run (RLD's share)"
+    )
+    p.add_argument("--no-drc", action="store_true", help="skip the decode-side cache's bytes runs")
     metrics.add_arguments(p)
     # the source scenario's SLA (`pdd sim reproduce`): TTFT 5 s, TPOT 100 ms
     p.set_defaults(goodput=[("ttft", 5000.0), ("tpot", 100.0)])
@@ -122,21 +119,6 @@ def line_gbit(args: argparse.Namespace) -> float:
     if args.line_gbit is not None:
         return args.line_gbit
     return 1.0 if args.quick else DEFAULT_LINE_GBIT
-
-
-def workload(args: argparse.Namespace) -> list[AgentRequest]:
-    """The agent conversations, cut to the first --max-requests turns by arrival (each
-    conversation keeps a prefix of its turns, so every prompt's history is intact)."""
-    shape = {field: values[0 if args.quick else 1] for field, values in SHAPES.items()}
-    count = 2 if args.quick else args.conversations
-    # Four times one P's share of the scenario's conversation rate: a run of minutes reaches
-    # the concurrency the scenario has at steady state (conversations last minutes there).
-    rate = args.conversation_rate or (
-        2.0 if args.quick else 4 * SOURCE_CONVERSATION_RATE / SOURCE_P_INSTANCES
-    )
-    params = AgentWorkloadParams(num_conversations=count, conversation_rate_per_s=rate, **shape)
-    requests = generate_agent_workload(params, seed=args.seed)
-    return requests[: 4 if args.quick else args.max_requests]
 
 
 def chips(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
@@ -266,20 +248,58 @@ def _async(fn: Callable[..., Any], *a: Any) -> Callable[[], Awaitable[Any]]:
     return lambda: asyncio.to_thread(fn, *a)
 
 
-async def run_drc_off(args: argparse.Namespace, requests: list[AgentRequest]) -> dict[str, Any]:
-    """Naive cross-DC with MD caching nothing, unpaced and on a fast line: the WAN KV bytes
-    without the decode-side cache (bytes do not depend on time: every request goes P -> MD)."""
+async def run_shape(
+    args: argparse.Namespace,
+    warm: AgentRequest,
+    conversations: list[AgentRequest],
+    devices: dict[str, DeviceSetup],
+) -> dict[str, Any]:
+    """PDD's cluster on the 64K-in / 1K-out shape: the warm-up alone (it puts the shared
+    context in MD's cache), then the conversations."""
     from pddnet.bench.ttft import run_mode
 
-    fast = argparse.Namespace(**{**vars(_ttft_args(args)), "bw_mbit": 1000.0, "jitter_ms": 0.0})
     return await run_mode(
-        "cross-dc",
-        {"agent": requests},
-        fast,
+        "pdd",
+        {"warm-up": [warm], "shape": conversations},
+        _ttft_args(args),
         not args.no_progress,
-        UNPACED,
-        overrides={**pool_overrides("cross-dc", args), "main_decode.prefix_cache": "off"},
+        devices["pdd"],
+        overrides=pool_overrides("pdd", args),
     )
+
+
+def simulate_shape(
+    config: dict[str, Any], warm: AgentRequest, conversations: list[AgentRequest]
+) -> dict[str, Any]:
+    """The simulator on the shape as the live cluster sees it: the warm-up alone, then the
+    warm-up with the conversations arriving once it has finished. Nothing else is in flight
+    while the warm-up runs, so it is served the same in both, and the conversations' RLD
+    tokens are the difference (reproduce_table.shape_figures)."""
+    alone = simulate_beside(config, [warm], {"pdd": "pdd"})["pdd"]
+    start = alone["makespan_s"] + 1e-3
+    later = [dataclasses.replace(r, arrival_s=start + r.arrival_s) for r in conversations]
+    both = simulate_beside(config, [warm, *later], {"pdd": "pdd"})["pdd"]
+    return {"warm_up": alone, "with_conversations": both}
+
+
+async def run_drc(args: argparse.Namespace, requests: list[AgentRequest]) -> dict[str, Any]:
+    """The long conversations twice, MD's cache on then off, every request P->MD (`pdd bench
+    drc`'s two runs): unpaced, on a fast line, since the bytes do not depend on time."""
+    from pddnet.bench import drc
+
+    pools = pool_overrides("pdd", args)
+    fast = argparse.Namespace(
+        model=args.model,
+        wan=args.wan,
+        rtt_ms=args.rtt_ms,
+        bw_mbit=1000.0,
+        md_blocks=pools["main_decode.num_blocks"],
+    )
+    more = {**pools, "model.threads": args.threads}
+    show = not args.no_progress
+    on = await drc.run_variant(fast, requests, "radix", show, UNPACED, more)
+    off = await drc.run_variant(fast, requests, "off", show, UNPACED, more)
+    return drc.compare(on["records"], off["records"])
 
 
 def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
@@ -314,10 +334,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     load_before = os.getloadavg()
     slos = metrics.goodput_config(args)
-    requests = workload(args)
+    requests = main_workload(args)
+    warm, shape_requests = shape_workload(args)
+    long_requests = drc_workload(args)
     devices = devices_per_mode(args)
     k = devices[args.modes[0]].dilation
     failed: dict[str, str] = {}
+    with_shape = not args.no_shape and "pdd" in args.modes
 
     async def stage(name: str, work: Callable[[], Awaitable[Any]]) -> Any:
         """One stage; a failure is recorded and said, and the other stages' figures are kept."""
@@ -329,14 +352,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             return None
 
     # the quick, in-process stages first: a mistake there shows before the clusters' minutes
-    sim_config = None
+    sim_config = sim = sim_shape = sim_drc = None
     if not args.no_sim:
         sim_config = simulator_config(args, slos)
-    sim = (
-        None
-        if sim_config is None
-        else await stage("sim", _async(simulate_beside, sim_config, requests, args.modes))
-    )
+        systems = {m: SYSTEMS[m] for m in args.modes}
+        sim = await stage("sim", _async(simulate_beside, sim_config, requests, systems))
+        if with_shape:
+            sim_shape = await stage(
+                "sim shape", _async(simulate_shape, sim_config, warm, shape_requests)
+            )
+        if not args.no_drc:
+            sim_drc = await stage(
+                "sim drc", _async(simulate_beside, sim_config, long_requests, DRC_SYSTEMS)
+            )
     handoff = None
     if not args.no_handoff:
         from pddnet.bench.handoff import source_figure
@@ -347,11 +375,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         run_one = await stage(mode, lambda m=mode: run_live(args, requests, devices, m))
         if run_one is not None:
             live[mode] = run_one
-    drc_off = None
-    if not args.no_drc_off and "cross-dc" in live:
-        drc_off = await stage("drc-off", lambda: run_drc_off(args, requests))
+    shape = None
+    if with_shape:
+        shape = await stage("shape", lambda: run_shape(args, warm, shape_requests, devices))
+    drc = None
+    if not args.no_drc:
+        drc = await stage("drc", lambda: run_drc(args, long_requests))
     wall_s = time.monotonic() - t_start
-    result = figures(args, live, drc_off, handoff, sim, slos, wall_s)
+    result = figures(
+        live,
+        handoff,
+        sim,
+        slos,
+        wall_s,
+        shape=shape_figures(shape, sim_shape, warm, shape_requests),
+        drc=drc_figures(drc, sim_drc),
+    )
     result["failed_stages"] = failed
     config = run_config(args)
     config.update(
@@ -362,6 +401,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "chips": chips(args),
             "requests": len(requests),
             "conversations": len({r.conversation_id for r in requests}),
+            "shape_requests": len(shape_requests),
+            "drc_requests": len(long_requests),
             "load_before": load_before,
             "load_after": os.getloadavg(),
             "wall_s": wall_s,
@@ -380,8 +421,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "daemon_stats": {m: live[m]["stats"] for m in live},
             # every request as `pdd bench ttft` keeps it (`pdd trace REQUEST_ID` reads these)
             "requests": {
-                m: [request_row(r, "agent") for r in run["records"]["agent"]]
-                for m, run in live.items()
+                **{
+                    m: [request_row(r, "agent") for r in run["records"]["agent"]]
+                    for m, run in live.items()
+                },
+                **(
+                    {}
+                    if shape is None
+                    else {
+                        f"pdd {name}": [request_row(r, "agent") for r in recs]
+                        for name, recs in shape["records"].items()
+                    }
+                ),
             },
         },
         args.out,

@@ -18,9 +18,12 @@ from pddnet.config import ClusterConfig
 from pddnet.workload.agent import AgentRequest
 from pddnet.workload.units import SimRequest
 
-# live mode -> the simulator's system of the same name (and the DRC ablation beside cross-dc)
+# live mode -> the simulator's system of the same name
 SYSTEMS = {"same-dc": "same-dc", "cross-dc": "cross-dc", "pdd": "pdd"}
+# the decode-side cache's bytes: every request P->MD with MD's cache and without (the live
+# runs are `pdd bench drc`'s, PDD forced to P->MD: naive cross-DC's pipeline)
 NO_DRC = "cross-dc-no-drc"
+DRC_SYSTEMS = {"drc": "cross-dc", "no-drc": NO_DRC}
 
 
 def sim_requests(workload: Sequence[AgentRequest]) -> list[SimRequest]:
@@ -115,18 +118,15 @@ def sim_config_dict(
 
 
 def simulate_beside(
-    config: dict[str, Any], workload: Sequence[AgentRequest], modes: Sequence[str]
+    config: dict[str, Any], workload: Sequence[AgentRequest], systems: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
-    """Each live mode's system (and, with cross-dc, its no-DRC ablation) on the live requests;
-    the simulator's reports keyed by live mode name (and NO_DRC)."""
+    """The simulator's reports of `systems` (name -> the simulator's system) on the live
+    requests, keyed by name."""
     from pddnet.sim.config import parse_config
     from pddnet.sim.runner import simulate
 
     requests = sim_requests(workload)
     cfg = parse_config({**config, "workload": {**config["workload"], "requests": len(requests)}})
-    systems = {m: SYSTEMS[m] for m in modes}
-    if "cross-dc" in modes:
-        systems[NO_DRC] = NO_DRC
     return {name: simulate(cfg, system, requests=requests) for name, system in systems.items()}
 
 

@@ -8,12 +8,12 @@ daemons are paced, so what it leaves out is network, queueing and protocol detai
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
-from pddnet.bench.reproduce_sim import NO_DRC, vllm_figures
+from pddnet.bench.reproduce_sim import vllm_figures
 from pddnet.bench.ttft import mode_summary, ratio
+from pddnet.workload.agent import AgentRequest
 
 # The source report's figures (its TTFT in ms; shares of the decode tokens; handoff in ms).
 SOURCE: dict[str, Any] = {
@@ -25,6 +25,8 @@ SOURCE: dict[str, Any] = {
     "rld_share": 0.062,
     "md_share": 0.938,
     "drc_cut_x": 10.0,
+    "md_hit": 0.90,  # "~90% average prefix hit"
+    "md_hit_above_95": 0.75,  # "70-80% of requests above 95%"
     "handoff_kv_bytes": 4.6e6,  # "~4.6 MB for 100 tokens"
     "handoff_ms": {
         "token-id": {"mean": 305.0, "max": 321.4},
@@ -51,16 +53,20 @@ def _rld_share(summary: dict[str, Any]) -> float | None:
     return summary.get("rld_token_share") if summary.get("completed") else None
 
 
+def relay_tokens(record: Any) -> int:
+    """The tokens RLD made of a request (its `pdd` object's count)."""
+    return int(record.pdd.get("relay_tokens", 0) or 0)
+
+
+def rld_share_of(records: list[Any]) -> float | None:
+    """RLD's share of these requests' output tokens."""
+    total = sum(len(r.token_ids) for r in records)
+    return sum(relay_tokens(r) for r in records) / total if total else None
+
+
 def handed_off_rld_share(records: list[Any]) -> dict[str, Any]:
-    """RLD's share of the output tokens of the P->RLD->MD requests MD took over (the source's
-    6.2% is this: RLD decodes while the KV crosses, MD makes the rest), and of those with at
-    least half the source's 64K in and 1K out."""
-
-    def share(rs: list[Any]) -> float | None:
-        rld = sum(int(r.pdd.get("relay_tokens", 0) or 0) for r in rs)
-        total = sum(len(r.token_ids) for r in rs)
-        return rld / total if total else None
-
+    """RLD's share of the output tokens of the P->RLD->MD requests MD took over (RLD decodes
+    while the KV crosses, MD makes the rest), on the main workload's mixed shapes."""
     handed = [
         r
         for r in records
@@ -68,13 +74,7 @@ def handed_off_rld_share(records: list[Any]) -> dict[str, Any]:
         and r.pdd.get("pipeline") == "p_rld_md"
         and int(r.pdd.get("main_tokens", 0) or 0) > 0
     ]
-    long = [r for r in handed if (r.prompt_len or 0) >= 32768 and len(r.token_ids) >= 512]
-    return {
-        "requests": len(handed),
-        "share": share(handed),
-        "long_requests": len(long),
-        "long_share": share(long),
-    }
+    return {"requests": len(handed), "share": rld_share_of(handed)}
 
 
 def _busy(stats: dict[str, Any], makespan_s: float) -> dict[str, float | None]:
@@ -91,17 +91,99 @@ def _error(sim: float | None, live: float | None) -> float | None:
     return None if sim is None or not live else (sim - live) / live
 
 
+def shape_figures(
+    run: dict[str, Any] | None,
+    sim: dict[str, Any] | None,
+    warm: AgentRequest,
+    conversations: list[AgentRequest],
+) -> dict[str, Any] | None:
+    """RLD's share of the output tokens on the 64K-in / 1K-out shape, live (the conversations'
+    requests; the warm-up is reported apart) and simulated (the conversations' RLD tokens: the
+    simulator's run with them less its run of the warm-up alone)."""
+    if run is None:
+        return None
+    recs = run["records"]["shape"]
+    done = [r for r in recs if r.error is None]
+    (w,) = run["records"]["warm-up"]
+    total = sum(len(r.token_ids) for r in done)
+    prompts = [r.prompt_len or 0 for r in done]
+    hits = [int(r.pdd.get("prefix_hit_tokens", 0) or 0) for r in done]
+    pipelines: dict[str, int] = {}
+    for r in done:
+        p = str(r.pdd.get("pipeline"))
+        pipelines[p] = pipelines.get(p, 0) + 1
+    out: dict[str, Any] = {
+        "requests": len(recs),
+        "failed": len(recs) - len(done),
+        "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
+        "output_tokens": total,
+        "md_hit_ratio": sum(hits) / sum(prompts) if sum(prompts) else None,
+        "pipelines": pipelines,
+        "rld_share": rld_share_of(done),
+        "per_request": [
+            {
+                "prompt_tokens": p,
+                "md_hit_tokens": h,
+                "pipeline": r.pdd.get("pipeline"),
+                "relay_tokens": relay_tokens(r),
+                "tokens": len(r.token_ids),
+                "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1e3,
+            }
+            for r, p, h in zip(done, prompts, hits, strict=True)
+        ],
+        "warm_up": {
+            "pipeline": w.pdd.get("pipeline"),
+            "relay_tokens": relay_tokens(w),
+            "main_tokens": int(w.pdd.get("main_tokens", 0) or 0),
+            "error": w.error,
+        },
+        "ttft_ms": mode_summary(done, None, run["makespan_s"]["shape"]).get("median_ttft_ms"),
+        "devices": run["devices"],
+        "sim_rld_share": None,
+    }
+    if sim is not None:
+        alone, both = sim["warm_up"], sim["with_conversations"]
+        n_warm = warm.max_tokens
+        n_all = n_warm + sum(r.max_tokens for r in conversations)
+        rld_both = both["token_share"]["rld"] * n_all
+        rld_alone = alone["token_share"]["rld"] * n_warm
+        out["sim_rld_share"] = (rld_both - rld_alone) / (n_all - n_warm)
+        out["sim_md_hit_ratio"] = (both.get("prefix") or {}).get("decode_side_hit_ratio")
+    return out
+
+
+def drc_figures(
+    compared: dict[str, Any] | None, sim: dict[str, dict[str, Any]] | None
+) -> dict[str, Any] | None:
+    """The decode-side cache's cut of the WAN KV bytes on the long conversations (`pdd bench
+    drc`'s comparison, live) and the simulator's on the same requests."""
+    if compared is None:
+        return None
+    out = dict(compared)
+    out["hit_ratio_of_tokens"] = sum(r["hit_tokens"] for r in compared["rows"]) / max(
+        sum(r["prompt_tokens"] for r in compared["rows"]), 1
+    )
+    out["sim_cut_x"] = None
+    if sim is not None:
+        with_b = sim["drc"]["wan"]["kv_bytes"]
+        without_b = sim["no-drc"]["wan"]["kv_bytes"]
+        out["sim_cut_x"] = without_b / with_b if with_b else None
+        out["sim_hit_ratio_of_tokens"] = sim["drc"]["prefix"]["decode_side_hit_ratio"]
+    return out
+
+
 def figures(
-    args: argparse.Namespace,
     live: dict[str, dict[str, Any]],
-    drc_off: dict[str, Any] | None,
     handoff: dict[str, Any] | None,
     sim: dict[str, dict[str, Any]] | None,
     slos: dict[str, float],
     wall_s: float,
+    shape: dict[str, Any] | None = None,
+    drc: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The result's figures: per mode the live summary and the simulator's, the rows of the
-    side-by-side table, and the targets' checks."""
+    """The result's figures: per mode the live summary and the simulator's, the shape's RLD
+    share, the decode-side cache's cut, the handoff, the rows of the side-by-side table, and
+    the targets' checks."""
     summaries = {
         m: mode_summary(run["records"]["agent"], slos, run["makespan_s"]["agent"])
         for m, run in live.items()
@@ -156,13 +238,6 @@ def figures(
             None,
             "share",
         )
-        row(
-            f"  of them >= 32K in, >= 512 out ({handed['long_requests']})",
-            SOURCE["rld_share"],
-            handed["long_share"],
-            None,
-            "share",
-        )
     ratios = {
         f"{m}/same-dc p99": ratio(
             summaries[m].get("p99_ttft_ms"), summaries["same-dc"].get("p99_ttft_ms")
@@ -170,24 +245,36 @@ def figures(
         for m in summaries
         if m != "same-dc" and "same-dc" in summaries
     }
-    drc = None
-    if drc_off is not None and "cross-dc" in summaries:
-        off = mode_summary(drc_off["records"]["agent"], None, drc_off["makespan_s"]["agent"])
-        with_b, without_b = summaries["cross-dc"]["wan_kv_bytes"], off["wan_kv_bytes"]
-        sim_with = sims.get("cross-dc", {}).get("target_wan_kv_bytes")
-        sim_without = sims.get(NO_DRC, {}).get("target_wan_kv_bytes")
-        drc = {
-            "wan_kv_bytes_with": with_b,
-            "wan_kv_bytes_without": without_b,
-            "target_wan_kv_bytes_with": summaries["cross-dc"]["target_wan_kv_bytes"],
-            "cut_x": without_b / with_b if with_b else None,
-            "sim_cut_x": sim_without / sim_with if sim_with and sim_without else None,
-            "failed_without": off["failed"],
-        }
+    if shape is not None:
         row(
-            "WAN KV cut by the DRC (cross-dc)",
+            f"RLD share, 64K-in / 1K-out shape ({shape['requests']} requests, "
+            f"{(shape['mean_prompt_tokens'] or 0) / 1e3:.0f}K in, MD hit "
+            f"{shape['md_hit_ratio'] or 0:.0%})",
+            SOURCE["rld_share"],
+            shape["rld_share"],
+            shape["sim_rld_share"],
+            "share",
+        )
+        row("TTFT median, 64K-in / 1K-out shape (pdd)", None, shape["ttft_ms"], None)
+    if drc is not None:
+        row(
+            f"decode-side hit, long conversations ({drc['requests']} requests)",
+            SOURCE["md_hit"],
+            drc["hit_ratio_of_tokens"],
+            drc.get("sim_hit_ratio_of_tokens"),
+            "share",
+        )
+        row(
+            "  of them hitting > 95% (source: 70-80%)",
+            SOURCE["md_hit_above_95"],
+            drc["hit_distribution_measured"].get("95-100%"),
+            None,
+            "share",
+        )
+        row(
+            "WAN KV cut by the DRC",
             SOURCE["drc_cut_x"],
-            drc["cut_x"],
+            drc["byte_reduction"],
             drc["sim_cut_x"],
             "x",
         )
@@ -214,7 +301,9 @@ def figures(
         }
         for m, run in live.items()
     }
-    checks = _checks(summaries, ratios, drc, handoff, devices, rows, wall_s, handed)
+    if shape is not None:
+        devices["pdd shape"] = shape["devices"]
+    checks = _checks(summaries, ratios, drc, shape, handoff, devices, rows, wall_s)
     return {
         "source": SOURCE,
         "targets": TARGETS,
@@ -223,6 +312,7 @@ def figures(
         "rows": rows,
         "ttft_p99_ratios": ratios,
         "handed_off_rld_share": handed,
+        "shape": shape,
         "drc": drc,
         "handoff": handoff,
         "utilisation": utilisation,
@@ -236,11 +326,11 @@ def _checks(
     summaries: dict[str, Any],
     ratios: dict[str, float | None],
     drc: dict[str, Any] | None,
+    shape: dict[str, Any] | None,
     handoff: dict[str, Any] | None,
     devices: dict[str, Any],
     rows: list[dict[str, Any]],
     wall_s: float,
-    handed: dict[str, Any] | None,
 ) -> dict[str, bool | None]:
     """Each target: True / False on this run's figures, None where the run has no such figure."""
     t = TARGETS
@@ -251,9 +341,8 @@ def _checks(
     def at_least(v: float | None, bound: float) -> bool | None:
         return None if v is None else v >= bound
 
-    # the source's figure: handed-off requests of its 64K-in / 1K-out shape (RLD decodes while
-    # the KV crosses); here those with at least half of each
-    rld = (handed or {}).get("long_share")
+    # the source's figure is RLD's share at 64K in / 1K out: the shape's run, every request
+    rld = (shape or {}).get("rld_share")
     lo, hi = (
         SOURCE["rld_share"] / t["rld_share_factor"],
         SOURCE["rld_share"] * t["rld_share_factor"],
@@ -273,10 +362,12 @@ def _checks(
         "naive cross-dc TTFT P99 >= 3x same-dc": at_least(
             ratios.get("cross-dc/same-dc p99"), t["cross_dc_p99_vs_same_dc_min"]
         ),
-        "RLD share (handed off, >= 32K in, >= 512 out) within 1.5x of 6.2%": None
+        "RLD share on the 64K-in / 1K-out shape within 1.5x of 6.2%": None
         if rld is None
         else lo <= rld <= hi,
-        "DRC cuts WAN KV bytes >= 9x": at_least((drc or {}).get("cut_x"), t["drc_cut_min"]),
+        "DRC cuts WAN KV bytes >= 9x (long conversations, ~90% hit)": at_least(
+            (drc or {}).get("byte_reduction"), t["drc_cut_min"]
+        ),
         "overruns < 1% of steps (every daemon)": None if not valid or None in valid else all(valid),
         "whole run < 30 min": wall_s < t["wall_s_max"],
         "sim within 10% of live (TTFT P50/P90, ITL P50)": None
@@ -298,7 +389,7 @@ def _checks(
 
 def notes(result: dict[str, Any]) -> list[str]:
     """The lines under the table (terminal and Markdown alike): each mode's busy shares and
-    pipeline split, live and simulated."""
+    pipeline split, live and simulated; the shape run's pipelines and warm-up."""
 
     def shares(busy: dict[str, float | None] | None) -> str:
         return ", ".join(f"{r} {v:.0%}" for r, v in (busy or {}).items() if v is not None) or "-"
@@ -310,6 +401,15 @@ def notes(result: dict[str, Any]) -> list[str]:
     for m, s in result["live"].items():
         sim_split = (result["sim"].get(m) or {}).get("pipelines")
         out.append(f"pipelines, {m}: live {s['pipeline_split']}; sim {sim_split or '-'}")
+    shape = result.get("shape")
+    if shape:
+        w = shape["warm_up"]
+        out.append(
+            f"64K-in / 1K-out shape: pipelines {shape['pipelines']}; per request RLD made "
+            + ", ".join(f"{r['relay_tokens']}/{r['tokens']}" for r in shape["per_request"])
+            + f"; the warm-up went {w['pipeline']} (RLD {w['relay_tokens']}, MD "
+            f"{w['main_tokens']} tokens)"
+        )
     return out
 
 
