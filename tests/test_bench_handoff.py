@@ -462,6 +462,9 @@ async def test_source_figure_on_emulated_devices(tmp_path):
     assert dev["emulated"] and set(dev["roles"]) == {"relay", "main_decode"}
     md, rld = dev["roles"]["main_decode"], dev["roles"]["relay"]
     assert md["steps"] == len(trials) + 2  # and the two warm-up handoffs
+    # each trial's engine step is the one the pacer judged: it overran iff it took longer
+    overran = sum(t["forward_compute_s"] > t["forward_modelled_s"] for t in trials)
+    assert overran <= md["overruns"] <= overran + 2
     assert rld["steps"] == n  # RLD's decode to the cut, once per prompt
     assert (md["chip"], rld["chip"], md["gpus"]) == ("h200-sxm", "h100-sxm", 8)
     assert dev["steps"] == md["steps"] + rld["steps"]

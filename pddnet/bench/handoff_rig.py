@@ -325,6 +325,8 @@ async def handoff_once(
         "forward_s": got["forward_s"] / k,
         "forward_modelled_s": None if pacer is None else pacer.modelled(trial.forward_chunks),
         "forward_chunks": [list(c) for c in trial.forward_chunks],
+        # the engine step alone, before pacing (> forward_modelled_s: it overran)
+        "forward_compute_s": trial.forward_compute_s / k,
         "forward_tokens": got["forward_tokens"],
         "import_s": trial.import_s / k,
         "payload_bytes": payload,

@@ -82,6 +82,7 @@ class MainTrial:
         self.import_s = 0.0
         self.t_sampled = 0.0
         self.forward_chunks: tuple[tuple[int, int], ...] = ()  # the sampling forward's shape
+        self.forward_compute_s = 0.0  # its engine step alone, wall: what the pacer judges
         self._finishing = False
 
     async def _call(self, fn: Callable[..., Any], *a: Any) -> Any:
@@ -260,6 +261,7 @@ class MainTrial:
         t_sampled = time.perf_counter()
         self.t_sampled = t_sampled
         self.forward_chunks = self.engine.last_step.chunks
+        self.forward_compute_s = self.engine.last_step.duration_s
         tokens = list(out.new_token_ids)
         while self.engine.has_request(self.rid):
             tokens += [t for o in self.engine.step() for t in o.new_token_ids]
