@@ -290,7 +290,10 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
     adds that MD's cache lacks: ~50 MB of the target's at a full run's shape; every transfer
     of that size or more outlasts a 100-token KV-direct handoff, and the median rather than
     the mean (~6x larger) gives the figure's few seconds more independent busy periods) at
-    half the line's rate (the clusters' line is sized to be about half busy)."""
+    half the line's rate (the clusters' line is sized to be about half busy). 16 handoffs per
+    path and condition: the Poisson traffic needs the time (with 8 the jitter+bulk phase saw
+    ~5 transfers, 16% of the line against the 50% offered; 16 cost ~10 s more, the setup's 64K
+    prefills dominate)."""
     import statistics
 
     from pddnet.device.profiles import load_model as load_profile
@@ -315,7 +318,7 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
         argv.append("--no-progress")
     if args.quick:
         return [*argv, "--quick"]
-    return [*argv, "--prompt-len", str(SHAPES["max_context"][1] - 1024), "--repeats", "8"]
+    return [*argv, "--prompt-len", str(SHAPES["max_context"][1] - 1024), "--repeats", "16"]
 
 
 def check_args(args: argparse.Namespace) -> None:
