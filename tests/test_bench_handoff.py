@@ -29,17 +29,31 @@ def tiny():
     return load_model("tiny")
 
 
+N_MAX = 12  # the largest cut the tests make
+
+
 @pytest.fixture(scope="module")
 def prep(tiny):
     model, tok = tiny
     prompt = handoff_setup.make_prompts(
         1, 32, model.config.vocab_size, model.config.bos_token_id, 3
     )[0]
-    p = handoff_setup.prepare_prompt(
-        model, tok, 0, prompt, 12, SamplingParams(temperature=0.8, seed=5)
+    rld = handoff_setup.engine_for(
+        model, tok, "relay", handoff_setup.relay_tokens_needed(32, N_MAX)
     )
-    yield p
-    p.rld_engine.close()
+    yield handoff_setup.prepare_prompt(
+        model, tok, 0, prompt, N_MAX, SamplingParams(temperature=0.8, seed=5), rld
+    )
+    rld.close()
+
+
+@pytest.fixture
+def md_engine(tiny):
+    """MD's engine, as the bench builds it: one for every trial in turn."""
+    model, tok = tiny
+    engine = handoff_setup.engine_for(model, tok, "main_decode", 32 + 2 * N_MAX + 8)
+    yield engine
+    engine.close()
 
 
 def wire(msg):
@@ -68,21 +82,21 @@ def kv_chunks(prep, n: int, rid: str, per: int) -> list[KvChunk]:
     ]
 
 
-async def test_both_transports_leave_md_token_exact(tiny, prep):
+async def test_both_transports_leave_md_token_exact(md_engine, prep):
     from concurrent.futures import ThreadPoolExecutor
 
-    model, tok = tiny
     n = 9
     with ThreadPoolExecutor(1) as md:
-        tid = handoff_sides.MainTrial(TOKEN_ID, "t-tok", n, prep, model, tok, md)
+        tid = handoff_sides.MainTrial(TOKEN_ID, "t-tok", n, prep, md_engine, md)
         await tid.setup()
         await tid.on_handoff(wire(cut(prep, n, "t-tok")), 0.0)
         got = await tid.done
         await tid.close()
         assert got["tokens"] == prep.reference[n + 1 : n + 3]
         assert got["forward_tokens"] == n + 1  # P's first token + n relay tokens, one extend
+        assert_empty(md_engine)  # the next trial starts where this one did
 
-        kvd = handoff_sides.MainTrial(KV_DIRECT, "t-kv", n, prep, model, tok, md)
+        kvd = handoff_sides.MainTrial(KV_DIRECT, "t-kv", n, prep, md_engine, md)
         await kvd.setup()
         chunks = [wire(c) for c in kv_chunks(prep, n, "t-kv", 4)]
         early = asyncio.create_task(kvd.on_chunk(chunks[-1], 1.0))  # it overtook the ids
@@ -97,21 +111,75 @@ async def test_both_transports_leave_md_token_exact(tiny, prep):
         assert got["tokens"] == prep.reference[n + 1 : n + 3]
         assert got["forward_tokens"] == 1  # MD only decodes the last relay token
         assert kvd.kv_bytes == n * KVB and got["t_arrived"] == 3.0
+        assert_empty(md_engine)
 
 
-async def test_md_rejects_a_handoff_that_is_not_the_cut(tiny, prep):
+def assert_empty(engine) -> None:
+    """Every block free, nothing claimed, nothing cached: the state each trial starts from."""
+    assert engine.allocator.num_free == engine.num_blocks
+    assert engine.blocks.claimed == 0 and engine.prefix_cache.num_cached_blocks == 0
+
+
+async def test_md_engine_is_reset_after_every_trial_also_a_failed_one(md_engine, prep):
+    """One warm MD engine for every trial: a trial that failed half-way (MD refused the
+    HANDOFF) still leaves it empty, and the next trial then finds nothing of the prompt cached
+    (a cold copy, as the figure needs) and is token-exact."""
     from concurrent.futures import ThreadPoolExecutor
 
-    model, tok = tiny
+    n = 6
     with ThreadPoolExecutor(1) as md:
-        trial = handoff_sides.MainTrial(TOKEN_ID, "t-bad", 5, prep, model, tok, md)
+        bad = handoff_sides.MainTrial(TOKEN_ID, "t-fail", n, prep, md_engine, md)
+        await bad.setup()
+        assert md_engine.allocator.num_free < md_engine.num_blocks  # it holds the prompt
+        with pytest.raises(ValueError):
+            await bad.on_handoff(cut(prep, n - 1, "t-fail"), 0.0)
+        await bad.close()
+        assert_empty(md_engine)
+        for rid in ("t-again-1", "t-again-2"):
+            trial = handoff_sides.MainTrial(TOKEN_ID, rid, n, prep, md_engine, md)
+            await trial.setup()
+            await trial.on_handoff(wire(cut(prep, n, rid)), 0.0)
+            got = await trial.done
+            await trial.close()
+            assert got["tokens"] == prep.reference[n + 1 : n + 3]
+            assert_empty(md_engine)
+
+
+def test_prompts_share_rlds_engine_without_touching_each_other(tiny):
+    """RLD's one engine holds every prompt's sequence: preparing the second prompt must not
+    step the first one's (held), whose relay tokens' KV KV-direct still sends."""
+    model, tok = tiny
+    prompts = handoff_setup.make_prompts(2, 32, model.config.vocab_size, 256, 4)
+    need = handoff_setup.relay_tokens_needed(32, 8)
+    rld = handoff_setup.engine_for(model, tok, "relay", need, need)
+    try:
+        sp = SamplingParams(temperature=0.8, seed=2)
+        first = handoff_setup.prepare_prompt(model, tok, 0, prompts[0], 8, sp, rld)
+        kv_before = export_kv(
+            rld.pool, rld.get_sequence(first.rld_request).block_table, 32, 40
+        ).kv.clone()
+        tokens_before = list(rld.get_sequence(first.rld_request).token_ids)
+        second = handoff_setup.prepare_prompt(model, tok, 1, prompts[1], 8, sp, rld)
+        seq = rld.get_sequence(first.rld_request)
+        assert seq.token_ids == tokens_before and not seq.is_finished
+        assert torch.equal(export_kv(rld.pool, seq.block_table, 32, 40).kv, kv_before)
+        assert second.relay == second.reference[:9] and first.relay == first.reference[:9]
+    finally:
+        rld.close()
+
+
+async def test_md_rejects_a_handoff_that_is_not_the_cut(md_engine, prep):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as md:
+        trial = handoff_sides.MainTrial(TOKEN_ID, "t-bad", 5, prep, md_engine, md)
         await trial.setup()
         with pytest.raises(ValueError, match="is not RLD's cut at 5"):
             await trial.on_handoff(cut(prep, 4, "t-bad"), 0.0)
         with pytest.raises(ValueError, match="KV_CHUNK on a token-id handoff"):
             await trial.on_chunk(kv_chunks(prep, 5, "t-bad", 8)[0], 0.0)
         await trial.close()
-        kvd = handoff_sides.MainTrial(KV_DIRECT, "t-bad2", 5, prep, model, tok, md)
+        kvd = handoff_sides.MainTrial(KV_DIRECT, "t-bad2", 5, prep, md_engine, md)
         await kvd.setup()
         outside = kv_chunks(prep, 9, "t-bad2", 8)[1]  # positions past the cut at 5
         with pytest.raises(ValueError, match="outside"):
@@ -239,7 +307,7 @@ async def test_quick_run_is_consistent(tmp_path):
     assert r["plots"] and all(Path(png).stat().st_size > 0 for png in r["plots"])
 
 
-async def test_the_machines_cut_md_takes_over_token_exact(tiny, prep):
+async def test_the_machines_cut_md_takes_over_token_exact(md_engine, prep):
     """The bench's sides as the daemons: MD's machine asks (TAKEOVER), RLD's machine cuts with
     one final one-shot HANDOFF from index 0 (P's first token and the relay tokens), and MD's
     machine applies it and emits from the cut on."""
@@ -247,10 +315,9 @@ async def test_the_machines_cut_md_takes_over_token_exact(tiny, prep):
 
     from pddnet.lifecycle.actions import SendHandoff
 
-    model, tok = tiny
     n = 7
     with ThreadPoolExecutor(1) as md:
-        trial = handoff_sides.MainTrial(TOKEN_ID, "t-fsm", n, prep, model, tok, md)
+        trial = handoff_sides.MainTrial(TOKEN_ID, "t-fsm", n, prep, md_engine, md)
         takeover = await trial.setup()
         assert takeover.ready_position == len(prep.prompt)
         relay = handoff_sides.relay_machine(prep, n)
@@ -395,6 +462,9 @@ async def test_source_figure_on_emulated_devices(tmp_path):
     assert dev["emulated"] and set(dev["roles"]) == {"relay", "main_decode"}
     md, rld = dev["roles"]["main_decode"], dev["roles"]["relay"]
     assert md["steps"] == len(trials) + 2  # and the two warm-up handoffs
+    # each trial's engine step is the one the pacer judged: it overran iff it took longer
+    overran = sum(t["forward_compute_s"] > t["forward_modelled_s"] for t in trials)
+    assert overran <= md["overruns"] <= overran + 2
     assert rld["steps"] == n  # RLD's decode to the cut, once per prompt
     assert (md["chip"], rld["chip"], md["gpus"]) == ("h200-sxm", "h100-sxm", 8)
     assert dev["steps"] == md["steps"] + rld["steps"]

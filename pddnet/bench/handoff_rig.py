@@ -221,10 +221,10 @@ class WanLink:
 
 @dataclass
 class Rig:
-    """Everything a handoff needs, started in order and closed in reverse."""
+    """Everything a handoff needs, started in order and closed in reverse. `md_engine`: MD's
+    engine, warm for the whole run (handoff_sides.MainTrial empties it after each trial)."""
 
-    model: Any
-    tok: Any
+    md_engine: Any
     md_executor: ThreadPoolExecutor
     rld_executor: ThreadPoolExecutor
     devices: HandoffDevices = field(default_factory=HandoffDevices)
@@ -287,7 +287,7 @@ async def handoff_once(
     assert rig.main is not None and rig.relay is not None
     k = rig.devices.k
     pacer = rig.devices.pacer("main_decode")
-    trial = MainTrial(path, rid, n, prep, rig.model, rig.tok, rig.md_executor, pacer)
+    trial = MainTrial(path, rid, n, prep, rig.md_engine, rig.md_executor, pacer)
     rig.main.trials[rid] = trial
     try:
         takeover = await trial.setup()
@@ -325,6 +325,8 @@ async def handoff_once(
         "forward_s": got["forward_s"] / k,
         "forward_modelled_s": None if pacer is None else pacer.modelled(trial.forward_chunks),
         "forward_chunks": [list(c) for c in trial.forward_chunks],
+        # the engine step alone, before pacing (> forward_modelled_s: it overran)
+        "forward_compute_s": trial.forward_compute_s / k,
         "forward_tokens": got["forward_tokens"],
         "import_s": trial.import_s / k,
         "payload_bytes": payload,

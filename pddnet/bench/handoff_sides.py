@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pddnet.bench.handoff_devices import paced_step
-from pddnet.bench.handoff_setup import BLOCK_SIZE, KV_DIRECT, TOKEN_ID, Prepared, engine_for
+from pddnet.bench.handoff_setup import BLOCK_SIZE, KV_DIRECT, TOKEN_ID, Prepared
 from pddnet.device.pacer import StepPacer
 from pddnet.lifecycle.actions import (
     AppendTokens,
@@ -38,7 +38,7 @@ HOST = "127.0.0.1"
 MD_CHUNK_TOKENS = HandoffPolicy().chunk
 
 
-# -- MD's side: one handoff on a fresh engine -----------------------------------------------------
+# -- MD's side: one handoff on MD's warm engine ---------------------------------------------------
 
 
 class MainTrial:
@@ -47,7 +47,13 @@ class MainTrial:
     (`on_handoff`, `on_chunk`), ending in `done` with MD's first two tokens. With `pacer` (MD's
     emulated device) the forward that samples MD's first token is paced (`paced_step`); the
     bench's own steps around it (indexing the prompt's KV in setup, the token after it for the
-    check) are not: MD's daemon never makes the first, and the second is after the handoff."""
+    check) are not: MD's daemon never makes the first, and the second is after the handoff.
+
+    `engine` is MD's, long-lived and shared by every trial of a run (as MD's daemon's is, so
+    that the paced forward is a steady-state one, not a fresh pool's first). Each trial starts
+    it empty, as a cold copy of the prompt finds it (nothing of the prompt cached: its first
+    forward indexes the prompt, as the daemon's does), and `close` empties it again: whatever
+    the trial allocated is freed and its prefix cache evicted (`reset_engine`)."""
 
     def __init__(
         self,
@@ -55,17 +61,16 @@ class MainTrial:
         request_id: str,
         n: int,
         prep: Prepared,
-        model: Any,
-        tok: Any,
+        engine: Any,
         executor: ThreadPoolExecutor,
         pacer: StepPacer | None = None,
     ) -> None:
         self.path, self.rid, self.n, self.prep = path, request_id, n, prep
-        self.model, self.tok, self.executor, self.pacer = model, tok, executor, pacer
+        self.engine, self.executor, self.pacer = engine, executor, pacer
         self.max_tokens = n + 3
         self.fsm = MainHandoff(len(prep.prompt), MD_CHUNK_TOKENS)
         self.edits: list[SequenceEdit] = []  # the HANDOFFs' edits of MD's held sequence
-        self.engine: Any = None
+        self._started = False  # setup ran: `close` resets the engine
         self.reservation: Any = None
         self.reserved = asyncio.Event()
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -77,6 +82,7 @@ class MainTrial:
         self.import_s = 0.0
         self.t_sampled = 0.0
         self.forward_chunks: tuple[tuple[int, int], ...] = ()  # the sampling forward's shape
+        self.forward_compute_s = 0.0  # its engine step alone, wall: what the pacer judges
         self._finishing = False
 
     async def _call(self, fn: Callable[..., Any], *a: Any) -> Any:
@@ -89,23 +95,33 @@ class MainTrial:
         actions = self.fsm.kv_complete(self.prep.first)
         (start,) = [a for a in actions if isinstance(a, StartSequence)]
         (takeover,) = [a for a in actions if isinstance(a, SendTakeover)]
+        self._started = True
         if self.path == TOKEN_ID:
             await self._call(self._setup_token_id, start)
         else:
             await self._call(self._setup_kv_direct)
         return takeover
 
+    def _reserve_cold(self, max_tokens: int) -> Any:
+        """The prompt's blocks on MD's empty engine, and P's copy of its KV imported into them."""
+        from pddnet.kv.transfer import import_kv
+
+        res = self.engine.reserve_kv(self.prep.prompt, max_tokens)
+        if res.num_cached_tokens:
+            self.engine.free_reservation(res)
+            raise AssertionError(
+                f"{self.rid}: MD's engine already holds {res.num_cached_tokens} tokens of the "
+                f"prompt (the previous trial did not reset it)"
+            )
+        import_kv(self.engine.pool, self.prep.prompt_kv, res.block_ids)
+        return res
+
     def _setup_token_id(self, start: StartSequence) -> None:
         """StartSequence as MD's daemon carries it out: the sequence started on the imported KV
         with P's first token known, held until RLD's cut."""
-        from pddnet.kv.transfer import import_kv
-
-        prep = self.prep
-        md = self.engine = engine_for(self.model, self.tok, len(prep.prompt) + 2 * self.n + 8)
-        res = md.reserve_kv(prep.prompt, self.max_tokens)
-        import_kv(md.pool, prep.prompt_kv, res.block_ids)
+        res = self._reserve_cold(self.max_tokens)
         self._start_sequence(start.output_token_ids, res, hold=start.hold)
-        if md.has_work():
+        if self.engine.has_work():
             raise AssertionError("MD's held sequence has work before the cut")
 
     def _start_sequence(self, known: Sequence[int], kv: Any, hold: bool = False) -> None:
@@ -126,12 +142,8 @@ class MainTrial:
         """KV-direct defers StartSequence to the cut, when the relay tokens' KV has come: until
         then MD holds the prompt's KV in its prefix cache (imported, then indexed by a one-token
         step), so the reservation at the cut reuses it and only the relay tokens' KV crosses."""
-        from pddnet.kv.transfer import import_kv
-
-        prep = self.prep
-        md = self.engine = engine_for(self.model, self.tok, len(prep.prompt) + 2 * self.n + 8)
-        res = md.reserve_kv(prep.prompt, 1)
-        import_kv(md.pool, prep.prompt_kv, res.block_ids)
+        prep, md = self.prep, self.engine
+        res = self._reserve_cold(1)
         pre = md.add_request(
             prep.prompt,
             1,
@@ -249,6 +261,7 @@ class MainTrial:
         t_sampled = time.perf_counter()
         self.t_sampled = t_sampled
         self.forward_chunks = self.engine.last_step.chunks
+        self.forward_compute_s = self.engine.last_step.duration_s
         tokens = list(out.new_token_ids)
         while self.engine.has_request(self.rid):
             tokens += [t for o in self.engine.step() for t in o.new_token_ids]
@@ -276,9 +289,28 @@ class MainTrial:
             self.done.set_exception(exc)
 
     async def close(self) -> None:
-        if self.engine is not None:
-            await self._call(self.engine.close)
-            self.engine = None
+        if self._started:
+            self._started = False
+            pending = [self.reservation] if self.reservation is not None else []
+            self.reservation = None
+            await self._call(reset_engine, self.engine, [self.rid, f"{self.rid}.p"], pending)
+
+
+def reset_engine(engine: Any, request_ids: Sequence[str], reservations: Sequence[Any]) -> None:
+    """MD's engine back to empty after a trial: its requests aborted and reservations freed
+    (also a failed trial's), the prefix cache evicted; raises AssertionError when a block is
+    still held (a leak would change what the next trial measures)."""
+    for rid in request_ids:
+        engine.abort(rid)
+    for res in reservations:
+        engine.free_reservation(res)
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+    if engine.allocator.num_free != engine.num_blocks or engine.blocks.claimed:
+        raise AssertionError(
+            f"MD's engine holds {engine.num_blocks - engine.allocator.num_free} blocks and "
+            f"{engine.blocks.claimed} claimed after a trial: it is not back to empty"
+        )
 
 
 class MainSide:

@@ -304,19 +304,41 @@ async def run_drc(args: argparse.Namespace, requests: list[AgentRequest]) -> dic
 
 def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
     """`pdd bench handoff` flags for the source's 100-token figure on this run's chips and k,
-    RLD and MD holding a prompt of the workload's longest context (64K in a full run)."""
+    RLD and MD holding a prompt of the workload's longest context (64K in a full run), on the
+    clusters' line (rate, RTT, jitter, buffer). Its competing traffic is other requests' KV as
+    PDD's line carries it: transfers of the workload's median new KV per request (what a turn
+    adds that MD's cache lacks: ~50 MB of the target's at a full run's shape; every transfer
+    of that size or more outlasts a 100-token KV-direct handoff, and the median rather than
+    the mean (~6x larger) gives the figure's few seconds more independent busy periods) at
+    half the line's rate (the clusters' line is sized to be about half busy). 16 handoffs per
+    path and condition: the Poisson traffic needs the time (with 8 the jitter+bulk phase saw
+    ~5 transfers, 16% of the line against the 50% offered; 16 cost ~10 s more, the setup's 64K
+    prefills dominate)."""
+    import statistics
+
+    from pddnet.device.profiles import load_model as load_profile
+
+    new_tokens = [
+        len(r.appended_token_ids if r.turn else r.prompt_token_ids) for r in workload(args)
+    ]
+    bulk_mib = (
+        statistics.median(new_tokens) * load_profile(args.target_model).kv_bytes_per_token / 2**20
+    )
     argv = [
         *("--model", args.model, "--target-model", args.target_model),
         *("--device", f"relay={args.relay_chip}:{args.gpus}"),
         *("--device", f"main-decode={args.md_chip}:{args.gpus}"),
         *("--dilation", f"{k:g}", "--rtt-ms", f"{args.rtt_ms:g}"),
+        *("--bw-mbit", f"{line_gbit(args) * 1e3:g}", "--queue-ms", f"{QUEUE_MS:g}"),
+        *("--jitter-ms", f"{args.jitter_ms:g}", "--bulk-load", "0.5"),
+        *("--bulk-mib", f"{bulk_mib:.1f}"),
         *("--threads", str(args.threads), "--seed", str(args.seed), "--out", str(args.out)),
     ]
     if args.no_progress:
         argv.append("--no-progress")
     if args.quick:
         return [*argv, "--quick"]
-    return [*argv, "--prompt-len", str(SHAPES["max_context"][1] - 1024), "--repeats", "8"]
+    return [*argv, "--prompt-len", str(SHAPES["max_context"][1] - 1024), "--repeats", "16"]
 
 
 def check_args(args: argparse.Namespace) -> None:
