@@ -49,6 +49,11 @@ _EOF = object()  # an end-of-stream marker travelling through the model like dat
 _SPIN_S = 0.0015  # wake this much early for precise departures, then spin
 _PRECISE_MAX_ITEMS = 8  # spin only on a lightly loaded link: under load it would burn a core
 _DEST_HIGH_WATER = 1 << 20
+# A reader waits for one packet's room, as a router's queue takes a packet whenever one fits.
+# Waiting for a whole read's room (chunk_bytes) made every reader wait for a buffer smaller
+# than a read to drain completely: a 267-byte HANDOFF then sat behind all of a bulk flow's
+# queue (at k = 5 a 20 ms buffer of a 2 Gbit/s line is 22 KB of real bytes).
+_PACKET_BYTES = 1500
 
 
 class _Conn:
@@ -115,10 +120,10 @@ class _Lane:
         return max(0, space)
 
     def capacity(self) -> int:
-        """The most room a reader should wait for (queue limit or in-flight cap, one chunk)."""
+        """The most room a reader should wait for (queue limit or in-flight cap, one packet)."""
         fx = self.model.effects()
         limit = fx["queue_bytes"] if fx["rate_mbit"] is not None else self.proxy.max_inflight_bytes
-        return max(1, min(limit, self.proxy.chunk_bytes))
+        return max(1, min(limit, self.proxy.chunk_bytes, _PACKET_BYTES))
 
     async def wait_room(self, need: int) -> int:
         """Wait until at least min(need, capacity) bytes fit (need 0: until not blocked, for a

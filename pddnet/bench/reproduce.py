@@ -319,7 +319,7 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
     from pddnet.device.profiles import load_model as load_profile
 
     new_tokens = [
-        len(r.appended_token_ids if r.turn else r.prompt_token_ids) for r in workload(args)
+        len(r.appended_token_ids if r.turn else r.prompt_token_ids) for r in main_workload(args)
     ]
     bulk_mib = (
         statistics.median(new_tokens) * load_profile(args.target_model).kv_bytes_per_token / 2**20
