@@ -78,6 +78,10 @@ WARM_UP_TOKENS = (128, 2048)
 DRC_SHAPE: dict[str, tuple[Any, Any]] = {
     "num_conversations": (2, 3),
     "max_turns": ((4, 5), (24, 32)),
+    # bytes do not depend on time: the conversations start together and think briefly (the
+    # same token ids: the generator draws the same numbers, only the times differ)
+    "conversation_rate_per_s": (10.0, 10.0),
+    "think_time_s": (0.1, 0.1),
 }
 
 
