@@ -12,17 +12,20 @@ every time is dilated by one k):
    TTFT P50/P90/P99 and the other serving metrics under vLLM's names (docs/benchmarks.md,
    Metrics), RLD's and MD's share of the decode tokens, WAN KV bytes, goodput under the SLA,
    each daemon's overruns;
-2. the same requests through naive cross-DC PD with MD's cache off (unpaced: bytes only), for
-   the WAN KV bytes without the decode-side cache;
-3. the 100-token handoff, token ids vs KV-direct, quiet and under jitter with competing
-   traffic (`pdd bench handoff`'s `source_figure`), on the same chips and k;
-4. the simulator on the very same requests, chips, line and policy (reproduce_sim.py).
+2. RLD's share on the source's 64K-in / 1K-out shape: PDD's cluster on conversations over one
+   shared ~56K-token context, after a warm-up that puts it in MD's cache (the main workload's
+   mixed shapes and generous relay pool send most requests to RLD alone);
+3. the WAN KV bytes with and without the decode-side cache on long conversations (~90% hit),
+   `pdd bench drc`'s two runs, unpaced: bytes do not depend on time;
+4. the 100-token handoff, token ids vs KV-direct, quiet and under jitter with competing
+   traffic (`pdd bench handoff`'s `source_figure`), on the same chips, k and line;
+5. the simulator on the very same requests, chips, line and policy (reproduce_sim.py).
 
-The scale is per instance: one P, one RLD, one MD (one D in same-DC), each on one chip of the
-source's kind (Qwen2.5-7B's shape, as `pdd sim reproduce`), conversations arriving at 4x what
-that scenario offers each of its 40 P instances (so that a run of minutes reaches its
-concurrency), and a line as busy under naive cross-DC as that scenario's (`line_gbit`). The
-datacenter-scale table stays `pdd sim reproduce`'s. reproduce_table.py turns it all into the
+The workloads are reproduce_workload.py's. The scale is per instance: one P, one RLD, one MD
+(one D in same-DC), each on one chip of the source's kind (Qwen2.5-7B's shape, as `pdd sim
+reproduce`), conversations arriving at 4x what that scenario offers each of its 40 P instances
+(so that a run of minutes reaches its concurrency), and a line as busy under naive cross-DC as
+that scenario's (`line_gbit`). The datacenter-scale table stays `pdd sim reproduce`'s. reproduce_table.py turns it all into the
 side-by-side table and the checks against the issue's targets; docs/reproduction.md has a run.
 """
 
