@@ -345,7 +345,7 @@ class StatsFile:
     def write(self, state: str) -> None:
         self.seq += 1
         try:
-            stats = self.daemon.stats()
+            stats = {**self.daemon.stats(), "gc": gc_report()}
         except Exception as exc:  # a stats bug must not kill the daemon
             stats = {"error": f"{type(exc).__name__}: {exc}"}
         body = {
@@ -360,6 +360,29 @@ class StatsFile:
         with open(tmp, "w") as f:
             json.dump(body, f, default=str)
         os.replace(tmp, self.path)
+
+
+def freeze_start_up() -> None:
+    """Move what start-up built out of the garbage collector's reach: it lives as long as the
+    daemon. A full collection scanned all of it (~176K objects of torch, the model, the engine:
+    ~80-90 ms, after six 50-60K-token prompts too), a pause that lands in whatever forward or
+    network read is running (at k = 5 a third of a small prefill's paced budget; unpaced, a
+    latency spike); frozen, one takes ~1.5 ms. Servers do the same after start-up."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def gc_report() -> dict[str, Any]:
+    """The collector's view for the stats: objects frozen at start-up, collections per
+    generation since."""
+    import gc
+
+    return {
+        "frozen_objects": gc.get_freeze_count(),
+        "collections": [g["collections"] for g in gc.get_stats()],
+    }
 
 
 async def serve_daemon(role: str, config: Any, stats_file: str | None) -> int:
@@ -384,6 +407,7 @@ async def serve_daemon(role: str, config: Any, stats_file: str | None) -> int:
             await asyncio.gather(start, return_exceptions=True)
             return 0
         start.result()
+        freeze_start_up()
         if stats is not None:
             stats.write("serving")
         serve = asyncio.create_task(daemon.serve_forever())
