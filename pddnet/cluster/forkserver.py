@@ -8,10 +8,11 @@ would have (own session, stdin /dev/null, stdout and stderr to the log, the give
 and working directory). The child's thread count is set explicitly as before: `pdd serve`
 calls torch.set_num_threads(config.model.threads) in the child.
 
-One server per interpreter and environment (the environment a module may read at import time
-is then the one the daemon would have started with); it lives as long as the process that
-started it: it exits when its control socket closes (that process exited or was killed), and
-its daemons get SIGTERM when it goes (PR_SET_PDEATHSIG), as they do when a launcher dies.
+One server per interpreter and import-time environment (IMPORT_TIME_PREFIXES: what a module
+may read while it imports is then what the daemon would have started with); it lives as long
+as the process that started it: it exits when its control socket closes (that process exited
+or was killed), and its daemons get SIGTERM when it goes (PR_SET_PDEATHSIG), as they do when
+a launcher dies.
 The server stays single-threaded and never runs torch, so a fork inherits no thread or lock.
 
 The handle (`ForkedProcess`) answers as subprocess.Popen does (pid, poll, wait, send_signal,
@@ -45,6 +46,9 @@ PRELOAD = (
     "pddnet.roles.main_decode",
 )
 MAX_MESSAGE = 1 << 20
+# Room in the server's command line for a child's own (see _retitle): ps shows a daemon's
+# `python -m pddnet serve ROLE --config ...`, not the server's line.
+TITLE_ROOM = 4096
 
 
 class ForkServerError(RuntimeError):
@@ -97,7 +101,7 @@ class ForkServer:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = mine
         self.proc = subprocess.Popen(
-            [python, "-m", "pddnet.cluster.forkserver", str(theirs.fileno())],
+            [python, "-m", "pddnet.cluster.forkserver", str(theirs.fileno()), " " * TITLE_ROOM],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,  # its children write to their logs; errors go to stderr
             env=dict(env),
@@ -119,7 +123,7 @@ class ForkServer:
     def spawn(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str, log: IO
     ) -> ForkedProcess:
-        request = {"argv": list(argv), "env": dict(env), "cwd": cwd}
+        request = {"argv": list(argv), "env": dict(env), "cwd": os.path.abspath(cwd)}
         with self._lock:
             socket.send_fds(self.sock, [json.dumps(request).encode()], [log.fileno()])
             reply = self._receive_locked(timeout=30.0, want="pid")
@@ -172,14 +176,32 @@ class ForkServer:
             self.proc.wait(timeout=10)
 
 
+# What the interpreter, torch, its thread pools and its allocator read while they start: a
+# server serves launches whose environments agree on these; the rest of a launch's environment
+# (e.g. pytest's PYTEST_CURRENT_TEST, which changes every test) is set in the child.
+IMPORT_TIME_PREFIXES = (
+    "PYTHON",
+    "TORCH",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "CUDA",
+    "LD_",
+    "MALLOC_",
+    "PDD_",
+)
+
 _servers: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
 def server_for(env: Mapping[str, str], python: str = sys.executable) -> ForkServer:
-    """The one server of this process for this interpreter and environment (started on first
-    use, again if it died)."""
-    key = (python, tuple(sorted(env.items())))
+    """The one server of this process for this interpreter and the environment's import-time
+    variables (started on first use, again if it died)."""
+    read = sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES))
+    key = (python, tuple(read))
     with _servers_lock:
         server = _servers.get(key)
         if server is None or not server.alive():
@@ -209,21 +231,22 @@ def serve(sock: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD writes to wake_w
     sock.send(json.dumps({"ready": os.getpid()}).encode())
-    while True:
-        readable, _, _ = select.select([sock, wake_r], [], [])
-        if wake_r in readable:
-            os.read(wake_r, 4096)
-            _report_exits(sock)
-        if sock in readable:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
-            if not data:
-                return  # the launcher is gone: exiting sends our daemons their SIGTERM
-            server_pid = os.getpid()
-            pid = os.fork()
-            if pid == 0:
-                _child(json.loads(data), fds[0], [sock.fileno(), wake_r, wake_w], server_pid)
-            os.close(fds[0])
-            sock.send(json.dumps({"pid": pid}).encode())
+    with contextlib.suppress(ConnectionError):  # the launcher is gone
+        while True:
+            readable, _, _ = select.select([sock, wake_r], [], [])
+            if wake_r in readable:
+                os.read(wake_r, 4096)
+                _report_exits(sock)
+            if sock in readable:
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+                if not data:
+                    return  # the launcher is gone: exiting sends our daemons their SIGTERM
+                server_pid = os.getpid()
+                pid = os.fork()
+                if pid == 0:
+                    _child(json.loads(data), fds[0], [sock.fileno(), wake_r, wake_w], server_pid)
+                os.close(fds[0])
+                sock.send(json.dumps({"pid": pid}).encode())
 
 
 def _report_exits(sock: socket.socket) -> None:
@@ -258,6 +281,7 @@ def _child(request: dict[str, Any], log_fd: int, server_fds: list[int], server_p
         os.dup2(log_fd, 2)
         os.close(null)
         os.close(log_fd)
+        _retitle(request["argv"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -278,6 +302,18 @@ def _child(request: dict[str, Any], log_fd: int, server_fds: list[int], server_p
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _retitle(argv: list[str]) -> None:
+    """Write `argv` over this process's command line (the memory /proc/PID/cmdline reads, from
+    the server's argv, which left TITLE_ROOM bytes for it): ps and /proc show the daemon's
+    command line. A longer one is cut at the room's end."""
+    import ctypes
+
+    stat = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    start, end = int(stat[45]), int(stat[46])  # arg_start, arg_end (fields 48 and 49)
+    title = b"\0".join(a.encode() for a in argv)[: end - start - 1]
+    ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)
 
 
 def _main() -> None:
