@@ -1,6 +1,7 @@
-"""The fork server (pddnet/cluster/forkserver.py): a forked daemon runs as its command line
+"""The fork servers (pddnet/cluster/forkserver.py): a forked daemon runs as its command line
 would, answers as a Popen does, dies with the process that started it, and a local cluster's
-P / RLD / MD are its forks (the router is not: it must never map torch)."""
+processes are forks (P / RLD / MD of the server with torch; the router and the WAN proxy of the
+one without: they must never map torch)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pddnet.config import load_config
 from tests.polling import wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[1]
+TORCH = forkserver.TORCH_DAEMONS
 
 
 def _stat(pid: int) -> list[str]:
@@ -52,13 +54,13 @@ def test_a_fork_runs_its_command_line_with_the_given_cwd_env_and_log(tmp_path):
     env = {**child_env(1), "PDD_LOG_LEVEL": "WARNING"}
     argv = _md_argv(tmp_path) + ["--stats-file", "stats.json"]  # both relative to cwd
     with open(log_path, "ab") as log:
-        proc = forkserver.spawn(argv, env, str(tmp_path), log)
+        proc = forkserver.spawn(argv, env, str(tmp_path), log, TORCH)
     try:
         _wait_serving(proc, tmp_path / "stats.json", log_path)
         assert proc.returncode is None
         with pytest.raises(subprocess.TimeoutExpired):
             proc.wait(timeout=0.05)
-        server = forkserver.server_for(env)
+        server = forkserver.server_for(env, TORCH)
         fields = _stat(proc.pid)
         assert int(fields[1]) == server.proc.pid  # forked by the server
         assert int(fields[3]) == proc.pid  # its own session, as Popen(start_new_session=True)
@@ -84,11 +86,12 @@ def test_exit_codes_and_signals_read_as_popen_reads_them(tmp_path):
             env,
             str(tmp_path),
             log,
+            TORCH,
         )
         # an environment that differs only in what no import reads: the same server
         other = {**env, "PYTEST_CURRENT_TEST": "another test"}
-        killed = forkserver.spawn(_md_argv(tmp_path), other, str(tmp_path), log)
-    assert forkserver.server_for(other) is forkserver.server_for(env)
+        killed = forkserver.spawn(_md_argv(tmp_path), other, str(tmp_path), log, TORCH)
+    assert forkserver.server_for(other, TORCH) is forkserver.server_for(env, TORCH)
     assert bad.wait(timeout=30) == 2  # pdd serve's exit code for a config error
     assert "pdd serve:" in (tmp_path / "log").read_text()
     os.kill(killed.pid, signal.SIGKILL)  # as the chaos tests kill daemons: by PID
@@ -105,8 +108,8 @@ from pddnet.cluster.wan_setup import child_env
 argv = [sys.executable, "-m", "pddnet", "serve", "main-decode", "--config", "cluster.toml",
         "--stats-file", "stats.json"]
 with open("log", "ab") as log:
-    proc = forkserver.spawn(argv, child_env(1), ".", log)
-server = forkserver.server_for(child_env(1))
+    proc = forkserver.spawn(argv, child_env(1), ".", log, forkserver.TORCH_DAEMONS)
+server = forkserver.server_for(child_env(1), forkserver.TORCH_DAEMONS)
 print(json.dumps([server.proc.pid, proc.pid]), flush=True)
 sys.stdin.read()
 """
@@ -142,15 +145,25 @@ def test_the_server_and_its_daemons_die_with_the_process_that_started_them(tmp_p
     assert json.loads((tmp_path / "stats.json").read_text())["state"] == "stopped"
 
 
-async def test_a_local_clusters_engine_daemons_are_forks_and_its_router_is_not():
+async def test_a_local_clusters_processes_are_forks_and_only_the_engine_daemons_map_torch():
     async with LocalCluster(mode="pdd", wan="proxy", rtt_ms=10) as cluster:
-        parents = {role: int(_stat(d.pid)[1]) for role, d in cluster.daemons.items()}
+        pids = {role: d.pid for role, d in cluster.daemons.items()}
+        pids["wan proxy"] = cluster.launcher.placement.emulator_pid
+        parents = {role: int(_stat(pid)[1]) for role, pid in pids.items()}
+        torch = {
+            role: "libtorch" in Path(f"/proc/{pid}/maps").read_text() for role, pid in pids.items()
+        }
         body = await cluster.complete(
             prompt=[1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True
         )
         assert body["usage"]["completion_tokens"] == 4
-    servers = {s.proc.pid for s in forkserver._servers.values()}
-    assert parents["router"] == os.getpid()  # Popen'ed: it never maps torch
-    for role in ("prefill", "relay", "main_decode"):
-        assert parents[role] in servers, parents
+    preloads = {s.proc.pid: preload for (_, preload, _), s in forkserver._servers.items()}
+    assert {role: preloads.get(parent) for role, parent in parents.items()} == {
+        "prefill": TORCH,
+        "relay": TORCH,
+        "main_decode": TORCH,
+        "router": forkserver.NO_TORCH,
+        "wan proxy": forkserver.NO_TORCH,
+    }, (parents, preloads)
+    assert torch == {role: role not in ("router", "wan proxy") for role in pids}, torch
     assert cluster.stop_report is not None and cluster.stop_report.killed == []

@@ -1,12 +1,13 @@
-"""A fork server for loopback daemons: torch is imported once, each P / RLD / MD is a fork.
+"""Fork servers for loopback clusters: each process's imports are done once, each start forks.
 
 Every P, RLD and MD process imports torch and pddnet's roles (~3.5 s of CPU) before it does
-anything of its own (~0.5 s); a local cluster start paid that three times, every restart once
-more. `spawn(argv, env, cwd, log)` hands `python -m pddnet serve ...` to a server process that
-has imported them already; it forks, and the child runs `pddnet.cli.main` as that command line
-would have (own session, stdin /dev/null, stdout and stderr to the log, the given environment
-and working directory). The child's thread count is set explicitly as before: `pdd serve`
-calls torch.set_num_threads(config.model.threads) in the child.
+anything of its own (~0.5 s), the router and the WAN proxy their modules (~1 s); a local
+cluster start paid all of that, every restart again. `spawn(argv, env, cwd, log, preload)` hands
+a `python -m pddnet ...` command line to a server process that has imported `preload` already
+(TORCH_DAEMONS, or NO_TORCH for the processes that must never map torch); it forks, and the
+child runs `pddnet.cli.main` as that command line would have (own session, stdin /dev/null,
+stdout and stderr to the log, the given environment and working directory, the command line
+in ps). Thread counts stay explicit: `pdd serve` calls torch.set_num_threads(model.threads).
 
 One server per interpreter and import-time environment (IMPORT_TIME_PREFIXES: what a module
 may read while it imports is then what the daemon would have started with); it lives as long
@@ -37,13 +38,23 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-# What every torch daemon imports before it serves (the router imports none of it).
-PRELOAD = (
+# What a server imports before it forks: P / RLD / MD's torch and roles; or, for the processes
+# that must never map torch (the router, the WAN proxy), their modules alone.
+TORCH_DAEMONS = (
     "torch",
     "pddnet.cli",
+    "pddnet.cluster.cli",
     "pddnet.roles.prefill",
     "pddnet.roles.relay",
     "pddnet.roles.main_decode",
+)
+NO_TORCH = (
+    "pddnet.cli",
+    "pddnet.cluster.cli",
+    "pddnet.roles.router",
+    "emulation.wan_cli",
+    "emulation.proxy",
+    "emulation.link",
 )
 MAX_MESSAGE = 1 << 20
 # Room in the server's command line for a child's own (see _retitle): ps shows a daemon's
@@ -96,12 +107,15 @@ class ForkedProcess:
 class ForkServer:
     """The launcher's side: starts the server, asks it for forks, collects exit statuses."""
 
-    def __init__(self, env: Mapping[str, str], python: str = sys.executable) -> None:
+    def __init__(
+        self, env: Mapping[str, str], preload: Sequence[str], python: str = sys.executable
+    ) -> None:
         self.python = python
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = mine
         self.proc = subprocess.Popen(
-            [python, "-m", "pddnet.cluster.forkserver", str(theirs.fileno()), " " * TITLE_ROOM],
+            [python, "-m", "pddnet.cluster.forkserver", str(theirs.fileno()), ",".join(preload)]
+            + [" " * TITLE_ROOM],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,  # its children write to their logs; errors go to stderr
             env=dict(env),
@@ -193,19 +207,21 @@ IMPORT_TIME_PREFIXES = (
     "PDD_",
 )
 
-_servers: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
+_servers: dict[tuple[Any, ...], ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
-def server_for(env: Mapping[str, str], python: str = sys.executable) -> ForkServer:
-    """The one server of this process for this interpreter and the environment's import-time
-    variables (started on first use, again if it died)."""
+def server_for(
+    env: Mapping[str, str], preload: Sequence[str], python: str = sys.executable
+) -> ForkServer:
+    """The one server of this process for this interpreter, preload and the environment's
+    import-time variables (started on first use, again if it died)."""
     read = sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES))
-    key = (python, tuple(read))
+    key = (python, tuple(preload), tuple(read))
     with _servers_lock:
         server = _servers.get(key)
         if server is None or not server.alive():
-            server = _servers[key] = ForkServer(env, python)
+            server = _servers[key] = ForkServer(env, preload, python)
         return server
 
 
@@ -216,9 +232,11 @@ def _close_all() -> None:
     _servers.clear()
 
 
-def spawn(argv: Sequence[str], env: Mapping[str, str], cwd: str, log: IO) -> ForkedProcess:
-    """Fork `python -m pddnet ...` (see `forkable`) from the server for `env`."""
-    return server_for(env, argv[0]).spawn(argv, env, cwd, log)
+def spawn(
+    argv: Sequence[str], env: Mapping[str, str], cwd: str, log: IO, preload: Sequence[str]
+) -> ForkedProcess:
+    """Fork `python -m pddnet ...` (see `forkable`) from the server for `env` and `preload`."""
+    return server_for(env, preload, argv[0]).spawn(argv, env, cwd, log)
 
 
 # -- the server process -------------------------------------------------------------------------
@@ -320,8 +338,11 @@ def _main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     import importlib
 
-    for name in PRELOAD:
+    preload = sys.argv[2].split(",")
+    for name in preload:
         importlib.import_module(name)
+    if "torch" not in preload and "torch" in sys.modules:  # its children would map libtorch
+        raise SystemExit(f"fork server: importing {preload} imported torch")
     serve(sock)
 
 
