@@ -9,12 +9,12 @@ child runs `pddnet.cli.main` as that command line would have (own session, stdin
 stdout and stderr to the log, the given environment and working directory, the command line
 in ps). Thread counts stay explicit: `pdd serve` calls torch.set_num_threads(model.threads).
 
-One server per interpreter and import-time environment (IMPORT_TIME_PREFIXES: what a module
-may read while it imports is then what the daemon would have started with); it lives as long
-as the process that started it: it exits when its control socket closes (that process exited
-or was killed), and its daemons get SIGTERM when it goes (PR_SET_PDEATHSIG), as they do when
-a launcher dies.
-The server stays single-threaded and never runs torch, so a fork inherits no thread or lock.
+One server per interpreter, preload and import-time environment (IMPORT_TIME_PREFIXES: what
+a module may read while it imports is then what the daemon would have started with); it lives
+as long as the process that started it: it exits when its control socket closes (that process
+exited or was killed), and its children get SIGTERM when it goes (PR_SET_PDEATHSIG), as they
+do when a launcher dies. A server stays single-threaded and runs nothing it imported, so a
+fork inherits no thread or held lock.
 
 The handle (`ForkedProcess`) answers as subprocess.Popen does (pid, poll, wait, send_signal,
 kill, returncode): the launcher and the chaos tests stop, kill and restart daemons by PID as
@@ -281,7 +281,7 @@ def _report_exits(sock: socket.socket) -> None:
 def _child(request: dict[str, Any], log_fd: int, server_fds: list[int], server_pid: int) -> None:
     """Become `python -m pddnet ARGS` as `subprocess.Popen` with the launcher's options would
     have started it; never returns into the server's loop."""
-    code = 1
+    code: object = 1
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -309,17 +309,16 @@ def _child(request: dict[str, Any], log_fd: int, server_fds: list[int], server_p
 
         sys.argv = [os.path.join(os.path.dirname(pddnet.__file__), "__main__.py")]
         sys.argv += request["argv"][3:]
-
-        code = main(request["argv"][3:])
+        code = main(request["argv"][3:])  # `pdd serve` itself ends with os._exit
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = exc.code
     except BaseException:
         traceback.print_exc()
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
-        os._exit(code)
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 def _retitle(argv: list[str]) -> None:
@@ -328,7 +327,8 @@ def _retitle(argv: list[str]) -> None:
     command line. A longer one is cut at the room's end."""
     import ctypes
 
-    stat = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    with open("/proc/self/stat") as f:
+        stat = f.read().rsplit(")", 1)[1].split()
     start, end = int(stat[45]), int(stat[46])  # arg_start, arg_end (fields 48 and 49)
     title = b"\0".join(a.encode() for a in argv)[: end - start - 1]
     ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)
