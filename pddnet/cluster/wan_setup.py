@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from emulation.lifetime import die_with_parent
+from pddnet.cluster import forkserver
 from pddnet.config import ClusterConfig, ClusterMode, WanSection
 from pddnet.device.dilation import wallclock
 
@@ -221,7 +222,13 @@ class Placement:
     def namespace(self, role: str) -> str | None:
         return None
 
-    def spawn(self, role: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    def spawn(self, role: str, argv: Sequence[str], **kwargs: Any) -> Any:
+        """A fork of a server that imported the daemon's modules already (~3.5 s of CPU less
+        for P / RLD / MD, ~1 s for the router, which is forked from one without torch):
+        pddnet.cluster.forkserver; a Popen for a command line it does not run."""
+        if forkserver.forkable(argv) and kwargs["stdout"] is kwargs["stderr"]:
+            preload = forkserver.NO_TORCH if role == "router" else forkserver.TORCH_DAEMONS
+            return forkserver.spawn(argv, kwargs["env"], kwargs["cwd"], kwargs["stdout"], preload)
         return popen(argv, **kwargs)
 
     async def expose_router(self, port: int) -> str:
@@ -248,7 +255,7 @@ class ProxyPlacement(Placement):
 
     def __init__(self, choice: WanChoice, config: ClusterConfig) -> None:
         super().__init__(choice, config)
-        self.proc: subprocess.Popen | None = None
+        self.proc: Any = None  # a forkserver.ForkedProcess
         self.listen_port = free_port()
         self.control_port = free_port()
         self.log_path: str | None = None
@@ -291,8 +298,8 @@ class ProxyPlacement(Placement):
         if queue is not None:
             argv += ["--queue-bytes", str(queue)]
         log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - handed to the child
-        try:
-            self.proc = popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(1))
+        try:  # a fork of the server without torch (pddnet.cluster.forkserver): ~1 s of CPU less
+            self.proc = forkserver.spawn(argv, child_env(1), os.getcwd(), log, forkserver.NO_TORCH)
         finally:
             log.close()
         self.emulator_pid = self.proc.pid
