@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pddnet.bench import metrics
 from pddnet.bench.reproduce_sim import vllm_figures
 from pddnet.bench.ttft import mode_summary, ratio
 from pddnet.workload.agent import AgentRequest
@@ -59,9 +60,8 @@ def relay_tokens(record: Any) -> int:
 
 
 def rld_share_of(records: list[Any]) -> float | None:
-    """RLD's share of these requests' output tokens."""
-    total = sum(len(r.token_ids) for r in records)
-    return sum(relay_tokens(r) for r in records) / total if total else None
+    """RLD's share of these requests' output tokens (`metrics.pdd_extras`'), None without any."""
+    return metrics.pdd_extras(records)["rld_token_share"] if records else None
 
 
 def handed_off_rld_share(records: list[Any]) -> dict[str, Any]:
@@ -108,10 +108,7 @@ def shape_figures(
     total = sum(len(r.token_ids) for r in done)
     prompts = [r.prompt_len or 0 for r in done]
     hits = [int(r.pdd.get("prefix_hit_tokens", 0) or 0) for r in done]
-    pipelines: dict[str, int] = {}
-    for r in done:
-        p = str(r.pdd.get("pipeline"))
-        pipelines[p] = pipelines.get(p, 0) + 1
+    pipelines = metrics.count(r.pdd.get("pipeline") for r in done)
     out: dict[str, Any] = {
         "requests": len(recs),
         "failed": len(recs) - len(done),
