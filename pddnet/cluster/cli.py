@@ -365,9 +365,9 @@ class StatsFile:
 def freeze_start_up() -> None:
     """Move what start-up built out of the garbage collector's reach: it lives as long as the
     daemon. A full collection scanned all of it (~176K objects of torch, the model, the engine:
-    ~80-90 ms, after six 50-60K-token prompts too), a pause that lands in whatever forward or
-    network read is running (at k = 5 a third of a small prefill's paced budget; unpaced, a
-    latency spike); frozen, one takes ~1.5 ms. Servers do the same after start-up."""
+    ~70 ms, after six 50-60K-token prompts too), a pause that lands in whatever forward or
+    network read is running (paced: an overrun when it exceeds the wait; unpaced: a
+    latency spike); frozen, one takes ~1 ms. Servers do the same after start-up."""
     import gc
 
     gc.collect()
