@@ -10,6 +10,7 @@ generator: the caller passes them in.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from pddnet.api.fields import (
@@ -21,6 +22,8 @@ from pddnet.api.fields import (
     type_name,
 )
 from pddnet.api.types import ApiError, CompletionRequest, ModelInfo, bad_request
+from pddnet.protocol.errors import SchemaError
+from pddnet.protocol.messages import UIntList
 
 # Fields OpenAI takes that pddnet accepts only at their neutral value (a 400 names the field
 # otherwise). Empty values (null, [], {}, "") count as neutral too.
@@ -89,6 +92,9 @@ def _prompt_ids(value: Any, model: ModelInfo, encode: Any) -> tuple[tuple[int, .
     if isinstance(value, list):
         if not value:
             raise bad_request("prompt must not be empty", "prompt")
+        with contextlib.suppress(SchemaError):  # the wire's check, C-speed on a long prompt:
+            # it remembers the tuple, so the SUBMIT built from it does not walk it again
+            return UIntList(hi=model.vocab_size - 1).check("prompt", value), None
         bad = [v for v in value if not is_int(v)]
         if bad:
             raise bad_request(

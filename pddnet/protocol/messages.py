@@ -21,11 +21,13 @@ No message type ever carries pickled or otherwise executable data.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
+import itertools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -199,6 +201,42 @@ class Bytes(Spec):
         return f"bytes of length {self.min_len}..{self.max_len}"
 
 
+# array typecodes whose conversion checks [0, hi] in C, for the bounds the specs use
+_RANGE_TYPECODES = {U32_MAX: ("I",), TOKEN_ID_MAX: ("I", "i"), U64_MAX: ("Q",)}
+
+
+def all_ints_within(values: Sequence[object], hi: int) -> bool:
+    """Whether every item is an int (exactly: no bool) in [0, hi], in C-speed passes: a 64K
+    prompt is checked in ~3 ms where a Python loop over it takes ~6-15 ms. Callers fall back
+    to their own loop to name the first bad item."""
+    if not set(map(type, values)) <= {int}:
+        return False
+    codes = _RANGE_TYPECODES.get(hi)
+    if codes is None:
+        return not values or (min(values) >= 0 and max(values) <= hi)  # type: ignore[operator]
+    try:
+        for code in codes:
+            array.array(code, values)  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+    return True
+
+
+# The long tuples that passed a UIntList check lately, with their bound: a tuple is immutable,
+# so a message built from another's field (P's KV_ALLOC_REQUEST from the SUBMIT's prompt) does
+# not walk the same ids again. A ring: slots are overwritten in turn (thread-safe under the GIL).
+_CHECKED: list[tuple[tuple[int, ...], int] | None] = [None] * 16
+_CHECKED_NEXT = itertools.count()
+_REMEMBER_FROM = 1024  # shorter lists are cheap to check again
+
+
+def _checked_before(value: object, hi: int) -> bool:
+    for entry in _CHECKED:
+        if entry is not None and entry[0] is value and entry[1] <= hi:
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class UIntList(Spec):
     """A list of ints; normalised to a tuple so that messages stay immutable and comparable."""
@@ -210,8 +248,20 @@ class UIntList(Spec):
     def check(self, where: str, value: object) -> tuple[int, ...]:
         if type(value) not in (list, tuple) or not self.min_len <= len(value) <= self.max_len:  # type: ignore[arg-type]
             raise self._fail(where, value)
+        if len(value) < _REMEMBER_FROM:  # type: ignore[arg-type]
+            return self._check_items(where, value)  # type: ignore[arg-type]
+        if _checked_before(value, self.hi):
+            return value  # type: ignore[return-value]
+        if all_ints_within(value, self.hi):  # type: ignore[arg-type]
+            out = tuple(value)  # type: ignore[arg-type]
+        else:
+            out = self._check_items(where, value)  # type: ignore[arg-type]
+        _CHECKED[next(_CHECKED_NEXT) % len(_CHECKED)] = (out, self.hi)
+        return out
+
+    def _check_items(self, where: str, value: Sequence[object]) -> tuple[int, ...]:
         hi = self.hi
-        for i, item in enumerate(value):  # type: ignore[arg-type]
+        for i, item in enumerate(value):
             if type(item) is not int or not 0 <= item <= hi:
                 raise SchemaError(
                     f"{where}[{i}] must be an int in [0, {_bound(hi)}], got {_describe_value(item)}"
