@@ -7,6 +7,7 @@ import pytest
 
 from pddnet.api.parse import parse_completion_request
 from pddnet.api.types import ApiError, ModelInfo
+from pddnet.int_lists import all_ints_within
 from pddnet.protocol import messages
 from pddnet.protocol.errors import SchemaError
 from pddnet.protocol.messages import (
@@ -14,7 +15,6 @@ from pddnet.protocol.messages import (
     U32_MAX,
     U64_MAX,
     UIntList,
-    all_ints_within,
 )
 
 LONG = 5000  # above the ring's threshold: the fast path runs
@@ -46,7 +46,7 @@ def test_a_checked_tuple_is_not_walked_again_but_a_tighter_bound_checks_it(monke
         calls.append(hi)
         return real(values, hi)
 
-    monkeypatch.setattr(messages, "all_ints_within", counting)
+    monkeypatch.setattr(messages, "all_ints_within", counting)  # as messages calls it
     ids = tuple(range(300, 300 + LONG))
     out = UIntList(hi=TOKEN_ID_MAX).check("ids", ids)
     assert out is ids and calls == [TOKEN_ID_MAX]
@@ -83,3 +83,24 @@ def test_the_api_names_a_long_prompts_bad_id_in_its_own_words(bad: object, words
     with pytest.raises(ApiError) as err:
         parse_completion_request({"model": "m", "prompt": ids}, model, None, 16)
     assert words in str(err.value)
+
+
+def test_the_engine_takes_a_long_prompt_of_ints_and_still_names_bad_ids() -> None:
+    import torch
+
+    from pddnet.engine.engine import Engine
+    from pddnet.model.loader import load_model
+
+    model, tok = load_model("tiny")
+    vocab = model.config.vocab_size
+    with Engine(model, tok, num_blocks=8, block_size=16) as engine:
+        ids = [i % vocab for i in range(LONG)]
+        assert engine._check_tokens(tuple(ids), "prompt") == ids
+        # tensors and numpy-like ints go the slow way, converted to ints
+        assert engine._check_tokens(torch.tensor(ids), "prompt") == ids
+        for bad in (vocab, -1):
+            ids[777] = bad
+            with pytest.raises(
+                ValueError, match=rf"outside the vocabulary \[0, {vocab}\): \[{bad}\]"
+            ):
+                engine._check_tokens(ids, "prompt")

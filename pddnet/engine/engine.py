@@ -39,6 +39,7 @@ from pddnet.engine.runner import Chunk, ModelRunner
 from pddnet.engine.sampling import SamplingParams, TokenLogprob, sample_batch, token_logprob
 from pddnet.engine.scheduler import BlockManager, Scheduler
 from pddnet.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pddnet.int_lists import all_ints_within
 from pddnet.kv.allocator import BlockAllocator, OutOfBlocks
 from pddnet.kv.pool import KVPool, KVSpec
 from pddnet.kv.prefix_cache import PrefixCache, PrefixMatch
@@ -597,11 +598,14 @@ class Engine:
     def _check_tokens(self, token_ids: Seq[int], what: str, allow_empty: bool = False) -> list[int]:
         if isinstance(token_ids, (str, bytes)):
             raise ValueError(f"{what} must be a sequence of ints, not {type(token_ids).__name__}")
-        tokens = [int(t) for t in token_ids]
         vocab = self.config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{what} has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if isinstance(token_ids, (list, tuple)) and all_ints_within(token_ids, vocab - 1):
+            tokens = list(token_ids)  # the daemons' case: ints already, checked in C
+        else:  # tensors, numpy ints, bad ids: one by one, naming the bad ones
+            tokens = [int(t) for t in token_ids]
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{what} has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if not tokens and not allow_empty:
             raise ValueError(f"{what} must not be empty")
         return tokens
