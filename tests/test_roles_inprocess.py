@@ -659,9 +659,9 @@ async def test_a_request_cancelled_while_waiting_for_md_room_leaves_nothing(tiny
         await all_free(daemons)
 
 
-def test_run_role_serves_until_sigterm_and_cleans_up(tmp_path):
-    """`run_role` (what `pdd serve` runs) in its own process: SIGTERM ends it cleanly and the
-    relay's shared-memory pool is unlinked."""
+def test_pdd_serve_serves_until_sigterm_and_cleans_up(tmp_path):
+    """`pdd serve relay` by hand (no stats file) in its own process: SIGTERM ends it cleanly
+    and the relay's shared-memory pool is unlinked."""
     import signal
     import socket
     import subprocess
@@ -674,12 +674,9 @@ def test_run_role_serves_until_sigterm_and_cleans_up(tmp_path):
     cfg.relay.port = port
     path = tmp_path / "cluster.toml"
     path.write_text(cfg.to_toml())
-    code = (
-        "import asyncio, sys; from pddnet.config import load_config; "
-        "from pddnet.roles import run_role; "
-        "asyncio.run(run_role('relay', load_config(sys.argv[1])))"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pddnet", "serve", "relay", "--config", str(path)]
     )
-    proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
     try:
 
         def listening() -> bool:

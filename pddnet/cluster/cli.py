@@ -283,12 +283,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pddnet.transport.kv_backend import TransferError
 
     try:
-        if args.stats_file is None:
-            from pddnet.roles import run_role
-
-            code = _run_loop(run_role(role, config)) or 0
-        else:
-            code = _run_loop(serve_daemon(role, config, args.stats_file)) or 0
+        code = _run_loop(serve_daemon(role, config, args.stats_file)) or 0
     except TransferError as exc:  # a KV backend that cannot run here: say why, at start
         print(f"pdd serve {args.role}: cannot start its KV transport: {exc}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """pddnet.roles: the daemons. P (prefill), RLD (relay), MD (main decode) and the router.
 
-    await run_role("relay", config)      # what `pdd serve relay --config FILE` runs
+    daemon = make_daemon("relay", config)   # `pdd serve relay --config FILE` serves it
+                                            # (pddnet.cluster.cli.serve_daemon)
 
 Each daemon is a thin asyncio shell (common.py) around the sans-IO request machines in
 pddnet.lifecycle and an Engine driven by one EngineWorker thread.
@@ -8,9 +9,6 @@ pddnet.lifecycle and an Engine driven by one EngineWorker thread.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import signal
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imports stay lazy: `pdd --help` must not load torch
@@ -45,39 +43,4 @@ def make_daemon(role: str, config: ClusterConfig) -> Daemon:
     return MainDecodeDaemon(config)
 
 
-async def run_role(role: str, config: ClusterConfig) -> None:
-    """Build the daemon for `role`, start it, serve until SIGTERM/SIGINT, then close it (no task,
-    socket, thread or shared-memory segment left)."""
-    name = ROLE_NAMES.get(role)
-    if name is None:
-        raise ValueError(
-            f"unknown role {role!r}; expected one of prefill, relay, main-decode, router"
-        )
-    if name == "router":
-        from pddnet.roles.router import run_router
-
-        await run_router(config)
-        return
-    daemon = make_daemon(name, config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    installed = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
-    try:
-        await daemon.start()
-        serving = asyncio.ensure_future(daemon.serve_forever())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        for t in (serving, stopping):
-            t.cancel()
-        await asyncio.gather(serving, stopping, return_exceptions=True)
-    finally:
-        await daemon.close()
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-
-
-__all__ = ["run_role", "make_daemon", "ROLE_NAMES"]
+__all__ = ["make_daemon", "ROLE_NAMES"]

@@ -262,23 +262,3 @@ class Router:
         for state in states:
             self.requests.pop(state.request_id, None)
             self._wakers.pop(state.request_id, None)
-
-
-async def run_router(
-    config: ClusterConfig,
-    on_started: Callable[[Router], None] | None = None,
-) -> None:
-    """Serve until SIGTERM/SIGINT (what `pdd serve router` runs)."""
-    import signal
-
-    router = Router(config)
-    await router.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, router._stop.set)
-    if on_started is not None:
-        on_started(router)
-    try:
-        await router.serve_forever()
-    finally:
-        await router.close()
