@@ -7,10 +7,13 @@ Every connection's bytes, split into chunks of at most `chunk_bytes`, are offere
 shared `Link` (so flows share its bottleneck the way flows share a WAN) and written out at the
 departure times the model gives. A TCP stream cannot lose, duplicate or reorder bytes, so:
 
-- backpressure instead of tail drop: a connection stops reading while the bottleneck queue is
-  full (and while its destination socket is not draining), so TCP flow control pushes back on
-  the sender, as a full router queue does in the end;
-- partition / blackhole hold bytes: nothing is read or delivered in that direction until heal;
+- backpressure instead of tail drop: while the bottleneck queue is full a connection takes at
+  most one packet (1,500 B) off its socket and waits its turn (and while its destination
+  socket is not draining, none), so TCP flow control pushes back on the sender, as a full
+  router queue does in the end. Turns go in arrival order (`_Lane.admit`): a small message
+  behind bulk flows waits for the queue ahead of it, as in a router's FIFO;
+- partition / blackhole hold bytes: nothing is delivered in that direction until heal (each
+  connection holds at most the one packet it has taken);
 - loss, Gilbert-Elliott, duplication and reordering are refused (`Link.restrict`): setting them
   on a proxied link raises ValueError (a 400 on the control API);
 - closing is slow: a FIN travels through the model behind the data, so it arrives one link
@@ -33,6 +36,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,7 +107,8 @@ class _Lane:
         self.model = model
         self.name = model.name
         self.in_model = 0  # bytes offered and not yet delivered
-        self._waiters: list[asyncio.Future] = []
+        self._waiters: list[asyncio.Future] = []  # waiting for a partition to end
+        self._admission: deque[tuple[asyncio.Future, int]] = deque()  # readers with data, in order
         self._wake: asyncio.Future | None = None
         self._planned: float | None = None
         self.task: asyncio.Task | None = None
@@ -125,17 +130,37 @@ class _Lane:
         limit = fx["queue_bytes"] if fx["rate_mbit"] is not None else self.proxy.max_inflight_bytes
         return max(1, min(limit, self.proxy.chunk_bytes, _PACKET_BYTES))
 
-    async def wait_room(self, need: int) -> int:
-        """Wait until at least min(need, capacity) bytes fit (need 0: until not blocked, for a
-        FIN); returns the room then."""
-        while True:
-            now = self.proxy.clock()
-            room = self.room(now)
-            if need == 0:
-                if not self.model.blocked(now):
-                    return room
-            elif room > 0 and room >= min(need, self.capacity()):
+    def read_size(self) -> int:
+        """How much a reader may take off its socket now: what fits, or one packet when nothing
+        does (the packet on its way into a full router, which then waits its turn in admit)."""
+        return min(self.proxy.chunk_bytes, max(self.room(self.proxy.clock()), self.capacity()))
+
+    def _fits(self, need: int) -> int:
+        room = self.room(self.proxy.clock())
+        return room if room > 0 and room >= min(need, self.capacity()) else 0
+
+    async def admit(self, need: int) -> int:
+        """Wait for this reader's turn, in arrival order, and for room for at least
+        min(need, one packet); returns the room then. A router's queue takes packets in the
+        order they come: a HANDOFF or a PONG behind bulk flows waits for the bytes queued
+        ahead of it, not for a race against every bulk reader at each freed slot (which
+        doubled a small message's wait behind three flows; tests/test_proxy_shell.py)."""
+        if not self._admission:
+            room = self._fits(need)
+            if room:
                 return room
+        fut = asyncio.get_running_loop().create_future()
+        self._admission.append((fut, need))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.notify_room()  # granted, then cancelled: pass the turn on
+            raise
+
+    async def wait_open(self) -> None:
+        """Wait until this direction is not blocked (a FIN waits out a partition as data does)."""
+        while self.model.blocked(self.proxy.clock()):
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             await fut
@@ -149,6 +174,18 @@ class _Lane:
             self.kick()
 
     def notify_room(self) -> None:
+        """Give the first reader in line its turn if its packet fits (one at a time: it offers,
+        then calls this for the next), and wake whoever waits for a partition's end."""
+        while self._admission:
+            fut, need = self._admission[0]
+            if fut.done():  # cancelled while waiting
+                self._admission.popleft()
+                continue
+            room = self._fits(need)
+            if room:
+                self._admission.popleft()
+                fut.set_result(room)
+            break
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
             if not fut.done():
@@ -361,26 +398,24 @@ class WanProxy:
             while not conn.closed:
                 if dest.transport.get_write_buffer_size() > _DEST_HIGH_WATER:
                     await dest.drain()
-                room = await lane.wait_room(self.chunk_bytes)
-                data = await reader.read(min(self.chunk_bytes, room))
+                data = await reader.read(lane.read_size())
                 if conn.closed:
                     return
                 if not data:
-                    await lane.wait_room(0)  # a FIN waits out a partition like data does
+                    await lane.wait_open()  # a FIN waits out a partition like data does
                     if not conn.closed:
                         lane.offer(conn, _EOF, 0)
                     return
                 view = memoryview(data)
                 while view:
-                    room = await lane.wait_room(len(view))
+                    room = await lane.admit(len(view))
                     if conn.closed:
+                        lane.notify_room()  # its turn goes to the next in line
                         return
                     piece = bytes(view[:room])
                     view = view[len(piece) :]
                     lane.offer(conn, piece, len(piece))
-                    # Let the other woken readers try first: without this, the reader served
-                    # last re-queues ahead of them and one flow starves the others.
-                    await asyncio.sleep(0)
+                    lane.notify_room()  # the next in line, if its packet fits too
         except (ConnectionError, OSError):
             # The peer reset or vanished: reset the other side too, as a middlebox would.
             conn.abort(rst=True)

@@ -345,3 +345,46 @@ async def test_unreachable_upstream_closes_the_client() -> None:
             pass
         writer.close()
         assert proxy.upstream_failures == 1
+
+
+class EchoSmall(LoopbackServer):
+    """Echoes every connection except those that open with b"B" (bulk): those it drains."""
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            first = await reader.read(1 << 16)
+            if first[:1] == b"B":
+                while await reader.read(1 << 16):
+                    pass
+                return
+            data = first
+            while data:
+                writer.write(data)
+                await writer.drain()
+                data = await reader.read(1 << 16)
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.link_measurement
+async def test_a_small_message_waits_behind_the_queue_not_behind_every_bulk_flow() -> None:
+    # A router's queue takes a packet in arrival order: a small message (a heartbeat, a
+    # HANDOFF) behind bulk flows waits for what is queued ahead of it (at most the buffer),
+    # not until it wins a race against each bulk reader for every freed slot.
+    rate, queue, delay, flows = 8, 20_000, 5, 3  # Mbit/s, bytes (20 ms at 8 Mbit/s), ms one way
+    link = Link(delay_ms=delay, rate_mbit=rate, queue_bytes=queue)
+    async with EchoSmall() as port, WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
+        bulk = [
+            asyncio.create_task(send_for(proxy.port, 3.0, b"B" * (1 << 16))) for _ in range(flows)
+        ]
+        await asyncio.sleep(0.5)  # the queue is full by now
+        rtts = await probe_rtts(proxy.port, 20)
+        await asyncio.gather(*bulk)
+    packet_ms = 1500 * 8 / (rate * 1e3)
+    bound = 2 * delay + queue * 8 / (rate * 1e3) + (flows + 1) * packet_ms + 10  # timers
+    print(
+        f"probe RTTs behind {flows} bulk flows: median {statistics.median(rtts):.1f}, max {max(rtts):.1f} ms (bound {bound:.1f})"
+    )
+    assert_measured(max(rtts), 2 * delay, bound, "a small message's RTT behind bulk (ms)")
