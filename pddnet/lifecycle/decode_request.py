@@ -85,7 +85,7 @@ TRANSITIONS: dict[tuple[Role, Phase, str], frozenset[Phase]] = {
         (R, STR, "takeover"): {STR, END},  # MD's progress; the cut when it keeps pace
         (R, DEC, "engine_step"): {DEC, END},
         (R, STR, "engine_step"): {STR, END},
-        (R, RX, "peer_lost"): {RX},  # MD gone: RLD decodes alone (the fallback)
+        (R, RX, "peer_lost"): {RX},  # MD gone, or dropped its copy: RLD decodes alone
         (R, DEC, "peer_lost"): {DEC},
         (R, STR, "peer_lost"): {DEC},
         # MD: chunks (tcp) or one-sided writes, KV_DONE, then TAKEOVER and the held sequence.
