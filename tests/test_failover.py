@@ -1,5 +1,5 @@
 """Failure handling in the daemons: heartbeats with deadlines, RLD as the fallback when MD is
-lost before the cut, redial of a restarted peer, and the router's replay by token ids when the
+lost (or fails its copy) before the cut, redial of a restarted peer, and the router's replay by token ids when the
 daemon producing a request dies (the chaos suite in tests/chaos covers more faults)."""
 
 from __future__ import annotations
