@@ -187,6 +187,29 @@ def test_relay_finishes_alone_when_md_is_lost_mid_stream():
     assert acts == [act.EmitTokens(10, (110,)), act.FinishRequest("eos", 11), act.StopSequence()]
 
 
+def test_relay_finishes_alone_when_md_drops_its_copy_before_the_cut():
+    """MD's CANCEL (MD failed its copy) takes the path of MD's loss, with MD's reason."""
+    m = relay_decoding("streaming", 9)
+    drive(m, "takeover", PROMPT, 4, 0.1)
+    acts = drive(m, "peer_lost", "main decode dropped it: bad HANDOFF")
+    assert acts == [
+        act.HandoffAbandoned("main decode dropped it: bad HANDOFF during a streaming handoff")
+    ]
+    assert m.phase is Phase.DECODING and not m.has_peer
+    acts = engine(m, step(10, [110], PROMPT + 10, FinishReason.LENGTH))
+    # MD was told already and P dropped MD's copy: nobody else to stop
+    assert acts == [act.EmitTokens(10, (110,)), act.FinishRequest("length", 11), act.StopSequence()]
+    receiving = relay()  # before P's KV_DONE: no TAKEOVER will come, decoding starts as usual
+    assert drive(receiving, "peer_lost", "main decode dropped it: x") == [
+        act.HandoffAbandoned("main decode dropped it: x")
+    ]
+    acts = drive(receiving, "kv_done", kv_done(), 0.0)
+    assert act.StartSequence((100,), hold=False) in acts and not receiving.has_peer
+    cut = relay_decoding("one-shot", 2)
+    drive(cut, "takeover", PROMPT, 4, 0.1)
+    assert drive(cut, "peer_lost", "main decode dropped it: x") == []  # past the cut: not ours
+
+
 # -- MD ------------------------------------------------------------------------------------------
 
 
@@ -297,6 +320,39 @@ def test_main_keeps_a_request_past_its_final_handoff_when_rlds_lane_closes():
     assert acts[-1] == act.StopSequence() and waiting.phase is Phase.ENDED
     alone = main(pipeline="p_md")  # no relay: its loss changes nothing
     assert drive(alone, "peer_lost") == [] and alone.phase is Phase.RECEIVING_KV
+
+
+def test_main_failing_its_copy_before_the_takeover_leaves_the_request_to_rld():
+    """Before MD's TAKEOVER RLD cannot have cut: MD's failure is its copy's alone. The router
+    is not told (a timeline note), P drops MD's copy, RLD is told and finishes alone."""
+    why = "prefill control connection closed before the KV was complete"
+    m = main()
+    drive(m, "kv_chunk", 0, 0, 5, 300, 1.0)
+    acts = drive(m, "abort", why)
+    assert acts == [
+        act.Failed("main_decode_failed", why, tell_router=False),
+        act.SendKvAbort(why),
+        act.CancelPeer(why),
+        act.StopSequence(),
+    ]
+    assert m.phase is Phase.ENDED
+    bad = main()  # a fault in P's copy: the same
+    drive(bad, "kv_chunk", 0, 0, 5, 300, 1.0)
+    acts = drive(bad, "kv_chunk", 0, 0, 5, 300, 1.1)
+    assert acts[0] == act.Failed("main_decode_failed", acts[0].reason, tell_router=False)
+    assert "duplicate chunk index" in acts[0].reason and act.CancelPeer(acts[0].reason) in acts
+    # without a relay MD is the request's only decoder: its failure is the request's
+    alone = main(pipeline="p_md")
+    assert drive(alone, "abort", why)[0] == act.Failed("main_decode_failed", why)
+    # from the TAKEOVER on RLD may have cut: the router is told and decides
+    waiting = main()
+    drive(waiting, "kv_done", kv_done(), 0.0)
+    assert waiting.phase is Phase.WAITING_CUT
+    acts = drive(waiting, "abort", "engine down", "engine_failed")
+    assert (
+        acts[0] == act.Failed("engine_failed", "engine down")
+        and act.CancelPeer("engine down") in acts
+    )
 
 
 def test_main_rejects_a_handoff_that_contradicts_its_tokens():

@@ -1,5 +1,5 @@
 """Failure handling in the daemons: heartbeats with deadlines, RLD as the fallback when MD is
-lost before the cut, redial of a restarted peer, and the router's replay by token ids when the
+lost (or fails its copy) before the cut, redial of a restarted peer, and the router's replay by token ids when the
 daemon producing a request dies (the chaos suite in tests/chaos covers more faults)."""
 
 from __future__ import annotations
@@ -91,6 +91,35 @@ async def test_relay_finishes_alone_when_md_is_lost_before_the_cut(tiny):
         assert p.stats()["counters"]["main_decode_down_rerouted"] == 1
         assert p.stats()["peers"]["main-decode control"]["up"] is False
         await all_free({"prefill": p, "relay": rld})
+
+
+async def test_relay_finishes_alone_when_md_fails_the_request_before_the_cut(tiny):
+    """MD aborting a request by itself before the cut (here P's control connection to MD closes
+    while MD's copy is incomplete, as on a starved WAN line) is MD's copy's failure, not the
+    request's: RLD, still decoding, finishes it alone (it was cancelled, and the request
+    failed at the router, with "main_decode_failed")."""
+    prompt = prompt_of(7, 150)
+    want = reference(tiny, prompt, 300)
+    cfg = make_config(ClusterMode.PDD, pipeline="p_rld_md")
+    async with running(cfg, md_delay=30.0) as (daemons, col):  # MD's copy stays incomplete
+        p, rld, md = daemons["prefill"], daemons["relay"], daemons["main_decode"]
+        await col.send(
+            "prefill",
+            Submit(request_id="f1", prompt_token_ids=prompt, max_tokens=300, ignore_eos=True),
+        )
+        await col.wait_until(lambda: len(col.tokens["f1"]) >= 5, what="RLD's first tokens")
+        assert md.active_phases() == {"f1": "receiving_kv"}
+        await p.control["main_decode"].conn.close("test: the line dropped P's control lane")
+        await col.wait_until(lambda: col.complete("f1"), what="f1 to complete on RLD")
+        assert col.output("f1") == want and set(col.producers("f1")) == {"relay"}
+        assert not col.duplicates and not col.errors
+        events = col.events("f1")
+        assert events["md_dropped"].producer == "main_decode"
+        assert "before the KV was complete" in events["md_dropped"].detail_str
+        assert events["handoff_abandoned"].detail_str.startswith("main decode dropped it: ")
+        assert rld.stats()["counters"]["handoffs_abandoned"] == 1
+        assert p.stats()["counters"]["main_lost_relay_continues"] == 1
+        await all_free(daemons)
 
 
 async def test_md_finishes_alone_when_rld_is_lost_after_the_cut(tiny):

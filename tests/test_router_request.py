@@ -179,6 +179,60 @@ def test_a_lost_error_from_the_carrier_replays_other_errors_fail():
     assert r2.failed and (r2.error_code, r2.error_status) == ("internal", 500)
 
 
+def error(code: str, message: str) -> m.ErrorMessage:
+    return m.ErrorMessage(request_id=RID, code=code, message=message)
+
+
+def test_md_failing_its_copy_before_the_handoff_leaves_the_request_to_rld():
+    r = machine(request(max_tokens=3))
+    r.receive(choice("p_rld_md"), "prefill", 100.5, ALL)
+    r.receive(timeline("rld_kv_complete", "relay"), "relay", 101.0, ALL)
+    r.receive(tokens(0, (72,), "relay"), "relay", 101.1, ALL)
+    err = error("main_decode_failed", "prefill control connection closed")
+    assert r.receive(err, "main_decode", 101.2, ALL) == []  # noted, RLD goes on
+    assert not r.failed and r.error_code is None and r.carriers() == {"relay"}
+    assert r.timeline[-1].event == "error" and r.timeline[-1].producer == "main_decode"
+    r.receive(tokens(1, (105, 33), "relay"), "relay", 101.3, ALL)
+    assert r.finished and not r.failed and r.assembler.tokens == [72, 105, 33]
+
+
+@pytest.mark.parametrize("error_first", [False, True])
+def test_md_failing_its_copy_during_the_handoff_is_replayed_on_rld(error_first):
+    """From RLD's handoff_start on RLD may have cut: MD's failure is a carrier's, replayed on
+    RLD as MD's loss would be, also when the error overtook the handoff_start."""
+    r = machine()
+    r.receive(timeline("rld_kv_complete", "relay"), "relay", 101.0, ALL)
+    r.receive(tokens(0, (72, 105), "relay"), "relay", 101.1, ALL)
+    news = [
+        (timeline("handoff_start", "relay", 2, "one-shot"), "relay"),
+        (error("engine_failed", "MD's engine stopped"), "main_decode"),
+    ]
+    if error_first:
+        news.reverse()
+    assert r.receive(*news[0], 101.2, ALL) == []
+    [replay] = r.receive(*news[1], 101.3, ALL)
+    assert isinstance(replay, Replay) and (replay.target, replay.lost) == ("relay", "main_decode")
+    assert replay.submit.output_token_ids == (72, 105) and not r.failed
+    assert ("failed it before its handoff_start" in replay.why) is error_first
+
+
+def test_a_decode_tier_failing_after_the_other_took_the_request_over():
+    # RLD past the cut (MD carries the request): RLD's error changes nothing
+    r = machine()
+    r.receive(timeline("rld_kv_complete", "relay"), "relay", 101.0, ALL)
+    r.receive(timeline("handoff_end", "main_decode", 40, "one-shot"), "main_decode", 101.1, ALL)
+    assert r.receive(error("relay_failed", "engine down"), "relay", 101.2, ALL) == []
+    assert not r.failed and r.carriers() == {"main_decode"}
+    # MD's own failure past the cut is the request's, as before
+    assert r.receive(error("main_decode_failed", "bad"), "main_decode", 101.3, ALL) == []
+    assert r.failed and r.error_code == "main_decode_failed"
+    # while P still carries it (P->MD before MD acknowledged the copy), MD's error fails it too
+    r2 = machine()
+    r2.receive(choice("p_md"), "prefill", 100.5, ALL)
+    r2.receive(error("main_decode_failed", "bad KV_CHUNK"), "main_decode", 101.0, ALL)
+    assert r2.failed and r2.error_code == "main_decode_failed"
+
+
 def test_stale_messages_of_a_replaced_attempt_are_ignored():
     r = machine()
     r.receive(tokens(0, (72,), "relay"), "relay", 101.0, ALL)

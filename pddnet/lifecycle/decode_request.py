@@ -85,7 +85,7 @@ TRANSITIONS: dict[tuple[Role, Phase, str], frozenset[Phase]] = {
         (R, STR, "takeover"): {STR, END},  # MD's progress; the cut when it keeps pace
         (R, DEC, "engine_step"): {DEC, END},
         (R, STR, "engine_step"): {STR, END},
-        (R, RX, "peer_lost"): {RX},  # MD gone: RLD decodes alone (the fallback)
+        (R, RX, "peer_lost"): {RX},  # MD gone, or dropped its copy: RLD decodes alone
         (R, DEC, "peer_lost"): {DEC},
         (R, STR, "peer_lost"): {DEC},
         # MD: chunks (tcp) or one-sided writes, KV_DONE, then TAKEOVER and the held sequence.
@@ -338,15 +338,18 @@ class DecodeRequest:
 
     # -- ends -------------------------------------------------------------------------------------
 
-    def peer_lost(self) -> list[DecodeAction]:
-        """The other decode tier's lane closed. RLD: MD will not take over, RLD finishes alone.
-        MD: before the final HANDOFF there will be no cut: free the copy quietly (RLD finishes
-        the request alone, or the router replays it); past it MD carries the request on."""
+    def peer_lost(self, why: str | None = None) -> list[DecodeAction]:
+        """The other decode tier's lane closed, or (RLD) MD dropped its copy of the request
+        (MD's CANCEL: ``why``). RLD: MD will not take over, RLD finishes alone. MD: before the
+        final HANDOFF there will be no cut: free the copy quietly (RLD finishes the request
+        alone, or the router replays it); past it MD carries the request on."""
         if not self.accepts("peer_lost") or not self.has_peer:
             return []
         if isinstance(self.fsm, RelayHandoff):
-            return self._follow(self.fsm.peer_lost())
-        return self.abort("relay connection closed before the final handoff", tell_router=False)
+            return self._follow(self.fsm.peer_lost(why or "main decode lost"))
+        return self.abort(
+            why or "relay connection closed before the final handoff", tell_router=False
+        )
 
     def cancel(self, writes_stopped: bool = False) -> list[DecodeAction]:
         """Router CANCEL, REQUEST_DONE from the other tier, or P's KV_ABORT (``writes_stopped``:
@@ -370,11 +373,18 @@ class DecodeRequest:
     def abort(
         self, reason: str, code: str | None = None, tell_router: bool = True
     ) -> list[DecodeAction]:
-        """The request fails here: tell the router (or note it), stop P, stop the other tier."""
+        """The request fails here: tell the router (or note it), stop P, stop the other tier.
+
+        MD before its TAKEOVER (with a relay) fails only its copy: RLD cannot have cut yet, so
+        it still carries the request and, told by the CANCEL, finishes it alone as when MD is
+        lost; the router only notes it (md_dropped), P drops MD's copy on the KV_ABORT. From
+        the TAKEOVER on RLD may have cut: the router hears of it and decides (router_request)."""
         if not self.accepts("abort"):
             return []
         if code is None:
             code = "relay_failed" if self.role is Role.RELAY else "main_decode_failed"
+        if self.role is Role.MAIN and self.has_peer and self.phase is Phase.RECEIVING_KV:
+            tell_router = False
         out: list[DecodeAction] = [Failed(code, reason, tell_router), SendKvAbort(reason[:4096])]
         if self.has_peer:
             out.append(CancelPeer(reason[:4096]))

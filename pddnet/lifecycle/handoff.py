@@ -139,10 +139,11 @@ class RelayHandoff:
             return self._cut()
         return []
 
-    def peer_lost(self) -> list[act.HandoffAction]:
-        """MD is gone (dead, hung or cut off) before the cut: RLD is the fallback and decodes
-        the request to its end alone. Until the final HANDOFF every token is RLD's (a
-        streaming handoff only forwarded copies), so nothing is lost or produced twice."""
+    def peer_lost(self, why: str = "main decode lost") -> list[act.HandoffAction]:
+        """MD is gone (dead, hung or cut off), or dropped its copy, before the cut: RLD is the
+        fallback and decodes the request to its end alone. Until the final HANDOFF every token
+        is RLD's (a streaming handoff only forwarded copies), so nothing is lost or produced
+        twice."""
         if self.phase in (RelayPhase.CUT, RelayPhase.FINISHED) or not self.hands_off:
             return []
         was_streaming = self.phase is RelayPhase.STREAMING
@@ -150,9 +151,7 @@ class RelayHandoff:
         self.phase = RelayPhase.DECODING
         self._pending_takeover = None
         return [
-            act.HandoffAbandoned(
-                "main decode lost" + (" during a streaming handoff" if was_streaming else "")
-            )
+            act.HandoffAbandoned(why + (" during a streaming handoff" if was_streaming else ""))
         ]
 
     def cancel(self) -> list[act.HandoffAction]:

@@ -12,7 +12,9 @@ Carriers. The daemon producing the request is its owner (P until a decode tier h
 lost owner means a replay by token ids elsewhere (once). Who carries it moves on the milestones
 of `CARRIER_MOVES`; from RLD's handoff_start on MD carries it too (RLD may have cut before MD's
 news reaches us). After a replay only its target carries the request: what the replaced attempt
-still says (an error, a lost carrier) is stale, recorded on the timeline, not acted on.
+still says (an error, a lost carrier) is stale, recorded on the timeline, not acted on. An error
+from a decode tier about a request the other tier produces (MD failing its copy before the cut)
+is, for that request, that tier's loss: recorded, and a replay only if it carries the request.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class RouterRequest:
         self.md_carries = False  # RLD began handing it to MD (it may have cut)
         self.replays = 0
         self.replay_target: str | None = None
+        self.dropped: set[str] = set()  # decode tiers that failed their copy (not its producer)
         self.done_seen = False
         self.cancel_sent = False
         self.router_stopped = False  # a stop string ended it (the daemons don't know)
@@ -149,6 +152,8 @@ class RouterRequest:
             self._event("error", now, sender, f"{msg.code}: {msg.message}")
             if self.replay_target is not None and sender != self.replay_target:
                 pass  # about the lost attempt: the replay elsewhere carries the request now
+            elif sender in DECODE_TIERS and sender != self.owner and self.owner in DECODE_TIERS:
+                self._copy_failed(sender, msg, now, up, out)
             elif not (
                 msg.code.endswith("_lost")
                 and self._replay(msg.code[:-5], msg.message, now, up, out)
@@ -319,14 +324,35 @@ class RouterRequest:
             self.owner = reporter if move.to == REPORTER else move.to
         self.md_carries = self.md_carries or move.md_too
 
+    def _copy_failed(
+        self,
+        sender: str,
+        msg: m.ErrorMessage,
+        now: float,
+        up: Container[str],
+        out: list[RouterAction],
+    ) -> None:
+        """A decode tier failed its copy of a request the other tier produces (MD before the
+        cut, RLD past it): for this request, as if that tier were lost. A carrier's (MD from
+        RLD's handoff_start on: RLD may have cut) is replayed elsewhere, or fails the request;
+        another's changes nothing (the producer goes on), until it becomes a carrier."""
+        self.dropped.add(sender)
+        if self.finished or sender not in self.carriers():
+            return
+        why = f"{sender} failed it: {msg.code}: {msg.message}"
+        if not self._replay(sender, why, now, up, out):
+            self.fail(sender, msg.code, msg.message)
+
     def _replay_if_a_new_carrier_is_gone(
         self, new: set[str], event: str, now: float, up: Container[str], out: list[RouterAction]
     ) -> None:
-        """The request just gained carriers (`new`): one whose loss reached us before this news
-        was not replayed then; replay now, not at the stall timer."""
-        gone = [r for r in sorted(new) if r in self.peers and r not in up]
+        """The request just gained carriers (`new`): one whose loss (or failure of its copy)
+        reached us before this news was not replayed then; replay now, not at the stall
+        timer."""
+        gone = [r for r in sorted(new) if r in self.peers and (r not in up or r in self.dropped)]
         if gone and not self.finished:
-            why = f"{gone[0]} was lost before its {event} reached the router"
+            how = "failed it" if gone[0] in self.dropped else "was lost"
+            why = f"{gone[0]} {how} before its {event} reached the router"
             self._replay_or_fail(gone[0], why, now, up, out)
 
     def _replay_or_fail(

@@ -74,6 +74,8 @@ class DecodeTier(KvReceiver):
                 self.event(msg.request_id, lambda m: m.kv_done(msg, time.monotonic()))
         elif isinstance(msg, KvAbort) and self.unfence(msg.request_id):
             pass  # P's confirmation that no write of a dropped request is in flight
+        elif isinstance(msg, Cancel) and conn.peer_role == "main_decode":
+            self.main_dropped(msg.request_id, msg.reason)
         elif isinstance(msg, (Cancel, KvAbort)):
             self._drop(msg.request_id, msg.reason, writes_stopped=isinstance(msg, KvAbort))
         elif isinstance(msg, RequestDone):
@@ -117,6 +119,11 @@ class DecodeTier(KvReceiver):
     def drop_unallocated(self, rid: str, reason: str) -> bool:
         """A request dropped before its allocation was made (True: it was waiting here)."""
         return False
+
+    def main_dropped(self, rid: str, reason: str) -> None:
+        """RLD: MD's CANCEL, sent when MD failed its copy of the request. Before the cut RLD
+        finishes the request alone, as when MD is lost; past it RLD no longer holds it."""
+        self.event(rid, lambda m: m.peer_lost(f"main decode dropped it: {reason}"[:4096]))
 
     # -- allocation (the pool's reservations: KvReceiver) ----------------------------------------
 

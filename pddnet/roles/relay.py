@@ -175,6 +175,10 @@ class RelayDaemon(DecodeTier):
             self.counters["early_takeovers_expired"] += 1
             self._hold(actions)
 
+    def main_dropped(self, rid: str, reason: str) -> None:
+        self.hold.claim(rid)  # a TAKEOVER parked for it: MD will not take it over
+        super().main_dropped(rid, reason)
+
     def drop_unallocated(self, rid: str, reason: str) -> bool:
         self._hold(self.hold.release(rid, f"ended before the relay allocated it: {reason}"[:4096]))
         return False
