@@ -109,6 +109,7 @@ class _Lane:
         self.in_model = 0  # bytes offered and not yet delivered
         self._waiters: list[asyncio.Future] = []  # waiting for a partition to end
         self._admission: deque[tuple[asyncio.Future, int]] = deque()  # readers with data, in order
+        self._granted: asyncio.Future | None = None  # the reader whose turn it is, not yet run
         self._wake: asyncio.Future | None = None
         self._planned: float | None = None
         self.task: asyncio.Task | None = None
@@ -141,22 +142,33 @@ class _Lane:
 
     async def admit(self, need: int) -> int:
         """Wait for this reader's turn, in arrival order, and for room for at least
-        min(need, one packet); returns the room then. A router's queue takes packets in the
-        order they come: a HANDOFF or a PONG behind bulk flows waits for the bytes queued
-        ahead of it, not for a race against every bulk reader at each freed slot (which
-        doubled a small message's wait behind three flows; tests/test_proxy_shell.py)."""
-        if not self._admission:
+        min(need, one packet); returns the room then, and the caller offers at once (no await
+        in between: the room is checked in the step that uses it, or the model would drop the
+        excess). A router's queue takes packets in the order they come: a HANDOFF or a PONG
+        behind bulk flows waits for the bytes queued ahead of it, not for a race against every
+        bulk reader at each freed slot (which doubled a small message's wait behind three
+        flows; tests/test_proxy_shell.py)."""
+        if not self._admission and self._granted is None:
             room = self._fits(need)
             if room:
                 return room
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._admission.append((fut, need))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.notify_room()  # granted, then cancelled: pass the turn on
-            raise
+        while True:
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if self._granted is fut:  # granted, then cancelled: pass the turn on
+                    self._granted = None
+                    self.notify_room()
+                raise
+            self._granted = None
+            room = self._fits(need)
+            if room:
+                return room
+            fut = loop.create_future()  # the room went to a departure's re-plan: keep our place
+            self._admission.appendleft((fut, need))
 
     async def wait_open(self) -> None:
         """Wait until this direction is not blocked (a FIN waits out a partition as data does)."""
@@ -176,15 +188,15 @@ class _Lane:
     def notify_room(self) -> None:
         """Give the first reader in line its turn if its packet fits (one at a time: it offers,
         then calls this for the next), and wake whoever waits for a partition's end."""
-        while self._admission:
+        while self._granted is None and self._admission:
             fut, need = self._admission[0]
             if fut.done():  # cancelled while waiting
                 self._admission.popleft()
                 continue
-            room = self._fits(need)
-            if room:
+            if self._fits(need):
                 self._admission.popleft()
-                fut.set_result(room)
+                self._granted = fut  # until it has run: nobody overtakes it meanwhile
+                fut.set_result(None)
             break
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
