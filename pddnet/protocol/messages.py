@@ -628,7 +628,9 @@ class Submit(SamplingFields, Message):
 @dataclass(frozen=True, kw_only=True)
 class Cancel(Message):
     """Router -> P, RLD, MD (client went away), or P -> MD (singular-traffic filter: the WAN
-    copy is not needed): stop the request and free everything it holds."""
+    copy is not needed): stop the request and free everything it holds. Between the decode
+    tiers: RLD -> MD (RLD finished the request: MD's copy is not needed), MD -> RLD (MD failed
+    its copy: before the cut RLD finishes the request alone, as when MD is lost)."""
 
     TYPE = MessageType.CANCEL
     request_id: str = field(REQUEST_ID, doc="the router's request id")
