@@ -34,13 +34,17 @@ def state_dir(tmp_path, monkeypatch):
 
 
 def host_links() -> list[str]:
-    return sorted(os.listdir("/sys/class/net"))  # the host namespace's interfaces
+    # The host namespace's interfaces. Whole, although other test processes (pytest-xdist
+    # workers) run testbeds at the same time: every link of the project is made inside a
+    # namespace (TUN devices, the veth pair), never in the host's, so this list stays put.
+    return sorted(os.listdir("/sys/class/net"))
 
 
 def machine(name: str, state_dir: str) -> dict:
-    """What a testbed could leave behind: namespaces, host links, its processes, state."""
+    """What testbed `name` could leave behind: its namespaces, host links, its processes, state.
+    Only its own namespaces (`name`-a, -b, adopted `name`-h): other test processes make theirs."""
     return {
-        "netns": netns.list_netns(),
+        "netns": [n for n in netns.list_netns() if n.startswith(f"{name}-")],
         "links": host_links(),
         "procs": status_processes(name),
         "emulators": find_emulators(name),
@@ -191,6 +195,7 @@ async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_
         await wait_for(lambda: not find_emulators(name), 10, f"emulator {emulator} to go too")
         assert netns.exists(f"{name}-h") and load_state(name, state_dir) is not None
         # Starting any testbed removes the dead owner's: namespaces, adopted ones, state.
+        next_before = machine("pddtt-next", state_dir)
         async with Testbed(name="pddtt-next", shell="packet", die_with_parent=True):
             assert not netns.exists(f"{name}-a") and not netns.exists(f"{name}-h")
             assert load_state(name, state_dir) is None
@@ -199,6 +204,7 @@ async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_
             owner.kill()
         teardown(name, state_dir)
     assert machine(name, state_dir) == before
+    assert machine("pddtt-next", state_dir) == next_before
 
 
 async def median_rtt(tb: Testbed, port: int) -> float:
