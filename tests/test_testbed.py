@@ -183,7 +183,7 @@ asyncio.run(main())
 @root
 async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_the_rest(state_dir):
     name = "pddtt-owner"
-    before = machine(name, state_dir)
+    before, next_before = machine(name, state_dir), machine("pddtt-next", state_dir)
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, name], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
@@ -195,7 +195,6 @@ async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_
         await wait_for(lambda: not find_emulators(name), 10, f"emulator {emulator} to go too")
         assert netns.exists(f"{name}-h") and load_state(name, state_dir) is not None
         # Starting any testbed removes the dead owner's: namespaces, adopted ones, state.
-        next_before = machine("pddtt-next", state_dir)
         async with Testbed(name="pddtt-next", shell="packet", die_with_parent=True):
             assert not netns.exists(f"{name}-a") and not netns.exists(f"{name}-h")
             assert load_state(name, state_dir) is None
