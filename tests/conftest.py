@@ -1,5 +1,6 @@
-"""Shared pytest setup: the --heavy flag, re-runs for link measurements, and one torch thread per
-test process.
+"""Shared pytest setup: the --heavy flag, re-runs for link measurements, one torch thread per
+test process, and under pytest-xdist: link measurements alone, the chaos report's cases handed
+over by the workers.
 
 The machine has 2 cores shared by tests, daemons and the WAN emulator, so the test process
 itself uses one torch thread; daemons started by tests get their own explicit thread count.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import pytest
 
@@ -50,6 +52,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_heavy)
         if item.get_closest_marker("link_measurement") is not None:
             item.add_marker(MEASUREMENT_RERUN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """A pytest-xdist worker: a link measurement runs alone (tests/alone.py), the other workers
+    waiting between their tests: it holds a real link to wall-clock bounds of a millisecond,
+    which 2 workers' clusters on the 2 cores would miss. Outermost (tryfirst), so the wait is
+    outside the test's timeout and its re-runs are inside."""
+    if not hasattr(item.config, "workerinput"):
+        yield
+        return
+    from tests.alone import turn
+
+    folder = item.config._tmp_path_factory.getbasetemp().parent  # the run's, all workers'
+    with turn(folder, alone=item.get_closest_marker("link_measurement") is not None):
+        yield
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: only called where xdist runs
+def pytest_testnodedown(node: Any, error: object | None) -> None:
+    """The controller of pytest-xdist workers: a finished worker hands over its chaos / fuzz /
+    soak cases, so that the one report (tests/chaos/harness.py) covers the whole run."""
+    from tests.chaos.harness import merge_worker_cases
+
+    merge_worker_cases(node.config, getattr(node, "workeroutput", None) or {})
 
 
 def root_netns_missing_reason() -> str | None:

@@ -350,11 +350,13 @@ async def test_pdd_token_exact_in_every_handoff_mode(tiny, handoff):
             "first_md_token",
         } <= set(ev)
         assert ev["first_md_token"].detail_int == cut
-        # Token ids, not KV: one-shot < 2 KiB per 100 tokens; streaming (a frame per `chunk`
-        # tokens) still a small fraction of the 1 KiB per token of the tiny model's KV.
+        # Token ids, not KV: one-shot < 2 KiB per 100 tokens (per at least 100: a cut of a few
+        # tokens, as when RLD is slowed by a loaded machine, is mostly the frame's fixed fields);
+        # streaming (a frame per `chunk` tokens) still a small fraction of the 1 KiB per token of
+        # the tiny model's KV.
         handoff_bytes = ev["handoff_end"].detail_int
         if ev["handoff_start"].detail_str == "one-shot":
-            assert handoff_bytes * 100 / cut < 2048
+            assert handoff_bytes * 100 / max(cut, 100) < 2048
         assert handoff_bytes < cut * 1024 / 8
         max_extend = md.stats()["max_extend_tokens"]
         if handoff == "one-shot":

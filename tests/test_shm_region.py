@@ -11,21 +11,23 @@ import pytest
 import torch
 
 from pddnet.kv.pool import KVPool, KVSpec
-from pddnet.kv.shm import SHM_DIR, SharedMemoryError, unique_segment_name
+from pddnet.kv.shm import SHM_DIR, SharedMemoryError, segments_of, unique_segment_name
 from pddnet.kv.transfer import export_kv
 from pddnet.transport.backends.shm import RemoteKVRegion
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def shm_names() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith("pdd-")}
+def our_segments() -> set[str]:
+    """This process's pdd- segments only: another test process (a pytest-xdist worker) may
+    hold its own at any moment."""
+    return set(segments_of([os.getpid()]))
 
 
 @pytest.fixture
 def rld_pool():
     """RLD's shared pool: block size 4, float32 (P uses block size 3, float64)."""
-    before = shm_names()
+    before = our_segments()
     pool = KVPool(
         KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"),
         num_blocks=16,
@@ -33,7 +35,7 @@ def rld_pool():
     )
     yield pool
     pool.close()
-    assert shm_names() == before, "shared-memory segment left in /dev/shm"
+    assert our_segments() == before, "shared-memory segment left in /dev/shm"
 
 
 def p_export(n_tokens: int = 10, start: int = 0, end: int | None = None):

@@ -34,13 +34,17 @@ def state_dir(tmp_path, monkeypatch):
 
 
 def host_links() -> list[str]:
-    return sorted(os.listdir("/sys/class/net"))  # the host namespace's interfaces
+    # The host namespace's interfaces. Whole, although other test processes (pytest-xdist
+    # workers) run testbeds at the same time: every link of the project is made inside a
+    # namespace (TUN devices, the veth pair), never in the host's, so this list stays put.
+    return sorted(os.listdir("/sys/class/net"))
 
 
 def machine(name: str, state_dir: str) -> dict:
-    """What a testbed could leave behind: namespaces, host links, its processes, state."""
+    """What testbed `name` could leave behind: its namespaces, host links, its processes, state.
+    Only its own namespaces (`name`-a, -b, adopted `name`-h): other test processes make theirs."""
     return {
-        "netns": netns.list_netns(),
+        "netns": [n for n in netns.list_netns() if n.startswith(f"{name}-")],
         "links": host_links(),
         "procs": status_processes(name),
         "emulators": find_emulators(name),
@@ -179,7 +183,7 @@ asyncio.run(main())
 @root
 async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_the_rest(state_dir):
     name = "pddtt-owner"
-    before = machine(name, state_dir)
+    before, next_before = machine(name, state_dir), machine("pddtt-next", state_dir)
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, name], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
@@ -199,6 +203,7 @@ async def test_a_killed_owner_takes_its_emulator_along_and_the_next_start_reaps_
             owner.kill()
         teardown(name, state_dir)
     assert machine(name, state_dir) == before
+    assert machine("pddtt-next", state_dir) == next_before
 
 
 async def median_rtt(tb: Testbed, port: int) -> float:

@@ -1425,12 +1425,20 @@ class SuiteReport:
 
 REPORT = SuiteReport()
 _PLUGIN_NAME = "pddnet-chaos-report"
+WORKER_CASES = "pddnet_chaos_cases"  # a pytest-xdist worker's cases, in its workeroutput
 
 
 class _ReportPlugin:
+    def pytest_sessionfinish(self, session: Any) -> None:
+        # A pytest-xdist worker hands its cases to the controller, which prints and writes them
+        # with every other worker's (each worker writing report.json would keep only its share).
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:
+            workeroutput[WORKER_CASES] = [asdict(r) for r in REPORT.cases]
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not REPORT.cases:
-            return
+        if not REPORT.cases or hasattr(terminalreporter.config, "workerinput"):
+            return  # nothing, or a worker: the controller reports
         path = REPORT.write()
         terminalreporter.section("pddnet chaos / fuzz / soak report")
         terminalreporter.write_line(REPORT.table())
@@ -1444,3 +1452,12 @@ def install_report(config: Any) -> None:
     """Print REPORT's table at the end of this pytest run and write it as JSON (once)."""
     if not config.pluginmanager.has_plugin(_PLUGIN_NAME):
         config.pluginmanager.register(_ReportPlugin(), _PLUGIN_NAME)
+
+
+def merge_worker_cases(config: Any, workeroutput: dict[str, Any]) -> None:
+    """In the pytest-xdist controller (tests/conftest.py's pytest_testnodedown): a finished
+    worker's cases join REPORT, which the controller then prints and writes for the whole run."""
+    cases = workeroutput.get(WORKER_CASES)
+    if cases:
+        REPORT.cases += [CaseResult(**c) for c in cases]
+        install_report(config)
