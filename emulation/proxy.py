@@ -167,7 +167,7 @@ class _Lane:
             room = self._fits(need)
             if room:
                 return room
-            fut = loop.create_future()  # the room went to a departure's re-plan: keep our place
+            fut = loop.create_future()  # the link changed meanwhile (a partition): keep our place
             self._admission.appendleft((fut, need))
 
     async def wait_open(self) -> None:
