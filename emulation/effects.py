@@ -30,7 +30,7 @@ JITTER_DISTRIBUTIONS = ("uniform", "normal", "pareto-normal")
 @dataclass(frozen=True)
 class EffectSpec:
     name: str
-    kind: str  # "float", "int", "bool", "choice", "rate"
+    kind: str  # "float", "int", "bool", "choice", "rate" (float)
     default: Any
     unit: str
     doc: str
@@ -38,6 +38,7 @@ class EffectSpec:
     high: float | None = None  # inclusive upper bound
     low_exclusive: bool = False
     neutral: Any = None  # the value meaning "this effect is off"
+    nullable: bool = False  # None is a valid value (meaning: off / unlimited)
 
 
 EFFECTS: dict[str, EffectSpec] = {
@@ -101,6 +102,7 @@ EFFECTS: dict[str, EffectSpec] = {
             low_exclusive=True,
             high=10_000_000.0,
             neutral=None,
+            nullable=True,
         ),
         EffectSpec(
             "burst_bytes",
@@ -117,10 +119,22 @@ EFFECTS: dict[str, EffectSpec] = {
             "int",
             1 << 20,
             "bytes",
-            "bottleneck FIFO limit; arrivals that do not fit are tail-dropped",
+            "bottleneck queue limit (each class's); arrivals that do not fit are tail-dropped",
             low=1,
             high=1 << 40,
             neutral=1 << 20,
+        ),
+        EffectSpec(
+            "priority_dscp",
+            "int",
+            None,
+            "",
+            "items marked with this DSCP (0-63) go ahead of the rest at the bottleneck (strict "
+            "priority, as a QoS class on a datacenter interconnect); null = one FIFO for all",
+            low=0,
+            high=63,
+            neutral=None,
+            nullable=True,
         ),
         EffectSpec(
             "loss_pct",
@@ -241,7 +255,7 @@ def validate_effect(name: str, value: Any) -> Any:
                 f"(known: {', '.join(JITTER_DISTRIBUTIONS)})"
             )
         return value
-    if spec.kind == "rate" and value is None:
+    if spec.nullable and value is None:
         return None
     number = _check_number(spec, value)
     if spec.kind == "int":

@@ -5,7 +5,11 @@ Each `LinkDirection` runs the stages a real path has, in this order:
 1. ingress: partition / blackhole, random loss, Gilbert-Elliott burst loss (drops counted by cause)
 2. bottleneck: token bucket (`rate_mbit`, `burst_bytes`) serving a FIFO with a byte limit
    (`queue_bytes`); arrivals that do not fit are tail-dropped. The queue is served lazily up to
-   the `now` of every call, so a rate change applies to what is still queued.
+   the `now` of every call, so a rate change applies to what is still queued. With
+   `priority_dscp` set, items offered with that DSCP wait in a queue of their own (the same
+   byte limit) that the bucket serves first: strict priority, as a QoS class for control
+   traffic on a datacenter interconnect. Unmarked items, or any item while it is unset, share
+   the one FIFO.
 3. propagation: `delay_ms` + jitter (`jitter_ms`, `jitter_dist`, `jitter_corr_pct`). In order by
    default: an item never leaves before the one ahead of it (departure = max(own, previous)),
    unlike netem, whose jitter reorders; `reorder_pct` exempts a share of items from that rule.
@@ -103,6 +107,8 @@ class LinkDirection:
         self._now = float("-inf")
         self._queue: deque[_Queued] = deque()
         self._queued_bytes = 0
+        self._urgent: deque[_Queued] = deque()  # the priority class (priority_dscp)
+        self._urgent_bytes = 0
         self._tokens = float(self._fx["burst_bytes"])
         self._tokens_at = float("-inf")  # time the token count refers to
         self._in_flight: list[_InFlight] = []  # heap by departure
@@ -123,15 +129,17 @@ class LinkDirection:
         self._drop_bytes = dict.fromkeys(DROP_CAUSES, 0)
         self._max_q_bytes = 0
         self._max_q_packets = 0
+        self._urgent_c = {"packets": 0, "bytes": 0, "max_bytes": 0}
         self._hist = DelayHistogram()
 
     # --- traffic ---------------------------------------------------------------------------
 
-    def offer(self, now: float, size: int, item: object) -> None:
-        """An item (packet or byte chunk) of `size` bytes arrives at the link at `now`."""
+    def offer(self, now: float, size: int, item: object, dscp: int = 0) -> None:
+        """An item (packet or byte chunk) of `size` bytes, marked `dscp`, arrives at `now`."""
         if size < 0:
             raise ValueError(f"size must be >= 0 bytes, got {size}")
         now = self._catch_up(now)
+        urgent = self.is_priority(dscp)
         self._c["bytes_in"] += size
         self._c["packets_in"] += 1
         fx = self._fx
@@ -146,21 +154,29 @@ class LinkDirection:
             fx["ge_p_pct"], fx["ge_r_pct"], fx["ge_bad_loss_pct"], fx["ge_good_loss_pct"]
         ):
             cause = "burst_loss"
-        elif fx["rate_mbit"] is not None and self._queued_bytes + size > fx["queue_bytes"]:
+        elif fx["rate_mbit"] is not None and self._class_bytes(urgent) + size > fx["queue_bytes"]:
             cause = "queue_full"
         if cause is not None:
             self._drops[cause] += 1
             self._drop_bytes[cause] += size
             return
+        if urgent:
+            self._urgent_c["packets"] += 1
+            self._urgent_c["bytes"] += size
         if fx["rate_mbit"] is None:
             self._propagate(now, now, size, item)
             return
-        if not self._queue:
+        if not self._queue and not self._urgent:
             self._refill(now)
-        self._queue.append(_Queued(now, size, item))
-        self._queued_bytes += size
-        self._max_q_bytes = max(self._max_q_bytes, self._queued_bytes)
-        self._max_q_packets = max(self._max_q_packets, len(self._queue))
+        if urgent:
+            self._urgent.append(_Queued(now, size, item))
+            self._urgent_bytes += size
+            self._urgent_c["max_bytes"] = max(self._urgent_c["max_bytes"], self._urgent_bytes)
+        else:
+            self._queue.append(_Queued(now, size, item))
+            self._queued_bytes += size
+            self._max_q_bytes = max(self._max_q_bytes, self._queued_bytes)
+            self._max_q_packets = max(self._max_q_packets, len(self._queue))
         self._serve(now)
 
     def poll(self, now: float) -> list[object]:
@@ -183,7 +199,7 @@ class LinkDirection:
         polling then returns nothing and next_wakeup() moves on.
         """
         wake = self._in_flight[0].departure if self._in_flight else None
-        if self._queue:
+        if self._queue or self._urgent:
             head_exit = self._head_exit()
             if head_exit is not None and (wake is None or head_exit < wake):
                 wake = head_exit
@@ -210,23 +226,33 @@ class LinkDirection:
         return len(self._in_flight)
 
     def queued_bytes(self) -> int:
-        """Bytes waiting at the bottleneck (as of the last call)."""
-        return self._queued_bytes
+        """Bytes waiting at the bottleneck, in either class (as of the last call)."""
+        return self._queued_bytes + self._urgent_bytes
 
-    def would_accept(self, now: float, size: int) -> bool:
-        """True when an item of `size` offered at `now` could only pass ingress and the queue
-        (random loss aside): used by byte-stream shells to apply backpressure instead of drops."""
+    def is_priority(self, dscp: int) -> bool:
+        """Whether an item marked `dscp` goes in the priority class under the current effects."""
+        mark = self._fx["priority_dscp"]
+        return mark is not None and dscp == mark
+
+    def would_accept(self, now: float, size: int, dscp: int = 0) -> bool:
+        """True when an item of `size` marked `dscp` offered at `now` could only pass ingress and
+        its class's queue (random loss aside): byte-stream shells apply backpressure with it
+        instead of drops."""
         self._catch_up(now)
         if self.blocked(now):
             return False
-        return self._fx["rate_mbit"] is None or self._queued_bytes + size <= self._fx["queue_bytes"]
+        return (
+            self._fx["rate_mbit"] is None
+            or self._class_bytes(self.is_priority(dscp)) + size <= self._fx["queue_bytes"]
+        )
 
-    def queue_space(self, now: float) -> int | None:
-        """Free bytes in the bottleneck queue at `now` (None: no rate limit, so no queue)."""
+    def queue_space(self, now: float, dscp: int = 0) -> int | None:
+        """Free bytes at `now` in the queue an item marked `dscp` would join (None: no rate
+        limit, so no queue)."""
         self._catch_up(now)
         if self._fx["rate_mbit"] is None:
             return None
-        return max(0, self._fx["queue_bytes"] - self._queued_bytes)
+        return max(0, self._fx["queue_bytes"] - self._class_bytes(self.is_priority(dscp)))
 
     def blocked(self, now: float) -> bool:
         """Partitioned or blackholed at `now`."""
@@ -246,6 +272,8 @@ class LinkDirection:
                 "max_bytes": self._max_q_bytes,
                 "max_packets": self._max_q_packets,
             },
+            # what went through the priority class (priority_dscp), and its deepest queue
+            "priority": {**self._urgent_c, "queued_bytes": self._urgent_bytes},
             "in_flight_packets": len(self._in_flight),
             "delay": self._hist.to_dict(),
         }
@@ -311,12 +339,13 @@ class LinkDirection:
             self._tokens = float(self._fx["burst_bytes"])
             self._tokens_at = t
         self._tokens = min(self._tokens, float(self._fx["burst_bytes"]))
-        if self._fx["rate_mbit"] is None and self._queue:
+        if self._fx["rate_mbit"] is None and (self._queue or self._urgent):
             # The limit is gone: everything still queued leaves the bottleneck now.
-            while self._queue:
-                head = self._queue.popleft()
+            for head in sorted([*self._urgent, *self._queue], key=lambda q: q.arrival):
                 self._propagate(t, head.arrival, head.size, head.item)
-            self._queued_bytes = 0
+            self._queue.clear()
+            self._urgent.clear()
+            self._queued_bytes = self._urgent_bytes = 0
         if duration is not None:
             keys = {k: (self._version[k], old[k]) for k in changes}
             heapq.heappush(self._reverts, _Revert(t + duration, next(self._seq), keys))
@@ -377,26 +406,37 @@ class LinkDirection:
             )
         self._tokens_at = max(t, self._tokens_at)
 
+    def _class_bytes(self, urgent: bool) -> int:
+        return self._urgent_bytes if urgent else self._queued_bytes
+
+    def _next_queue(self) -> deque[_Queued]:
+        """The queue the bucket serves next: the priority class's while it holds anything."""
+        return self._urgent if self._urgent else self._queue
+
     def _head_exit(self) -> float | None:
-        """When the queue's head leaves the bottleneck under the current settings."""
+        """When the next item leaves the bottleneck under the current settings."""
+        queue = self._next_queue()
         rate = self._rate_bytes_per_s()
         if rate is None:
-            return self._queue[0].arrival if self._queue else None
-        head = self._queue[0]
+            return queue[0].arrival if queue else None
+        head = queue[0]
         # Items larger than the bucket may go once it is full; the deficit is paid back later.
         need = min(float(head.size), float(self._fx["burst_bytes"]))
-        if self._tokens >= need:
-            return max(self._tokens_at, head.arrival)
-        return self._tokens_at + (need - self._tokens) / rate
+        # (max with its arrival: a priority item may arrive after the bucket's last refill)
+        return max(head.arrival, self._tokens_at + max(0.0, need - self._tokens) / rate)
 
     def _serve(self, until: float) -> None:
         """Move items that leave the bottleneck by `until` into the propagation stage."""
-        while self._queue:
+        while self._queue or self._urgent:
             exit_at = self._head_exit()
             if exit_at is None or exit_at > until:
                 break
-            head = self._queue.popleft()
-            self._queued_bytes -= head.size
+            queue = self._next_queue()
+            head = queue.popleft()
+            if queue is self._urgent:
+                self._urgent_bytes -= head.size
+            else:
+                self._queued_bytes -= head.size
             if self._rate_bytes_per_s() is not None:
                 self._refill(exit_at)
                 self._tokens -= head.size

@@ -46,6 +46,16 @@ SPIN_SHARE = 0.03  # at most this share of wall time spent spinning...
 SPIN_BURST_S = 0.01  # ...with this much saved up for bursts  # packets per wake-up and direction before yielding to the other direction
 
 
+def packet_dscp(pkt: bytes) -> int:
+    """The DSCP an IP packet is marked with (IPv4's TOS byte, IPv6's traffic class); 0 if it is
+    too short to tell."""
+    if len(pkt) >= 2 and pkt[0] >> 4 == 4:
+        return pkt[1] >> 2
+    if len(pkt) >= 2 and pkt[0] >> 4 == 6:
+        return ((pkt[0] & 0x0F) << 2) | (pkt[1] >> 6)
+    return 0
+
+
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
@@ -152,7 +162,7 @@ class PacketForwarder:
         try:
             while n < self._batch:
                 pkt = os.read(fd, 65536)
-                offer(now, len(pkt), pkt)
+                offer(now, len(pkt), pkt, packet_dscp(pkt))
                 n += 1
         except BlockingIOError:
             pass

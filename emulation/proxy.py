@@ -16,6 +16,9 @@ departure times the model gives. A TCP stream cannot lose, duplicate or reorder 
   connection holds at most the one packet it has taken);
 - loss, Gilbert-Elliott, duplication and reordering are refused (`Link.restrict`): setting them
   on a proxied link raises ValueError (a 400 on the control API);
+- traffic classes: a connection takes the DSCP its client marked (IP_TOS, read from the first
+  bytes it sends) for both directions, so with `priority_dscp` set, a marked connection's bytes
+  go in the model's priority class and wait their turn only behind each other;
 - closing is slow: a FIN travels through the model behind the data, so it arrives one link
   delay (plus queueing) after the close; `reset_connections()` aborts with RST at once.
 
@@ -58,6 +61,30 @@ _DEST_HIGH_WATER = 1 << 20
 # than a read to drain completely: a 267-byte HANDOFF then sat behind all of a bulk flow's
 # queue (at k = 5 a 20 ms buffer of a 2 Gbit/s line is 22 KB of real bytes).
 _PACKET_BYTES = 1500
+# Linux: the IP options of the last packet a TCP socket received, as ancillary data; with
+# IP_RECVTOS on they hold its TOS byte (not in Python's socket module).
+_IP_PKTOPTIONS = 9
+_IP_RECVTOS = 13
+
+
+def received_dscp(sock: socket.socket | None) -> int:
+    """The DSCP of the last packet `sock` (an IPv4 TCP socket with IP_RECVTOS set) received;
+    0 where the platform cannot tell."""
+    if sock is None:
+        return 0
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_IP, _IP_PKTOPTIONS, 64)
+    except (OSError, ValueError):
+        return 0
+    while len(raw) >= 16:  # struct cmsghdr { size_t len; int level; int type; } + data
+        length, level, kind = struct.unpack_from("QiI", raw)
+        if level == socket.IPPROTO_IP and kind == socket.IP_TOS and length >= 17:
+            return raw[16] >> 2
+        step = (length + 7) & ~7
+        if step <= 0:
+            break
+        raw = raw[step:]
+    return 0
 
 
 class _Conn:
@@ -73,6 +100,13 @@ class _Conn:
         self.closed = False
         self.eofs = 0
         self.tasks: list[asyncio.Task] = []
+        self.dscp = 0  # the client's marking, known once its first bytes are in
+        self.classified = False
+
+    def classify(self) -> None:
+        """Take the DSCP the client marked its packets with, for both directions."""
+        self.dscp = received_dscp(self.client_writer.transport.get_extra_info("socket"))
+        self.classified = True
 
     def writer_for(self, direction: str) -> asyncio.StreamWriter:
         return self.up_writer if direction == "a_to_b" else self.client_writer
@@ -108,19 +142,25 @@ class _Lane:
         self.name = model.name
         self.in_model = 0  # bytes offered and not yet delivered
         self._waiters: list[asyncio.Future] = []  # waiting for a partition to end
-        self._admission: deque[tuple[asyncio.Future, int]] = deque()  # readers with data, in order
-        self._granted: asyncio.Future | None = None  # the reader whose turn it is, not yet run
+        # Per traffic class (the model's priority class or not): readers with data, in order,
+        # and the reader whose turn it is, not yet run.
+        self._admission: dict[bool, deque[tuple[asyncio.Future, int, int]]] = {
+            False: deque(),
+            True: deque(),
+        }
+        self._granted: dict[bool, asyncio.Future | None] = {False: None, True: None}
         self._wake: asyncio.Future | None = None
         self._planned: float | None = None
         self.task: asyncio.Task | None = None
 
     # --- readers side -------------------------------------------------------------------
 
-    def room(self, now: float) -> int:
-        """Bytes a reader may offer now without the model dropping or unbounded buffering."""
+    def room(self, now: float, dscp: int = 0) -> int:
+        """Bytes a reader of a connection marked `dscp` may offer now without the model
+        dropping or unbounded buffering."""
         if self.model.blocked(now):
             return 0
-        space = self.model.queue_space(now)
+        space = self.model.queue_space(now, dscp)
         if space is None:  # no rate limit: bound what sits in the delay line instead
             space = self.proxy.max_inflight_bytes - self.in_model
         return max(0, space)
@@ -131,44 +171,48 @@ class _Lane:
         limit = fx["queue_bytes"] if fx["rate_mbit"] is not None else self.proxy.max_inflight_bytes
         return max(1, min(limit, self.proxy.chunk_bytes, _PACKET_BYTES))
 
-    def read_size(self) -> int:
+    def read_size(self, dscp: int = 0) -> int:
         """How much a reader may take off its socket now: what fits, or one packet when nothing
         does (the packet on its way into a full router, which then waits its turn in admit)."""
-        return min(self.proxy.chunk_bytes, max(self.room(self.proxy.clock()), self.capacity()))
+        room = self.room(self.proxy.clock(), dscp)
+        return min(self.proxy.chunk_bytes, max(room, self.capacity()))
 
-    def _fits(self, need: int) -> int:
-        room = self.room(self.proxy.clock())
+    def _fits(self, need: int, dscp: int) -> int:
+        room = self.room(self.proxy.clock(), dscp)
         return room if room > 0 and room >= min(need, self.capacity()) else 0
 
-    async def admit(self, need: int) -> int:
+    async def admit(self, need: int, dscp: int = 0) -> int:
         """Wait for this reader's turn, in arrival order, and for room for at least
         min(need, one packet); returns the room then, and the caller offers at once (no await
         in between: the room is checked in the step that uses it, or the model would drop the
         excess). A router's queue takes packets in the order they come: a HANDOFF or a PONG
         behind bulk flows waits for the bytes queued ahead of it, not for a race against every
         bulk reader at each freed slot (which doubled a small message's wait behind three
-        flows; tests/test_proxy_shell.py)."""
-        if not self._admission and self._granted is None:
-            room = self._fits(need)
+        flows; tests/test_proxy_shell.py). Each traffic class has its own line: a reader in the
+        priority class waits only for the priority queue."""
+        urgent = self.model.is_priority(dscp)
+        line = self._admission[urgent]
+        if not line and self._granted[urgent] is None:
+            room = self._fits(need, dscp)
             if room:
                 return room
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._admission.append((fut, need))
+        line.append((fut, need, dscp))
         while True:
             try:
                 await fut
             except asyncio.CancelledError:
-                if self._granted is fut:  # granted, then cancelled: pass the turn on
-                    self._granted = None
+                if self._granted[urgent] is fut:  # granted, then cancelled: pass the turn on
+                    self._granted[urgent] = None
                     self.notify_room()
                 raise
-            self._granted = None
-            room = self._fits(need)
+            self._granted[urgent] = None
+            room = self._fits(need, dscp)
             if room:
                 return room
             fut = loop.create_future()  # the link changed meanwhile (a partition): keep our place
-            self._admission.appendleft((fut, need))
+            line.appendleft((fut, need, dscp))
 
     async def wait_open(self) -> None:
         """Wait until this direction is not blocked (a FIN waits out a partition as data does)."""
@@ -179,25 +223,27 @@ class _Lane:
 
     def offer(self, conn: _Conn, payload: Any, size: int) -> None:
         now = self.proxy.clock()
-        self.model.offer(now, size, (conn, payload))
+        self.model.offer(now, size, (conn, payload), conn.dscp)
         self.in_model += size
         nxt = self.model.next_wakeup()
         if self._planned is None or (nxt is not None and nxt < self._planned):
             self.kick()
 
     def notify_room(self) -> None:
-        """Give the first reader in line its turn if its packet fits (one at a time: it offers,
-        then calls this for the next), and wake whoever waits for a partition's end."""
-        while self._granted is None and self._admission:
-            fut, need = self._admission[0]
-            if fut.done():  # cancelled while waiting
-                self._admission.popleft()
-                continue
-            if self._fits(need):
-                self._admission.popleft()
-                self._granted = fut  # until it has run: nobody overtakes it meanwhile
-                fut.set_result(None)
-            break
+        """Give the first reader in each class's line its turn if its packet fits (one at a time
+        per class: it offers, then calls this for the next), and wake whoever waits for a
+        partition's end."""
+        for urgent, line in self._admission.items():
+            while self._granted[urgent] is None and line:
+                fut, need, dscp = line[0]
+                if fut.done():  # cancelled while waiting
+                    line.popleft()
+                    continue
+                if self._fits(need, dscp):
+                    line.popleft()
+                    self._granted[urgent] = fut  # until it has run: nobody overtakes it
+                    fut.set_result(None)
+                break
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
             if not fut.done():
@@ -328,6 +374,10 @@ class WanProxy:
         self._server = await asyncio.start_server(
             self._accept, self.listen[0], self.listen[1], limit=self.chunk_bytes * 2
         )
+        for sock in self._server.sockets:
+            if sock.family == socket.AF_INET:  # accepted sockets inherit it: see classify()
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_IP, _IP_RECVTOS, 1)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -410,9 +460,11 @@ class WanProxy:
             while not conn.closed:
                 if dest.transport.get_write_buffer_size() > _DEST_HIGH_WATER:
                     await dest.drain()
-                data = await reader.read(lane.read_size())
+                data = await reader.read(lane.read_size(conn.dscp))
                 if conn.closed:
                     return
+                if lane.name == "a_to_b" and not conn.classified:
+                    conn.classify()
                 if not data:
                     await lane.wait_open()  # a FIN waits out a partition like data does
                     if not conn.closed:
@@ -420,7 +472,7 @@ class WanProxy:
                     return
                 view = memoryview(data)
                 while view:
-                    room = await lane.admit(len(view))
+                    room = await lane.admit(len(view), conn.dscp)
                     if conn.closed:
                         lane.notify_room()  # its turn goes to the next in line
                         return

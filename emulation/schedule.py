@@ -92,7 +92,7 @@ def _csv_value(name: str, text: str) -> Any:
         return text.lower() == "true"
     if spec.kind == "choice":
         return text
-    if spec.kind == "rate" and text.lower() in ("null", "none", "unlimited"):
+    if spec.nullable and text.lower() in ("null", "none", "unlimited", "off"):
         return None
     try:
         return float(text)

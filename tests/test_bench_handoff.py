@@ -411,7 +411,8 @@ def test_handoff_devices_pace_relay_and_md_and_say_when_not_valid(capsys):
 
 @pytest.mark.timeout(120)
 async def test_source_figure_on_emulated_devices(tmp_path):
-    """The source's figure (100 relay tokens, quiet and jitter+bulk, both paths) as `pdd bench
+    """The source's figure (100 relay tokens, quiet and jitter+bulk with and without the control
+    class, both paths) as `pdd bench
     reproduce` runs it, --quick on llama-3-70b devices at k = 2: the forwards and the link are
     the modelled ones, the payload is also given in the target's bytes, tokens stay exact."""
     from pddnet.device.cost import InstanceCost
@@ -425,12 +426,21 @@ async def test_source_figure_on_emulated_devices(tmp_path):
     )
     data = json.loads(Path(fig["path"]).read_text())
     assert fig == {**data["figure"], "path": fig["path"]}
-    assert fig["relay_tokens"] == n and set(fig["conditions"]) == {"quiet", "jitter+bulk"}
+    conditions = {"quiet", "jitter+bulk", "jitter+bulk+priority"}
+    assert fig["relay_tokens"] == n and set(fig["conditions"]) == conditions
     assert fig["emulated"] and fig["dilation"] == k and fig["valid"] == data["devices"]["valid"]
-    assert fig["target"]["met"] in (True, False)  # decided, whatever the box's load
+    # decided on both lines, whatever the box's load
+    assert {c: type(v) for c, v in fig["target"]["met"].items()} == {
+        "jitter+bulk": bool,
+        "jitter+bulk+priority": bool,
+    }
     for c in fig["conditions"].values():
         for s in c.values():
             assert s["max_over_mean"] == pytest.approx(s["max_ms"] / s["mean_ms"])
+    # the HANDOFFs (control lane, marked) crossed in the priority class only where it was on
+    link = {c: data["conditions"][c]["link_a_to_b"]["priority"] for c in conditions}
+    assert link["jitter+bulk+priority"]["bytes"] > 0
+    assert link["jitter+bulk"]["bytes"] == link["quiet"]["bytes"] == 0
     # payload: the ids as they are, KV-direct's KV as llama-3-70b's
     real, target = fig["payload_bytes"], fig["payload_target_bytes"]
     assert target[TOKEN_ID] == real[TOKEN_ID]
@@ -446,7 +456,7 @@ async def test_source_figure_on_emulated_devices(tmp_path):
     assert all(data["consistency"][c] for c in ("all_token_exact", "kv_bytes_received_match"))
     assert data["consistency"]["forwards_last_their_modelled_time"]
     trials = data["trials"]
-    assert len(trials) == 2 * 2 * 2 and all(t["token_exact"] for t in trials)
+    assert len(trials) == len(conditions) * 2 * 2 and all(t["token_exact"] for t in trials)
     # MD's sampling forward, paced: the extend of P's first token and the relay tokens, or
     # KV-direct's one decode, at their modelled time on 8 H200s
     h200 = InstanceCost(load_chip("h200-sxm"), load_profile("llama-3-70b"), gpus=8)

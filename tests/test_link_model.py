@@ -207,6 +207,62 @@ def test_removing_the_rate_limit_releases_the_queue_at_once() -> None:
     assert times[0] == pytest.approx(0.005) and all(t == pytest.approx(0.006) for t in times[1:])
 
 
+# --- the priority class (priority_dscp) ---------------------------------------------------
+
+
+def _behind_a_full_queue(**effects) -> tuple[LinkDirection, float]:
+    """An 8 Mbit/s direction (1 byte per us) whose 20 kB queue bulk has filled at t = 0; returns
+    it and the time a marked item then arrives."""
+    link = Link(rate_mbit=8, burst_bytes=1000, queue_bytes=20_000, delay_ms=5, **effects)
+    d = link.a_to_b
+    for i in range(20):
+        d.offer(0.0, 1000, ("bulk", i))
+    return d, 0.0005
+
+
+def test_a_marked_item_goes_ahead_of_the_queue_in_the_priority_class() -> None:
+    d, t = _behind_a_full_queue(priority_dscp=46)
+    d.offer(t, 100, ("control", 0), dscp=46)
+    out = drain(d)
+    order = [item for _, item in out]
+    # Bulk item 0 left at t = 0 (the bucket's 1000 B burst); item 1 waits for 1000 B of tokens
+    # (until 1 ms). The marked item needs 100 B, which the bucket holds when it arrives at
+    # 0.5 ms: it leaves at once, ahead of the 19 queued bulk items, then 5 ms of delay.
+    assert order.index(("control", 0)) == 1
+    departure = dict((item, when) for when, item in out)[("control", 0)]
+    assert departure == pytest.approx(t + 0.005, abs=1e-9)
+    assert [i for kind, i in order if kind == "bulk"] == list(range(20))  # bulk stays in order
+    c = d.counters()
+    assert c["priority"] == {"packets": 1, "bytes": 100, "max_bytes": 100, "queued_bytes": 0}
+    assert c["queue"]["max_bytes"] == 19_000  # the marked bytes are not in the FIFO's count
+
+
+def test_without_priority_dscp_a_marked_item_waits_in_the_fifo() -> None:
+    d, t = _behind_a_full_queue()
+    assert d.queue_space(t, dscp=46) == d.queue_space(t) == 1000
+    d.offer(t, 100, ("control", 0), dscp=46)
+    order = [item for _, item in drain(d)]
+    assert order[-1] == ("control", 0)  # behind all 20 bulk items
+    assert d.counters()["priority"]["packets"] == 0
+
+
+def test_only_the_configured_mark_is_prioritised_and_each_class_has_its_own_limit() -> None:
+    d, t = _behind_a_full_queue(priority_dscp=46)
+    assert not d.is_priority(0) and not d.is_priority(10) and d.is_priority(46)
+    assert d.queue_space(t, dscp=46) == 20_000 and d.queue_space(t, dscp=10) == 1000
+    assert d.would_accept(t, 20_000, dscp=46) and not d.would_accept(t, 1001)
+    d.offer(t, 21_000, "too big for its class", dscp=46)
+    assert d.counters()["drops"]["queue_full"] == 1
+
+
+def test_priority_items_are_released_with_the_rest_when_the_limit_goes() -> None:
+    d, t = _behind_a_full_queue(priority_dscp=46)
+    d.offer(t, 100, "control", dscp=46)
+    d.apply(0.0006, {"rate_mbit": None})
+    assert d.queued_bytes() == 0
+    assert len(drain(d)) == 21
+
+
 # --- loss, duplication, partition ---------------------------------------------------------
 
 
@@ -412,6 +468,8 @@ def test_time_does_not_move_backwards() -> None:
         ({"jitter_corr_pct": 100}, "jitter_corr_pct must be <= 99.9 %"),
         ({"ge_r_pct": 0}, "ge_r_pct must be > 0 %"),
         ({"delay_ms": True}, "delay_ms must be a number"),
+        ({"priority_dscp": 64}, "priority_dscp must be <= 63"),
+        ({"priority_dscp": 4.5}, "priority_dscp must be a whole number"),
     ],
 )
 def test_bad_settings_raise_precise_value_errors(effects: dict, message: str) -> None:

@@ -254,3 +254,14 @@ async def test_schedule_rate_collapse_takes_effect_on_time():
     # The new rate (and at least half of it: the link still carries it).
     late_max = 10e6 / 8 * 0.6 * 1.1 + 15_000 + 9000
     assert_measured(late, 10e6 / 8 * 0.6 * 0.5, late_max, "bytes from 50 ms after the step")
+
+
+def test_packet_dscp_reads_the_ipv4_tos_and_the_ipv6_traffic_class() -> None:
+    from emulation.packet_shell import packet_dscp
+
+    ipv4_ef = bytes([0x45, 46 << 2]) + bytes(18)
+    ipv6_ef = bytes([0x60 | (46 >> 2), (46 & 0x3) << 6]) + bytes(38)
+    assert packet_dscp(ipv4_ef) == 46 and packet_dscp(ipv6_ef) == 46
+    assert packet_dscp(bytes([0x45, 0x00]) + bytes(18)) == 0
+    assert packet_dscp(bytes([0x45, 0x01])) == 0  # ECN bits are not DSCP
+    assert packet_dscp(b"") == packet_dscp(b"\x45") == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import socket
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -131,8 +132,17 @@ def goodput_mbit(marks: list[tuple[float, int]], t0: float) -> float:
     return bytes_between(marks, t0 + 0.5, t0 + 3.0) * 8 / 2.5 / 1e6
 
 
-async def probe_rtts(port: int, count: int, size: int = 64) -> list[float]:
-    reader, writer = await asyncio.open_connection(LOOP, port)
+async def open_marked(port: int, dscp: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to LOOP:port whose packets carry `dscp` from the handshake on."""
+    sock = socket.socket()
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (LOOP, port))
+    return await asyncio.open_connection(sock=sock)
+
+
+async def probe_rtts(port: int, count: int, size: int = 64, dscp: int = 0) -> list[float]:
+    reader, writer = await open_marked(port, dscp)
     rtts = []
     try:
         for i in range(count):
@@ -388,6 +398,42 @@ async def test_a_small_message_waits_behind_the_queue_not_behind_every_bulk_flow
         f"probe RTTs behind {flows} bulk flows: median {statistics.median(rtts):.1f}, max {max(rtts):.1f} ms (bound {bound:.1f})"
     )
     assert_measured(max(rtts), 2 * delay, bound, "a small message's RTT behind bulk (ms)")
+
+
+@pytest.mark.link_measurement
+async def test_a_marked_message_in_the_priority_class_does_not_wait_for_the_queue() -> None:
+    # The same three bulk flows and 20 ms queue, with the probe's connection marked Expedited
+    # Forwarding and the link serving that DSCP first: the probe waits for at most the packet
+    # the bucket is paying for, not for the queue (which it waits for unmarked, above).
+    rate, queue, delay, flows = 8, 20_000, 5, 3
+    link = Link(delay_ms=delay, rate_mbit=rate, queue_bytes=queue, priority_dscp=46)
+    async with EchoSmall() as port, WanProxy((LOOP, 0), (LOOP, port), link) as proxy:
+        bulk = [
+            asyncio.create_task(send_for(proxy.port, 3.0, b"B" * (1 << 16))) for _ in range(flows)
+        ]
+        await asyncio.sleep(0.5)
+        rtts = await probe_rtts(proxy.port, 20, dscp=46)
+        await asyncio.gather(*bulk)
+    c = link.a_to_b.counters()
+    assert c["priority"]["packets"] >= 20 and c["priority"]["bytes"] >= 20 * 64  # classified
+    assert c["queue"]["max_bytes"] > queue - 1500  # the bulk flows did fill their queue
+    packet_ms = 1500 * 8 / (rate * 1e3)
+    bound = 2 * delay + 2 * packet_ms + 8  # timers
+    print(f"marked probe RTTs: median {statistics.median(rtts):.1f}, max {max(rtts):.1f} ms")
+    assert_measured(max(rtts), 2 * delay, bound, "a marked message's RTT behind bulk (ms)")
+
+
+async def test_a_connection_takes_the_class_its_client_marked(echo_port: int) -> None:
+    link = Link(priority_dscp=46, rate_mbit=100)
+    async with WanProxy((LOOP, 0), (LOOP, echo_port), link) as proxy:
+        await probe_rtts(proxy.port, 3, dscp=46)
+        await probe_rtts(proxy.port, 3, dscp=10)  # another class: best effort here
+        await probe_rtts(proxy.port, 3)
+    # (bytes, not packets: a connection's FIN crosses in its class too, as a 0-byte item)
+    assert link.a_to_b.counters()["priority"]["bytes"] == 3 * 64
+    assert link.a_to_b.counters()["bytes_in"] == 9 * 64
+    # the echo came back in the class its connection was marked with
+    assert link.b_to_a.counters()["priority"]["bytes"] == 3 * 64
 
 
 async def test_many_flows_through_a_small_queue_lose_no_byte() -> None:

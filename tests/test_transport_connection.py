@@ -30,6 +30,7 @@ from pddnet.protocol import (
 )
 from pddnet.protocol.handshake import Handshake, Side
 from pddnet.transport import (
+    LATENCY_DSCP,
     AuthenticationFailed,
     ConnectionClosed,
     DialRefused,
@@ -37,6 +38,7 @@ from pddnet.transport import (
     Server,
     dial,
     dial_with_retry,
+    lane_dscp,
 )
 from tests.polling import wait_for
 
@@ -491,3 +493,28 @@ async def test_close_drops_the_socket_when_the_peer_never_takes_the_last_bytes()
     stop.set()
     await server.close()
     assert_no_other_tasks()
+
+
+async def test_latency_lanes_are_marked_from_the_handshake_on_and_bulk_lanes_are_not():
+    # A WAN with a QoS class for Expedited Forwarding (the emulator's priority_dscp) must be able
+    # to tell a HANDOFF's connection from a KV stream's by its packets, both ways.
+    from emulation.link import Link
+    from emulation.proxy import WanProxy
+
+    assert lane_dscp("control") == lane_dscp("events") == LATENCY_DSCP == 46
+    assert lane_dscp("bulk") == 0
+    link = Link(priority_dscp=LATENCY_DSCP)
+    async with Echo() as echo, WanProxy((HOST, 0), (HOST, echo.port), link) as proxy:
+        control = await dial_echo(proxy.port, lane="control")
+        await assert_echoes(control, 1)
+        sock = control.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == LATENCY_DSCP << 2
+        urgent = link.a_to_b.counters()["priority"]["bytes"]
+        assert urgent > 0 and link.b_to_a.counters()["priority"]["bytes"] > 0
+        bulk = await dial_echo(proxy.port, lane="bulk")
+        await bulk.send(kv_chunk(tokens=64))
+        await bulk.recv()
+        assert link.a_to_b.counters()["priority"]["bytes"] == urgent  # the KV went best effort
+        assert bulk.get_extra_info("socket").getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0
+        await control.close()
+        await bulk.close()

@@ -60,8 +60,8 @@ target's bytes beside the real ones, and the JSON's `devices` says how well the 
 run that overran on more than 1% of its forwards ends with a NOT VALID banner). The defaults
 then model the source's line (10 Gbit/s) and other requests' KV of ~800 llama-3-70b tokens.
 
-`source_figure` runs just the source's figure (100 relay tokens, quiet and jitter+bulk, both
-paths) and returns its summary (handoff_summary.figure): what `pdd bench reproduce` calls.
+`source_figure` runs just the source's figure (100 relay tokens, quiet and jitter+bulk, the
+latter also with the control lane in a priority class; both paths) and returns its summary (handoff_summary.figure): what `pdd bench reproduce` calls.
 """
 
 from __future__ import annotations
@@ -398,8 +398,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# The source's figure: 100 relay tokens, quiet and under jitter with competing traffic
-SOURCE_FIGURE_ARGV = ("--relay-tokens", "100", "--conditions", "quiet", "jitter+bulk")
+# The source's figure: 100 relay tokens, quiet and under jitter with competing traffic, on a
+# plain FIFO line and on one that serves the control lane first
+SOURCE_FIGURE_ARGV = (
+    "--relay-tokens",
+    "100",
+    "--conditions",
+    "quiet",
+    "jitter+bulk",
+    "jitter+bulk+priority",
+)
 
 
 async def source_figure(argv: Sequence[str] = ()) -> dict[str, Any]:

@@ -36,12 +36,15 @@ from pddnet.bench.handoff_sides import (
     relay_machine,
 )
 
-# Link conditions: which of the two disturbances each one turns on.
+# Link conditions: which of the two disturbances each one turns on, and whether the line serves
+# the latency lanes' DSCP (pddnet.transport.LATENCY_DSCP: HANDOFF, TAKEOVER) in a priority class
+# ahead of bulk KV, as QoS on a datacenter interconnect would; otherwise one FIFO carries all.
 CONDITIONS: dict[str, dict[str, bool]] = {
-    "quiet": {"jitter": False, "bulk": False},
-    "jitter": {"jitter": True, "bulk": False},
-    "bulk": {"jitter": False, "bulk": True},
-    "jitter+bulk": {"jitter": True, "bulk": True},
+    "quiet": {"jitter": False, "bulk": False, "priority": False},
+    "jitter": {"jitter": True, "bulk": False, "priority": False},
+    "bulk": {"jitter": False, "bulk": True, "priority": False},
+    "jitter+bulk": {"jitter": True, "bulk": True, "priority": False},
+    "jitter+bulk+priority": {"jitter": True, "bulk": True, "priority": True},
 }
 TRIAL_TIMEOUT_S = 60.0
 
@@ -200,6 +203,10 @@ class WanLink:
         if CONDITIONS[name]["jitter"] and self.args.jitter_ms > 0:
             jitter_ms = self.args.jitter_ms * self.devices.dilation
             await client.set("both", jitter_ms=jitter_ms, jitter_dist="normal")
+        if CONDITIONS[name]["priority"]:
+            from pddnet.transport import LATENCY_DSCP
+
+            await client.set("both", priority_dscp=LATENCY_DSCP)
         return (await client.show("a_to_b"))["a_to_b"]["effects"]
 
     async def counters(self) -> dict[str, Any]:

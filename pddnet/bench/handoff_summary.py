@@ -21,8 +21,9 @@ SOURCE_FIGURE: dict[str, Any] = {
     "max_ms": {TOKEN_ID: 321.4, KV_DIRECT: 512.6},
 }
 # Issue 26's target for that figure: under jitter with competing traffic, token-id's max/mean
-# at most this and KV-direct's at least that
-TARGET_CONDITION = "jitter+bulk"
+# at most this and KV-direct's at least that; judged on a plain FIFO line and on one that serves
+# the control lanes first (each where the run has it)
+TARGET_CONDITIONS = ("jitter+bulk", "jitter+bulk+priority")
 TOKEN_ID_MAX_OVER_MEAN = 1.10
 KV_DIRECT_MAX_OVER_MEAN = 2.0
 
@@ -153,8 +154,8 @@ def headline(
 def figure(head: dict[str, Any], devices: dict[str, Any]) -> dict[str, Any]:
     """The source's handoff figure from a run's `headline` and its `device_report`: per
     condition and path the latency's mean, max and max/mean (modelled ms when emulated), the
-    payload in real and target bytes, whether issue 26's target holds (None without the
-    jitter+bulk condition) and whether the run's devices kept pace (`valid`; None unpaced: the
+    payload in real and target bytes, whether issue 26's target holds in each of
+    TARGET_CONDITIONS the run has, and whether the run's devices kept pace (`valid`; None unpaced: the
     times are this box's)."""
     conditions = {
         cond: {
@@ -167,13 +168,14 @@ def figure(head: dict[str, Any], devices: dict[str, Any]) -> dict[str, Any]:
         }
         for cond, c in head["conditions"].items()
     }
-    met = None
-    jb = conditions.get(TARGET_CONDITION)
-    if jb is not None and None not in (jb[p]["max_over_mean"] for p in PATHS):
-        met = (
-            jb[TOKEN_ID]["max_over_mean"] <= TOKEN_ID_MAX_OVER_MEAN
-            and jb[KV_DIRECT]["max_over_mean"] >= KV_DIRECT_MAX_OVER_MEAN
-        )
+    met: dict[str, bool] = {}
+    for cond in TARGET_CONDITIONS:
+        jb = conditions.get(cond)
+        if jb is not None and None not in (jb[p]["max_over_mean"] for p in PATHS):
+            met[cond] = (
+                jb[TOKEN_ID]["max_over_mean"] <= TOKEN_ID_MAX_OVER_MEAN
+                and jb[KV_DIRECT]["max_over_mean"] >= KV_DIRECT_MAX_OVER_MEAN
+            )
     emulated = bool(devices.get("emulated"))
     return {
         "relay_tokens": head["relay_tokens"],
@@ -183,10 +185,9 @@ def figure(head: dict[str, Any], devices: dict[str, Any]) -> dict[str, Any]:
         "payload_target_ratio": head["payload_target_ratio"],
         "conditions": conditions,
         "target": {
-            "condition": TARGET_CONDITION,
             "token_id_max_over_mean_at_most": TOKEN_ID_MAX_OVER_MEAN,
             "kv_direct_max_over_mean_at_least": KV_DIRECT_MAX_OVER_MEAN,
-            "met": met,
+            "met": met,  # per condition the run has
         },
         "emulated": emulated,
         "dilation": devices.get("dilation", 1.0) if emulated else 1.0,
@@ -225,6 +226,8 @@ def print_table(
             extra.append(f"jitter {args.jitter_ms:g} ms")
         if info["bulk"]:
             extra.append(f"bulk traffic at {info['bulk']['measured_load']:.0%} of the link")
+        if CONDITIONS[cond]["priority"]:
+            extra.append("the control lane in a priority class")
         load = info["loadavg_1min"]
         if load["before"] is not None and load["after"] is not None:
             extra.append(f"load average {load['before']:.1f} -> {load['after']:.1f}")

@@ -13,6 +13,7 @@ from .connection import (
     HANDSHAKE_LIMITS,
     LANE_LIMITS,
     LANES,
+    LATENCY_DSCP,
     AuthenticationFailed,
     Connection,
     ConnectionClosed,
@@ -22,6 +23,7 @@ from .connection import (
     Server,
     dial,
     dial_with_retry,
+    lane_dscp,
     lane_limits,
 )
 from .stripes import LaneFailed, StripedSender, choose_lane
@@ -31,6 +33,8 @@ __all__ = [
     "LANE_LIMITS",
     "HANDSHAKE_LIMITS",
     "lane_limits",
+    "LATENCY_DSCP",
+    "lane_dscp",
     "Connection",
     "ConnectionClosed",
     "DialError",
