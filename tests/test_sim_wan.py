@@ -3,6 +3,7 @@
 import pytest
 
 from emulation.link import Link
+from pddnet.lanes import LATENCY_DSCP
 from pddnet.sim.events import EventLoop
 from pddnet.sim.wan import WanLine
 
@@ -76,6 +77,20 @@ def test_control_messages_wait_behind_queued_bulk_not_behind_unsent_bytes():
     ahead = (2 << 20) / 10e6  # at most the bottleneck queue's worth of bytes ahead
     assert 1.005 <= got[0][1] <= 1.006  # the empty direction: just the delay
     assert 1.005 <= got[1] <= 1.005 + ahead + 0.11  # bulk direction: queue, not 50 MB
+
+
+def test_control_messages_go_ahead_of_queued_bulk_on_a_line_with_a_priority_class():
+    loop = EventLoop()
+    wan = WanLine(loop, rate_mbit=80.0, delay_ms=5.0, piece_bytes=1 << 20, queue_bytes=2 << 20)
+    wan.link.set(0.0, priority_dscp=LATENCY_DSCP)  # the daemons' mark for their control lanes
+    tr = wan.start_transfer(50_000_000, lambda t: None, sender=0)
+    wan.make_sendable(tr, 50_000_000)
+    got = []
+    loop.at(1.0, wan.message, "a_to_b", 100, lambda t: got.append(t))
+    loop.run()
+    piece = (1 << 20) / 10e6  # at most the piece the bucket is paying for when it arrives
+    assert 1.005 <= got[0] <= 1.005 + piece + 1e-6
+    assert wan.link.a_to_b.counters()["priority"]["packets"] == 1
 
 
 def test_cancel_stops_sending():

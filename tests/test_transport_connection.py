@@ -503,6 +503,8 @@ async def test_latency_lanes_are_marked_from_the_handshake_on_and_bulk_lanes_are
 
     assert lane_dscp("control") == lane_dscp("events") == LATENCY_DSCP == 46
     assert lane_dscp("bulk") == 0
+    with pytest.raises(ValueError, match="unknown lane 'side'"):
+        lane_dscp("side")
     link = Link(priority_dscp=LATENCY_DSCP)
     async with Echo() as echo, WanProxy((HOST, 0), (HOST, echo.port), link) as proxy:
         control = await dial_echo(proxy.port, lane="control")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pddnet.int_lists import all_ints_within
+from pddnet.lanes import LANES  # HELLO.lane: what a connection carries
 
 from .errors import PayloadError, SchemaError
 
@@ -284,7 +285,6 @@ ROLES = ("router", "prefill", "relay", "main_decode", "client")
 PRODUCERS = ("prefill", "relay", "main_decode")
 DONE_REASONS = ("eos", "stop", "length", "cancel", "error")
 HANDOFF_MODES = ("one-shot", "streaming")  # the spelling of pddnet.policy.handoff.HandoffMode
-LANES = ("events", "control", "bulk")  # HELLO.lane: what a connection carries (architecture.md)
 
 # KV dtypes: name -> bytes per element. A closed set: anything else is a protocol error.
 DTYPES: dict[str, int] = {

@@ -12,6 +12,8 @@ part of the TCP senders in front of it:
 - control messages (allocation, TAKEOVER, HANDOFF token ids, cancel) are small items offered to
   the same link, so they wait behind the bulk bytes already queued at the bottleneck, as on a
   real line, but never behind a transfer's unsent bytes (they have their own connection).
+  They are marked as the daemons mark their control lanes (``LATENCY_DSCP``), so a line with
+  ``priority_dscp`` set serves them ahead of the queued KV, as it does on the testbed.
 Loss is not retransmitted here: use loss-free links (the TCP shell's view of the line).
 """
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from emulation.link import Link, LinkDirection
+from pddnet.lanes import LATENCY_DSCP
 from pddnet.sim.events import EventLoop
 
 
@@ -193,8 +196,8 @@ class WanLine:
         self.messages += 1
         msg = _Message(callback, args)
         control, d, now = self._control[direction], self._dirs[direction], self.loop.now
-        if not control and d.would_accept(now, size):
-            d.offer(now, size, msg)  # nothing ahead of it in its send buffer: goes now
+        if not control and d.would_accept(now, size, LATENCY_DSCP):
+            d.offer(now, size, msg, LATENCY_DSCP)  # nothing ahead of it in its send buffer
         else:
             control.append((size, msg))
         self._wake(direction, now)
@@ -250,9 +253,9 @@ class WanLine:
                 assert isinstance(item, _Message), "the line carries pieces and messages"
                 item.callback(now, *item.args)
         control = self._control[direction]
-        while control and d.would_accept(now, control[0][0]):
+        while control and d.would_accept(now, control[0][0], LATENCY_DSCP):
             size, msg = control.popleft()
-            d.offer(now, size, msg)
+            d.offer(now, size, msg, LATENCY_DSCP)
         if direction == "a_to_b" and not control:
             self._offer_pieces(d, now)
         self._wake(direction, now + 1e-9)  # (never again at this instant: no busy loop)

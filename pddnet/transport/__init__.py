@@ -9,11 +9,11 @@ HELLO/AUTH machine), stripes.py (KV chunks over parallel bulk lanes), kv_backend
 (KV transfer backends: shm, tcp, mooncake).
 """
 
+from pddnet.lanes import LANES, LATENCY_DSCP, lane_dscp
+
 from .connection import (
     HANDSHAKE_LIMITS,
     LANE_LIMITS,
-    LANES,
-    LATENCY_DSCP,
     AuthenticationFailed,
     Connection,
     ConnectionClosed,
@@ -23,7 +23,6 @@ from .connection import (
     Server,
     dial,
     dial_with_retry,
-    lane_dscp,
     lane_limits,
 )
 from .stripes import LaneFailed, StripedSender, choose_lane

@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
+from pddnet.lanes import LANES, lane_dscp
 from pddnet.protocol import (
     HEADER_SIZE,
     Decoder,
@@ -39,7 +40,6 @@ from pddnet.protocol.handshake import Handshake, HandshakeFailed, NonceCache, Si
 
 log = logging.getLogger("pddnet.transport")
 
-LANES = ("events", "control", "bulk")
 # Control and events lanes never carry a payload (KV_CHUNK goes on bulk lanes only), so their
 # payload limit is small; their metadata limit still fits a 64K-token prompt's ids.
 LANE_LIMITS: dict[str, Limits] = {
@@ -102,18 +102,6 @@ def lane_limits(lane: str, limits: LimitsArg = None) -> Limits:
     return LANE_LIMITS[lane]
 
 
-# Control and events lanes carry small, latency-bound frames (HANDOFF, tokens, heartbeats): their
-# packets are marked Expedited Forwarding, so a WAN with a QoS class for it (the emulator's
-# `priority_dscp`, a datacenter interconnect's policy) serves them ahead of bulk KV instead of
-# behind a queue of it. Bulk lanes stay best effort. Where nobody honours the mark it costs nothing.
-LATENCY_DSCP = 46
-
-
-def lane_dscp(lane: str) -> int:
-    """The DSCP a lane's packets are marked with (0: best effort)."""
-    return 0 if lane == "bulk" else LATENCY_DSCP
-
-
 def _mark(sock: socket.socket, dscp: int) -> None:
     if not dscp:
         return
@@ -130,7 +118,7 @@ def _tune_socket(writer: asyncio.StreamWriter, lane: str) -> None:
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6) and lane != "bulk":
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _mark(sock, lane_dscp(lane))  # the accepting side's replies (its dial marked before)
+        _mark(sock, lane_dscp(lane))  # the accepting side's replies (a dial marks before)
 
 
 async def _connect(host: str, port: int, dscp: int) -> socket.socket:
