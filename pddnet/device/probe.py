@@ -36,11 +36,11 @@ from pddnet.device.pacer import ratio_within
 PROBE_BATCH = 4
 PROBE_DECODE_STEPS = 16  # per pass
 PROBE_MAX_CONTEXT = 8192
-# The untimed pass's context: a shorter one left the first timed pass of 8K slower (allocator,
-# lazy init at that size); a longer one would only cost start-up time.
-PROBE_WARM_UP_CONTEXT = PROBE_MAX_CONTEXT
+# The untimed pass's context: a chunk's prefill and the decode steps after it are every kind of
+# forward once (a warm-up of one token left the first timed pass slower; 8K did no better).
+PROBE_WARM_UP_CONTEXT = 2048
 PROBE_PASSES = (2, 12)  # timed passes: at least, at most
-PROBE_BUDGET_S = 2.0  # more timed passes (up to the most) while the timed ones took less
+PROBE_BUDGET_S = 1.5  # more timed passes (up to the most) while the timed ones took less
 # The ratio at most this share of the probe's forwards exceeded (its 95th percentile): the
 # daemons may overrun on 1% of their forwards, but a probe of a few dozen forwards per role
 # cannot place its 99th percentile; the margin covers the rest.
