@@ -107,11 +107,17 @@ class StepPacer:
 def dilation_for(ratios: Sequence[float], share: float = VALID_OVERRUN_SHARE) -> float:
     """The smallest k (>= 1, rounded up to a tenth) for which at most ``share`` of the steps
     whose real/modelled ``ratios`` are given would overrun."""
-    if not ratios:
-        return 1.0
-    xs = sorted(ratios)
-    allowed = math.floor(share * len(xs))  # steps that may still overrun
-    k = xs[len(xs) - 1 - allowed]
+    k = ratio_within(ratios, share)
     if not math.isfinite(k):
         return math.inf
     return max(1.0, math.ceil(k * 10 - 1e-9) / 10)
+
+
+def ratio_within(ratios: Sequence[float], share: float) -> float:
+    """The smallest ratio that at most ``share`` of ``ratios`` exceed (unrounded; 0 without
+    ratios): the k at which at most that share of these steps would overrun."""
+    if not ratios:
+        return 0.0
+    xs = sorted(ratios)
+    allowed = min(math.floor(share * len(xs)), len(xs) - 1)  # steps that may still overrun
+    return xs[len(xs) - 1 - allowed]
