@@ -3,7 +3,8 @@ side by side, and the issue's targets checked on the live figures.
 
 Every duration is modelled time (wall / k) in ms, under vLLM's names (docs/benchmarks.md,
 Metrics). "sim vs live" is (sim - live) / live: the simulator models compute exactly as the
-daemons are paced, so what it leaves out is network, queueing and protocol detail.
+daemons are paced and is given the testbed's host path as measured (`host`: the probe's points
+and fit, shown under the table), so what it leaves out is network, queueing and protocol detail.
 """
 
 from __future__ import annotations
@@ -77,12 +78,21 @@ def handed_off_rld_share(records: list[Any]) -> dict[str, Any]:
     return {"requests": len(handed), "share": rld_share_of(handed)}
 
 
-def _busy(stats: dict[str, Any], makespan_s: float) -> dict[str, float | None]:
-    """Each daemon's modelled busy time over the run's modelled makespan."""
+def _busy(
+    stats: dict[str, Any], makespan_s: float, before: dict[str, Any] | None = None
+) -> dict[str, float | None]:
+    """Each daemon's modelled busy time over the run's modelled makespan; with `before` (the
+    daemons' stats as the phase began) only the phase's own (not the warm-up's or the host
+    probe's)."""
+
+    def busy_s(s: dict[str, Any] | None) -> float | None:
+        return ((s or {}).get("device") or {}).get("modelled_busy_s")
+
     out: dict[str, float | None] = {}
     for role, s in stats.items():
-        dev = (s or {}).get("device") or {}
-        busy = dev.get("modelled_busy_s")
+        busy = busy_s(s)
+        if busy is not None:
+            busy -= busy_s((before or {}).get(role)) or 0.0
         out[role] = busy / makespan_s if busy is not None and makespan_s > 0 else None
     return out
 
@@ -177,10 +187,12 @@ def figures(
     wall_s: float,
     shape: dict[str, Any] | None = None,
     drc: dict[str, Any] | None = None,
+    host: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The result's figures: per mode the live summary and the simulator's, the shape's RLD
-    share, the decode-side cache's cut, the handoff, the rows of the side-by-side table, and
-    the targets' checks."""
+    share, the decode-side cache's cut, the handoff, the rows of the side-by-side table, the
+    targets' checks, and the host latency the simulator was given (`host`: the probe's, None
+    when it did not run)."""
     summaries = {
         m: mode_summary(run["records"]["agent"], slos, run["makespan_s"]["agent"])
         for m, run in live.items()
@@ -292,7 +304,11 @@ def figures(
     devices = {m: run["devices"] for m, run in live.items()}
     utilisation = {
         m: {
-            "live": _busy(run["stats"], run["makespan_s"]["agent"]),
+            "live": _busy(
+                run["stats"],
+                run["makespan_s"]["agent"],
+                run.get("stats_before", {}).get("agent"),
+            ),
             "sim": (sim or {}).get(m, {}).get("busy"),
             "sim_line": ((sim or {}).get(m, {}).get("wan") or {}).get("utilisation"),
         }
@@ -316,6 +332,7 @@ def figures(
         "devices": devices,
         "checks": checks,
         "wall_s": wall_s,
+        "host_latency": host,
     }
 
 
@@ -391,7 +408,8 @@ def notes(result: dict[str, Any]) -> list[str]:
     def shares(busy: dict[str, float | None] | None) -> str:
         return ", ".join(f"{r} {v:.0%}" for r, v in (busy or {}).items() if v is not None) or "-"
 
-    out = [
+    out = [host_note(result.get("host_latency"), bool(result["sim"]))]
+    out += [
         f"busy, {m}: live {shares(u['live'])}; sim {shares(u['sim'])}"
         for m, u in result["utilisation"].items()
     ]
@@ -408,6 +426,21 @@ def notes(result: dict[str, Any]) -> list[str]:
             f"{w['main_tokens']} tokens)"
         )
     return out
+
+
+def host_note(host: dict[str, Any] | None, simulated: bool) -> str:
+    """The host latency the simulator was given, and the probe's points it was fitted to."""
+    if host is None:
+        return "host latency in the simulator: 0 (no probe)" if simulated else "no simulator"
+    fit = host["fit"]
+    points = ", ".join(
+        f"{p['prompt_tokens'] / 1e3:.1f}K: {p['host_ms']:.1f}" for p in host["points"]
+    )
+    return (
+        f"host latency in the simulator: {fit['fixed_ms']:.1f} ms + "
+        f"{fit['per_1k_tokens_ms']:.2f} ms per 1K prompt tokens, fitted to {len(host['points'])} "
+        f"idle same-dc requests (live TTFT - simulated, ms: {points})"
+    )
 
 
 def _cell(v: Any, unit: str) -> str:
