@@ -94,6 +94,10 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     assert engine["host_latency_per_token_us"] == pytest.approx(fit["per_1k_tokens_ms"])
     assert "host latency in the simulator: " in out
     assert len(data["requests"]["same-dc"]) == cfg["requests"]
+    # P's plan of every pdd request, live and simulated, side by side
+    plans = data["pipeline_decisions"]
+    assert len(plans) == cfg["requests"] and all(p["live"] and p["sim"] for p in plans)
+    assert "P's plans in pdd: " in out
     for row in data["rows"]:
         if row["sim_vs_live"] is not None:
             assert row["sim_vs_live"] == pytest.approx((row["sim"] - row["live"]) / row["live"])
@@ -281,3 +285,58 @@ def test_busy_shares_count_the_workload_phase_only():
 
     assert _busy(stats(10.0, 6.0), 20.0, stats(4.0, 1.0)) == {"prefill": 0.3, "relay": 0.25}
     assert _busy(stats(10.0, 6.0), 20.0) == {"prefill": 0.5, "relay": 0.3}
+
+
+def test_p_plans_live_and_simulated_side_by_side_in_the_same_units():
+    """A live plan is in wall seconds and the small model's real KV bytes; normalised, a live
+    record that is the simulator's own plan seen through k and the wire scale reads the same,
+    request by request (matched through the simulator's arrival order), and only a plan that
+    differs is named in the notes."""
+    from pddnet.bench import reproduce
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.reproduce_sim import sim_order, simulate_beside
+    from pddnet.bench.reproduce_table import decision_notes, pipeline_decisions
+
+    args = reproduce_args("--quick")
+    workload = list(reversed(reproduce.main_workload(args)))  # any order: matched by rid
+    config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+    plans = simulate_beside(config, workload, {"pdd": "pdd"})["pdd"]["plan_records"]
+    assert sorted(p["rid"] for p in plans) == list(range(len(workload)))
+    k, real_kvpt = 10.0, 256
+    by_rid = {p["rid"]: p for p in plans}
+
+    def as_live(plan: dict) -> dict:
+        x = plan["inputs"]
+        scale = real_kvpt / x["kv_bytes_per_token"]
+        inputs = {
+            **x,
+            "kv_bytes_per_token": real_kvpt,
+            "bandwidth_bps": x["bandwidth_bps"] * scale / k,
+            "wan_backlog_bytes": round(x["wan_backlog_bytes"] * scale),
+            "rtt_s": x["rtt_s"] * k,
+            "rld_s_per_token": x["rld_s_per_token"] * k,
+        }
+        return {
+            **plan,
+            "inputs": inputs,
+            "estimated_wan_transfer_s": plan["estimated_wan_transfer_s"] * k,
+        }
+
+    records = [
+        StreamRecord(sent_at=0.0, dilation=k, pdd={"pipeline_decision": as_live(by_rid[rid])})
+        for rid in sim_order(workload)
+    ]
+    rows = pipeline_decisions(records, workload, plans)
+    assert [r["turn"] for r in rows] == [r.turn for r in workload]
+    for row in rows:
+        assert row["live"].keys() == row["sim"].keys()
+        for key, v in row["sim"].items():
+            assert row["live"][key] == (v if isinstance(v, str) else pytest.approx(v)), key
+    assert decision_notes(rows) == [
+        f"P's plans in pdd: {len(rows)} of {len(rows)} requests alike live and simulated"
+    ]
+    other = {"p_md": "p_rld", "p_rld": "p_md", "p_rld_md": "p_md"}
+    rows[0]["live"]["pipeline"] = other[rows[0]["sim"]["pipeline"]]
+    notes = decision_notes(rows)
+    assert notes[0].startswith(f"P's plans in pdd: {len(rows) - 1} of {len(rows)}")
+    assert len(notes) == 2 and f"turn {rows[0]['turn']}" in notes[1]

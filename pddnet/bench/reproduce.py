@@ -57,6 +57,7 @@ from pddnet.bench.reproduce_table import (
     drc_figures,
     figures,
     markdown,
+    pipeline_decisions,
     print_report,
     shape_figures,
 )
@@ -455,6 +456,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         host=host,
     )
     result["failed_stages"] = failed
+    if "pdd" in live and (sim or {}).get("pdd"):
+        result["pipeline_decisions"] = pipeline_decisions(
+            live["pdd"]["records"]["agent"], requests, sim["pdd"]["plan_records"]
+        )
     config = run_config(args)
     config.update(
         {

@@ -30,11 +30,15 @@ NO_DRC = "cross-dc-no-drc"
 DRC_SYSTEMS = {"drc": "cross-dc", "no-drc": NO_DRC}
 
 
+def _arrival_order(r: AgentRequest) -> tuple[float, int, int]:
+    return (r.arrival_s, r.conversation_id, r.turn)
+
+
 def sim_requests(workload: Sequence[AgentRequest]) -> list[SimRequest]:
     """The live workload as the simulator's requests, in arrival order, one unit per token.
     A conversation's later prompts are its earlier prompt + output + appended tokens in both
     worlds (live: the model's real output; here: the history's), so hits are the same shape."""
-    ordered = sorted(workload, key=lambda r: (r.arrival_s, r.conversation_id, r.turn))
+    ordered = sorted(workload, key=_arrival_order)
     return [
         SimRequest(
             i,
@@ -125,13 +129,28 @@ def simulate_beside(
     config: dict[str, Any], workload: Sequence[AgentRequest], systems: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
     """The simulator's reports of `systems` (name -> the simulator's system) on the live
-    requests, keyed by name."""
+    requests, keyed by name; each with its P's plans (`plan_records`: the daemons'
+    `pdd.pipeline_decision` and the request's rid, its index in `sim_requests`' order)."""
     from pddnet.sim.config import parse_config
     from pddnet.sim.runner import simulate
 
     requests = sim_requests(workload)
     cfg = parse_config({**config, "workload": {**config["workload"], "requests": len(requests)}})
-    return {name: simulate(cfg, system, requests=requests) for name, system in systems.items()}
+    out = {}
+    for name, system in systems.items():
+        plans: list[dict[str, Any]] = []
+        out[name] = {**simulate(cfg, system, requests=requests, plan_records=plans)}
+        out[name]["plan_records"] = plans
+    return out
+
+
+def sim_order(workload: Sequence[AgentRequest]) -> list[int]:
+    """Each request's rid in the simulator (`sim_requests`' order), by its index in `workload`."""
+    order = sorted(range(len(workload)), key=lambda i: _arrival_order(workload[i]))
+    rid = [0] * len(workload)
+    for r, i in enumerate(order):
+        rid[i] = r
+    return rid
 
 
 def with_host_latency(config: dict[str, Any], host: HostLatency) -> dict[str, Any]:

@@ -97,6 +97,51 @@ def _busy(
     return out
 
 
+def _decision(record: dict[str, Any], k: float) -> dict[str, Any]:
+    """A `pdd.pipeline_decision` (the daemons' or the simulator's) in modelled ms and target
+    tokens: the live one's times are wall (/ k) and its bytes the small model's real KV."""
+    x = record["inputs"]
+    kvpt = x["kv_bytes_per_token"]
+    return {
+        "pipeline": record["pipeline"],
+        "estimated_wan_ms": record["estimated_wan_transfer_s"] / k * 1e3,
+        "hit_tokens": x["hit_tokens"],
+        "backlog_tokens": round(x["wan_backlog_bytes"] / kvpt),
+        "bandwidth_tokens_per_ms": x["bandwidth_bps"] / kvpt * k / 1e3,
+        "rtt_ms": x["rtt_s"] / k * 1e3,
+        "rld_ms_per_token": x["rld_s_per_token"] / k * 1e3,
+    }
+
+
+def pipeline_decisions(
+    records: list[Any], workload: list[AgentRequest], sim_plans: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """P's plan of every pdd request, live (its `pdd.pipeline_decision`) beside the
+    simulator's for the same request, with the inputs that decide it in modelled units, and
+    the pipeline it was served by (an RLD refusal, or the daemon's recheck on MD's answer,
+    can change the plan's)."""
+    from pddnet.bench.reproduce_sim import sim_order
+
+    sim_by_rid = {p["rid"]: p for p in sim_plans}
+    out = []
+    for rec, req, rid in zip(records, workload, sim_order(workload), strict=True):
+        live = rec.pdd.get("pipeline_decision")
+        sim = sim_by_rid.get(rid)
+        out.append(
+            {
+                "conversation": req.conversation_id,
+                "turn": req.turn,
+                "prompt_tokens": len(req.prompt_token_ids),
+                "max_tokens": req.max_tokens,
+                "live": None if live is None else _decision(live, rec.dilation),
+                "live_served": rec.pdd.get("pipeline"),
+                "sim": None if sim is None else _decision(sim, 1.0),
+                "sim_rld_refused": bool(sim and sim.get("rld_refused")),
+            }
+        )
+    return out
+
+
 def _error(sim: float | None, live: float | None) -> float | None:
     return None if sim is None or not live else (sim - live) / live
 
@@ -416,6 +461,7 @@ def notes(result: dict[str, Any]) -> list[str]:
     for m, s in result["live"].items():
         sim_split = (result["sim"].get(m) or {}).get("pipelines")
         out.append(f"pipelines, {m}: live {s['pipeline_split']}; sim {sim_split or '-'}")
+    out += decision_notes(result.get("pipeline_decisions"))
     shape = result.get("shape")
     if shape:
         w = shape["warm_up"]
@@ -425,6 +471,32 @@ def notes(result: dict[str, Any]) -> list[str]:
             + f"; the warm-up went {w['pipeline']} (RLD {w['relay_tokens']}, MD "
             f"{w['main_tokens']} tokens)"
         )
+    return out
+
+
+def decision_notes(rows: list[dict[str, Any]] | None) -> list[str]:
+    """The pdd requests P planned differently live and in the simulator, with the inputs."""
+    if not rows:
+        return []
+    apart = [
+        r for r in rows if r["live"] and r["sim"] and r["live"]["pipeline"] != r["sim"]["pipeline"]
+    ]
+
+    def side(d: dict[str, Any]) -> str:
+        return (
+            f"{d['pipeline']} (KV {d['estimated_wan_ms']:.0f} ms: hit {d['hit_tokens']}, "
+            f"backlog {d['backlog_tokens']} tokens, {d['bandwidth_tokens_per_ms']:.2f} tokens/ms; "
+            f"RLD {d['rld_ms_per_token']:.1f} ms/token)"
+        )
+
+    out = [
+        f"P's plans in pdd: {len(rows) - len(apart)} of {len(rows)} requests alike live and simulated"
+    ]
+    out += [
+        f"  conversation {r['conversation']} turn {r['turn']} ({r['prompt_tokens']} in, "
+        f"{r['max_tokens']} out): live {side(r['live'])}; sim {side(r['sim'])}"
+        for r in apart
+    ]
     return out
 
 

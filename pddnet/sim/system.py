@@ -250,6 +250,9 @@ class SimulatedSystem:
         self._rld_held = 0
         self._hash_memo: OrderedDict[int, tuple[tuple[int, ...], list[int]]] = OrderedDict()
         self.on_request_done: Any = None  # the runner's hook: a conversation may go on
+        # with a list: every plan P's planner makes, as the daemons' `pdd.pipeline_decision`
+        # (PipelineDecision.record) with the request's rid (pdd bench reproduce compares them)
+        self.plan_records: list[dict[str, Any]] | None = None
 
     # -- routing ----------------------------------------------------------------------------
 
@@ -352,6 +355,8 @@ class SimulatedSystem:
             plan = planner.plan_predicted(
                 req.prompt_tokens, HitPrediction(len(req.units), 0, (), 0, False), req.output_tokens
             )
+        if self.plan_records is not None:
+            self.plan_records.append({"rid": req.rid, **plan.decision.record(plan.inputs)})
         if plan.pipeline is Pipeline.P_MD:
             return Pipeline.P_MD
         total, block = req.prompt_tokens + req.output_tokens, self.cfg.engine.block_tokens
@@ -366,6 +371,8 @@ class SimulatedSystem:
         if not adm.admitted:
             # as the prefill daemon does: RLD refused, so P->MD (wait for the KV on MD)
             self.counts["rld_refused"] += 1
+            if self.plan_records is not None:
+                self.plan_records[-1]["rld_refused"] = True
             return Pipeline.P_MD
         st.rld_idx = r
         self._rld_held += 1
