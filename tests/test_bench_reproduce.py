@@ -6,6 +6,7 @@ requests finish, and the figures are consistent with each other and with the sim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -79,6 +80,24 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     assert data["sim_config"]["line"]["bw_gbit"] == cfg["line_gbit"]
     for mode in ("same-dc", "cross-dc", "pdd"):
         assert data["sim"][mode]["median_ttft_ms"] > 0
+    # the host probe ran on same-dc's cluster before its traffic, counted apart from it, and
+    # the simulator got the latency fitted to its points
+    host = data["host_latency"]
+    assert host["requests"] == len(host["points"]) == 4
+    for p in host["points"]:
+        assert p["live_ttft_ms"] > 0 and p["modelled_ttft_ms"] > 0
+        assert p["host_ms"] == pytest.approx(p["live_ttft_ms"] - p["modelled_ttft_ms"])
+    fit = host["fit"]
+    assert fit["fixed_ms"] >= 0 and fit["per_1k_tokens_ms"] >= 0
+    engine = data["sim_config"]["engine"]
+    assert engine["host_latency_us"] == pytest.approx(fit["fixed_ms"] * 1e3)
+    assert engine["host_latency_per_token_us"] == pytest.approx(fit["per_1k_tokens_ms"])
+    assert "host latency in the simulator: " in out
+    assert len(data["requests"]["same-dc"]) == cfg["requests"]
+    # P's plan of every pdd request, live and simulated, side by side
+    plans = data["pipeline_decisions"]
+    assert len(plans) == cfg["requests"] and all(p["live"] and p["sim"] for p in plans)
+    assert "P's plans in pdd: " in out
     for row in data["rows"]:
         if row["sim_vs_live"] is not None:
             assert row["sim_vs_live"] == pytest.approx((row["sim"] - row["live"]) / row["live"])
@@ -191,3 +210,133 @@ def test_bad_options_fail_before_any_cluster(flags, message, monkeypatch, capsys
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written, nothing run
+
+
+def test_the_host_probe_spans_the_workload_with_prompts_no_cache_shares():
+    from pddnet.bench import reproduce
+    from pddnet.kv.block_hash import chained_hashes
+
+    for flag in ("--quick", "--seed=0"):
+        args = reproduce_args(flag)
+        main = reproduce.main_workload(args)
+        probe = reproduce.host_probe_workload(args, main)
+        lengths = [len(r.prompt_token_ids) for r in probe]
+        assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths) >= 4
+        assert lengths[0] == min(len(r.prompt_token_ids) for r in main)
+        assert lengths[-1] == max(len(r.prompt_token_ids) for r in main)
+        # not one full block in common with the workload or another probe request
+        first_blocks = {chained_hashes(r.prompt_token_ids[:16], 16)[0] for r in main}
+        probe_blocks = [chained_hashes(r.prompt_token_ids[:16], 16)[0] for r in probe]
+        assert len(set(probe_blocks)) == len(probe) and not first_blocks & set(probe_blocks)
+        assert {r.conversation_id for r in probe}.isdisjoint(r.conversation_id for r in main)
+        assert list(reproduce.probe_phases(probe)) == [f"probe{i + 1}" for i in range(len(probe))]
+
+
+def test_the_host_probe_measures_what_the_simulator_leaves_out():
+    """Live TTFTs that are the simulator's own plus 3 ms plus 0.2 ms per 1K prompt tokens give
+    that back; the simulator run with it reproduces every probe request's TTFT; a failed
+    request is left out."""
+    from pddnet.bench import reproduce
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.reproduce_sim import host_latency_probe, simulate_beside, with_host_latency
+    from pddnet.sim.host_latency import HostLatency, host_latency_from_dict
+
+    args = reproduce_args("--quick")
+    probe = reproduce.host_probe_workload(args, reproduce.main_workload(args))
+    config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+    truth = HostLatency(0.003, 2e-7)
+
+    def alone(cfg, r):
+        return simulate_beside(cfg, [r], {"s": "same-dc"})["s"]["ttft_s"]["mean"]
+
+    k = 10.0  # records carry wall times; their durations are / k
+    records = [
+        StreamRecord(
+            sent_at=100.0, first_token_at=100.0 + k * (alone(config, r) + truth.at(n)), dilation=k
+        )
+        for r in probe
+        for n in [len(r.prompt_token_ids)]
+    ]
+    records.append(StreamRecord(sent_at=0.0, error="boom"))
+    failed = dataclasses.replace(probe[0], conversation_id=-99)
+    got = host_latency_probe(config, [*probe, failed], records)
+    assert got["requests"] == len(probe) + 1 and len(got["points"]) == len(probe)
+    fit = host_latency_from_dict(got["fit"])
+    assert fit.fixed_s == pytest.approx(truth.fixed_s, abs=2e-6)
+    assert fit.per_token_s == pytest.approx(truth.per_token_s, rel=1e-3)
+    with_host = with_host_latency(config, fit)
+    assert with_host["engine"]["host_latency_us"] == pytest.approx(3000.0, abs=2)
+    for r, p in zip(probe, got["points"], strict=True):
+        assert alone(with_host, r) * 1e3 == pytest.approx(p["live_ttft_ms"], abs=2e-3)
+    with pytest.raises(RuntimeError, match="1 of 2 requests answered"):
+        host_latency_probe(config, probe[:2], [records[0], records[-1]])
+
+
+def test_busy_shares_count_the_workload_phase_only():
+    """The daemons' busy counters are cumulative: the warm-up's and the host probe's forwards
+    are taken out with the stats taken as the workload began."""
+    from pddnet.bench.reproduce_table import _busy
+
+    def stats(p: float, d: float) -> dict:
+        return {
+            "prefill": {"device": {"modelled_busy_s": p}},
+            "relay": {"device": {"modelled_busy_s": d}},
+        }
+
+    assert _busy(stats(10.0, 6.0), 20.0, stats(4.0, 1.0)) == {"prefill": 0.3, "relay": 0.25}
+    assert _busy(stats(10.0, 6.0), 20.0) == {"prefill": 0.5, "relay": 0.3}
+
+
+def test_p_plans_live_and_simulated_side_by_side_in_the_same_units():
+    """A live plan is in wall seconds and the small model's real KV bytes; normalised, a live
+    record that is the simulator's own plan seen through k and the wire scale reads the same,
+    request by request (matched through the simulator's arrival order), and only a plan that
+    differs is named in the notes."""
+    from pddnet.bench import reproduce
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.reproduce_sim import sim_order, simulate_beside
+    from pddnet.bench.reproduce_table import decision_notes, pipeline_decisions
+
+    args = reproduce_args("--quick")
+    workload = list(reversed(reproduce.main_workload(args)))  # any order: matched by rid
+    config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+    plans = simulate_beside(config, workload, {"pdd": "pdd"})["pdd"]["plan_records"]
+    assert sorted(p["rid"] for p in plans) == list(range(len(workload)))
+    k, real_kvpt = 10.0, 256
+    by_rid = {p["rid"]: p for p in plans}
+
+    def as_live(plan: dict) -> dict:
+        x = plan["inputs"]
+        scale = real_kvpt / x["kv_bytes_per_token"]
+        inputs = {
+            **x,
+            "kv_bytes_per_token": real_kvpt,
+            "bandwidth_bps": x["bandwidth_bps"] * scale / k,
+            "wan_backlog_bytes": round(x["wan_backlog_bytes"] * scale),
+            "rtt_s": x["rtt_s"] * k,
+            "rld_s_per_token": x["rld_s_per_token"] * k,
+        }
+        return {
+            **plan,
+            "inputs": inputs,
+            "estimated_wan_transfer_s": plan["estimated_wan_transfer_s"] * k,
+        }
+
+    records = [
+        StreamRecord(sent_at=0.0, dilation=k, pdd={"pipeline_decision": as_live(by_rid[rid])})
+        for rid in sim_order(workload)
+    ]
+    rows = pipeline_decisions(records, workload, plans)
+    assert [r["turn"] for r in rows] == [r.turn for r in workload]
+    for row in rows:
+        assert row["live"].keys() == row["sim"].keys()
+        for key, v in row["sim"].items():
+            assert row["live"][key] == (v if isinstance(v, str) else pytest.approx(v)), key
+    assert decision_notes(rows) == [
+        f"P's plans in pdd: {len(rows)} of {len(rows)} requests alike live and simulated"
+    ]
+    other = {"p_md": "p_rld", "p_rld": "p_md", "p_rld_md": "p_md"}
+    rows[0]["live"]["pipeline"] = other[rows[0]["sim"]["pipeline"]]
+    notes = decision_notes(rows)
+    assert notes[0].startswith(f"P's plans in pdd: {len(rows) - 1} of {len(rows)}")
+    assert len(notes) == 2 and f"turn {rows[0]['turn']}" in notes[1]

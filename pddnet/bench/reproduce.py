@@ -19,7 +19,9 @@ every time is dilated by one k):
    `pdd bench drc`'s two runs, unpaced: bytes do not depend on time;
 4. the 100-token handoff, token ids vs KV-direct, quiet and under jitter with competing
    traffic (`pdd bench handoff`'s `source_figure`), on the same chips, k and line;
-5. the simulator on the very same requests, chips, line and policy (reproduce_sim.py).
+5. the simulator on the very same requests, chips, line and policy (reproduce_sim.py), with
+   the testbed's host path per request as its host latency, measured by a probe of a few idle
+   requests on the same-DC cluster before its traffic (not counted in its figures).
 
 The workloads are reproduce_workload.py's. The scale is per instance: one P, one RLD, one MD
 (one D in same-DC), each on one chip of the source's kind (Qwen2.5-7B's shape, as `pdd sim
@@ -43,22 +45,32 @@ from pddnet.bench import metrics
 from pddnet.bench.devices import UNPACED, DeviceSetup, print_validity, setup_devices
 from pddnet.bench.options import add_run_arguments
 from pddnet.bench.plots import cdf_plot
-from pddnet.bench.reproduce_sim import DRC_SYSTEMS, SYSTEMS, sim_config_dict, simulate_beside
+from pddnet.bench.reproduce_sim import (
+    DRC_SYSTEMS,
+    SYSTEMS,
+    host_latency_probe,
+    sim_config_dict,
+    simulate_beside,
+    with_host_latency,
+)
 from pddnet.bench.reproduce_table import (
     drc_figures,
     figures,
     markdown,
+    pipeline_decisions,
     print_report,
     shape_figures,
 )
 from pddnet.bench.reproduce_workload import (
     SHAPES,
     drc_workload,
+    host_probe_workload,
     main_workload,
     shape_workload,
 )
 from pddnet.bench.results import run_config, source_commit, write_result
 from pddnet.model.cli import add_model_argument
+from pddnet.sim.host_latency import host_latency_from_dict
 from pddnet.workload.agent import AgentRequest
 
 MODES = ("same-dc", "cross-dc", "pdd")
@@ -215,16 +227,17 @@ def _ttft_args(args: argparse.Namespace) -> argparse.Namespace:
 
 async def run_live(
     args: argparse.Namespace,
-    requests: list[AgentRequest],
+    phases: dict[str, list[AgentRequest]],
     devices: dict[str, DeviceSetup],
     mode: str,
 ) -> dict[str, Any]:
-    """One mode's cluster on the workload (`ttft.run_mode`), with this run's pools."""
+    """One mode's cluster on `phases` in turn (`ttft.run_mode`; the figures are the "agent"
+    phase's), with this run's pools."""
     from pddnet.bench.ttft import run_mode
 
     return await run_mode(
         mode,
-        {"agent": requests},
+        phases,
         _ttft_args(args),
         not args.no_progress,
         devices[mode],
@@ -242,6 +255,12 @@ def simulator_config(args: argparse.Namespace, slos: dict[str, float]) -> dict[s
     return sim_config_dict(
         live, chips(args), line_gbit(args), args.rtt_ms, args.jitter_ms, slos, args.seed
     )
+
+
+def probe_phases(probe: list[AgentRequest]) -> dict[str, list[AgentRequest]]:
+    """The host probe's requests as phases of one request each, so each is sent alone to an
+    idle cluster (`ttft.run_mode` runs phases in turn), before the "agent" phase."""
+    return {f"probe{i + 1}": [r] for i, r in enumerate(probe)}
 
 
 def _async(fn: Callable[..., Any], *a: Any) -> Callable[[], Awaitable[Any]]:
@@ -376,10 +395,36 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"reproduce: {name} failed: {failed[name]}", file=sys.stderr)
             return None
 
-    # the quick, in-process stages first: a mistake there shows before the clusters' minutes
-    sim_config = sim = sim_shape = sim_drc = None
+    sim_config = sim = sim_shape = sim_drc = host = None
     if not args.no_sim:
+        from pddnet.sim.config import parse_config
+
         sim_config = simulator_config(args, slos)
+        parse_config(sim_config)  # a mistake in it shows before the clusters' minutes
+    handoff = None
+    if not args.no_handoff:
+        from pddnet.bench.handoff import source_figure
+
+        handoff = await stage("handoff", lambda: source_figure(handoff_argv(args, k)))
+    live: dict[str, dict[str, Any]] = {}
+
+    async def live_stage(mode: str, phases: dict[str, list[AgentRequest]]) -> None:
+        run_one = await stage(mode, lambda: run_live(args, phases, devices, mode))
+        if run_one is not None:
+            live[mode] = run_one
+
+    # same-DC first: the host probe runs on its idle cluster before its traffic, and the
+    # simulator (seconds, in-process) right after, with the host latency the probe measured
+    probe = [] if args.no_sim else host_probe_workload(args, requests)
+    phases = probe_phases(probe)
+    await live_stage("same-dc", {**phases, "agent": requests})
+    if sim_config is not None:
+        if "same-dc" in live:
+            answered = [live["same-dc"]["records"][name][0] for name in phases]
+            host = await stage(
+                "host probe", _async(host_latency_probe, sim_config, probe, answered)
+            )
+        sim_config = with_host_latency(sim_config, host_latency_from_dict((host or {}).get("fit")))
         systems = {m: SYSTEMS[m] for m in args.modes}
         sim = await stage("sim", _async(simulate_beside, sim_config, requests, systems))
         if with_shape:
@@ -390,16 +435,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sim_drc = await stage(
                 "sim drc", _async(simulate_beside, sim_config, long_requests, DRC_SYSTEMS)
             )
-    handoff = None
-    if not args.no_handoff:
-        from pddnet.bench.handoff import source_figure
-
-        handoff = await stage("handoff", lambda: source_figure(handoff_argv(args, k)))
-    live: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
-        run_one = await stage(mode, lambda m=mode: run_live(args, requests, devices, m))
-        if run_one is not None:
-            live[mode] = run_one
+        if mode != "same-dc":
+            await live_stage(mode, {"agent": requests})
     shape = None
     if with_shape:
         shape = await stage("shape", lambda: run_shape(args, warm, shape_requests, devices))
@@ -415,8 +453,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         wall_s,
         shape=shape_figures(shape, sim_shape, warm, shape_requests),
         drc=drc_figures(drc, sim_drc),
+        host=host,
     )
     result["failed_stages"] = failed
+    if "pdd" in live and (sim or {}).get("pdd"):
+        result["pipeline_decisions"] = pipeline_decisions(
+            live["pdd"]["records"]["agent"], requests, sim["pdd"]["plan_records"]
+        )
     config = run_config(args)
     config.update(
         {

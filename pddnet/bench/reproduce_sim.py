@@ -2,8 +2,10 @@
 policy through `pddnet.sim`, so that each live figure has the simulator's answer next to it.
 
 Compute is modelled the same way on both sides (the live daemons are paced by
-`pddnet.device.cost`, which is the simulator's cost function), so what the two may still
-disagree on is the network, the queueing and the protocol. The requests are the live
+`pddnet.device.cost`, which is the simulator's cost function), and the testbed's host path per
+request (client, router, daemons' event loops, engine admission) is measured on the idle
+same-DC cluster and given to the simulator as its [engine] host latency (`host_latency_probe`),
+so what the two may still disagree on is the network, the queueing and the protocol. The requests are the live
 workload's, one unit per token (units are the token ids, so every prefix cache matches exactly
 what the daemons' caches match); the deployment is the live cluster's (one instance per pool);
 the engine and policy settings are read from the live cluster's config.
@@ -14,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pddnet.bench.client import StreamRecord
 from pddnet.config import ClusterConfig
+from pddnet.sim.host_latency import HostLatency, fit_host_latency
 from pddnet.workload.agent import AgentRequest
 from pddnet.workload.units import SimRequest
 
@@ -26,11 +30,15 @@ NO_DRC = "cross-dc-no-drc"
 DRC_SYSTEMS = {"drc": "cross-dc", "no-drc": NO_DRC}
 
 
+def _arrival_order(r: AgentRequest) -> tuple[float, int, int]:
+    return (r.arrival_s, r.conversation_id, r.turn)
+
+
 def sim_requests(workload: Sequence[AgentRequest]) -> list[SimRequest]:
     """The live workload as the simulator's requests, in arrival order, one unit per token.
     A conversation's later prompts are its earlier prompt + output + appended tokens in both
     worlds (live: the model's real output; here: the history's), so hits are the same shape."""
-    ordered = sorted(workload, key=lambda r: (r.arrival_s, r.conversation_id, r.turn))
+    ordered = sorted(workload, key=_arrival_order)
     return [
         SimRequest(
             i,
@@ -121,13 +129,66 @@ def simulate_beside(
     config: dict[str, Any], workload: Sequence[AgentRequest], systems: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
     """The simulator's reports of `systems` (name -> the simulator's system) on the live
-    requests, keyed by name."""
+    requests, keyed by name; each with its P's plans (`plan_records`: the daemons'
+    `pdd.pipeline_decision` and the request's rid, its index in `sim_requests`' order)."""
     from pddnet.sim.config import parse_config
     from pddnet.sim.runner import simulate
 
     requests = sim_requests(workload)
     cfg = parse_config({**config, "workload": {**config["workload"], "requests": len(requests)}})
-    return {name: simulate(cfg, system, requests=requests) for name, system in systems.items()}
+    out = {}
+    for name, system in systems.items():
+        plans: list[dict[str, Any]] = []
+        out[name] = {**simulate(cfg, system, requests=requests, plan_records=plans)}
+        out[name]["plan_records"] = plans
+    return out
+
+
+def sim_order(workload: Sequence[AgentRequest]) -> list[int]:
+    """Each request's rid in the simulator (`sim_requests`' order), by its index in `workload`."""
+    order = sorted(range(len(workload)), key=lambda i: _arrival_order(workload[i]))
+    rid = [0] * len(workload)
+    for r, i in enumerate(order):
+        rid[i] = r
+    return rid
+
+
+def with_host_latency(config: dict[str, Any], host: HostLatency) -> dict[str, Any]:
+    """`config` with the simulator's host latency set to `host` ([engine]'s two keys)."""
+    return {**config, "engine": {**config["engine"], **host.engine_settings()}}
+
+
+def host_latency_probe(
+    config: dict[str, Any],
+    probe: Sequence[AgentRequest],
+    records: Sequence[StreamRecord],
+) -> dict[str, Any]:
+    """The testbed's host latency from the probe's requests (`probe`, sent one at a time to
+    the idle same-DC cluster; `records`, the client's records of them): per request, its live
+    TTFT (modelled: wall / k) less the simulator's TTFT of that request alone in same-DC with
+    no host latency -- P's prefill as pddnet.device.cost paces the daemons, the KV's copy to D,
+    which the daemons' KV path is paced to as well -- is the host overhead; fitted as a fixed
+    part plus a part per prompt token (pddnet/sim/host_latency.py). A failed request is left
+    out; fewer than two points is an error (the caller then runs the simulator without)."""
+    base = with_host_latency(config, HostLatency())
+    points: list[dict[str, Any]] = []
+    for req, rec in zip(probe, records, strict=True):
+        if rec.error is not None or rec.ttft_s is None:
+            continue
+        alone = simulate_beside(base, [req], {"same-dc": "same-dc"})["same-dc"]
+        modelled = alone["ttft_s"]["mean"]
+        points.append(
+            {
+                "prompt_tokens": len(req.prompt_token_ids),
+                "live_ttft_ms": rec.ttft_s * 1e3,
+                "modelled_ttft_ms": modelled * 1e3,
+                "host_ms": (rec.ttft_s - modelled) * 1e3,
+            }
+        )
+    if len(points) < 2:
+        raise RuntimeError(f"host probe: {len(points)} of {len(probe)} requests answered")
+    fit = fit_host_latency([(p["prompt_tokens"], p["host_ms"] / 1e3) for p in points])
+    return {"requests": len(probe), "points": points, "fit": fit.to_dict()}
 
 
 def vllm_figures(report: dict[str, Any]) -> dict[str, float | None]:

@@ -3,7 +3,8 @@ side by side, and the issue's targets checked on the live figures.
 
 Every duration is modelled time (wall / k) in ms, under vLLM's names (docs/benchmarks.md,
 Metrics). "sim vs live" is (sim - live) / live: the simulator models compute exactly as the
-daemons are paced, so what it leaves out is network, queueing and protocol detail.
+daemons are paced and is given the testbed's host path as measured (`host`: the probe's points
+and fit, shown under the table), so what it leaves out is network, queueing and protocol detail.
 """
 
 from __future__ import annotations
@@ -77,13 +78,67 @@ def handed_off_rld_share(records: list[Any]) -> dict[str, Any]:
     return {"requests": len(handed), "share": rld_share_of(handed)}
 
 
-def _busy(stats: dict[str, Any], makespan_s: float) -> dict[str, float | None]:
-    """Each daemon's modelled busy time over the run's modelled makespan."""
+def _busy(
+    stats: dict[str, Any], makespan_s: float, before: dict[str, Any] | None = None
+) -> dict[str, float | None]:
+    """Each daemon's modelled busy time over the run's modelled makespan; with `before` (the
+    daemons' stats as the phase began) only the phase's own (not the warm-up's or the host
+    probe's)."""
+
+    def busy_s(s: dict[str, Any] | None) -> float | None:
+        return ((s or {}).get("device") or {}).get("modelled_busy_s")
+
     out: dict[str, float | None] = {}
     for role, s in stats.items():
-        dev = (s or {}).get("device") or {}
-        busy = dev.get("modelled_busy_s")
+        busy = busy_s(s)
+        if busy is not None:
+            busy -= busy_s((before or {}).get(role)) or 0.0
         out[role] = busy / makespan_s if busy is not None and makespan_s > 0 else None
+    return out
+
+
+def _decision(record: dict[str, Any], k: float) -> dict[str, Any]:
+    """A `pdd.pipeline_decision` (the daemons' or the simulator's) in modelled ms and target
+    tokens: the live one's times are wall (/ k) and its bytes the small model's real KV."""
+    x = record["inputs"]
+    kvpt = x["kv_bytes_per_token"]
+    return {
+        "pipeline": record["pipeline"],
+        "estimated_wan_ms": record["estimated_wan_transfer_s"] / k * 1e3,
+        "hit_tokens": x["hit_tokens"],
+        "backlog_tokens": round(x["wan_backlog_bytes"] / kvpt),
+        "bandwidth_tokens_per_ms": x["bandwidth_bps"] / kvpt * k / 1e3,
+        "rtt_ms": x["rtt_s"] / k * 1e3,
+        "rld_ms_per_token": x["rld_s_per_token"] / k * 1e3,
+    }
+
+
+def pipeline_decisions(
+    records: list[Any], workload: list[AgentRequest], sim_plans: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """P's plan of every pdd request, live (its `pdd.pipeline_decision`) beside the
+    simulator's for the same request, with the inputs that decide it in modelled units, and
+    the pipeline it was served by (an RLD refusal, or the daemon's recheck on MD's answer,
+    can change the plan's)."""
+    from pddnet.bench.reproduce_sim import sim_order
+
+    sim_by_rid = {p["rid"]: p for p in sim_plans}
+    out = []
+    for rec, req, rid in zip(records, workload, sim_order(workload), strict=True):
+        live = rec.pdd.get("pipeline_decision")
+        sim = sim_by_rid.get(rid)
+        out.append(
+            {
+                "conversation": req.conversation_id,
+                "turn": req.turn,
+                "prompt_tokens": len(req.prompt_token_ids),
+                "max_tokens": req.max_tokens,
+                "live": None if live is None else _decision(live, rec.dilation),
+                "live_served": rec.pdd.get("pipeline"),
+                "sim": None if sim is None else _decision(sim, 1.0),
+                "sim_rld_refused": bool(sim and sim.get("rld_refused")),
+            }
+        )
     return out
 
 
@@ -177,10 +232,12 @@ def figures(
     wall_s: float,
     shape: dict[str, Any] | None = None,
     drc: dict[str, Any] | None = None,
+    host: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The result's figures: per mode the live summary and the simulator's, the shape's RLD
-    share, the decode-side cache's cut, the handoff, the rows of the side-by-side table, and
-    the targets' checks."""
+    share, the decode-side cache's cut, the handoff, the rows of the side-by-side table, the
+    targets' checks, and the host latency the simulator was given (`host`: the probe's, None
+    when it did not run)."""
     summaries = {
         m: mode_summary(run["records"]["agent"], slos, run["makespan_s"]["agent"])
         for m, run in live.items()
@@ -292,7 +349,11 @@ def figures(
     devices = {m: run["devices"] for m, run in live.items()}
     utilisation = {
         m: {
-            "live": _busy(run["stats"], run["makespan_s"]["agent"]),
+            "live": _busy(
+                run["stats"],
+                run["makespan_s"]["agent"],
+                run.get("stats_before", {}).get("agent"),
+            ),
             "sim": (sim or {}).get(m, {}).get("busy"),
             "sim_line": ((sim or {}).get(m, {}).get("wan") or {}).get("utilisation"),
         }
@@ -316,6 +377,7 @@ def figures(
         "devices": devices,
         "checks": checks,
         "wall_s": wall_s,
+        "host_latency": host,
     }
 
 
@@ -391,13 +453,15 @@ def notes(result: dict[str, Any]) -> list[str]:
     def shares(busy: dict[str, float | None] | None) -> str:
         return ", ".join(f"{r} {v:.0%}" for r, v in (busy or {}).items() if v is not None) or "-"
 
-    out = [
+    out = [host_note(result.get("host_latency"), bool(result["sim"]))]
+    out += [
         f"busy, {m}: live {shares(u['live'])}; sim {shares(u['sim'])}"
         for m, u in result["utilisation"].items()
     ]
     for m, s in result["live"].items():
         sim_split = (result["sim"].get(m) or {}).get("pipelines")
         out.append(f"pipelines, {m}: live {s['pipeline_split']}; sim {sim_split or '-'}")
+    out += decision_notes(result.get("pipeline_decisions"))
     shape = result.get("shape")
     if shape:
         w = shape["warm_up"]
@@ -408,6 +472,47 @@ def notes(result: dict[str, Any]) -> list[str]:
             f"{w['main_tokens']} tokens)"
         )
     return out
+
+
+def decision_notes(rows: list[dict[str, Any]] | None) -> list[str]:
+    """The pdd requests P planned differently live and in the simulator, with the inputs."""
+    if not rows:
+        return []
+    apart = [
+        r for r in rows if r["live"] and r["sim"] and r["live"]["pipeline"] != r["sim"]["pipeline"]
+    ]
+
+    def side(d: dict[str, Any]) -> str:
+        return (
+            f"{d['pipeline']} (KV {d['estimated_wan_ms']:.0f} ms: hit {d['hit_tokens']}, "
+            f"backlog {d['backlog_tokens']} tokens, {d['bandwidth_tokens_per_ms']:.2f} tokens/ms; "
+            f"RLD {d['rld_ms_per_token']:.1f} ms/token)"
+        )
+
+    out = [
+        f"P's plans in pdd: {len(rows) - len(apart)} of {len(rows)} requests alike live and simulated"
+    ]
+    out += [
+        f"  conversation {r['conversation']} turn {r['turn']} ({r['prompt_tokens']} in, "
+        f"{r['max_tokens']} out): live {side(r['live'])}; sim {side(r['sim'])}"
+        for r in apart
+    ]
+    return out
+
+
+def host_note(host: dict[str, Any] | None, simulated: bool) -> str:
+    """The host latency the simulator was given, and the probe's points it was fitted to."""
+    if host is None:
+        return "host latency in the simulator: 0 (no probe)" if simulated else "no simulator"
+    fit = host["fit"]
+    points = ", ".join(
+        f"{p['prompt_tokens'] / 1e3:.1f}K: {p['host_ms']:.1f}" for p in host["points"]
+    )
+    return (
+        f"host latency in the simulator: {fit['fixed_ms']:.1f} ms + "
+        f"{fit['per_1k_tokens_ms']:.2f} ms per 1K prompt tokens, fitted to {len(host['points'])} "
+        f"idle same-dc requests (live TTFT - simulated, ms: {points})"
+    )
 
 
 def _cell(v: Any, unit: str) -> str:

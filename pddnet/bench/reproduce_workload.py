@@ -9,7 +9,10 @@
   uncached KV crosses, MD makes the rest);
 - long conversations (`drc`): every turn until the 64K context is full, so that the
   decode-side hit averages what the source reports (~90%, most requests above 95%), for the
-  WAN KV bytes with and without the decode-side cache.
+  WAN KV bytes with and without the decode-side cache;
+- the host-latency probe (`host_probe`): a few requests of random ids over the main
+  workload's prompt lengths, sent one at a time to the idle same-DC cluster, whose TTFTs less
+  the modelled ones measure the testbed's host path for the simulator.
 """
 
 from __future__ import annotations
@@ -85,6 +88,12 @@ DRC_SHAPE: dict[str, tuple[Any, Any]] = {
 }
 
 
+# The host-latency probe: (--quick's, a full run's) number of requests, their prompt lengths
+# spread geometrically over the main workload's; a couple of tokens out (TTFT is the figure).
+HOST_PROBE_REQUESTS = (4, 6)
+HOST_PROBE_MAX_TOKENS = 2
+
+
 def _pick(table: dict[str, tuple[Any, Any]], quick: bool) -> dict[str, Any]:
     return {field: values[0 if quick else 1] for field, values in table.items()}
 
@@ -125,3 +134,23 @@ def drc_workload(args: argparse.Namespace) -> list[AgentRequest]:
     """The main workload's lengths, every turn of a few conversations that run to 64K."""
     params = dataclasses.replace(main_params(args), **_pick(DRC_SHAPE, args.quick))
     return generate_agent_workload(params, seed=args.seed)
+
+
+def host_probe_workload(args: argparse.Namespace, main: list[AgentRequest]) -> list[AgentRequest]:
+    """The host-latency probe's requests, shortest first: prompts from the main workload's
+    shortest to its longest, spaced geometrically, of ids drawn from a generator of their own,
+    so that no prompt shares a block with the workload or another probe (no prefix-cache hit
+    in either direction). Each is a conversation of its own (ids -2, -3, ...: none of the
+    workload's), arriving at 0: the caller sends them one at a time."""
+    lengths = [len(r.prompt_token_ids) for r in main]
+    lo, hi = min(lengths), max(lengths)
+    n = HOST_PROBE_REQUESTS[0 if args.quick else 1]
+    rng = random.Random(f"host-probe-{args.seed}")
+    vocab = main_params(args).vocab
+    out = []
+    for i in range(n):
+        length = round(lo * (hi / lo) ** (i / (n - 1))) if n > 1 else hi
+        prompt = uniform_ids(rng, vocab, length)
+        output = uniform_ids(rng, vocab, HOST_PROBE_MAX_TOKENS)
+        out.append(AgentRequest(-2 - i, 0, 0.0, prompt, HOST_PROBE_MAX_TOKENS, output, prompt))
+    return out

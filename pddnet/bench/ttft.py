@@ -204,7 +204,8 @@ async def run_mode(
     devices: DeviceSetup | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One cluster in `mode`; every workload in turn; records, makespans and daemon stats.
+    """One cluster in `mode`; every workload in turn; records, makespans and daemon stats (at
+    the end, and as each workload began).
     `devices`: the run's emulated devices (`drive.setup_devices`); None: from `args`' flags.
     `overrides`: more config settings for this cluster (e.g. pool sizes)."""
     import aiohttp
@@ -227,6 +228,7 @@ async def run_mode(
         "md_wan_bytes": {},
         "md_lane_bytes": {},
         "stats": {},
+        "stats_before": {},
     }
     async with LocalCluster(
         mode=mode,
@@ -243,7 +245,10 @@ async def run_mode(
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await warm_up(session, cluster.url, args.model, dilation=k)
             for name, workload in workloads.items():
-                before = await cluster.stats("main_decode") if has_md else None
+                # every daemon's counters as the phase begins: a phase's own share of a
+                # cumulative one (busy time, forwards) is the run's end's less these
+                out["stats_before"][name] = {r: await cluster.stats(r) for r in cluster.daemons}
+                before = out["stats_before"][name].get("main_decode")
                 t0 = time.monotonic()
                 with progress(len(workload), f"{mode:>8} {name:<5}", enabled=show_progress) as bar:
                     recs = await drive(session, cluster.url, workload, args.model, bar, dilation=k)

@@ -23,7 +23,8 @@ the P load they share): the chip profiles and the shared host's contention --
    - P's export wait: the share of prompts whose KV copy waited for P's next step when that
      one was admitted at once (PrefillInstance ``export_wait``; ``--export-wait off``: none);
    - the P -> RLD path: t = latency + KV bytes / bandwidth, plus the fixed daemon latencies
-     before P (router, KV_ALLOC) and after RLD's copy lands (first token to the client);
+     before P (router, KV_ALLOC: the simulator's [engine] host_latency_us) and after RLD's
+     copy lands (first token to the client);
    - RLD and MD, each its own profile: every inter-token gap a role produced, against the
      batch it ran in and their context, t = a + b x batch + c x context tokens (least
      squares, the slowest 1% of gaps left out as stalls), mapped onto the roofline plus the

@@ -176,13 +176,11 @@ def simulate_same(
             )
     cl = load_cluster(None, {"model.name": args.model})
     pol, d = cl.policy, cl.prefill
-    # Fixed latencies the simulator has no place for (router, KV_ALLOC before P; RLD's first
-    # token to the client) ride on the intra-DC latency: they add to TTFT and occupy no one.
-    lat = (
-        fit["prefill"]["to_engine_s"]
-        + fit["relay_path"]["latency_s"]
-        + fit["relay_path"]["to_client_s"]
-    )
+    # The fixed latencies: before P (router, KV_ALLOC) is the simulator's host latency (the
+    # request reaches P that much later); RLD's first token to the client, which the
+    # simulator has no place for, rides on the intra-DC latency with the copy's own: it adds
+    # to TTFT and occupies no one.
+    lat = fit["relay_path"]["latency_s"] + fit["relay_path"]["to_client_s"]
     cfg = parse_config(
         {
             "seed": args.seed,
@@ -217,6 +215,7 @@ def simulate_same(
                 # short decode segments: a segment's step time is read once (contention)
                 "segment_steps": DECODE_SEGMENT_STEPS,
                 "rdma_latency_us": lat * 1e6,
+                "host_latency_us": fit["prefill"]["to_engine_s"] * 1e6,
             },
             "policy": {
                 "handoff": pol.handoff,

@@ -20,7 +20,7 @@ decode = { chip = "a", instances = 6, gpus = 16 }
 
 [line]      bw_gbit, rtt_ms, jitter_ms, queue_mb, piece_mb, piece_ms, price_per_gbit_hour
 [engine]    block_tokens, chunk_tokens, max_seqs, memory_utilisation, segment_steps,
-            rdma_latency_us, p_prefix_cache
+            rdma_latency_us, p_prefix_cache, host_latency_us, host_latency_per_token_us
 [policy]    direct_budget_s, singular_filter, singular_margin, handoff, handoff_threshold,
             handoff_chunk, rld_load_limit, rld_max_requests
 [sla]       ttft_s, tpot_s, attainment
@@ -112,6 +112,14 @@ class Engine:
     segment_steps: int = 32
     rdma_latency_us: float = 20.0
     p_prefix_cache: bool = True
+    # The host path of a request before P can start on it (the client's JSON, the router's
+    # parse, the daemons' event loops and message checks, the engine's admission): the request
+    # reaches the routers, P's queue and MD's KV_ALLOC this long after it was sent, a fixed part
+    # plus a part per prompt token. 0 by default: at datacenter scale it is noise; `pdd bench
+    # reproduce` measures its testbed's (pddnet/sim/host_latency.py) so that the comparison
+    # with the live daemons isolates network, queueing and protocol.
+    host_latency_us: float = 0.0
+    host_latency_per_token_us: float = 0.0
 
 
 @dataclass(frozen=True)

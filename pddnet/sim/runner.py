@@ -96,6 +96,7 @@ def simulate(
     replay: Schedule | None = None,
     record: Schedule | None = None,
     requests: Sequence[SimRequest] | None = None,
+    plan_records: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One system on the config's workload (or on ``requests``, in arrival order: a live
     benchmark's own requests, see pddnet.bench.reproduce_sim); returns its report.
@@ -105,8 +106,10 @@ def simulate(
     previous turn done); "open" sends every request at its own time regardless. With
     ``record`` the send times are stored; with ``replay`` the requests are offered at a
     recorded run's send times (then only a turn whose predecessor is slower here than there
-    waits, and is counted in ``deferred_turns``)."""
+    waits, and is counted in ``deferred_turns``). With ``plan_records`` (a list) every
+    pipeline plan is appended to it (SimulatedSystem.plan_records)."""
     sim = SimulatedSystem(cfg, system)
+    sim.plan_records = plan_records
     loop = sim.loop
     source = iter(requests) if requests is not None else requests_for(cfg)
     stream = source if replay is None else replay.replay(source)

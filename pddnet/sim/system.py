@@ -181,6 +181,8 @@ class SimulatedSystem:
             for i in range(dep.prefill.instances)
         ]
         self.rdma_latency = e.rdma_latency_us / 1e6
+        self.host_latency = e.host_latency_us / 1e6
+        self.host_latency_per_token = e.host_latency_per_token_us / 1e6
         dc = InstanceCost(dep.decode.chip, c.model, dep.decode.gpus, mu)
         user_delay = owd / 1e3 if self.cross else 0.0
         blocks = dc.kv_capacity_tokens() // self.block_tokens
@@ -248,6 +250,9 @@ class SimulatedSystem:
         self._rld_held = 0
         self._hash_memo: OrderedDict[int, tuple[tuple[int, ...], list[int]]] = OrderedDict()
         self.on_request_done: Any = None  # the runner's hook: a conversation may go on
+        # with a list: every plan P's planner makes, as the daemons' `pdd.pipeline_decision`
+        # (PipelineDecision.record) with the request's rid (pdd bench reproduce compares them)
+        self.plan_records: list[dict[str, Any]] | None = None
 
     # -- routing ----------------------------------------------------------------------------
 
@@ -288,13 +293,25 @@ class SimulatedSystem:
     # -- arrival ----------------------------------------------------------------------------
 
     def arrive(self, req: SimRequest) -> None:
+        """The client sends ``req`` now (its TTFT counts from here); it enters the system once
+        the host path is done ([engine] host_latency_us + host_latency_per_token_us x prompt)."""
         now = self.loop.now
-        st = ReqState(req)
         self.counts["requests"] += 1
         self.counts["prompt_tokens"] += req.prompt_tokens
         if self.first_arrival is None:
             self.first_arrival = now
         self.last_arrival = now
+        host = self.host_latency + self.host_latency_per_token * req.prompt_tokens
+        if host > 0:
+            self.loop.at(now + host, self._enter, req)
+        else:
+            self._enter(req)
+
+    def _enter(self, req: SimRequest) -> None:
+        """``req`` reaches the routers: P's and MD's chosen, the pipeline planned, P queues it
+        and (cross-DC) its KV_ALLOC leaves for MD."""
+        now = self.loop.now
+        st = ReqState(req)
         st.p, st.p_estimate = self._route_prefill(req)
         st.md_idx = self._route_decode(req.conversation)
         if self._hashing:
@@ -338,6 +355,8 @@ class SimulatedSystem:
             plan = planner.plan_predicted(
                 req.prompt_tokens, HitPrediction(len(req.units), 0, (), 0, False), req.output_tokens
             )
+        if self.plan_records is not None:
+            self.plan_records.append({"rid": req.rid, **plan.decision.record(plan.inputs)})
         if plan.pipeline is Pipeline.P_MD:
             return Pipeline.P_MD
         total, block = req.prompt_tokens + req.output_tokens, self.cfg.engine.block_tokens
@@ -352,6 +371,8 @@ class SimulatedSystem:
         if not adm.admitted:
             # as the prefill daemon does: RLD refused, so P->MD (wait for the KV on MD)
             self.counts["rld_refused"] += 1
+            if self.plan_records is not None:
+                self.plan_records[-1]["rld_refused"] = True
             return Pipeline.P_MD
         st.rld_idx = r
         self._rld_held += 1
