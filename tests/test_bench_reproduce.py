@@ -103,7 +103,10 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
             assert row["sim_vs_live"] == pytest.approx((row["sim"] - row["live"]) / row["live"])
     # the handoff figure: both paths at 100 relay tokens, quiet and under jitter + traffic
     h = data["handoff"]
-    assert set(h["conditions"]) == {"quiet", "jitter+bulk"} and h["relay_tokens"] == 100
+    assert set(h["conditions"]) == {"quiet", "jitter+bulk", "jitter+bulk+priority"}
+    assert h["relay_tokens"] == 100
+    for line in ("FIFO line", "control class"):  # the target is judged on each line
+        assert f"token-id handoff max/mean <= 1.10 (jitter + traffic, {line})" in data["checks"]
     for paths in h["conditions"].values():
         for way in ("token-id", "kv-direct"):
             assert 0 < paths[way]["mean_ms"] <= paths[way]["max_ms"]
