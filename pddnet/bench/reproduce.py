@@ -335,7 +335,11 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
     half the line's rate (the clusters' line is sized to be about half busy). 16 handoffs per
     path and condition: the Poisson traffic needs the time (with 8 the jitter+bulk phase saw
     ~5 transfers, 16% of the line against the 50% offered; 16 cost ~10 s more, the setup's 64K
-    prefills dominate)."""
+    prefills dominate). Each cut after a random pause of up to 1 s (modelled): with the
+    default 150 ms a disturbed phase lasted ~4 modelled s, ~10 transfers, and the load they
+    came to swung from 23% to 60% of the line between runs, and KV-direct's tail with it
+    (its max/mean is how many of the handoffs met a transfer); ~50 transfers hold it near
+    the offered half."""
     import statistics
 
     from pddnet.device.profiles import load_model as load_profile
@@ -360,7 +364,11 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
         argv.append("--no-progress")
     if args.quick:
         return [*argv, "--quick"]
-    return [*argv, "--prompt-len", str(SHAPES["max_context"][1] - 1024), "--repeats", "16"]
+    return [
+        *argv,
+        *("--prompt-len", str(SHAPES["max_context"][1] - 1024)),
+        *("--repeats", "16", "--pause-ms", "1000"),
+    ]
 
 
 def check_args(args: argparse.Namespace) -> None:
