@@ -16,9 +16,10 @@ departure times the model gives. A TCP stream cannot lose, duplicate or reorder 
   connection holds at most the one packet it has taken);
 - loss, Gilbert-Elliott, duplication and reordering are refused (`Link.restrict`): setting them
   on a proxied link raises ValueError (a 400 on the control API);
-- traffic classes: a connection takes the DSCP its client marked (IP_TOS, read from the first
-  bytes it sends) for both directions, so with `priority_dscp` set, a marked connection's bytes
-  go in the model's priority class and wait their turn only behind each other;
+- traffic classes: a connection takes the DSCP its client marked its handshake with (the TOS
+  Linux records for a TCP connection when it is set up, read once its first bytes are in) for
+  both directions, so with `priority_dscp` set, a marked connection's bytes go in the model's
+  priority class and wait their turn only behind each other;
 - closing is slow: a FIN travels through the model behind the data, so it arrives one link
   delay (plus queueing) after the close; `reset_connections()` aborts with RST at once.
 
@@ -61,15 +62,15 @@ _DEST_HIGH_WATER = 1 << 20
 # than a read to drain completely: a 267-byte HANDOFF then sat behind all of a bulk flow's
 # queue (at k = 5 a 20 ms buffer of a 2 Gbit/s line is 22 KB of real bytes).
 _PACKET_BYTES = 1500
-# Linux: the IP options of the last packet a TCP socket received, as ancillary data; with
-# IP_RECVTOS on they hold its TOS byte (not in Python's socket module).
+# Linux: a TCP socket's received IP options, as ancillary data; with IP_RECVTOS on they hold the
+# TOS byte the connection was set up with (not in Python's socket module).
 _IP_PKTOPTIONS = 9
 _IP_RECVTOS = 13
 
 
 def received_dscp(sock: socket.socket | None) -> int:
-    """The DSCP of the last packet `sock` (an IPv4 TCP socket with IP_RECVTOS set) received;
-    0 where the platform cannot tell."""
+    """The DSCP the peer of `sock` (an accepted IPv4 TCP socket with IP_RECVTOS set) marked the
+    connection's handshake with; 0 where the platform cannot tell."""
     if sock is None:
         return 0
     try:
@@ -100,7 +101,7 @@ class _Conn:
         self.closed = False
         self.eofs = 0
         self.tasks: list[asyncio.Task] = []
-        self.dscp = 0  # the client's marking, known once its first bytes are in
+        self.dscp = 0  # the client's marking, taken when its first bytes are in
         self.classified = False
 
     def classify(self) -> None:
