@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pddnet.device.emulated import Emulation, EmulationError
+from pddnet.policy.estimators import FULL_WEIGHT_BYTES
 from pddnet.policy.handoff import HandoffMode
 
 try:
@@ -126,6 +127,10 @@ class PolicySection:
     singular_margin: float = 1.0
     rld_step_s: float = 0.02  # RLD's seconds per output token until RLD reports its own
     wan_bw_mbit: float | None = None  # initial bandwidth estimate (None: wan.bw_mbit or 1000)
+    # A goodput sample's weight grows with its transfer's bytes up to this (smaller transfers
+    # are dominated by the RTT), in the modelled model's KV bytes: emulated clusters scale it
+    # onto the real model's bytes like every KV rate (pddnet.device.dilation.wallclock)
+    goodput_full_weight_bytes: int = FULL_WEIGHT_BYTES
     # RLD admission (pddnet.policy.admission): RLD is a small pool and must never be flooded.
     rld_max_requests: int = 16
     rld_max_running_tokens: int = 0  # 0: the relay pool's capacity (num_blocks * block_size)
@@ -233,6 +238,11 @@ class ClusterConfig:
             )
         if pol.wan_bw_mbit is not None and pol.wan_bw_mbit <= 0:
             raise ConfigError(f"policy.wan_bw_mbit must be > 0, got {pol.wan_bw_mbit}")
+        if pol.goodput_full_weight_bytes < 1:
+            raise ConfigError(
+                "policy.goodput_full_weight_bytes must be >= 1, "
+                f"got {pol.goodput_full_weight_bytes}"
+            )
         if pol.rld_max_requests < 1 or pol.rld_max_running_tokens < 0:
             raise ConfigError(
                 "policy.rld_max_requests must be >= 1 and policy.rld_max_running_tokens >= 0"

@@ -572,6 +572,9 @@ def test_wallclock_dilates_times_and_scales_rates(user_config):
     assert w.transport.progress_timeout_s == math.ceil(c.transport.progress_timeout_s * k)
     assert w.wan.bw_mbit == pytest.approx(1000.0 * WIRE_SCALE / k)  # 0.78125
     assert w.policy.wan_bw_mbit == pytest.approx(500.0 * WIRE_SCALE / k)
+    # a goodput sample weighs fully from the same target bytes: in real bytes, scaled (not / k)
+    assert c.policy.goodput_full_weight_bytes == 1 << 20
+    assert w.policy.goodput_full_weight_bytes == round((1 << 20) * WIRE_SCALE)
     # the queue holds the same real bytes at any k: 10 ms of the target's 1 Gbit/s, scaled
     assert queue_bytes(w.wan) == int(1000e6 / 8 * 0.010 * WIRE_SCALE)
     assert queue_bytes(c.wan) == int(1000e6 / 8 * 0.010)
@@ -583,6 +586,25 @@ def test_wallclock_dilates_times_and_scales_rates(user_config):
         4.0,
         LLAMA,
     )
+
+
+def test_the_live_planner_weighs_a_goodput_sample_as_the_simulator_does(user_config):
+    # The same transfer, 100 tokens of the target's KV over 1 modelled s: the daemon sees
+    # the real model's bytes over k x the time, the simulator the target's over the modelled
+    # time. Both estimates must move alike (with 1 MiB against real bytes the live one barely
+    # moved on small transfers: P's plans then parted from the simulator's).
+    from pddnet.policy.estimators import BandwidthEstimator
+    from pddnet.roles.prefill_planning import make_planner
+
+    w, k = wallclock(user_config), 4.0
+    live = make_planner(w, TINY_KV_BYTES_PER_TOKEN).bandwidth
+    sim = BandwidthEstimator(initial_bps=500e6 / 8)  # the config's policy.wan_bw_mbit
+    assert live.bytes_per_s == pytest.approx(sim.bytes_per_s * WIRE_SCALE / k)
+    tokens, seconds = 100, 1.0
+    live.observe(tokens * TINY_KV_BYTES_PER_TOKEN, seconds * k)
+    sim.observe(tokens * 327680, seconds)
+    assert sim.bytes_per_s < 500e6 / 8 * 0.95  # the sample moved it
+    assert live.bytes_per_s == pytest.approx(sim.bytes_per_s * WIRE_SCALE / k)
 
 
 def test_wallclock_is_idempotent(user_config):

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+# Transfers this large or larger weigh fully in the goodput estimate (bytes of the modelled KV)
+FULL_WEIGHT_BYTES = 1 << 20
+
 
 @dataclass
 class BandwidthEstimator:
@@ -16,7 +19,7 @@ class BandwidthEstimator:
 
     initial_bps: float
     alpha: float = 0.25
-    full_weight_bytes: int = 1 << 20
+    full_weight_bytes: int = FULL_WEIGHT_BYTES
     samples: int = field(default=0, init=False)
     _estimate: float = field(default=0.0, init=False)
 
