@@ -17,8 +17,8 @@ departure times the model gives. A TCP stream cannot lose, duplicate or reorder 
 - loss, Gilbert-Elliott, duplication and reordering are refused (`Link.restrict`): setting them
   on a proxied link raises ValueError (a 400 on the control API);
 - traffic classes: a connection takes the DSCP its client marked its handshake with (the TOS
-  Linux records for a TCP connection when it is set up, read once its first bytes are in) for
-  both directions, so with `priority_dscp` set, a marked connection's bytes go in the model's
+  Linux records for a TCP connection when it is set up, read when it is accepted) for both
+  directions, so with `priority_dscp` set, a marked connection's bytes go in the model's
   priority class and wait their turn only behind each other;
 - closing is slow: a FIN travels through the model behind the data, so it arrives one link
   delay (plus queueing) after the close; `reset_connections()` aborts with RST at once.
@@ -101,13 +101,8 @@ class _Conn:
         self.closed = False
         self.eofs = 0
         self.tasks: list[asyncio.Task] = []
-        self.dscp = 0  # the client's marking, taken when its first bytes are in
-        self.classified = False
-
-    def classify(self) -> None:
-        """Take the DSCP the client marked its packets with, for both directions."""
+        # the client's marking, for both directions
         self.dscp = received_dscp(self.client_writer.transport.get_extra_info("socket"))
-        self.classified = True
 
     def writer_for(self, direction: str) -> asyncio.StreamWriter:
         return self.up_writer if direction == "a_to_b" else self.client_writer
@@ -376,7 +371,7 @@ class WanProxy:
             self._accept, self.listen[0], self.listen[1], limit=self.chunk_bytes * 2
         )
         for sock in self._server.sockets:
-            if sock.family == socket.AF_INET:  # accepted sockets inherit it: see classify()
+            if sock.family == socket.AF_INET:  # accepted sockets inherit it: see _Conn.dscp
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_IP, _IP_RECVTOS, 1)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -464,8 +459,6 @@ class WanProxy:
                 data = await reader.read(lane.read_size(conn.dscp))
                 if conn.closed:
                     return
-                if lane.name == "a_to_b" and not conn.classified:
-                    conn.classify()
                 if not data:
                     await lane.wait_open()  # a FIN waits out a partition like data does
                     if not conn.closed:
