@@ -22,8 +22,8 @@ SOURCE_FIGURE: dict[str, Any] = {
 }
 # Issue 26's target for that figure: under jitter with competing traffic, token-id's max/mean
 # at most this and KV-direct's at least that; judged on a plain FIFO line and on one that serves
-# the control lanes first (each where the run has it)
-TARGET_CONDITIONS = ("jitter+bulk", "jitter+bulk+priority")
+# the control lanes first (each where the run has it): condition -> the line's name
+TARGET_CONDITIONS = {"jitter+bulk": "FIFO line", "jitter+bulk+priority": "control class"}
 TOKEN_ID_MAX_OVER_MEAN = 1.10
 KV_DIRECT_MAX_OVER_MEAN = 2.0
 
