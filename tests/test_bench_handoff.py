@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import root_netns_missing_reason
 
 from pddnet.bench import handoff, handoff_setup, handoff_sides, handoff_summary
 from pddnet.bench.handoff_setup import KV_DIRECT, PATHS, TOKEN_ID
@@ -241,6 +242,8 @@ def test_summaries_and_ratios_from_trials():
         (["--relay-tokens", "0"], "counts >= 1"),
         (["--bulk-load", "1"], "bulk-load"),
         (["--conditions", "quiet", "quiet"], "twice"),
+        (["--tcp-cc", "cubic"], "needs --wan packet"),
+        (["--wan", "packet", "--tcp-cc", "no-such-cc"], "not offered by this kernel"),
     ],
 )
 def test_bad_options_are_refused(argv, message):
@@ -305,6 +308,36 @@ async def test_quick_run_is_consistent(tmp_path):
     head = data["headline"]
     assert head["relay_tokens"] == max(counts) and head["payload_ratio"] > 1
     assert r["plots"] and all(Path(png).stat().st_size > 0 for png in r["plots"])
+
+
+@pytest.mark.root
+@pytest.mark.skipif(
+    root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
+)
+@pytest.mark.timeout(180)
+async def test_quick_run_over_the_packet_shell_loses_nothing_to_tail_drops(tmp_path):
+    """RLD's and MD's sockets in the testbed's two namespaces, real TCP through the packet
+    shell; a buffer of 2 ms makes the bulk traffic overflow it, so packets are dropped and TCP
+    recovers them: every handoff still token-exact, every bulk byte received, and the testbed
+    gone afterwards."""
+    from emulation import netns
+
+    before = set(netns.list_netns())
+    argv = ["--quick", "--wan", "packet", "--queue-ms", "2", "--repeats", "2"]
+    args = parsed([*argv, "--relay-tokens", "40", "--out", str(tmp_path), "--no-progress"])
+    r = await handoff.run(args)
+    data = json.loads(Path(r["path"]).read_text())
+    assert data["link"]["shell"] == "packet" and data["link"]["mtu"] == 1500
+    assert data["link"]["tcp_congestion_control"] == "cubic"
+    assert data["consistency"]["all_token_exact"]
+    assert data["consistency"]["kv_bytes_received_match"]
+    assert data["consistency"]["unexpected_frames"] == []
+    jb = data["conditions"]["jitter+bulk"]
+    assert jb["link_a_to_b"]["drops"]["queue_full"] > 0  # the buffer did overflow
+    assert jb["bulk"]["bytes"] > 0 and jb["bulk"]["received_bytes"] == jb["bulk"]["bytes"]
+    assert jb["link_a_to_b"]["packets_in"] > jb["link_a_to_b"]["packets_out"]  # the drops
+    assert len(data["trials"]) == 2 * 2 * 2
+    assert set(netns.list_netns()) <= before  # the testbed's namespaces are gone
 
 
 async def test_the_machines_cut_md_takes_over_token_exact(md_engine, prep):

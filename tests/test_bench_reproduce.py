@@ -111,6 +111,11 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
         for way in ("token-id", "kv-direct"):
             assert 0 < paths[way]["mean_ms"] <= paths[way]["max_ms"]
     assert h["emulated"] and h["dilation"] == 10.0
+    # --handoff-wan auto: the packet shell where a testbed can run (root, TUN), else the proxy
+    from emulation.testbed import unavailable_reason
+
+    assert h["wan"]["shell"] == ("proxy" if unavailable_reason() else "packet")
+    assert "handoff figure's line: the " in out
     # token ids are a few hundred bytes; KV-direct carries the target model's KV of 100 tokens
     assert h["payload_bytes"]["token-id"] < 1000 < h["payload_target_bytes"]["kv-direct"]
     # every target is reported as passed, failed or not measured, and printed

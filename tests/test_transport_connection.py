@@ -182,6 +182,35 @@ async def test_round_trip_over_loopback_with_the_handshake():
     assert_no_other_tasks()
 
 
+async def test_a_server_listens_on_a_socket_it_is_given_and_dial_makes_its_own_by_a_factory():
+    """As a process that sits in neither network makes them (the handoff bench's packet shell:
+    MD's listener in one namespace, RLD's sockets in the other)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((HOST, 0))
+    made: list[tuple[int, int, int]] = []
+
+    def make_socket(family: int, kind: int, proto: int) -> socket.socket:
+        made.append((family, kind, proto))
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # to tell it is ours
+        return sock
+
+    echo = Echo()
+    port = await echo.server.start(sock=listener)
+    try:
+        assert port == listener.getsockname()[1] and echo.server.host == HOST
+        conn = await dial_echo(port, make_socket=make_socket)
+        assert made == [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)]
+        sock = conn.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0
+        await conn.send(Ping(nonce=3, time=0.5))
+        assert await conn.recv() == Ping(nonce=3, time=0.5)
+        await conn.close()
+    finally:
+        await echo.server.close()
+    assert_no_other_tasks()
+
+
 async def test_bulk_lane_carries_large_kv_chunks_zero_copy_payload():
     async with Echo() as echo:
         conn = await dial_echo(echo.port, lane="bulk")

@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import random
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -77,7 +76,17 @@ from typing import Any
 
 from pddnet.bench.devices import print_validity
 from pddnet.bench.handoff_devices import setup_handoff_devices
-from pddnet.bench.handoff_rig import CONDITIONS, Rig, WanLink, handoff_once, run_condition
+from pddnet.bench.handoff_rig import (
+    CONDITIONS,
+    DEFAULT_MTU,
+    DEFAULT_TCP_CC,
+    WAN_SHELLS,
+    Rig,
+    handoff_once,
+    make_wan,
+    run_condition,
+    tcp_congestion_controls,
+)
 from pddnet.bench.handoff_setup import (
     BLOCK_SIZE,
     KV_DIRECT,
@@ -175,6 +184,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--conditions", nargs="+", default=["quiet", "jitter+bulk"], choices=list(CONDITIONS)
     )
     p.add_argument(
+        "--wan",
+        default="proxy",
+        choices=WAN_SHELLS,
+        help="the emulated WAN: proxy (loopback, lossless: a full buffer holds the sender "
+        "back) or packet (TUN devices between namespaces, real TCP, tail drop; needs root)",
+    )
+    p.add_argument(
+        "--mtu",
+        type=int,
+        default=None,
+        help=f"with --wan packet: the link's MTU (default {DEFAULT_MTU})",
+    )
+    p.add_argument(
+        "--tcp-cc",
+        default=None,
+        help=f"with --wan packet: the namespaces' TCP congestion control (default "
+        f"{DEFAULT_TCP_CC}; one this kernel offers)",
+    )
+    p.add_argument(
         "--prompt-len",
         type=int,
         default=None,
@@ -236,6 +264,22 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--bulk-load must be in (0, 1), got {args.bulk_load}")
     if len(set(args.conditions)) != len(args.conditions):
         raise ValueError("--conditions lists a condition twice")
+    if args.mtu is not None:
+        if args.wan != "packet":
+            raise ValueError("--mtu needs --wan packet (the proxy carries bytes, not packets)")
+        if not 576 <= args.mtu <= 65535:
+            raise ValueError(
+                f"--mtu must be in 576..65535 (IPv4's smallest datagram), got {args.mtu}"
+            )
+    if args.tcp_cc is not None:
+        if args.wan != "packet":
+            raise ValueError("--tcp-cc needs --wan packet (the proxy's TCP runs on loopback)")
+        offered = tcp_congestion_controls()
+        if args.tcp_cc not in offered:
+            raise ValueError(
+                f"--tcp-cc {args.tcp_cc!r} is not offered by this kernel "
+                f"(it has: {', '.join(offered)})"
+            )
 
 
 # -- entry point ----------------------------------------------------------------------------------
@@ -266,7 +310,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     rld_ex = ThreadPoolExecutor(1, thread_name_prefix="handoff-rld")
     md_ex = ThreadPoolExecutor(1, thread_name_prefix="handoff-md")
-    rng = random.Random(args.seed)
     preps: list[Prepared] = []
     trials: list[dict[str, Any]] = []
     infos: dict[str, Any] = {}
@@ -302,9 +345,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         total = len(args.conditions) * args.repeats * len(args.relay_tokens) * len(PATHS)
         with progress(total, "handoff", unit="handoff", enabled=not args.no_progress) as bar:
             for ci, name in enumerate(args.conditions):
-                got = await run_condition(rig, args, ci, name, preps, rng, bar, spec)
+                got = await run_condition(rig, args, ci, name, preps, bar, spec)
                 trials += got["trials"]
                 infos[name] = got["info"]
+        assert rig.wan is not None
+        wan_info = rig.wan.describe()
         unexpected = list(rig.main.unexpected) if rig.main else []
     finally:
         gc.unfreeze()
@@ -316,7 +361,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = summarise(trials, args.conditions, args.relay_tokens)
     head = headline(rows)
     report = devices.report()
-    fig = figure(head, report)
+    fig = {**figure(head, report), "wan": wan_info}
     cfg = run_config(args)
     cfg["dilation_k"] = devices.k
     consistency = {
@@ -355,7 +400,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "emulation": devices.setup.to_dict(),
             "devices": report,
             "link": {
-                "initial": WanLink(0, args, devices.setup).initial_effects,
+                **wan_info,
+                "initial": make_wan(args, devices.setup).initial_effects,
                 "jitter_ms": args.jitter_ms * devices.k,
                 "modelled": {
                     "rtt_ms": args.rtt_ms,
@@ -363,7 +409,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "queue_ms": args.queue_ms,
                     "jitter_ms": args.jitter_ms,
                 },
-                "shell": "proxy",
             },
             "conditions": {c: {"rows": rows[c], **infos[c]} for c in args.conditions},
             "headline": head,
@@ -383,7 +428,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         args.out,
     )
     pngs = plot(args, rows, trials, head, path)
-    print_table(args, rows, head, spec.bytes_per_token, infos, devices.setup.line())
+    print_table(args, rows, head, spec.bytes_per_token, infos, devices.setup.line(), wan_info)
     announce(path, pngs)
     warnings = print_validity({"": report}, "handoff")
     return {

@@ -1,7 +1,8 @@
-"""handoff bench: the rig, started in order and closed in reverse: MD's server, the emulated WAN
-(`pdd wan proxy` in its own process, changed at run time through its control API), RLD's lanes
-through it, and the competing bulk traffic; then one handoff, and one link condition's handoffs,
-run on it.
+"""handoff bench: the rig, started in order and closed in reverse: the emulated WAN and MD's
+server behind it (`--wan proxy`: `pdd wan proxy` in its own process on loopback; `--wan packet`:
+the packet shell between two namespaces, MD's sockets in B and RLD's in A; either changed at run
+time through its control API), RLD's lanes through it, and the competing bulk traffic; then one
+handoff, and one link condition's handoffs, run on it.
 
 With emulated devices (`HandoffDevices`) the link and the traffic are the modelled world's as
 this box must run them (pddnet/device/dilation.py): the rate x wire scale / k (the target
@@ -18,6 +19,7 @@ import os
 import random
 import re
 import secrets
+import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -127,24 +129,30 @@ class BulkSender:
         return self.stats
 
 
-# -- the emulated WAN: `pdd wan proxy` in its own process -----------------------------------------
+# -- the emulated WAN: a proxy on loopback, or TUN devices between two namespaces ----------------
 
 _PROXY_LINE = re.compile(r"wan proxy: (\S+):(\d+) -> .*; control (http://\S+)")
+WAN_SHELLS = ("proxy", "packet")
+# The packet shell's MTU unless --mtu says otherwise: an Ethernet WAN's, not the cluster
+# testbed's jumbo frames, so that a transfer is as many packets (and losses) as its bytes make on
+# such a WAN.
+DEFAULT_MTU = 1500
+# Its TCP, unless --tcp-cc says otherwise: Linux's default (this box's own default may differ;
+# BBR, for one, does not back off on the tail drops competing traffic causes).
+DEFAULT_TCP_CC = "cubic"
 
 
 class WanLink:
-    """The proxy-shell emulator between RLD (dc-a) and MD (dc-b), and its control API."""
+    """The emulated WAN between RLD (dc-a) and MD (dc-b), and its control API (emulation.control,
+    the same for every shell). A shell says how MD's server is reached (`serve`) and where RLD's
+    sockets are made (`make_socket`)."""
 
-    def __init__(
-        self, upstream_port: int, args: argparse.Namespace, devices: DeviceSetup = UNPACED
-    ) -> None:
-        self.upstream_port = upstream_port
+    shell = ""
+
+    def __init__(self, args: argparse.Namespace, devices: DeviceSetup = UNPACED) -> None:
         self.args = args
         self.devices = devices
-        self.proc: Any = None
-        self.port: int | None = None
         self.control_url: str | None = None
-        self._log: Any = None
 
     @property
     def rate_mbit(self) -> float:
@@ -158,37 +166,17 @@ class WanLink:
         queue = max(1500, int(self.rate_mbit * 1e6 / 8 * a.queue_ms * k / 1e3))
         return {"delay_ms": a.rtt_ms * k / 2, "rate_mbit": self.rate_mbit, "queue_bytes": queue}
 
-    async def start(self) -> None:
-        from pddnet.cluster.wan_setup import child_env, popen, proxy_argv
+    def describe(self) -> dict[str, Any]:
+        """For the result JSON: the shell and what it adds."""
+        return {"shell": self.shell}
 
-        fx = self.initial_effects
-        argv = [
-            *proxy_argv(f"{HOST}:0", f"{HOST}:{self.upstream_port}", f"{HOST}:0"),
-            "--rtt-ms",
-            repr(fx["delay_ms"] * 2),
-            "--bw-mbit",
-            repr(fx["rate_mbit"]),
-            "--queue-bytes",
-            str(fx["queue_bytes"]),
-            "--seed",
-            str(self.args.seed),
-        ]
-        self._log = tempfile.TemporaryFile()  # not a pipe: a full pipe would stall the proxy
-        self.proc = popen(argv, stdout=self._log, stderr=self._log, env=child_env(1))
-        deadline = time.monotonic() + 30.0
-        while True:
-            self._log.seek(0)
-            text = self._log.read().decode(errors="replace")
-            m = _PROXY_LINE.search(text)
-            if m:
-                self.port, self.control_url = int(m.group(2)), m.group(3)
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the WAN proxy did not start (exit {self.proc.poll()}): "
-                    f"{text.strip()[-400:]!r}"
-                )
-            await asyncio.sleep(0.05)
+    async def serve(self, server: Any) -> tuple[str, int]:
+        """Start the emulator and MD's `server` behind it; the address RLD dials."""
+        raise NotImplementedError
+
+    def make_socket(self, family: int, kind: int, proto: int) -> socket.socket:
+        """A socket of RLD's machine (pddnet.transport.dial's `make_socket`)."""
+        return socket.socket(family, kind, proto)
 
     def client(self) -> Any:
         from emulation.control import ControlClient
@@ -213,6 +201,55 @@ class WanLink:
         return (await self.client().show("a_to_b"))["a_to_b"]["counters"]
 
     async def close(self) -> None:
+        raise NotImplementedError
+
+
+class ProxyWan(WanLink):
+    """`pdd wan proxy` in its own process on loopback, in front of MD: one TCP connection from
+    RLD to the proxy and one from the proxy to MD, the bytes between them paced by the link
+    model. Lossless: a full buffer holds the sender back instead of dropping."""
+
+    shell = "proxy"
+
+    def __init__(self, args: argparse.Namespace, devices: DeviceSetup = UNPACED) -> None:
+        super().__init__(args, devices)
+        self.proc: Any = None
+        self._log: Any = None
+
+    async def serve(self, server: Any) -> tuple[str, int]:
+        from pddnet.cluster.wan_setup import child_env, popen, proxy_argv
+
+        md_port = await server.start()
+        fx = self.initial_effects
+        argv = [
+            *proxy_argv(f"{HOST}:0", f"{HOST}:{md_port}", f"{HOST}:0"),
+            "--rtt-ms",
+            repr(fx["delay_ms"] * 2),
+            "--bw-mbit",
+            repr(fx["rate_mbit"]),
+            "--queue-bytes",
+            str(fx["queue_bytes"]),
+            "--seed",
+            str(self.args.seed),
+        ]
+        self._log = tempfile.TemporaryFile()  # not a pipe: a full pipe would stall the proxy
+        self.proc = popen(argv, stdout=self._log, stderr=self._log, env=child_env(1))
+        deadline = time.monotonic() + 30.0
+        while True:
+            self._log.seek(0)
+            text = self._log.read().decode(errors="replace")
+            m = _PROXY_LINE.search(text)
+            if m:
+                self.control_url = m.group(3)
+                return HOST, int(m.group(2))
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the WAN proxy did not start (exit {self.proc.poll()}): "
+                    f"{text.strip()[-400:]!r}"
+                )
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
         from pddnet.cluster.wan_setup import stop_processes
 
         if self.proc is not None:
@@ -221,6 +258,96 @@ class WanLink:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+class PacketWan(WanLink):
+    """The packet shell (emulation.testbed): RLD's sockets in namespace A, MD's in namespace B,
+    real TCP end to end through TUN devices and the link model. Its buffer drops what does not
+    fit (tail drop), so competing traffic costs a transfer TCP's loss recovery, as on a real
+    line. Needs root and /dev/net/tun."""
+
+    shell = "packet"
+
+    def __init__(self, args: argparse.Namespace, devices: DeviceSetup = UNPACED) -> None:
+        super().__init__(args, devices)
+        self.testbed: Any = None
+
+    @property
+    def tcp_cc(self) -> str:
+        return self.args.tcp_cc or DEFAULT_TCP_CC
+
+    @property
+    def mtu(self) -> int:
+        return self.args.mtu or DEFAULT_MTU
+
+    def describe(self) -> dict[str, Any]:
+        return {"shell": self.shell, "mtu": self.mtu, "tcp_congestion_control": self.tcp_cc}
+
+    def _socket_in(self, side: str, family: int, kind: int, proto: int) -> socket.socket:
+        """A socket in namespace `side` with the chosen congestion control: set per socket,
+        since a namespace other than the host's may only default to the unrestricted ones (and
+        MD's accepted connections inherit their listener's)."""
+        from emulation import netns
+
+        assert self.testbed is not None
+        sock = netns.socket_in(self.testbed.ns(side), family, kind, proto)
+        try:
+            if kind == socket.SOCK_STREAM:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, self.tcp_cc.encode())
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def serve(self, server: Any) -> tuple[str, int]:
+        from emulation.testbed import Testbed, unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"--wan packet is not available here: {reason}")
+        fx = self.initial_effects
+        self.testbed = Testbed(
+            name=f"pddho{os.getpid()}{secrets.token_hex(2)}",
+            rtt_ms=fx["delay_ms"] * 2,
+            bw_mbit=fx["rate_mbit"],
+            queue_bytes=fx["queue_bytes"],
+            mtu=self.mtu,
+            shell="packet",
+            seed=self.args.seed,
+            die_with_parent=True,
+        )
+        await self.testbed.start()
+        self.control_url = self.testbed.control_url
+        listener = self._socket_in("b", socket.AF_INET, socket.SOCK_STREAM, 0)
+        try:
+            listener.bind((self.testbed.addr_b, 0))
+        except BaseException:
+            listener.close()
+            raise
+        port = await server.start(sock=listener)
+        return self.testbed.addr_b, port
+
+    def make_socket(self, family: int, kind: int, proto: int) -> socket.socket:
+        return self._socket_in("a", family, kind, proto)
+
+    async def close(self) -> None:
+        if self.testbed is not None:
+            await self.testbed.close()
+            self.testbed = None
+
+
+def tcp_congestion_controls() -> list[str]:
+    """The congestion controls this kernel offers (built in or loaded)."""
+    with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+        return f.read().split()
+
+
+def make_wan(args: argparse.Namespace, devices: DeviceSetup = UNPACED) -> WanLink:
+    """The `--wan` shell's link."""
+    shells = {"proxy": ProxyWan, "packet": PacketWan}
+    if args.wan not in shells:
+        raise ValueError(f"--wan must be one of {', '.join(shells)}, got {args.wan!r}")
+    return shells[args.wan](args, devices)
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -246,21 +373,20 @@ class Rig:
 
         secret = secrets.token_bytes(32)
         self.main = MainSide(secret)
-        md_port = await self.main.server.start()
-        self.wan = WanLink(md_port, args, self.devices.setup)
-        await self.wan.start()
-        port = self.wan.port
-        assert port is not None
+        self.wan = make_wan(args, self.devices.setup)
+        host, port = await self.wan.serve(self.main.server)
 
         async def lane(role: str, instance: str, kind: str) -> Any:
+            assert self.wan is not None
             conn = await dial(
-                HOST,
+                host,
                 port,
                 role=role,
                 instance_id=instance,
                 lane=kind,
                 secret=secret,
                 timeout=10.0,
+                make_socket=self.wan.make_socket,
             )
             self.conns.append(conn)
             return conn
@@ -360,12 +486,14 @@ async def run_condition(
     ci: int,
     name: str,
     preps: list[Prepared],
-    rng: random.Random,
     bar: Any,
     spec: Any,
 ) -> dict[str, Any]:
     assert rig.wan is not None and rig.main is not None
     k = rig.devices.k
+    # The same order and pauses in every condition, as the traffic (seed + 1000 below): two
+    # conditions then differ only as named, and a line's handoffs meet the same bulk phases.
+    rng = random.Random(args.seed)
     load_before = _loadavg()
     effects = await rig.wan.set_condition(name)
     stop = asyncio.Event()

@@ -196,6 +196,20 @@ def figure(head: dict[str, Any], devices: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def wan_line(wan: dict[str, Any] | None) -> str:
+    """What carried the handoffs, in words (`WanLink.describe()`; None: not recorded)."""
+    if not wan:
+        return "not recorded"
+    if wan.get("shell") == "packet":
+        return (
+            f"the packet shell (real TCP, {wan.get('tcp_congestion_control')}, MTU "
+            f"{wan.get('mtu')}; the buffer drops what does not fit)"
+        )
+    if wan.get("shell") == "proxy":
+        return "the proxy shell (lossless: a full buffer holds the sender back)"
+    return str(wan.get("shell"))
+
+
 # -- output ---------------------------------------------------------------------------------------
 
 
@@ -206,6 +220,7 @@ def print_table(
     kv_per_token: int,
     infos: dict[str, Any],
     devices_line: str,
+    wan: dict[str, Any] | None = None,
 ) -> None:
     def ms(v: float | None) -> str:
         return f"{'-':>6}" if v is None else f"{v:6.1f}"
@@ -216,8 +231,8 @@ def print_table(
     print(
         f"\nhandoff benchmark: model {args.model} ({kv_per_token} B of KV per token), prompt "
         f"{args.prompt_len} tokens, WAN {args.rtt_ms:g} ms RTT, {args.bw_mbit:g} Mbit/s, "
-        f"buffer {args.queue_ms:g} ms; {args.repeats} handoffs per point and path\n"
-        f"{devices_line}"
+        f"buffer {args.queue_ms:g} ms, on {wan_line(wan)}; {args.repeats} handoffs per point "
+        f"and path\n{devices_line}"
     )
     for cond, cond_rows in rows.items():
         info = infos[cond]

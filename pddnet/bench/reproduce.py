@@ -113,6 +113,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtt-ms", type=float, default=30.0)
     p.add_argument("--jitter-ms", type=float, default=1.0)
     p.add_argument("--wan", default="proxy", choices=("proxy", "packet", "kernel", "auto"))
+    p.add_argument(
+        "--handoff-wan",
+        default="auto",
+        choices=("auto", "packet", "proxy"),
+        help="the handoff figure's WAN (`pdd bench handoff --wan`); auto: the packet shell "
+        "(real TCP, tail drop: the loss recovery behind KV-direct's tail) where root and "
+        "/dev/net/tun allow, else the proxy",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="modelled seconds")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator beside")
     p.add_argument("--no-handoff", action="store_true", help="skip the handoff figure")
@@ -324,6 +332,15 @@ async def run_drc(args: argparse.Namespace, requests: list[AgentRequest]) -> dic
     return drc.compare(on["records"], off["records"])
 
 
+def handoff_wan(requested: str) -> str:
+    """`--handoff-wan`'s shell: auto takes the packet shell where a testbed can run."""
+    if requested != "auto":
+        return requested
+    from emulation.testbed import unavailable_reason
+
+    return "proxy" if unavailable_reason() is not None else "packet"
+
+
 def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
     """`pdd bench handoff` flags for the source's 100-token figure on this run's chips and k,
     RLD and MD holding a prompt of the workload's longest context (64K in a full run), on the
@@ -339,7 +356,8 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
     default 150 ms a disturbed phase lasted ~4 modelled s, ~10 transfers, and the load they
     came to swung from 23% to 60% of the line between runs, and KV-direct's tail with it
     (its max/mean is how many of the handoffs met a transfer); ~50 transfers hold it near
-    the offered half."""
+    the offered half. The line is `--handoff-wan`'s: on the packet shell the competing
+    traffic overflows the buffer and TCP recovers the drops, the tail the source measured."""
     import statistics
 
     from pddnet.device.profiles import load_model as load_profile
@@ -360,6 +378,7 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
         *("--bulk-mib", f"{bulk_mib:.1f}"),
         *("--threads", str(args.threads), "--seed", str(args.seed), "--out", str(args.out)),
     ]
+    argv += ["--wan", handoff_wan(args.handoff_wan)]
     if args.no_progress:
         argv.append("--no-progress")
     if args.quick:

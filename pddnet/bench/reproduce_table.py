@@ -17,6 +17,7 @@ from pddnet.bench.handoff_summary import (
     KV_DIRECT_MAX_OVER_MEAN,
     TARGET_CONDITIONS,
     TOKEN_ID_MAX_OVER_MEAN,
+    wan_line,
 )
 from pddnet.bench.reproduce_sim import vllm_figures
 from pddnet.bench.ttft import mode_summary, ratio
@@ -470,6 +471,8 @@ def notes(result: dict[str, Any]) -> list[str]:
         sim_split = (result["sim"].get(m) or {}).get("pipelines")
         out.append(f"pipelines, {m}: live {s['pipeline_split']}; sim {sim_split or '-'}")
     out += decision_notes(result.get("pipeline_decisions"))
+    if result.get("handoff"):
+        out.append(f"handoff figure's line: {wan_line(result['handoff'].get('wan'))}")
     shape = result.get("shape")
     if shape:
         w = shape["warm_up"]

@@ -121,15 +121,21 @@ def _tune_socket(writer: asyncio.StreamWriter, lane: str) -> None:
         _mark(sock, lane_dscp(lane))  # the accepting side's replies (a dial marks before)
 
 
-async def _connect(host: str, port: int, dscp: int) -> socket.socket:
+SocketFactory = Callable[[int, int, int], socket.socket]  # (family, type, proto) -> socket
+
+
+async def _connect(
+    host: str, port: int, dscp: int, make_socket: SocketFactory = socket.socket
+) -> socket.socket:
     """A connected non-blocking TCP socket, marked `dscp` before its first packet: a middlebox
     may classify a connection by its handshake (Linux reports the TOS a connection was set up
-    with), so marking after connect would be too late."""
+    with), so marking after connect would be too late. `make_socket` makes the unconnected
+    socket (e.g. inside a network namespace: emulation.netns.socket_in)."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     error: OSError = OSError(f"no address for {host}")
     for family, kind, proto, _, address in infos:
-        sock = socket.socket(family, kind, proto)
+        sock = make_socket(family, kind, proto)
         try:
             sock.setblocking(False)
             _mark(sock, dscp)
@@ -436,18 +442,21 @@ async def dial(
     secret: bytes,
     timeout: float = DEFAULT_TIMEOUT,
     limits: LimitsArg = None,
+    make_socket: SocketFactory = socket.socket,
 ) -> Connection:
     """Connect to a pddnet Server and authenticate as connector on `lane`.
 
     `timeout` bounds the TCP connect and, separately, the handshake. Raises DialRefused,
     DialTimeout or AuthenticationFailed (all ConnectionError subclasses, naming the address).
+    `make_socket`: how the socket is made (a process that is not itself inside the network it
+    dials from passes one that makes it there).
     """
     address = (host, port)
     where = f"{host}:{port}"
     lim = lane_limits(lane, limits)
     hs = Handshake(Side.CONNECTOR, role=role, instance_id=instance_id, secret=secret, lane=lane)
     try:
-        sock = await asyncio.wait_for(_connect(host, port, lane_dscp(lane)), timeout)
+        sock = await asyncio.wait_for(_connect(host, port, lane_dscp(lane), make_socket), timeout)
         reader, writer = await asyncio.open_connection(sock=sock, limit=STREAM_LIMIT)
     except asyncio.TimeoutError:
         raise DialTimeout(
@@ -581,12 +590,19 @@ class Server:
         self._writers: set[asyncio.StreamWriter] = set()
         self._closing = False
 
-    async def start(self) -> int:
-        """Start listening; return the bound port (useful with port 0)."""
-        self._server = await asyncio.start_server(
-            self._accept, self.host, self.port, limit=STREAM_LIMIT
-        )
-        self.port = self._server.sockets[0].getsockname()[1]
+    async def start(self, sock: socket.socket | None = None) -> int:
+        """Start listening; return the bound port (useful with port 0). `sock`: a socket already
+        bound (e.g. made inside a network namespace) to listen on instead of host:port."""
+        if sock is not None:
+            self._server = await asyncio.start_server(self._accept, sock=sock, limit=STREAM_LIMIT)
+        else:
+            self._server = await asyncio.start_server(
+                self._accept, self.host, self.port, limit=STREAM_LIMIT
+            )
+        bound = self._server.sockets[0].getsockname()
+        self.port = bound[1]
+        if sock is not None:
+            self.host = bound[0]
         log.info("%s %s listening on %s:%d", self.role, self.instance_id, self.host, self.port)
         return self.port
 
