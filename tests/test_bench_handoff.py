@@ -337,6 +337,10 @@ async def test_quick_run_over_the_packet_shell_loses_nothing_to_tail_drops(tmp_p
     assert jb["bulk"]["bytes"] > 0 and jb["bulk"]["received_bytes"] == jb["bulk"]["bytes"]
     assert jb["link_a_to_b"]["packets_in"] > jb["link_a_to_b"]["packets_out"]  # the drops
     assert len(data["trials"]) == 2 * 2 * 2
+    for t in data["trials"]:  # RLD's lanes' TCP counters, per handoff
+        assert all(t["tcp"][lane]["retrans_segments"] >= 0 for lane in ("control", "bulk"))
+    row = jb["rows"][0]["kv-direct"]
+    assert 0 <= row["handoffs_retransmitting"] <= row["n"]
     assert set(netns.list_netns()) <= before  # the testbed's namespaces are gone
 
 

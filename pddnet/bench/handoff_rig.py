@@ -23,7 +23,7 @@ import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pddnet.bench.devices import UNPACED, DeviceSetup
@@ -427,6 +427,7 @@ async def handoff_once(
         relay = relay_machine(prep, n)
         await asyncio.sleep(pause_s * k)
         before = rig.relay.bytes_out()
+        tcp_before = rig.relay.tcp_counters()
         t_cut = await rig.relay.cut(path, rid, relay, takeover, prep)
         try:
             got = await asyncio.wait_for(asyncio.shield(trial.done), TRIAL_TIMEOUT_S * k)
@@ -436,6 +437,10 @@ async def handoff_once(
                 f"the cut (messages lost on the link?)"
             ) from None
         after = rig.relay.bytes_out()
+        tcp = {
+            lane: None if now is None or tcp_before[lane] is None else now.since(tcp_before[lane])
+            for lane, now in rig.relay.tcp_counters().items()
+        }
     finally:
         rig.main.trials.pop(rid, None)
         await trial.close()
@@ -467,6 +472,8 @@ async def handoff_once(
         "payload_target_bytes": payload - trial.kv_bytes + rig.devices.target_bytes(trial.kv_bytes),
         "frames_bytes": sent,
         "kv_bytes_received": trial.kv_bytes,
+        # RLD's lanes during the handoff: segments retransmitted, and retransmission timeouts
+        "tcp": {lane: None if c is None else asdict(c) for lane, c in tcp.items()},
         "tokens": got["tokens"],
         "expected": expected,
         "token_exact": got["tokens"] == expected,

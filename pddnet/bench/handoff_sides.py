@@ -374,6 +374,16 @@ class RelaySide:
         self.control, self.bulk = control, bulk
         self.executor, self.chunk_tokens = executor, chunk_tokens
 
+    def tcp_counters(self) -> dict[str, Any]:
+        """Each lane's TCP loss-recovery counters (pddnet.transport.tcp_info; None where the
+        system gives none)."""
+        from pddnet.transport.tcp_info import tcp_counters
+
+        return {
+            "control": tcp_counters(self.control.get_extra_info("socket")),
+            "bulk": tcp_counters(self.bulk.get_extra_info("socket")),
+        }
+
     def bytes_out(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for conn in (self.control, self.bulk):

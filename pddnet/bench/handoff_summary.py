@@ -58,7 +58,21 @@ def path_summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "kv_bytes_received": max((t["kv_bytes_received"] for t in trials), default=None),
         "forward_tokens": sorted({t["forward_tokens"] for t in trials}),
         "token_exact": all(t["token_exact"] for t in trials),
+        # how many of them TCP had to repair (None: the system reports no counters)
+        "handoffs_retransmitting": _count_tcp(trials, "retrans_segments"),
+        "handoffs_with_rto": _count_tcp(trials, "rtos"),
     }
+
+
+def _count_tcp(trials: Sequence[dict[str, Any]], counter: str) -> int | None:
+    """The trials in which RLD's lanes counted at least one `counter` (TcpCounters' field)."""
+    counted = 0
+    for t in trials:
+        lanes = [c for c in (t.get("tcp") or {}).values() if c and c[counter] is not None]
+        if not lanes:
+            return None
+        counted += any(c[counter] > 0 for c in lanes)
+    return counted
 
 
 # the latency stats whose KV-direct / token-id ratio a row and the headline report
@@ -282,6 +296,17 @@ def print_table(
                 f"max {ms(kv['max_wire_ms'])} max/mn {x(kv['wire_max_over_mean'])}, MD "
                 f"{ms(kv['mean_md_ms'])}"
             )
+        if any(r[p]["handoffs_retransmitting"] for r in cond_rows for p in PATHS):
+            print("  handoffs in which TCP retransmitted (of them, after a timeout):")
+            for r in cond_rows:
+                print(
+                    f"{r['relay_tokens']:>5} | "
+                    + ", ".join(
+                        f"{p} {r[p]['handoffs_retransmitting']} of {r[p]['n']} "
+                        f"({r[p]['handoffs_with_rto']})"
+                        for p in PATHS
+                    )
+                )
     n = head["relay_tokens"]
     pb, tb = head["payload_bytes"], head["payload_target_bytes"]
     target = ""
