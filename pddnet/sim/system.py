@@ -635,7 +635,20 @@ class SimulatedSystem:
             return
         m = Member(st, st.req.prompt_tokens, remaining, user, self._md_finished)
         st.md_member = m
+        self._cache_prompt(st)
         self.decode[st.md_idx].inst.add(m)
+
+    def _cache_prompt(self, st: ReqState) -> None:
+        """MD (or D) starts computing the request: its prompt's full blocks enter the DRC now,
+        not only when it finishes, as the daemon's engine indexes every block it completes
+        (``register_computed`` after each step: the whole prompt at its first). A request
+        sharing that prefix (another conversation's turn on the same system prompt) then hits
+        it while this one decodes; at the end ``_release`` adds the output's blocks."""
+        side = self.decode[st.md_idx]
+        if not side.use_cache or st.table is None:
+            return
+        assert st.prompt_hashes is not None, "a cache is on: hashed on arrival"
+        side.cache.insert_running(st.req.units, st.table, st.prompt_hashes)
 
     def _md_finished(self, m: Member, t: float, made: int) -> None:
         st = m.state
@@ -753,6 +766,7 @@ class SimulatedSystem:
         if m is None:
             m = Member(st, st.req.prompt_tokens, 0, -1.0, self._md_finished)
             st.md_member = m
+            self._cache_prompt(st)
         assert st.mode is not None, "decided before any HANDOFF leaves"
         chunk = md_extend_chunk(st.mode, ids, self.handoff_policy.chunk)
         if final:
