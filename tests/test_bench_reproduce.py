@@ -92,6 +92,9 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     engine = data["sim_config"]["engine"]
     assert engine["host_latency_us"] == pytest.approx(fit["fixed_ms"] * 1e3)
     assert engine["host_latency_per_token_us"] == pytest.approx(fit["per_1k_tokens_ms"])
+    # every request as the simulator served it, beside the live rows
+    for mode in ("same-dc", "cross-dc", "pdd"):
+        assert len(data["sim_requests"][mode]) == cfg["requests"]
     assert "host latency in the simulator: " in out
     assert len(data["requests"]["same-dc"]) == cfg["requests"]
     # P's plan of every pdd request, live and simulated, side by side
@@ -273,6 +276,46 @@ def test_the_host_probe_measures_what_the_simulator_leaves_out():
         assert alone(with_host, r) * 1e3 == pytest.approx(p["live_ttft_ms"], abs=2e-3)
     with pytest.raises(RuntimeError, match="1 of 2 requests answered"):
         host_latency_probe(config, probe[:2], [records[0], records[-1]])
+
+
+def test_the_simulators_statistics_are_taken_over_its_requests_as_the_live_ones():
+    """vLLM's percentiles interpolate between requests; the simulator's histograms give the
+    nearest rank. Over a few dozen requests that is a whole request apart, so the simulator's
+    TTFT, TPOT and end-to-end figures are its requests' own through the live side's function;
+    without per-request records (an older report) the histogram's stay."""
+    from pddnet.bench import metrics
+    from pddnet.bench.reproduce_sim import vllm_figures
+
+    ttfts = [0.080, 0.090, 0.3, 0.4]
+    report = {
+        "ttft_s": {"mean": 0.2175, "p50": 0.090, "p90": 0.4, "p99": 0.4},
+        "request_records": [
+            {"rid": i, "ttft_s": t, "tpot_s": 0.01 * (i + 1), "e2e_s": 1.0 + i}
+            for i, t in enumerate(ttfts)
+        ],
+    }
+    got = vllm_figures(report)
+    live = metrics.stats_ms("ttft", ttfts, (90.0, 99.0))
+    assert got["median_ttft_ms"] == pytest.approx(195.0) == pytest.approx(live["median_ttft_ms"])
+    assert got["p90_ttft_ms"] == pytest.approx(live["p90_ttft_ms"])
+    assert got["median_tpot_ms"] == pytest.approx(25.0)
+    assert got["median_e2el_ms"] == pytest.approx(2500.0)
+    older = vllm_figures({k: v for k, v in report.items() if k != "request_records"})
+    assert older["median_ttft_ms"] == pytest.approx(90.0)
+
+
+def test_the_simulator_serves_every_live_request():
+    from pddnet.bench import reproduce
+    from pddnet.bench.reproduce_sim import SYSTEMS, sim_order, simulate_beside
+
+    args = reproduce_args("--quick")
+    config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+    workload = reproduce.main_workload(args)
+    sims = simulate_beside(config, workload, SYSTEMS)
+    for report in sims.values():
+        rows = reproduce.sim_rows(report, workload)
+        assert [r["rid"] for r in rows] == sim_order(workload)
+        assert report["ttft_s"]["n"] == len(rows) == len(workload)
 
 
 def test_busy_shares_count_the_workload_phase_only():

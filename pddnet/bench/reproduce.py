@@ -50,6 +50,7 @@ from pddnet.bench.reproduce_sim import (
     SYSTEMS,
     host_latency_probe,
     sim_config_dict,
+    sim_order,
     simulate_beside,
     with_host_latency,
 )
@@ -493,6 +494,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "config": config,
             **result,
             "sim_config": sim_config,
+            # every request as the simulator served it, in the order of `requests`' lists
+            "sim_requests": {m: sim_rows(r, requests) for m, r in (sim or {}).items()},
             "emulation": {m: d.to_dict() for m, d in devices.items()},
             "daemon_stats": {m: live[m]["stats"] for m in live},
             # every request as `pdd bench ttft` keeps it (`pdd trace REQUEST_ID` reads these)
@@ -520,6 +523,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     print_report(result, config, path, plots)
     warnings = print_validity(result["devices"], "reproduce")
     return {"path": str(path), **result, "plots": plots, "warnings": warnings}
+
+
+def sim_rows(report: dict[str, Any], workload: list[AgentRequest]) -> list[dict[str, Any] | None]:
+    """The simulator's `request_records` in workload order (each keeps its rid, its index in
+    the simulator's arrival order), beside the live `requests` rows; None: not finished."""
+    by_rid = {r["rid"]: r for r in report.get("request_records") or []}
+    return [by_rid.get(rid) for rid in sim_order(workload)]
 
 
 def _command_line() -> str:

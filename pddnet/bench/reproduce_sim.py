@@ -8,7 +8,11 @@ same-DC cluster and given to the simulator as its [engine] host latency (`host_l
 so what the two may still disagree on is the network, the queueing and the protocol. The requests are the live
 workload's, one unit per token (units are the token ids, so every prefix cache matches exactly
 what the daemons' caches match); the deployment is the live cluster's (one instance per pool);
-the engine and policy settings are read from the live cluster's config.
+the engine and policy settings are read from the live cluster's config. The simulator's TTFT,
+TPOT and end-to-end statistics are taken over its requests as the live ones are
+(`vllm_figures`: vLLM's linearly interpolated percentiles), not read from its histograms, whose
+nearest-rank quantiles differ from those by a whole request on a few dozen (a cross-DC median
+between a fast and a slow half moved 848 -> 377 ms that way).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pddnet.bench import metrics
 from pddnet.bench.client import StreamRecord
 from pddnet.config import ClusterConfig
 from pddnet.sim.host_latency import HostLatency, fit_host_latency
@@ -130,7 +135,8 @@ def simulate_beside(
 ) -> dict[str, dict[str, Any]]:
     """The simulator's reports of `systems` (name -> the simulator's system) on the live
     requests, keyed by name; each with its P's plans (`plan_records`: the daemons'
-    `pdd.pipeline_decision` and the request's rid, its index in `sim_requests`' order)."""
+    `pdd.pipeline_decision` and the request's rid, its index in `sim_requests`' order) and
+    every request's own figures (`request_records`, by rid too)."""
     from pddnet.sim.config import parse_config
     from pddnet.sim.runner import simulate
 
@@ -139,8 +145,9 @@ def simulate_beside(
     out = {}
     for name, system in systems.items():
         plans: list[dict[str, Any]] = []
-        out[name] = {**simulate(cfg, system, requests=requests, plan_records=plans)}
-        out[name]["plan_records"] = plans
+        done: list[dict[str, Any]] = []
+        report = simulate(cfg, system, requests=requests, plan_records=plans, request_records=done)
+        out[name] = {**report, "plan_records": plans, "request_records": done}
     return out
 
 
@@ -191,8 +198,14 @@ def host_latency_probe(
     return {"requests": len(probe), "points": points, "fit": fit.to_dict()}
 
 
+PERCENTILES = (90.0, 99.0)  # beside the median: the table's
+
+
 def vllm_figures(report: dict[str, Any]) -> dict[str, float | None]:
-    """The simulator's report under the live benchmark's (vLLM's) key names, in ms."""
+    """The simulator's report under the live benchmark's (vLLM's) key names, in ms. With its
+    `request_records` (`simulate_beside`'s), TTFT, TPOT and end to end are taken over them by
+    the live side's own function (pddnet.bench.metrics.stats_ms: linear interpolation);
+    ITL, thousands of gaps the simulator keeps no list of, from its histogram."""
 
     def ms(section: str, stat: str) -> float | None:
         v = (report.get(section) or {}).get(stat)
@@ -205,6 +218,12 @@ def vllm_figures(report: dict[str, Any]) -> dict[str, float | None]:
         for p in ("p90", "p99"):
             out[f"{p}_{name}_ms"] = ms(section, p)
     out["median_e2el_ms"] = ms("e2e_s", "p50")
+    done = report.get("request_records")
+    if done:
+        for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2el", "e2e_s")):
+            values = [r[key] for r in done if r[key] is not None]
+            stats = metrics.stats_ms(name, values, PERCENTILES)
+            out.update({k: v for k, v in stats.items() if not k.startswith("std_")})
     share = report.get("token_share") or {}
     out["rld_token_share"] = share.get("rld")
     wan = report.get("wan") or {}

@@ -253,6 +253,11 @@ class SimulatedSystem:
         # with a list: every plan P's planner makes, as the daemons' `pdd.pipeline_decision`
         # (PipelineDecision.record) with the request's rid (pdd bench reproduce compares them)
         self.plan_records: list[dict[str, Any]] | None = None
+        # with a list: every finished request's own figures (its rid, TTFT, TPOT, end to end,
+        # pipeline, tokens by tier), so that a benchmark beside the simulator can take its
+        # statistics over the requests the way it takes the live ones (the histograms' are
+        # bucketed nearest-rank quantiles, built for millions of requests)
+        self.request_records: list[dict[str, Any]] | None = None
 
     # -- routing ----------------------------------------------------------------------------
 
@@ -808,6 +813,21 @@ class SimulatedSystem:
         c["md_tokens"] += req.output_tokens - st.rld_tokens
         if ttft <= self.cfg.sla.ttft_s and tpot <= self.cfg.sla.tpot_s:
             c["good"] += 1
+        if self.request_records is not None:
+            assert st.pipeline is not None, "chosen when it arrived"
+            self.request_records.append(
+                {
+                    "rid": req.rid,
+                    "ttft_s": ttft,
+                    "tpot_s": tpot if req.output_tokens > 1 else None,  # (vLLM's: none)
+                    "e2e_s": last_user - req.arrival_s,
+                    "pipeline": st.pipeline.value,
+                    "rld_tokens": st.rld_tokens,
+                    "md_tokens": req.output_tokens - st.rld_tokens,
+                    "md_hit_tokens": st.md_hit,
+                    "p_hit_tokens": st.p_hit,
+                }
+            )
         self.last_done = max(self.last_done, last_user)
         if self.on_request_done is not None:
             self.on_request_done(req, last_user)
