@@ -92,6 +92,8 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     engine = data["sim_config"]["engine"]
     assert engine["host_latency_us"] == pytest.approx(fit["fixed_ms"] * 1e3)
     assert engine["host_latency_per_token_us"] == pytest.approx(fit["per_1k_tokens_ms"])
+    assert engine["host_latency_per_step_us"] == pytest.approx(fit["per_step_ms"] * 1e3)
+    assert fit["per_step_ms"] >= 0
     # every request as the simulator served it, beside the live rows
     for mode in ("same-dc", "cross-dc", "pdd"):
         assert len(data["sim_requests"][mode]) == cfg["requests"]
@@ -276,6 +278,83 @@ def test_the_host_probe_measures_what_the_simulator_leaves_out():
         assert alone(with_host, r) * 1e3 == pytest.approx(p["live_ttft_ms"], abs=2e-3)
     with pytest.raises(RuntimeError, match="1 of 2 requests answered"):
         host_latency_probe(config, probe[:2], [records[0], records[-1]])
+
+
+def test_the_probe_fits_the_request_path_beside_a_given_per_step_part():
+    """With the host's time per engine step measured apart, the probe's requests alone in the
+    simulator pay it on each of P's chunks, and the fit is what is left per request: live
+    TTFTs that are the simulator's own (with that per-step part) plus 3 ms plus 0.2 ms per 1K
+    prompt tokens give those back, and the per-step part rides along in the fit."""
+    from pddnet.bench import reproduce
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.reproduce_sim import host_latency_probe, simulate_beside, with_host_latency
+    from pddnet.sim.host_latency import HostLatency, host_latency_from_dict
+
+    args = reproduce_args("--quick")
+    probe = reproduce.host_probe_workload(args, reproduce.main_workload(args))
+    config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+    per_step = 5e-4
+    stepped = with_host_latency(config, HostLatency(per_step_s=per_step))
+
+    def alone(cfg, r):
+        return simulate_beside(cfg, [r], {"s": "same-dc"})["s"]["ttft_s"]["mean"]
+
+    k = 10.0
+    truth = HostLatency(0.003, 2e-7)
+    records = [
+        StreamRecord(
+            sent_at=1.0, first_token_at=1.0 + k * (alone(stepped, r) + truth.at(n)), dilation=k
+        )
+        for r in probe
+        for n in [len(r.prompt_token_ids)]
+    ]
+    got = host_latency_probe(config, probe, records, per_step)
+    fit = host_latency_from_dict(got["fit"])
+    assert fit.fixed_s == pytest.approx(truth.fixed_s, abs=2e-6)
+    assert fit.per_token_s == pytest.approx(truth.per_token_s, rel=1e-3)
+    assert fit.per_step_s == pytest.approx(per_step)
+    # without it, the steps' time would be taken for a part of the request's path
+    assert host_latency_from_dict(host_latency_probe(config, probe, records)["fit"]).at(
+        5000
+    ) > truth.at(5000)
+
+
+def test_the_host_time_per_step_is_the_token_gap_beyond_the_paced_decode_step():
+    """The client's mean gap between a request's tokens (its first gap, P's token to the
+    decode side's first, left out) less the decoding daemons' paced step per token, over the
+    phase's own steps (the stats as it began taken out)."""
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.reproduce_sim import host_step_latency
+
+    k = 2.0  # records are in wall time; their durations / k
+
+    def record(gaps_ms: list[float]) -> StreamRecord:
+        times = [100.0]
+        for g in [40.0, *gaps_ms]:  # the first gap: a KV hop, no step
+            times.append(times[-1] + g * k / 1e3)
+        return StreamRecord(sent_at=99.0, first_token_at=times[0], token_times=times, dilation=k)
+
+    records = [record([11.0, 11.5] * 30), record([11.5, 11.0] * 10)]
+    records.append(StreamRecord(sent_at=0.0, error="boom"))
+
+    def steps(n: int, seconds: float, batch: float) -> dict:
+        return {"steps": n, "seconds": seconds, "mean_batch": batch}
+
+    after = {
+        "prefill": {"engine_steps": {"decode_by_batch": {}}},
+        "relay": {
+            "engine_steps": {
+                "decode_by_batch": {"1": steps(105, 1.5, 1.0), "2-3": steps(50, 0.6, 2.0)}
+            }
+        },
+    }
+    before = {"relay": {"engine_steps": {"decode_by_batch": {"1": steps(5, 0.5, 1.0)}}}}
+    # the phase: 100 steps of 10 ms at batch 1, 50 of 12 ms at batch 2: 11 ms per token
+    assert host_step_latency(records, after, before) == pytest.approx(0.25e-3)
+    # the warm-up's and the probe's slow steps, not taken out, weigh in
+    assert host_step_latency(records, after) < 0.25e-3
+    assert host_step_latency(records[:1], {}) == 0.0  # nothing paced to compare with
+    assert host_step_latency([record([9.0] * 10)], after, before) == 0.0  # never < 0
 
 
 def test_the_simulators_statistics_are_taken_over_its_requests_as_the_live_ones():

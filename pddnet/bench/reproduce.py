@@ -20,7 +20,8 @@ every time is dilated by one k):
 4. the 100-token handoff, token ids vs KV-direct, quiet and under jitter with competing
    traffic (`pdd bench handoff`'s `source_figure`), on the same chips, k and line;
 5. the simulator on the very same requests, chips, line and policy (reproduce_sim.py), with
-   the testbed's host path per request as its host latency, measured by a probe of a few idle
+   the testbed's host time as its host latency: per engine step, from the same-DC run's token
+   gaps against its paced decode steps, and per request, measured by a probe of a few idle
    requests on the same-DC cluster before its traffic (not counted in its figures).
 
 The workloads are reproduce_workload.py's. The scale is per instance: one P, one RLD, one MD
@@ -49,6 +50,7 @@ from pddnet.bench.reproduce_sim import (
     DRC_SYSTEMS,
     SYSTEMS,
     host_latency_probe,
+    host_step_latency,
     sim_config_dict,
     sim_order,
     simulate_beside,
@@ -429,9 +431,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await live_stage("same-dc", {**phases, "agent": requests})
     if sim_config is not None:
         if "same-dc" in live:
-            answered = [live["same-dc"]["records"][name][0] for name in phases]
+            same = live["same-dc"]
+            per_step = host_step_latency(
+                same["records"]["agent"], same["stats"], same["stats_before"].get("agent")
+            )
+            answered = [same["records"][name][0] for name in phases]
             host = await stage(
-                "host probe", _async(host_latency_probe, sim_config, probe, answered)
+                "host probe", _async(host_latency_probe, sim_config, probe, answered, per_step)
             )
         sim_config = with_host_latency(sim_config, host_latency_from_dict((host or {}).get("fit")))
         systems = {m: SYSTEMS[m] for m in args.modes}

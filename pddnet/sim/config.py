@@ -20,7 +20,8 @@ decode = { chip = "a", instances = 6, gpus = 16 }
 
 [line]      bw_gbit, rtt_ms, jitter_ms, queue_mb, piece_mb, piece_ms, price_per_gbit_hour
 [engine]    block_tokens, chunk_tokens, max_seqs, memory_utilisation, segment_steps,
-            rdma_latency_us, p_prefix_cache, host_latency_us, host_latency_per_token_us
+            rdma_latency_us, p_prefix_cache, host_latency_us, host_latency_per_token_us,
+            host_latency_per_step_us
 [policy]    direct_budget_s, singular_filter, singular_margin, handoff, handoff_threshold,
             handoff_chunk, rld_load_limit, rld_max_requests
 [sla]       ttft_s, tpot_s, attainment
@@ -120,6 +121,12 @@ class Engine:
     # with the live daemons isolates network, queueing and protocol.
     host_latency_us: float = 0.0
     host_latency_per_token_us: float = 0.0
+    # The host's time per engine step, beyond the forward's (the engine loop between two
+    # forwards: handing the outputs over, queued calls, the thread's wake-up): every prefill,
+    # decode and extend step lasts this much longer, while what a policy is told of a step
+    # (RLD's time per token) stays the forward's, as the daemons measure it. 0 by default
+    # (noise at datacenter scale); `pdd bench reproduce` measures its testbed's.
+    host_latency_per_step_us: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -174,9 +174,17 @@ class SimulatedSystem:
             self.rtt_est = RttEstimator(initial_s=max(c.line.rtt_ms, 0.01) / 1e3)
         mu = e.memory_utilisation
         pc = InstanceCost(dep.prefill.chip, c.model, dep.prefill.gpus, mu)
+        host_step = e.host_latency_per_step_us / 1e6
         self.prefill = [
             PrefillInstance(
-                self.loop, pc, f"P{i}", self.q, self.block_units, e.chunk_tokens, e.p_prefix_cache
+                self.loop,
+                pc,
+                f"P{i}",
+                self.q,
+                self.block_units,
+                e.chunk_tokens,
+                e.p_prefix_cache,
+                host_step_s=host_step,
             )
             for i in range(dep.prefill.instances)
         ]
@@ -197,6 +205,7 @@ class SimulatedSystem:
                     self.itl,
                     self.handoff_gap,
                     e.segment_steps,
+                    host_step,
                 ),
                 RadixCache(BlockAllocator(blocks), self.block_units),
                 self.use_drc,
@@ -215,7 +224,15 @@ class SimulatedSystem:
             for i in range(dep.relay.instances):
                 self.relay.append(
                     DecodeInstance(
-                        self.loop, rc, f"RLD{i}", e.max_seqs, 0.0, self.itl, None, e.segment_steps
+                        self.loop,
+                        rc,
+                        f"RLD{i}",
+                        e.max_seqs,
+                        0.0,
+                        self.itl,
+                        None,
+                        e.segment_steps,
+                        host_step,
                     )
                 )
                 self.admission.append(
