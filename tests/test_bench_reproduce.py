@@ -383,12 +383,15 @@ def test_the_simulators_statistics_are_taken_over_its_requests_as_the_live_ones(
     assert older["median_ttft_ms"] == pytest.approx(90.0)
 
 
-def test_the_simulator_serves_every_live_request():
+def test_the_simulator_serves_every_live_request_and_batches_p_as_the_live_p():
     from pddnet.bench import reproduce
     from pddnet.bench.reproduce_sim import SYSTEMS, sim_order, simulate_beside
+    from pddnet.config import load_config
 
     args = reproduce_args("--quick")
     config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+    live = load_config(None, reproduce.cluster_settings("pdd", args))
+    assert config["engine"]["p_max_seqs"] == live.prefill.max_num_seqs > 1
     workload = reproduce.main_workload(args)
     sims = simulate_beside(config, workload, SYSTEMS)
     for report in sims.values():

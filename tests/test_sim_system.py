@@ -509,3 +509,36 @@ def test_a_request_hits_the_prompt_of_one_still_decoding(system, b_at):
         kvpt = cfg.model.kv_bytes_per_token
         assert r["wan"]["kv_bytes"] == (9192 + 500) * kvpt
 
+
+def test_p_batches_a_waiting_prompt_into_a_running_ones_last_chunk():
+    """[engine] p_max_seqs (the daemons' P: its max_num_seqs) lets a prompt that arrived while
+    a long one is prefilled into the token budget the long one's last chunk leaves, as the
+    engine's scheduler does: both finish with that step. 1, the default, is FIFO one prompt at
+    a time: the short prompt waits for the long one's end, then has a step of its own."""
+    import random
+
+    from pddnet.workload.units import SimRequest
+
+    rng = random.Random(9)
+    long_units = tuple(rng.randrange(1 << 20) for _ in range(9 * 2048 + 500))
+    short_units = tuple(rng.randrange(1 << 20) for _ in range(1000))
+    requests = [
+        SimRequest(0, 0, 0.0, long_units, len(long_units), 8, tuple(range(8))),
+        SimRequest(1, 1, 0.1, short_units, len(short_units), 8, tuple(range(8))),
+    ]
+    first_token = {}
+    for p_max_seqs in (1, 64):
+        cfg = parse_config(
+            {**_one_pool_dict(), "engine": {"chunk_tokens": 2048, "p_max_seqs": p_max_seqs}}
+        )
+        done: list[dict] = []
+        simulate(cfg, "same-dc", requests=requests, request_records=done)
+        first_token[p_max_seqs] = {
+            r["rid"]: r["ttft_s"] + requests[r["rid"]].arrival_s for r in done
+        }
+    alone, batched = first_token[1], first_token[64]
+    assert alone[1] > alone[0] + 0.01  # a step of its own after the long prompt's last
+    assert batched[1] == pytest.approx(batched[0], abs=2e-3)  # the same step (+ its KV hop)
+    assert batched[0] > alone[0]  # the shared step is a longer forward
+    with pytest.raises(ValueError, match="p_max_seqs must be >= 1"):
+        parse_config({**_one_pool_dict(), "engine": {"p_max_seqs": 0}})

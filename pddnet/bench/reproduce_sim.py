@@ -112,6 +112,8 @@ def sim_config_dict(
             "block_tokens": live.prefill.block_size,
             "chunk_tokens": live.prefill.max_num_batched_tokens,
             "max_seqs": live.main_decode.max_num_seqs,
+            # P batches waiting prompts into a running one's last chunk, as its engine does
+            "p_max_seqs": live.prefill.max_num_seqs,
             "p_prefix_cache": live.prefill.prefix_cache != "off",
         },
         "policy": {

@@ -184,6 +184,7 @@ class SimulatedSystem:
                 self.block_units,
                 e.chunk_tokens,
                 e.p_prefix_cache,
+                max_seqs=e.p_max_seqs,
                 host_step_s=host_step,
             )
             for i in range(dep.prefill.instances)
