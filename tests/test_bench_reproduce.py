@@ -92,6 +92,11 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     engine = data["sim_config"]["engine"]
     assert engine["host_latency_us"] == pytest.approx(fit["fixed_ms"] * 1e3)
     assert engine["host_latency_per_token_us"] == pytest.approx(fit["per_1k_tokens_ms"])
+    assert engine["host_latency_per_step_us"] == pytest.approx(fit["per_step_ms"] * 1e3)
+    assert fit["per_step_ms"] >= 0
+    # every request as the simulator served it, beside the live rows
+    for mode in ("same-dc", "cross-dc", "pdd"):
+        assert len(data["sim_requests"][mode]) == cfg["requests"]
     assert "host latency in the simulator: " in out
     assert len(data["requests"]["same-dc"]) == cfg["requests"]
     # P's plan of every pdd request, live and simulated, side by side
@@ -278,6 +283,126 @@ def test_the_host_probe_measures_what_the_simulator_leaves_out():
         assert alone(with_host, r) * 1e3 == pytest.approx(p["live_ttft_ms"], abs=2e-3)
     with pytest.raises(RuntimeError, match="1 of 2 requests answered"):
         host_latency_probe(config, probe[:2], [records[0], records[-1]])
+
+
+def test_the_probe_fits_the_request_path_beside_a_given_per_step_part():
+    """With the host's time per engine step measured apart, the probe's requests alone in the
+    simulator pay it on each of P's chunks, and the fit is what is left per request: live
+    TTFTs that are the simulator's own (with that per-step part) plus 3 ms plus 0.2 ms per 1K
+    prompt tokens give those back, and the per-step part rides along in the fit."""
+    from pddnet.bench import reproduce
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.reproduce_sim import host_latency_probe, simulate_beside, with_host_latency
+    from pddnet.sim.host_latency import HostLatency, host_latency_from_dict
+
+    args = reproduce_args("--quick")
+    probe = reproduce.host_probe_workload(args, reproduce.main_workload(args))
+    config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+    per_step = 5e-4
+    stepped = with_host_latency(config, HostLatency(per_step_s=per_step))
+
+    def alone(cfg, r):
+        return simulate_beside(cfg, [r], {"s": "same-dc"})["s"]["ttft_s"]["mean"]
+
+    k = 10.0
+    truth = HostLatency(0.003, 2e-7)
+    records = [
+        StreamRecord(
+            sent_at=1.0, first_token_at=1.0 + k * (alone(stepped, r) + truth.at(n)), dilation=k
+        )
+        for r in probe
+        for n in [len(r.prompt_token_ids)]
+    ]
+    got = host_latency_probe(config, probe, records, per_step)
+    fit = host_latency_from_dict(got["fit"])
+    assert fit.fixed_s == pytest.approx(truth.fixed_s, abs=2e-6)
+    assert fit.per_token_s == pytest.approx(truth.per_token_s, rel=1e-3)
+    assert fit.per_step_s == pytest.approx(per_step)
+    # without it, the steps' time would be taken for a part of the request's path
+    assert host_latency_from_dict(host_latency_probe(config, probe, records)["fit"]).at(
+        5000
+    ) > truth.at(5000)
+
+
+def test_the_host_time_per_step_is_the_token_gap_beyond_the_paced_decode_step():
+    """The client's mean gap between a request's tokens (its first gap, P's token to the
+    decode side's first, left out) less the decoding daemons' paced step per token, over the
+    phase's own steps (the stats as it began taken out)."""
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.reproduce_sim import host_step_latency
+
+    k = 2.0  # records are in wall time; their durations / k
+
+    def record(gaps_ms: list[float]) -> StreamRecord:
+        times = [100.0]
+        for g in [40.0, *gaps_ms]:  # the first gap: a KV hop, no step
+            times.append(times[-1] + g * k / 1e3)
+        return StreamRecord(sent_at=99.0, first_token_at=times[0], token_times=times, dilation=k)
+
+    records = [record([11.0, 11.5] * 30), record([11.5, 11.0] * 10)]
+    records.append(StreamRecord(sent_at=0.0, error="boom"))
+
+    def steps(n: int, seconds: float, batch: float) -> dict:
+        return {"steps": n, "seconds": seconds, "mean_batch": batch}
+
+    after = {
+        "prefill": {"engine_steps": {"decode_by_batch": {}}},
+        "relay": {
+            "engine_steps": {
+                "decode_by_batch": {"1": steps(105, 1.5, 1.0), "2-3": steps(50, 0.6, 2.0)}
+            }
+        },
+    }
+    before = {"relay": {"engine_steps": {"decode_by_batch": {"1": steps(5, 0.5, 1.0)}}}}
+    # the phase: 100 steps of 10 ms at batch 1, 50 of 12 ms at batch 2: 11 ms per token
+    assert host_step_latency(records, after, before) == pytest.approx(0.25e-3)
+    # the warm-up's and the probe's slow steps, not taken out, weigh in
+    assert host_step_latency(records, after) < 0.25e-3
+    assert host_step_latency(records[:1], {}) == 0.0  # nothing paced to compare with
+    assert host_step_latency([record([9.0] * 10)], after, before) == 0.0  # never < 0
+
+
+def test_the_simulators_statistics_are_taken_over_its_requests_as_the_live_ones():
+    """vLLM's percentiles interpolate between requests; the simulator's histograms give the
+    nearest rank. Over a few dozen requests that is a whole request apart, so the simulator's
+    TTFT, TPOT and end-to-end figures are its requests' own through the live side's function;
+    without per-request records (an older report) the histogram's stay."""
+    from pddnet.bench import metrics
+    from pddnet.bench.reproduce_sim import vllm_figures
+
+    ttfts = [0.080, 0.090, 0.3, 0.4]
+    report = {
+        "ttft_s": {"mean": 0.2175, "p50": 0.090, "p90": 0.4, "p99": 0.4},
+        "request_records": [
+            {"rid": i, "ttft_s": t, "tpot_s": 0.01 * (i + 1), "e2e_s": 1.0 + i}
+            for i, t in enumerate(ttfts)
+        ],
+    }
+    got = vllm_figures(report)
+    live = metrics.stats_ms("ttft", ttfts, (90.0, 99.0))
+    assert got["median_ttft_ms"] == pytest.approx(195.0) == pytest.approx(live["median_ttft_ms"])
+    assert got["p90_ttft_ms"] == pytest.approx(live["p90_ttft_ms"])
+    assert got["median_tpot_ms"] == pytest.approx(25.0)
+    assert got["median_e2el_ms"] == pytest.approx(2500.0)
+    older = vllm_figures({k: v for k, v in report.items() if k != "request_records"})
+    assert older["median_ttft_ms"] == pytest.approx(90.0)
+
+
+def test_the_simulator_serves_every_live_request_and_batches_p_as_the_live_p():
+    from pddnet.bench import reproduce
+    from pddnet.bench.reproduce_sim import SYSTEMS, sim_order, simulate_beside
+    from pddnet.config import load_config
+
+    args = reproduce_args("--quick")
+    config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+    live = load_config(None, reproduce.cluster_settings("pdd", args))
+    assert config["engine"]["p_max_seqs"] == live.prefill.max_num_seqs > 1
+    workload = reproduce.main_workload(args)
+    sims = simulate_beside(config, workload, SYSTEMS)
+    for report in sims.values():
+        rows = reproduce.sim_rows(report, workload)
+        assert [r["rid"] for r in rows] == sim_order(workload)
+        assert report["ttft_s"]["n"] == len(rows) == len(workload)
 
 
 def test_busy_shares_count_the_workload_phase_only():

@@ -90,6 +90,28 @@ def test_incremental_engine_style_insert_continues_the_hash_chain():
     check_invariants(c)
 
 
+def test_a_running_request_shares_its_prompt_and_keeps_its_blocks():
+    """insert_running caches a running request's full blocks while it holds them (the
+    simulator's MD at a request's first step): another request matches them at once, they
+    cannot be evicted under it, and its end (insert_finished) adds the output's blocks."""
+    a, c = make()
+    prompt = list(range(10))  # two full blocks and a partial one
+    table, _ = serve(c, prompt)
+    table += c.allocate(1)  # room for the output
+    c.insert_running(prompt, table, chained_hashes(prompt, BS))
+    assert c.match(prompt[:8] + [99]).block_ids == tuple(table[:2])
+    assert c.evict(8) == []  # the running request still holds them
+    check_invariants(c)
+    output = [10, 11, 12, 13, 14, 15]
+    res = c.insert_finished(prompt + output, table)
+    assert res.adopted == (table[2], table[3]) and res.duplicates == ()
+    assert res.freed == ()
+    assert c.match(prompt + output + [0]).block_ids == tuple(table)
+    check_invariants(c)
+    assert sorted(c.evict(8)) == sorted(table)
+    assert a.num_free == 32
+
+
 def test_bad_inserts_are_refused_with_clear_errors():
     a, c = make()
     with pytest.raises(ValueError, match="cannot cache free block"):

@@ -1,5 +1,6 @@
 """The simulator's host latency ([engine] host_latency_us + host_latency_per_token_us x prompt
-tokens): its fit from measured points, and where a simulated request pays it."""
+tokens per request, host_latency_per_step_us per engine step): its fit from measured points,
+and where a simulated request pays it."""
 
 from __future__ import annotations
 
@@ -61,18 +62,23 @@ def test_one_prompt_length_gives_the_mean_and_no_points_is_an_error():
 
 
 def test_the_json_and_the_config_keys_carry_the_same_latency():
-    host = HostLatency(0.0075, 1.25e-7)
+    host = HostLatency(0.0075, 1.25e-7, 2e-4)
     assert host.to_dict() == {
         "fixed_ms": pytest.approx(7.5),
         "per_1k_tokens_ms": pytest.approx(0.125),
+        "per_step_ms": pytest.approx(0.2),
     }
     back = host_latency_from_dict(host.to_dict())
     assert back.fixed_s == pytest.approx(host.fixed_s)
     assert back.per_token_s == pytest.approx(host.per_token_s)
+    assert back.per_step_s == pytest.approx(host.per_step_s)
     assert host_latency_from_dict(None) == HostLatency()
+    # a result from before the per-step part was measured
+    assert host_latency_from_dict({"fixed_ms": 7.5, "per_1k_tokens_ms": 0.125}).per_step_s == 0
     engine = parse_config({**config_dict(), "engine": host.engine_settings()}).engine
     assert engine.host_latency_us == pytest.approx(7500.0)
     assert engine.host_latency_per_token_us == pytest.approx(0.125)
+    assert engine.host_latency_per_step_us == pytest.approx(200.0)
 
 
 # -- the simulator applies it ------------------------------------------------------------------
@@ -125,6 +131,7 @@ def request(rid: int, prompt: int, output: int, at: float = 0.0) -> SimRequest:
 
 def test_the_host_latency_is_off_by_default():
     assert Engine().host_latency_us == 0.0 and Engine().host_latency_per_token_us == 0.0
+    assert Engine().host_latency_per_step_us == 0.0
     assert parse_config(config_dict()).engine == Engine()
 
 
@@ -155,3 +162,57 @@ def test_the_host_path_is_paid_before_p_and_overlaps_a_wait_for_it():
     with_host = ttfts(config_dict(host_latency_per_token_us=per_token_us), "same-dc", [long, short])
     assert with_host[0] - without[0] == pytest.approx(48000 * per_token_us / 1e6, abs=1e-9)
     assert with_host[1] - without[1] == pytest.approx(48000 * per_token_us / 1e6, abs=1e-9)
+
+
+# -- per engine step ---------------------------------------------------------------------------
+
+
+def figures(cfg_dict: dict, system: str, requests: list[SimRequest]) -> dict[int, dict]:
+    """Each request's own figures (SimulatedSystem.request_records) in one run of `system`."""
+    records: list[dict] = []
+    cfg = parse_config({**cfg_dict, "workload": {"requests": len(requests)}})
+    runner.simulate(cfg, system, requests=requests, request_records=records)
+    return {r["rid"]: r for r in records}
+
+
+@pytest.mark.parametrize("system", ["same-dc", "cross-dc"])
+def test_every_engine_step_pays_the_per_step_part(system):
+    """A prompt of 5 chunks alone: every token after the first is one step's host time later
+    (the decode side's steps); in same-DC the first token is 5 steps' later (P's chunks, then
+    the RDMA hop). (Cross-DC its KV crosses the line as the chunks finish, seconds of it: only
+    the last chunk's step delays the crossing's end.)"""
+    step_us = 300.0
+    prompt = 5 * 2048 - 100  # 5 chunks of [engine] chunk_tokens
+    req = [request(0, prompt, 64)]
+    chunks = {"chunk_tokens": 2048}
+    without = figures(config_dict(**chunks), system, req)[0]
+    with_step = figures(config_dict(**chunks, host_latency_per_step_us=step_us), system, req)[0]
+    steps_before_first = 5 if system == "same-dc" else 1
+    assert with_step["ttft_s"] - without["ttft_s"] == pytest.approx(
+        steps_before_first * step_us / 1e6, abs=1e-9
+    )
+    assert with_step["tpot_s"] - without["tpot_s"] == pytest.approx(step_us / 1e6, abs=1e-9)
+
+
+def test_the_per_step_part_is_not_device_time_nor_what_a_policy_is_told():
+    """RLD's time per token that P plans with is its forward's, as the relay daemon's
+    step_s EWMA of its paced steps; the busy shares are the devices'."""
+    from pddnet.sim.decode import DecodeInstance, Member
+    from pddnet.sim.events import EventLoop
+    from pddnet.sim.metrics import Histogram
+
+    cfg = parse_config(config_dict())
+    cost = SimulatedSystem(cfg, "pdd").relay[0].cost
+    runs = {}
+    for host_step in (0.0, 0.001):
+        loop = EventLoop()
+        inst = DecodeInstance(loop, cost, "RLD0", 8, 0.0, Histogram(), host_step_s=host_step)
+        estimate = inst.step_time_estimate(4000)
+        inst.add(Member(None, 4000, 100, 0.0, lambda m, t, made: None))
+        loop.run()
+        runs[host_step] = (estimate, inst.busy_s, loop.now)
+    assert runs[0.001][0] == runs[0.0][0]
+    assert runs[0.001][1] == pytest.approx(runs[0.0][1])
+    assert runs[0.001][2] == pytest.approx(runs[0.0][2] + 100 * 0.001)
+    with pytest.raises(ValueError, match="host_step_s"):
+        DecodeInstance(EventLoop(), cost, "x", 8, 0.0, Histogram(), host_step_s=-1.0)

@@ -457,3 +457,88 @@ def test_a_request_sent_later_is_the_same_request_at_another_time():
 
     for r in list(requests_for(small(requests=20)))[:20]:
         assert r.sent_at(r.arrival_s + 1.5) == dataclasses.replace(r, arrival_s=r.arrival_s + 1.5)
+
+
+def _two_conversations_on_one_system_prompt(b_at: float) -> list:
+    """A: a 8192-token system prompt + 1000 tokens of its own, 2000 tokens out (it decodes
+    for seconds); B, of another conversation, the same system prompt + 500, sent at `b_at`."""
+    import random
+
+    from pddnet.workload.units import SimRequest
+
+    rng = random.Random(5)
+    system_prompt = tuple(rng.randrange(1 << 20) for _ in range(8192))
+    a = system_prompt + tuple(rng.randrange(1 << 20) for _ in range(1000))
+    b = system_prompt + tuple(rng.randrange(1 << 20) for _ in range(500))
+    return [
+        SimRequest(0, 0, 0.0, a, len(a), 2000, tuple(range(2000))),
+        SimRequest(1, 1, b_at, b, len(b), 16, tuple(range(16))),
+    ]
+
+
+def _one_pool_dict() -> dict:
+    pool = {"instances": 1, "gpus": 1}
+    return {
+        "model": "qwen2.5-7b",
+        "tokens_per_unit": 1,
+        "chips": {"p": "h100-sxm", "md": "h200-sxm"},
+        "pdd": {
+            "prefill": {"chip": "p", **pool},
+            "relay": {"chip": "p", **pool},
+            "main_decode": {"chip": "md", **pool},
+        },
+        "baseline": {"prefill": {"chip": "p", **pool}, "decode": {"chip": "p", **pool}},
+        "line": {"bw_gbit": 2.0, "rtt_ms": 30.0},
+        "workload": {"requests": 2},
+    }
+
+
+@pytest.mark.parametrize("system", ["same-dc", "cross-dc"])
+@pytest.mark.parametrize("b_at", [5.0, 60.0])  # while A decodes on MD / D; after A is done
+def test_a_request_hits_the_prompt_of_one_still_decoding(system, b_at):
+    """MD's (and D's) engine indexes a request's prompt blocks at its first decode step
+    (register_computed), so B, sharing A's system prompt, hits it while A is still decoding,
+    not only once A has finished (the simulator's DRC took a request's blocks at its end:
+    live, a conversation starting on the system prompt of one in flight sent 1.7K tokens'
+    KV where the simulator sent 12K)."""
+    cfg = parse_config(_one_pool_dict())
+    r = simulate(cfg, system, requests=_two_conversations_on_one_system_prompt(b_at))
+    assert r["finished"] == 2
+    assert r["prefix"]["decode_side_hit_tokens"] == 8192
+    if system == "cross-dc":
+        kvpt = cfg.model.kv_bytes_per_token
+        assert r["wan"]["kv_bytes"] == (9192 + 500) * kvpt
+
+
+def test_p_batches_a_waiting_prompt_into_a_running_ones_last_chunk():
+    """[engine] p_max_seqs (the daemons' P: its max_num_seqs) lets a prompt that arrived while
+    a long one is prefilled into the token budget the long one's last chunk leaves, as the
+    engine's scheduler does: both finish with that step. 1, the default, is FIFO one prompt at
+    a time: the short prompt waits for the long one's end, then has a step of its own."""
+    import random
+
+    from pddnet.workload.units import SimRequest
+
+    rng = random.Random(9)
+    long_units = tuple(rng.randrange(1 << 20) for _ in range(9 * 2048 + 500))
+    short_units = tuple(rng.randrange(1 << 20) for _ in range(1000))
+    requests = [
+        SimRequest(0, 0, 0.0, long_units, len(long_units), 8, tuple(range(8))),
+        SimRequest(1, 1, 0.1, short_units, len(short_units), 8, tuple(range(8))),
+    ]
+    first_token = {}
+    for p_max_seqs in (1, 64):
+        cfg = parse_config(
+            {**_one_pool_dict(), "engine": {"chunk_tokens": 2048, "p_max_seqs": p_max_seqs}}
+        )
+        done: list[dict] = []
+        simulate(cfg, "same-dc", requests=requests, request_records=done)
+        first_token[p_max_seqs] = {
+            r["rid"]: r["ttft_s"] + requests[r["rid"]].arrival_s for r in done
+        }
+    alone, batched = first_token[1], first_token[64]
+    assert alone[1] > alone[0] + 0.01  # a step of its own after the long prompt's last
+    assert batched[1] == pytest.approx(batched[0], abs=2e-3)  # the same step (+ its KV hop)
+    assert batched[0] > alone[0]  # the shared step is a longer forward
+    with pytest.raises(ValueError, match="p_max_seqs must be >= 1"):
+        parse_config({**_one_pool_dict(), "engine": {"p_max_seqs": 0}})

@@ -20,7 +20,8 @@ every time is dilated by one k):
 4. the 100-token handoff, token ids vs KV-direct, quiet and under jitter with competing
    traffic (`pdd bench handoff`'s `source_figure`), on the same chips, k and line;
 5. the simulator on the very same requests, chips, line and policy (reproduce_sim.py), with
-   the testbed's host path per request as its host latency, measured by a probe of a few idle
+   the testbed's host time as its host latency: per engine step, from the same-DC run's token
+   gaps against its paced decode steps, and per request, measured by a probe of a few idle
    requests on the same-DC cluster before its traffic (not counted in its figures).
 
 The workloads are reproduce_workload.py's. The scale is per instance: one P, one RLD, one MD
@@ -49,7 +50,9 @@ from pddnet.bench.reproduce_sim import (
     DRC_SYSTEMS,
     SYSTEMS,
     host_latency_probe,
+    host_step_latency,
     sim_config_dict,
+    sim_order,
     simulate_beside,
     with_host_latency,
 )
@@ -447,9 +450,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await live_stage("same-dc", {**phases, "agent": requests})
     if sim_config is not None:
         if "same-dc" in live:
-            answered = [live["same-dc"]["records"][name][0] for name in phases]
+            same = live["same-dc"]
+            per_step = host_step_latency(
+                same["records"]["agent"], same["stats"], same["stats_before"].get("agent")
+            )
+            answered = [same["records"][name][0] for name in phases]
             host = await stage(
-                "host probe", _async(host_latency_probe, sim_config, probe, answered)
+                "host probe", _async(host_latency_probe, sim_config, probe, answered, per_step)
             )
         sim_config = with_host_latency(sim_config, host_latency_from_dict((host or {}).get("fit")))
         systems = {m: SYSTEMS[m] for m in args.modes}
@@ -512,6 +519,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "config": config,
             **result,
             "sim_config": sim_config,
+            # every request as the simulator served it, in the order of `requests`' lists
+            "sim_requests": {m: sim_rows(r, requests) for m, r in (sim or {}).items()},
             "emulation": {m: d.to_dict() for m, d in devices.items()},
             "daemon_stats": {m: live[m]["stats"] for m in live},
             # every request as `pdd bench ttft` keeps it (`pdd trace REQUEST_ID` reads these)
@@ -539,6 +548,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     print_report(result, config, path, plots)
     warnings = print_validity(result["devices"], "reproduce")
     return {"path": str(path), **result, "plots": plots, "warnings": warnings}
+
+
+def sim_rows(report: dict[str, Any], workload: list[AgentRequest]) -> list[dict[str, Any] | None]:
+    """The simulator's `request_records` in workload order (each keeps its rid, its index in
+    the simulator's arrival order), beside the live `requests` rows; None: not finished."""
+    by_rid = {r["rid"]: r for r in report.get("request_records") or []}
+    return [by_rid.get(rid) for rid in sim_order(workload)]
 
 
 def _command_line() -> str:

@@ -2,13 +2,19 @@
 policy through `pddnet.sim`, so that each live figure has the simulator's answer next to it.
 
 Compute is modelled the same way on both sides (the live daemons are paced by
-`pddnet.device.cost`, which is the simulator's cost function), and the testbed's host path per
-request (client, router, daemons' event loops, engine admission) is measured on the idle
-same-DC cluster and given to the simulator as its [engine] host latency (`host_latency_probe`),
-so what the two may still disagree on is the network, the queueing and the protocol. The requests are the live
-workload's, one unit per token (units are the token ids, so every prefix cache matches exactly
-what the daemons' caches match); the deployment is the live cluster's (one instance per pool);
-the engine and policy settings are read from the live cluster's config.
+`pddnet.device.cost`, which is the simulator's cost function), and the testbed's host time is
+measured on the same-DC cluster and given to the simulator as its [engine] host latency: per
+engine step (the engine loop between forwards, which the pacer does not cover:
+`host_step_latency`, from the decode side's token gaps against its paced steps) and per request
+(client, router, daemons' event loops, engine admission: `host_latency_probe`, idle requests
+before the traffic), so what the two may still disagree on is the network, the queueing and the
+protocol. The requests are the live workload's, one unit per token (units are the token ids, so
+every prefix cache matches exactly what the daemons' caches match); the deployment is the live
+cluster's (one instance per pool); the engine and policy settings are read from the live
+cluster's config. The simulator's TTFT, TPOT and end-to-end statistics are taken over its
+requests as the live ones are (`vllm_figures`: vLLM's linearly interpolated percentiles), not
+read from its histograms, whose nearest-rank quantiles differ from those by a whole request on
+a few dozen (a cross-DC median between a fast and a slow half moved 848 -> 377 ms that way).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pddnet.bench import metrics
 from pddnet.bench.client import StreamRecord
 from pddnet.config import ClusterConfig
 from pddnet.sim.host_latency import HostLatency, fit_host_latency
@@ -105,6 +112,8 @@ def sim_config_dict(
             "block_tokens": live.prefill.block_size,
             "chunk_tokens": live.prefill.max_num_batched_tokens,
             "max_seqs": live.main_decode.max_num_seqs,
+            # P batches waiting prompts into a running one's last chunk, as its engine does
+            "p_max_seqs": live.prefill.max_num_seqs,
             "p_prefix_cache": live.prefill.prefix_cache != "off",
         },
         "policy": {
@@ -130,7 +139,8 @@ def simulate_beside(
 ) -> dict[str, dict[str, Any]]:
     """The simulator's reports of `systems` (name -> the simulator's system) on the live
     requests, keyed by name; each with its P's plans (`plan_records`: the daemons'
-    `pdd.pipeline_decision` and the request's rid, its index in `sim_requests`' order)."""
+    `pdd.pipeline_decision` and the request's rid, its index in `sim_requests`' order) and
+    every request's own figures (`request_records`, by rid too)."""
     from pddnet.sim.config import parse_config
     from pddnet.sim.runner import simulate
 
@@ -139,8 +149,9 @@ def simulate_beside(
     out = {}
     for name, system in systems.items():
         plans: list[dict[str, Any]] = []
-        out[name] = {**simulate(cfg, system, requests=requests, plan_records=plans)}
-        out[name]["plan_records"] = plans
+        done: list[dict[str, Any]] = []
+        report = simulate(cfg, system, requests=requests, plan_records=plans, request_records=done)
+        out[name] = {**report, "plan_records": plans, "request_records": done}
     return out
 
 
@@ -158,19 +169,52 @@ def with_host_latency(config: dict[str, Any], host: HostLatency) -> dict[str, An
     return {**config, "engine": {**config["engine"], **host.engine_settings()}}
 
 
+def host_step_latency(
+    records: Sequence[StreamRecord],
+    stats: dict[str, dict[str, Any]],
+    before: dict[str, dict[str, Any]] | None = None,
+) -> float:
+    """The testbed's host time per engine step (modelled seconds), from one live run: the
+    client's mean gap between two tokens of a request (`records`; each request's first gap
+    left out, P's token to the decode side's first, a KV hop and no step) less the decoding
+    daemons' mean paced decode step per token (`stats`: every daemon's stats at the run's end,
+    `before`: as its phase began; pddnet/obs/step_times.py's ``decode_by_batch``, steps
+    weighted by their batch, as tokens are). The pacer makes each forward last its modelled
+    time; what the engine loop does between two forwards is this, on every step, prefill
+    chunks too. 0 when there is nothing to measure or the gaps are shorter."""
+    gaps = [g for r in metrics.completed(records) for g in metrics.itl_s(r)[1:]]
+    tokens = weighted = 0.0
+    for role, s in stats.items():
+        was = (((before or {}).get(role) or {}).get("engine_steps") or {}).get("decode_by_batch")
+        for label, b in ((s.get("engine_steps") or {}).get("decode_by_batch") or {}).items():
+            a = (was or {}).get(label) or {"steps": 0, "seconds": 0.0, "mean_batch": 0.0}
+            steps = b["steps"] - a["steps"]
+            if steps <= 0:
+                continue
+            seqs = b["steps"] * b["mean_batch"] - a["steps"] * a["mean_batch"]
+            tokens += seqs
+            weighted += (b["seconds"] - a["seconds"]) * seqs / steps
+    if not gaps or tokens <= 0:
+        return 0.0
+    return max(0.0, sum(gaps) / len(gaps) - weighted / tokens)
+
+
 def host_latency_probe(
     config: dict[str, Any],
     probe: Sequence[AgentRequest],
     records: Sequence[StreamRecord],
+    per_step_s: float = 0.0,
 ) -> dict[str, Any]:
     """The testbed's host latency from the probe's requests (`probe`, sent one at a time to
-    the idle same-DC cluster; `records`, the client's records of them): per request, its live
-    TTFT (modelled: wall / k) less the simulator's TTFT of that request alone in same-DC with
-    no host latency -- P's prefill as pddnet.device.cost paces the daemons, the KV's copy to D,
-    which the daemons' KV path is paced to as well -- is the host overhead; fitted as a fixed
-    part plus a part per prompt token (pddnet/sim/host_latency.py). A failed request is left
-    out; fewer than two points is an error (the caller then runs the simulator without)."""
-    base = with_host_latency(config, HostLatency())
+    the idle same-DC cluster; `records`, the client's records of them) and its time per engine
+    step (`per_step_s`, measured apart: `host_step_latency`): per request, its live TTFT
+    (modelled: wall / k) less the simulator's TTFT of that request alone in same-DC with the
+    per-step part only -- P's prefill as pddnet.device.cost paces the daemons plus the host's
+    time per chunk, the KV's copy to D, which the daemons' KV path is paced to as well -- is
+    the host overhead; fitted as a fixed part plus a part per prompt token
+    (pddnet/sim/host_latency.py). A failed request is left out; fewer than two points is an
+    error (the caller then runs the simulator without)."""
+    base = with_host_latency(config, HostLatency(per_step_s=per_step_s))
     points: list[dict[str, Any]] = []
     for req, rec in zip(probe, records, strict=True):
         if rec.error is not None or rec.ttft_s is None:
@@ -188,11 +232,18 @@ def host_latency_probe(
     if len(points) < 2:
         raise RuntimeError(f"host probe: {len(points)} of {len(probe)} requests answered")
     fit = fit_host_latency([(p["prompt_tokens"], p["host_ms"] / 1e3) for p in points])
+    fit = HostLatency(fit.fixed_s, fit.per_token_s, per_step_s)
     return {"requests": len(probe), "points": points, "fit": fit.to_dict()}
 
 
+PERCENTILES = (90.0, 99.0)  # beside the median: the table's
+
+
 def vllm_figures(report: dict[str, Any]) -> dict[str, float | None]:
-    """The simulator's report under the live benchmark's (vLLM's) key names, in ms."""
+    """The simulator's report under the live benchmark's (vLLM's) key names, in ms. With its
+    `request_records` (`simulate_beside`'s), TTFT, TPOT and end to end are taken over them by
+    the live side's own function (pddnet.bench.metrics.stats_ms: linear interpolation);
+    ITL, thousands of gaps the simulator keeps no list of, from its histogram."""
 
     def ms(section: str, stat: str) -> float | None:
         v = (report.get(section) or {}).get(stat)
@@ -205,6 +256,12 @@ def vllm_figures(report: dict[str, Any]) -> dict[str, float | None]:
         for p in ("p90", "p99"):
             out[f"{p}_{name}_ms"] = ms(section, p)
     out["median_e2el_ms"] = ms("e2e_s", "p50")
+    done = report.get("request_records")
+    if done:
+        for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2el", "e2e_s")):
+            values = [r[key] for r in done if r[key] is not None]
+            stats = metrics.stats_ms(name, values, PERCENTILES)
+            out.update({k: v for k, v in stats.items() if not k.startswith("std_")})
     share = report.get("token_share") or {}
     out["rld_token_share"] = share.get("rld")
     wan = report.get("wan") or {}

@@ -522,7 +522,9 @@ def host_note(host: dict[str, Any] | None, simulated: bool) -> str:
     return (
         f"host latency in the simulator: {fit['fixed_ms']:.1f} ms + "
         f"{fit['per_1k_tokens_ms']:.2f} ms per 1K prompt tokens, fitted to {len(host['points'])} "
-        f"idle same-dc requests (live TTFT - simulated, ms: {points})"
+        f"idle same-dc requests (live TTFT - simulated, ms: {points}), and "
+        f"{fit.get('per_step_ms', 0.0):.3f} ms per engine step (same-dc's mean token gap "
+        "less its paced decode step)"
     )
 
 

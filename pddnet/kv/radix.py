@@ -16,7 +16,8 @@ Ownership (the PrefixCache contract, pddnet/kv/prefix_cache.py):
 
 Calls: the PrefixCache interface (the engine's), and the simulator's and MD's on top:
 ``match_prefix`` -> (block_ids, hit_tokens, handle), ``lock``/``unlock`` of a handle,
-``match_and_lock``, ``insert_finished`` (insert a finished request and drop its references;
+``match_and_lock``, ``insert_running`` (cache a running request's blocks; it keeps its
+references), ``insert_finished`` (insert a finished request and drop its references;
 duplicates freed), ``evict`` returning the freed block ids, hit statistics (with the ratio
 histogram of pddnet/kv/hit_histogram.py) and the log of inserted / evicted prefixes
 (pddnet/kv/cache_events.py) that MD drains into CACHE_EVENTS notices for P's view.
@@ -204,6 +205,18 @@ class RadixCache(RadixTree):
                 f"{first_block - 1} of these tokens"
             )
         return hashes[first_block:]
+
+    def insert_running(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        hashes: Sequence[int] | None = None,
+    ) -> None:
+        """Cache the full blocks of a request that goes on running (it keeps its references, as
+        after the engine's ``insert``): the tree adopts each block whose prefix it does not
+        hold yet. ``hashes``: as ``insert_finished``'s (the caller's chained hashes, so the
+        tree does not hash the tokens again)."""
+        self._insert(tuple(token_ids), block_ids, hashes)
 
     def insert_finished(
         self,

@@ -51,6 +51,7 @@ def engine_like(
             p.cache is not None,
             max_seqs=p_max_seqs,
             export_wait=export_wait,
+            host_step_s=p.host_step_s,
         )
         for p in system.prefill
     ]

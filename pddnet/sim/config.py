@@ -19,8 +19,9 @@ prefill = { chip = "a", instances = 4, gpus = 16 }
 decode = { chip = "a", instances = 6, gpus = 16 }
 
 [line]      bw_gbit, rtt_ms, jitter_ms, queue_mb, piece_mb, piece_ms, price_per_gbit_hour
-[engine]    block_tokens, chunk_tokens, max_seqs, memory_utilisation, segment_steps,
-            rdma_latency_us, p_prefix_cache, host_latency_us, host_latency_per_token_us
+[engine]    block_tokens, chunk_tokens, max_seqs, p_max_seqs, memory_utilisation, segment_steps,
+            rdma_latency_us, p_prefix_cache, host_latency_us, host_latency_per_token_us,
+            host_latency_per_step_us
 [policy]    direct_budget_s, singular_filter, singular_margin, handoff, handoff_threshold,
             handoff_chunk, rld_load_limit, rld_max_requests
 [sla]       ttft_s, tpot_s, attainment
@@ -108,6 +109,10 @@ class Engine:
     block_tokens: int = 16
     chunk_tokens: int = 8192
     max_seqs: int = 256
+    # P's prompts per step: 1 (the default) is one prompt at a time, FIFO; more lets waiting
+    # prompts into the token budget a running one leaves (its last chunk), as the daemons'
+    # engine does with its max_num_seqs (PrefillInstance)
+    p_max_seqs: int = 1
     memory_utilisation: float = 0.9
     segment_steps: int = 32
     rdma_latency_us: float = 20.0
@@ -120,6 +125,12 @@ class Engine:
     # with the live daemons isolates network, queueing and protocol.
     host_latency_us: float = 0.0
     host_latency_per_token_us: float = 0.0
+    # The host's time per engine step, beyond the forward's (the engine loop between two
+    # forwards: handing the outputs over, queued calls, the thread's wake-up): every prefill,
+    # decode and extend step lasts this much longer, while what a policy is told of a step
+    # (RLD's time per token) stays the forward's, as the daemons measure it. 0 by default
+    # (noise at datacenter scale); `pdd bench reproduce` measures its testbed's.
+    host_latency_per_step_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -339,8 +350,11 @@ def parse_config(data: dict[str, Any], base_dir: Path | None = None) -> SimConfi
             "[line] queue_mb must hold at least one 1500-byte packet, piece_mb "
             "must be > 0 and rtt_ms >= 0"
         )
-    if cfg.engine.block_tokens < 1 or cfg.engine.chunk_tokens < 1 or cfg.engine.max_seqs < 1:
-        raise ValueError("[engine] block_tokens, chunk_tokens and max_seqs must be >= 1")
+    e = cfg.engine
+    if min(e.block_tokens, e.chunk_tokens, e.max_seqs, e.p_max_seqs) < 1:
+        raise ValueError(
+            "[engine] block_tokens, chunk_tokens, max_seqs and p_max_seqs must be >= 1"
+        )
     if q > 1 and q % cfg.engine.block_tokens and cfg.engine.block_tokens % q:
         raise ValueError(
             f"tokens_per_unit {q} and [engine] block_tokens "

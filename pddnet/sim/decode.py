@@ -87,10 +87,16 @@ class DecodeInstance:
         itl: Histogram,
         handoff_gap: Histogram | None = None,
         segment_steps: int = 32,
+        host_step_s: float = 0.0,
     ) -> None:
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs!r}")
+        if not host_step_s >= 0:
+            raise ValueError(f"host_step_s must be >= 0, got {host_step_s!r}")
         self.loop, self.cost, self.name = loop, cost, name
+        # each step's host time on top of its forward: in the step's length, not in the
+        # estimate a policy gets (step_time_estimate) nor in busy_s (the device's)
+        self.host_step_s = host_step_s
         self.max_seqs = max_seqs
         self.user_delay_s = user_delay_s
         self.itl = itl
@@ -329,7 +335,7 @@ class DecodeInstance:
             self.itl.add(max(0.0, first_user - m.prev_user))
         self.tokens += n * k
         self.steps += k
-        self.busy_s += k * tau
+        self.busy_s += k * (tau - self.host_step_s)
 
     def _plan(self, now: float) -> None:
         if self.n == 0 and not self._extending:
@@ -358,13 +364,16 @@ class DecodeInstance:
             if heap:
                 k = max(1, min(k, heap[0][0] - s1))
         ctx_mid = self._ctx_base + self.n * (s1 + (k - 1) / 2)
-        tau = self.cost.decode_step_time(
-            self.n,
-            ctx_mid,
-            ext_tokens,
-            ext_pairs,
-            extend_seqs=len(self._step_extend),
-            extend_context=ext_ctx,
+        tau = (
+            self.cost.decode_step_time(
+                self.n,
+                ctx_mid,
+                ext_tokens,
+                ext_pairs,
+                extend_seqs=len(self._step_extend),
+                extend_context=ext_ctx,
+            )
+            + self.host_step_s
         )
         self.seg_t0, self.seg_s0, self.seg_end, self.tau = now, s1, s1 + k, tau
         self._token += 1

@@ -16,11 +16,13 @@ compute). Each chunk's end is reported, because the KV of a finished chunk can l
 (to RLD over RDMA, to MD over the WAN) while the next chunk computes.
 
 A step's time is the roofline of one forward over all its chunks (``InstanceCost.
-prefill_step_time``). When the instance shares a host's cores with others (the cost's
-``host``, a ``pddnet.device.cost.SharedHost``; none by default) that is the step's *work*, done
-at the rate 1 / ``contention()``, re-read every ``contention_tick_s``: a prefill step lasts
-seconds on a CPU, and the decoders it shares the cores with start and stop within it (the
-prompts of the previous step start decoding just as this one begins).
+prefill_step_time``), plus ``host_step_s`` (default 0) of host time per step (a testbed's
+engine loop between forwards; not counted as busy). When the instance shares a host's cores
+with others (the cost's ``host``, a ``pddnet.device.cost.SharedHost``; none by default) the
+forward is the step's *work*, done at the rate 1 / ``contention()``, re-read every
+``contention_tick_s``: a prefill step lasts seconds on a CPU, and the decoders it shares the
+cores with start and stop within it (the prompts of the previous step start decoding just as
+this one begins).
 
 ``export_wait`` (default 0: never) is the share of a step's KV reports that wait for the next
 step when P starts one at once (prompts were waiting). On the calibration's CPU testbed the
@@ -74,6 +76,7 @@ class PrefillInstance:
         max_seqs: int = 1,
         contention_tick_s: float = 0.05,
         export_wait: float = 0.0,
+        host_step_s: float = 0.0,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(
@@ -89,7 +92,10 @@ class PrefillInstance:
             or not 0 <= export_wait <= 1
         ):
             raise ValueError(f"{name}: export_wait must be a share in [0, 1], got {export_wait!r}")
+        if not host_step_s >= 0:
+            raise ValueError(f"{name}: host_step_s must be >= 0, got {host_step_s!r}")
         self.loop, self.cost, self.name = loop, cost, name
+        self.host_step_s = host_step_s  # each step's host time on top of its forward
         self.export_wait = float(export_wait)
         self._export_rng = random.Random(f"pddnet-sim-export-wait:{cost.chip.name}:{name}")
         self._held: list[tuple[Progress, Any, int, bool]] = []  # reports waiting for a step
@@ -175,7 +181,7 @@ class PrefillInstance:
                 r.state.last_chunk_tokens = r.chunk_end - r.pos
         if self.cost.host is None:
             self.busy_s += dt
-            self.loop.after(dt, self._step_done)
+            self.loop.after(dt + self.host_step_s, self._step_done)
             return
         self._work_left = dt
         self._progress()
@@ -186,7 +192,7 @@ class PrefillInstance:
         need = self._work_left * f
         if need <= self.contention_tick_s:
             self.busy_s += need
-            self.loop.after(need, self._step_done)
+            self.loop.after(need + self.host_step_s, self._step_done)
             return
         self._work_left -= self.contention_tick_s / f
         self.busy_s += self.contention_tick_s

@@ -97,6 +97,7 @@ def simulate(
     record: Schedule | None = None,
     requests: Sequence[SimRequest] | None = None,
     plan_records: list[dict[str, Any]] | None = None,
+    request_records: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One system on the config's workload (or on ``requests``, in arrival order: a live
     benchmark's own requests, see pddnet.bench.reproduce_sim); returns its report.
@@ -107,9 +108,11 @@ def simulate(
     ``record`` the send times are stored; with ``replay`` the requests are offered at a
     recorded run's send times (then only a turn whose predecessor is slower here than there
     waits, and is counted in ``deferred_turns``). With ``plan_records`` (a list) every
-    pipeline plan is appended to it (SimulatedSystem.plan_records)."""
+    pipeline plan is appended to it (SimulatedSystem.plan_records), with ``request_records``
+    every finished request's figures (SimulatedSystem.request_records)."""
     sim = SimulatedSystem(cfg, system)
     sim.plan_records = plan_records
+    sim.request_records = request_records
     loop = sim.loop
     source = iter(requests) if requests is not None else requests_for(cfg)
     stream = source if replay is None else replay.replay(source)

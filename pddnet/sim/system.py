@@ -174,9 +174,18 @@ class SimulatedSystem:
             self.rtt_est = RttEstimator(initial_s=max(c.line.rtt_ms, 0.01) / 1e3)
         mu = e.memory_utilisation
         pc = InstanceCost(dep.prefill.chip, c.model, dep.prefill.gpus, mu)
+        host_step = e.host_latency_per_step_us / 1e6
         self.prefill = [
             PrefillInstance(
-                self.loop, pc, f"P{i}", self.q, self.block_units, e.chunk_tokens, e.p_prefix_cache
+                self.loop,
+                pc,
+                f"P{i}",
+                self.q,
+                self.block_units,
+                e.chunk_tokens,
+                e.p_prefix_cache,
+                max_seqs=e.p_max_seqs,
+                host_step_s=host_step,
             )
             for i in range(dep.prefill.instances)
         ]
@@ -197,6 +206,7 @@ class SimulatedSystem:
                     self.itl,
                     self.handoff_gap,
                     e.segment_steps,
+                    host_step,
                 ),
                 RadixCache(BlockAllocator(blocks), self.block_units),
                 self.use_drc,
@@ -215,7 +225,15 @@ class SimulatedSystem:
             for i in range(dep.relay.instances):
                 self.relay.append(
                     DecodeInstance(
-                        self.loop, rc, f"RLD{i}", e.max_seqs, 0.0, self.itl, None, e.segment_steps
+                        self.loop,
+                        rc,
+                        f"RLD{i}",
+                        e.max_seqs,
+                        0.0,
+                        self.itl,
+                        None,
+                        e.segment_steps,
+                        host_step,
                     )
                 )
                 self.admission.append(
@@ -253,6 +271,11 @@ class SimulatedSystem:
         # with a list: every plan P's planner makes, as the daemons' `pdd.pipeline_decision`
         # (PipelineDecision.record) with the request's rid (pdd bench reproduce compares them)
         self.plan_records: list[dict[str, Any]] | None = None
+        # with a list: every finished request's own figures (its rid, TTFT, TPOT, end to end,
+        # pipeline, tokens by tier), so that a benchmark beside the simulator can take its
+        # statistics over the requests the way it takes the live ones (the histograms' are
+        # bucketed nearest-rank quantiles, built for millions of requests)
+        self.request_records: list[dict[str, Any]] | None = None
 
     # -- routing ----------------------------------------------------------------------------
 
@@ -635,7 +658,20 @@ class SimulatedSystem:
             return
         m = Member(st, st.req.prompt_tokens, remaining, user, self._md_finished)
         st.md_member = m
+        self._cache_prompt(st)
         self.decode[st.md_idx].inst.add(m)
+
+    def _cache_prompt(self, st: ReqState) -> None:
+        """MD (or D) starts computing the request: its prompt's full blocks enter the DRC now,
+        not only when it finishes, as the daemon's engine indexes every block it completes
+        (``register_computed`` after each step: the whole prompt at its first). A request
+        sharing that prefix (another conversation's turn on the same system prompt) then hits
+        it while this one decodes; at the end ``_release`` adds the output's blocks."""
+        side = self.decode[st.md_idx]
+        if not side.use_cache or st.table is None:
+            return
+        assert st.prompt_hashes is not None, "a cache is on: hashed on arrival"
+        side.cache.insert_running(st.req.units, st.table, st.prompt_hashes)
 
     def _md_finished(self, m: Member, t: float, made: int) -> None:
         st = m.state
@@ -753,6 +789,7 @@ class SimulatedSystem:
         if m is None:
             m = Member(st, st.req.prompt_tokens, 0, -1.0, self._md_finished)
             st.md_member = m
+            self._cache_prompt(st)
         assert st.mode is not None, "decided before any HANDOFF leaves"
         chunk = md_extend_chunk(st.mode, ids, self.handoff_policy.chunk)
         if final:
@@ -794,6 +831,21 @@ class SimulatedSystem:
         c["md_tokens"] += req.output_tokens - st.rld_tokens
         if ttft <= self.cfg.sla.ttft_s and tpot <= self.cfg.sla.tpot_s:
             c["good"] += 1
+        if self.request_records is not None:
+            assert st.pipeline is not None, "chosen when it arrived"
+            self.request_records.append(
+                {
+                    "rid": req.rid,
+                    "ttft_s": ttft,
+                    "tpot_s": tpot if req.output_tokens > 1 else None,  # (vLLM's: none)
+                    "e2e_s": last_user - req.arrival_s,
+                    "pipeline": st.pipeline.value,
+                    "rld_tokens": st.rld_tokens,
+                    "md_tokens": req.output_tokens - st.rld_tokens,
+                    "md_hit_tokens": st.md_hit,
+                    "p_hit_tokens": st.p_hit,
+                }
+            )
         self.last_done = max(self.last_done, last_user)
         if self.on_request_done is not None:
             self.on_request_done(req, last_user)
