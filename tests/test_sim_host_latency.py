@@ -13,6 +13,7 @@ from pddnet.sim.config import Engine, parse_config
 from pddnet.sim.host_latency import HostLatency, fit_host_latency, host_latency_from_dict
 from pddnet.sim.system import SimulatedSystem
 from pddnet.workload.units import SimRequest
+from tests.sim_configs import one_pool_config
 
 # -- the fit (sans IO) -------------------------------------------------------------------------
 
@@ -86,22 +87,7 @@ def test_the_json_and_the_config_keys_carry_the_same_latency():
 
 def config_dict(**engine: float) -> dict:
     """One instance per pool, one unit per token, a 2 Gbit/s line (as `pdd bench reproduce`)."""
-    pool = {"instances": 1, "gpus": 1}
-    return {
-        "model": "qwen2.5-7b",
-        "tokens_per_unit": 1,
-        "systems": ["same-dc", "cross-dc", "pdd"],
-        "chips": {"p": "h100-sxm", "md": "h200-sxm"},
-        "pdd": {
-            "prefill": {"chip": "p", **pool},
-            "relay": {"chip": "p", **pool},
-            "main_decode": {"chip": "md", **pool},
-        },
-        "baseline": {"prefill": {"chip": "p", **pool}, "decode": {"chip": "p", **pool}},
-        "line": {"bw_gbit": 2.0, "rtt_ms": 30.0, "jitter_ms": 1.0},
-        "engine": dict(engine),
-        "workload": {"requests": 1},
-    }
+    return one_pool_config(jitter_ms=1.0, **engine)
 
 
 def ttfts(cfg_dict: dict, system: str, requests: list[SimRequest]) -> dict[int, float]:

@@ -22,6 +22,7 @@ from pddnet.sim.reproduce import AGENT_LENGTHS
 from pddnet.sim.runner import Schedule, run_systems, simulate, simulate_all
 from pddnet.sim.system import SimulatedSystem
 from pddnet.workload.trace import trace_stream
+from tests.sim_configs import one_pool_config
 
 
 def small_dict(requests=160, **over) -> dict:
@@ -476,23 +477,6 @@ def _two_conversations_on_one_system_prompt(b_at: float) -> list:
     ]
 
 
-def _one_pool_dict() -> dict:
-    pool = {"instances": 1, "gpus": 1}
-    return {
-        "model": "qwen2.5-7b",
-        "tokens_per_unit": 1,
-        "chips": {"p": "h100-sxm", "md": "h200-sxm"},
-        "pdd": {
-            "prefill": {"chip": "p", **pool},
-            "relay": {"chip": "p", **pool},
-            "main_decode": {"chip": "md", **pool},
-        },
-        "baseline": {"prefill": {"chip": "p", **pool}, "decode": {"chip": "p", **pool}},
-        "line": {"bw_gbit": 2.0, "rtt_ms": 30.0},
-        "workload": {"requests": 2},
-    }
-
-
 @pytest.mark.parametrize("system", ["same-dc", "cross-dc"])
 @pytest.mark.parametrize("b_at", [5.0, 60.0])  # while A decodes on MD / D; after A is done
 def test_a_request_hits_the_prompt_of_one_still_decoding(system, b_at):
@@ -501,7 +485,7 @@ def test_a_request_hits_the_prompt_of_one_still_decoding(system, b_at):
     not only once A has finished (the simulator's DRC took a request's blocks at its end:
     live, a conversation starting on the system prompt of one in flight sent 1.7K tokens'
     KV where the simulator sent 12K)."""
-    cfg = parse_config(_one_pool_dict())
+    cfg = parse_config(one_pool_config(requests=2))
     r = simulate(cfg, system, requests=_two_conversations_on_one_system_prompt(b_at))
     assert r["finished"] == 2
     assert r["prefix"]["decode_side_hit_tokens"] == 8192
@@ -528,9 +512,7 @@ def test_p_batches_a_waiting_prompt_into_a_running_ones_last_chunk():
     ]
     first_token = {}
     for p_max_seqs in (1, 64):
-        cfg = parse_config(
-            {**_one_pool_dict(), "engine": {"chunk_tokens": 2048, "p_max_seqs": p_max_seqs}}
-        )
+        cfg = parse_config(one_pool_config(requests=2, chunk_tokens=2048, p_max_seqs=p_max_seqs))
         done: list[dict] = []
         simulate(cfg, "same-dc", requests=requests, request_records=done)
         first_token[p_max_seqs] = {
@@ -541,4 +523,4 @@ def test_p_batches_a_waiting_prompt_into_a_running_ones_last_chunk():
     assert batched[1] == pytest.approx(batched[0], abs=2e-3)  # the same step (+ its KV hop)
     assert batched[0] > alone[0]  # the shared step is a longer forward
     with pytest.raises(ValueError, match="p_max_seqs must be >= 1"):
-        parse_config({**_one_pool_dict(), "engine": {"p_max_seqs": 0}})
+        parse_config(one_pool_config(requests=2, p_max_seqs=0))
