@@ -199,7 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tcp-cc",
         default=None,
-        help=f"with --wan packet: the namespaces' TCP congestion control (default "
+        help=f"with --wan packet: the congestion control of RLD's and MD's sockets (default "
         f"{DEFAULT_TCP_CC}; one this kernel offers)",
     )
     p.add_argument(
