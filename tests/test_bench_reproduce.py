@@ -106,6 +106,10 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     for row in data["rows"]:
         if row["sim_vs_live"] is not None:
             assert row["sim_vs_live"] == pytest.approx((row["sim"] - row["live"]) / row["live"])
+    # pairs of requests P took in one order live and in the other in the simulator, per mode
+    assert set(data["order_swaps"]) == set(data["live"])
+    assert all(isinstance(pairs, list) for pairs in data["order_swaps"].values())
+    assert all(r is None or "arrival_s" in r for m in data["sim_requests"].values() for r in m)
     # the handoff figure: both paths at 100 relay tokens, quiet and under jitter + traffic
     h = data["handoff"]
     assert set(h["conditions"]) == {"quiet", "jitter+bulk", "jitter+bulk+priority"}
@@ -473,3 +477,50 @@ def test_p_plans_live_and_simulated_side_by_side_in_the_same_units():
     notes = decision_notes(rows)
     assert notes[0].startswith(f"P's plans in pdd: {len(rows) - 1} of {len(rows)}")
     assert len(notes) == 2 and f"turn {rows[0]['turn']}" in notes[1]
+
+
+def test_a_pair_sent_in_one_order_live_and_the_other_in_the_simulator_is_named():
+    """Two turns 1.9 modelled ms apart at P: live the first is served at once and the second
+    waits out its prefill, the simulator had them the other way round, so both TTFTs differ;
+    a pair swapped without effect, and pairs far apart, are not listed."""
+    from types import SimpleNamespace
+
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.reproduce_table import order_swaps, swap_notes
+
+    k, t0 = 2.0, 1000.0
+
+    def live(sent_s: float, ttft_s: float) -> StreamRecord:  # modelled seconds
+        sent = t0 + sent_s * k
+        return StreamRecord(sent_at=sent, dilation=k, first_token_at=sent + ttft_s * k)
+
+    def turn(conversation: int, n: int) -> SimpleNamespace:
+        return SimpleNamespace(conversation_id=conversation, turn=n)
+
+    records = [
+        live(27.1125, 0.090),
+        live(27.1144, 1.288),
+        live(29.0, 0.200),
+        live(40.0, 0.300),
+        live(40.1, 0.310),
+        live(41.0, 0.100),
+    ]
+    workload = [turn(0, 5), turn(3, 1), turn(1, 0), turn(2, 1), turn(4, 1), turn(5, 0)]
+    sim = [
+        {"arrival_s": 27.1165, "ttft_s": 1.268},
+        {"arrival_s": 27.1125, "ttft_s": 1.278},
+        {"arrival_s": 29.0, "ttft_s": 0.2},
+        {"arrival_s": 40.1, "ttft_s": 0.300},  # swapped, the same TTFTs: no matter
+        {"arrival_s": 40.0, "ttft_s": 0.310},
+        None,  # the simulator did not finish it
+    ]
+    swaps = order_swaps(records, workload, sim)
+    assert len(swaps) == 1
+    (pair,) = swaps
+    assert (pair["first_live"]["conversation"], pair["first_sim"]["conversation"]) == (0, 3)
+    assert pair["live_gap_ms"] == pytest.approx(1.9) and pair["sim_gap_ms"] == pytest.approx(4.0)
+    assert swap_notes({"pdd": swaps}) == [
+        "order at P differs, pdd: conversation 0 turn 5 was sent 1.9 ms before conversation 3 "
+        "turn 1 live, 4.0 ms after it in the simulator (TTFT live 90 / 1288 ms, sim 1268 / 1278)"
+    ]
+    assert order_swaps(records[2:], workload[2:], sim[2:]) == []

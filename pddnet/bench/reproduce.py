@@ -60,6 +60,7 @@ from pddnet.bench.reproduce_table import (
     drc_figures,
     figures,
     markdown,
+    order_swaps,
     pipeline_decisions,
     print_report,
     shape_figures,
@@ -490,6 +491,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         host=host,
     )
     result["failed_stages"] = failed
+    result["order_swaps"] = {
+        m: order_swaps(live[m]["records"]["agent"], requests, sim_rows(sim[m], requests))
+        for m in live
+        if (sim or {}).get(m)
+    }
     if "pdd" in live and (sim or {}).get("pdd"):
         result["pipeline_decisions"] = pipeline_decisions(
             live["pdd"]["records"]["agent"], requests, sim["pdd"]["plan_records"]

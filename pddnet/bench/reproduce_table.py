@@ -471,6 +471,7 @@ def notes(result: dict[str, Any]) -> list[str]:
         sim_split = (result["sim"].get(m) or {}).get("pipelines")
         out.append(f"pipelines, {m}: live {s['pipeline_split']}; sim {sim_split or '-'}")
     out += decision_notes(result.get("pipeline_decisions"))
+    out += swap_notes(result.get("order_swaps"))
     if result.get("handoff"):
         out.append(f"handoff figure's line: {wan_line(result['handoff'].get('wan'))}")
     shape = result.get("shape")
@@ -482,6 +483,78 @@ def notes(result: dict[str, Any]) -> list[str]:
             + f"; the warm-up went {w['pipeline']} (RLD {w['relay_tokens']}, MD "
             f"{w['main_tokens']} tokens)"
         )
+    return out
+
+
+# Two requests of a mode sent this close together (modelled s) may reach P in either order, and
+# which one P takes first can decide both their TTFTs; a pair is listed when the simulator had
+# them the other way round and either one's TTFT is off the live one by more than SWAP_EFFECT.
+SWAP_WINDOW_S = 0.5
+SWAP_EFFECT = 0.25
+
+
+def order_swaps(
+    records: list[Any], workload: list[AgentRequest], sim_rows: list[dict[str, Any] | None]
+) -> list[dict[str, Any]]:
+    """The pairs of one mode's requests sent in one order live (`records`: the client's, in
+    `workload`'s order) and offered in the other in the simulator (`sim_rows`, the same order:
+    its request records with `arrival_s`), within SWAP_WINDOW_S of each other both times, where
+    the order mattered (SWAP_EFFECT); first in live order. Times in modelled ms."""
+    sent = [r.sent_at for r in records]
+    t0 = min(sent, default=0.0)
+    rows = []
+    for rec, req, sim in zip(records, workload, sim_rows, strict=True):
+        if sim is None or rec.ttft_s is None or sim.get("arrival_s") is None:
+            continue
+        rows.append(
+            {
+                "conversation": req.conversation_id,
+                "turn": req.turn,
+                "live_sent_s": (rec.sent_at - t0) / rec.dilation,
+                "sim_arrival_s": sim["arrival_s"],
+                "live_ttft_ms": rec.ttft_s * 1e3,
+                "sim_ttft_ms": sim["ttft_s"] * 1e3,
+            }
+        )
+    rows.sort(key=lambda r: r["live_sent_s"])
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            live_gap = b["live_sent_s"] - a["live_sent_s"]
+            if live_gap > SWAP_WINDOW_S:
+                break
+            sim_gap = b["sim_arrival_s"] - a["sim_arrival_s"]
+            if sim_gap >= 0 or -sim_gap > SWAP_WINDOW_S:
+                continue
+            off = max(abs(r["sim_ttft_ms"] / r["live_ttft_ms"] - 1) for r in (a, b))
+            if off > SWAP_EFFECT:
+                out.append(
+                    {
+                        "first_live": a,
+                        "first_sim": b,
+                        "live_gap_ms": live_gap * 1e3,
+                        "sim_gap_ms": -sim_gap * 1e3,
+                    }
+                )
+    return out
+
+
+def swap_notes(swaps: dict[str, list[dict[str, Any]]] | None) -> list[str]:
+    """One line per pair `order_swaps` found, by mode."""
+
+    def name(r: dict[str, Any]) -> str:
+        return f"conversation {r['conversation']} turn {r['turn']}"
+
+    out = []
+    for mode, pairs in (swaps or {}).items():
+        for p in pairs:
+            a, b = p["first_live"], p["first_sim"]
+            out.append(
+                f"order at P differs, {mode}: {name(a)} was sent {p['live_gap_ms']:.1f} ms "
+                f"before {name(b)} live, {p['sim_gap_ms']:.1f} ms after it in the simulator "
+                f"(TTFT live {a['live_ttft_ms']:.0f} / {b['live_ttft_ms']:.0f} ms, sim "
+                f"{a['sim_ttft_ms']:.0f} / {b['sim_ttft_ms']:.0f})"
+            )
     return out
 
 

@@ -836,6 +836,7 @@ class SimulatedSystem:
             self.request_records.append(
                 {
                     "rid": req.rid,
+                    "arrival_s": req.arrival_s,
                     "ttft_s": ttft,
                     "tpot_s": tpot if req.output_tokens > 1 else None,  # (vLLM's: none)
                     "e2e_s": last_user - req.arrival_s,
