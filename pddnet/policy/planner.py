@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .cache_view import DecodeCacheView, HitPrediction, Observation
-from .estimators import BandwidthEstimator, RttEstimator, WanBacklog
+from .estimators import FULL_WEIGHT_BYTES, BandwidthEstimator, RttEstimator, WanBacklog
 from .pipeline import Pipeline, PipelineDecision, PipelineInputs, PipelinePolicy
 
 
@@ -47,7 +47,8 @@ class Plan:
 class PipelinePlanner:
     """One P's planning towards one MD. ``bandwidth``, ``rtt`` and ``backlog`` may be shared
     objects (the simulator shares its line's estimators among the planners of one P, or of all
-    Ps); by default the planner makes its own."""
+    Ps); by default the planner makes its own (its goodput samples weighing fully from
+    ``full_weight_bytes`` up)."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class PipelinePlanner:
         bandwidth: BandwidthEstimator | None = None,
         rtt: RttEstimator | None = None,
         backlog: WanBacklog | None = None,
+        full_weight_bytes: int = FULL_WEIGHT_BYTES,
     ) -> None:
         if kv_bytes_per_token < 1:
             raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
@@ -69,7 +71,9 @@ class PipelinePlanner:
         self.policy = policy
         self.kv_bytes_per_token = kv_bytes_per_token
         self.bandwidth = (
-            bandwidth if bandwidth is not None else BandwidthEstimator(initial_bps=bandwidth_bps)
+            bandwidth
+            if bandwidth is not None
+            else BandwidthEstimator(initial_bps=bandwidth_bps, full_weight_bytes=full_weight_bytes)
         )
         self.rtt = rtt if rtt is not None else RttEstimator(initial_s=rtt_s)
         self.backlog = backlog if backlog is not None else WanBacklog()

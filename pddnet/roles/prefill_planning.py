@@ -15,7 +15,6 @@ from pddnet.config import ClusterConfig, ClusterMode
 from pddnet.lifecycle.actions import CommitWan, ObserveWanTransfer, ReleaseWan
 from pddnet.lifecycle.prefill_request import MAIN, RELAY, PrefillRequest
 from pddnet.policy.cache_view import Observation
-from pddnet.policy.estimators import BandwidthEstimator
 from pddnet.policy.pipeline import Pipeline, PipelinePolicy
 from pddnet.policy.planner import PipelinePlanner, Plan
 from pddnet.protocol import Submit
@@ -46,9 +45,7 @@ def make_planner(config: ClusterConfig, bytes_per_token: int) -> PipelinePlanner
         bandwidth_bps=mbit * 1e6 / 8,
         rtt_s=max(config.wan.rtt_ms, 1.0) / 1e3,
         rld_step_s=pol.rld_step_s,
-        bandwidth=BandwidthEstimator(
-            initial_bps=mbit * 1e6 / 8, full_weight_bytes=pol.goodput_full_weight_bytes
-        ),
+        full_weight_bytes=pol.goodput_full_weight_bytes,
     )
 
 
