@@ -242,6 +242,7 @@ def test_summaries_and_ratios_from_trials():
         (["--relay-tokens", "0"], "counts >= 1"),
         (["--bulk-load", "1"], "bulk-load"),
         (["--conditions", "quiet", "quiet"], "twice"),
+        (["--bulk-stripes", "0"], "bulk-stripes must be >= 1"),
         (["--tcp-cc", "cubic"], "needs --wan packet"),
         (["--wan", "packet", "--tcp-cc", "no-such-cc"], "not offered by this kernel"),
     ],
@@ -301,6 +302,10 @@ async def test_quick_run_is_consistent(tmp_path):
     assert quiet["bulk"] is None and quiet["effects"]["jitter_ms"] == 0
     assert jb["effects"]["jitter_ms"] == data["config"]["jitter_ms"] > 0
     assert jb["bulk"]["bytes"] > 0 and jb["bulk"]["received_bytes"] == jb["bulk"]["bytes"]
+    # striped over P's wan.stripes lanes, as P sends KV to MD; every lane carried some
+    lanes = jb["bulk"]["lane_bytes"]
+    assert len(lanes) == data["config"]["bulk_stripes"] == 4 and sum(lanes) == jb["bulk"]["bytes"]
+    assert min(lanes) > 0
     trials = data["trials"]
     assert len(trials) == 2 * len(counts) * reps * 2
     assert all(t["tokens"] == t["expected"] and len(t["tokens"]) == 2 for t in trials)

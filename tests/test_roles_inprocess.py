@@ -20,6 +20,7 @@ from collections import defaultdict
 import pytest
 
 from pddnet.config import ClusterConfig, ClusterMode
+from pddnet.device.pacer import StepPacer
 from pddnet.engine.engine import Engine
 from pddnet.engine.sampling import SamplingParams
 from pddnet.model.loader import load_model
@@ -183,9 +184,35 @@ class SlowKvMainDecode(MainDecodeDaemon):
         self.spawn(later(), f"delayed {msg.TYPE.name} {msg.request_id}")
 
 
+class FixedStepCost:
+    """A modelled device on which every forward lasts `step_s` (StepPacer's cost)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    def prefill_step_time(self, chunks) -> float:
+        return self.step_s
+
+
+class SlowStepRelay(RelayDaemon):
+    """RLD whose every forward lasts at least `step_s` (paced, as on an emulated device). The
+    tiny model decodes a short request on an idle host before MD's delayed copy completes, and
+    on a loaded one it may or may not: a test that needs RLD to hand over mid-stream slows RLD
+    down rather than depend on the host's load."""
+
+    def __init__(self, config: ClusterConfig, step_s: float) -> None:
+        self.step_s = step_s  # before the base's __init__, which calls init_engine
+        super().__init__(config)
+
+    def init_engine(self) -> None:
+        super().init_engine()
+        self.pacer = StepPacer(FixedStepCost(self.step_s))
+
+
 @contextlib.asynccontextmanager
-async def running(cfg: ClusterConfig, md_delay: float = 0.0):
-    """Start MD, RLD, P as the mode needs (in dial order, ports 0), plus the collector."""
+async def running(cfg: ClusterConfig, md_delay: float = 0.0, relay_step_s: float = 0.0):
+    """Start MD, RLD, P as the mode needs (in dial order, ports 0), plus the collector; with
+    `relay_step_s`, RLD's forwards last at least that long (SlowStepRelay)."""
     daemons: dict[str, object] = {}
     collector = Collector()
     try:
@@ -194,7 +221,9 @@ async def running(cfg: ClusterConfig, md_delay: float = 0.0):
             await md.start()
             cfg.main_decode.port = md.port
         if cfg.mode is not ClusterMode.CROSS_DC:
-            rld = daemons["relay"] = RelayDaemon(cfg)
+            rld = daemons["relay"] = (
+                SlowStepRelay(cfg, relay_step_s) if relay_step_s else RelayDaemon(cfg)
+            )
             await rld.start()
             cfg.relay.port = rld.port
         p = daemons["prefill"] = PrefillDaemon(cfg)
@@ -835,7 +864,9 @@ async def test_sampling_extensions_token_exact_across_the_handoff_and_a_replay(t
     assert len(mintok) >= 100 and not {10, 32, tok.eos_token_id} & set(mintok[:99])
 
     cfg = make_config(mode, "streaming", handoff_chunk=4)
-    async with running(cfg, md_delay=0.25) as (daemons, col):
+    # RLD at >= 10 ms a step needs >= 1.2 s for 120 tokens, MD's copy completes after ~0.25 s:
+    # in PDD every request is handed over mid-stream, however busy the host
+    async with running(cfg, md_delay=0.25, relay_step_s=0.01) as (daemons, col):
         for r in reqs:
             await col.send("prefill", Submit(**r))
         for r in reqs:
@@ -858,7 +889,7 @@ async def test_sampling_extensions_token_exact_across_the_handoff_and_a_replay(t
                 for r in reqs
                 if {"main_decode", "relay"} <= set(col.producers(r["request_id"]))
             ]
-            assert handed, "some request must be handed over from RLD to MD mid-stream"
+            assert handed == [r["request_id"] for r in reqs], "RLD hands every request over"
         # A replay by token ids on a decode tier (what the router does when the carrier is
         # lost): the history-dependent sampling continues token-exact from index 50.
         r = dict(reqs[1], request_id="mintok-replay")

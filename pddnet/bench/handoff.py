@@ -33,7 +33,8 @@ on the same parts they use: the daemons' handoff machines (RLD's `RelayHandoff` 
 proxy`, its own process) between RLD and MD, changed at run time through its control API
 (`emulation.control`). Competing traffic is a bounded bulk sender: other requests' KV
 (KV_CHUNK frames of ~--bulk-mib) arriving as a Poisson process with an offered load of
---bulk-load of the link's rate, on its own bulk lane through the same link. The files:
+--bulk-load of the link's rate, striped over --bulk-stripes bulk lanes as P stripes its KV to
+MD, through the same link. The files:
 handoff_setup.py (per prompt), handoff_sides.py (RLD's and MD's sides), handoff_rig.py (the
 link, the lanes, the traffic; one handoff, one condition), handoff_summary.py (figures, table,
 plots); this one the options and the run.
@@ -102,6 +103,7 @@ from pddnet.bench.handoff_summary import figure, headline, plot, print_table, su
 from pddnet.bench.options import add_run_arguments
 from pddnet.bench.progress import progress
 from pddnet.bench.results import announce, run_config, write_result
+from pddnet.config import WanSection
 from pddnet.device import flags as device_flags
 
 # -- options --------------------------------------------------------------------------------------
@@ -137,6 +139,10 @@ QUICK: dict[str, Any] = {
 # KV (256 MiB: ~800 tokens of llama-3-70b; 32 MiB with --quick)
 EMULATED: dict[str, Any] = {"bw_mbit": 10000.0, "bulk_mib": 256.0}
 QUICK_EMULATED: dict[str, Any] = {"bw_mbit": 10000.0, "bulk_mib": 32.0}
+
+
+# the competing traffic's lanes: P's KV stripes to MD (pddnet.config's wan.stripes)
+DEFAULT_BULK_STRIPES = WanSection().stripes
 
 
 def _defaults_help(name: str) -> str:
@@ -203,6 +209,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{DEFAULT_TCP_CC}; one this kernel offers)",
     )
     p.add_argument(
+        "--bulk-stripes",
+        type=int,
+        default=DEFAULT_BULK_STRIPES,
+        help="TCP connections the competing traffic is striped over, as P stripes its KV to MD "
+        f"(default {DEFAULT_BULK_STRIPES}: wan.stripes' default)",
+    )
+    p.add_argument(
         "--prompt-len",
         type=int,
         default=None,
@@ -252,7 +265,7 @@ def check_args(args: argparse.Namespace) -> None:
             f"--prompt-len must be a positive multiple of {BLOCK_SIZE} (MD's "
             f"prefix cache then holds the whole prompt), got {args.prompt_len}"
         )
-    for name in ("repeats", "prompts", "chunk_tokens", "threads"):
+    for name in ("repeats", "prompts", "chunk_tokens", "threads", "bulk_stripes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("rtt_ms", "queue_ms", "jitter_ms", "pause_ms", "temperature"):

@@ -61,7 +61,8 @@ class BulkStats:
 
 
 class BulkSender:
-    """Other requests' KV crossing to MD on its own bulk lane: transfers of 1..2m-1 chunks
+    """Other requests' KV crossing to MD on P's bulk lanes (`conn`: one, or a StripedSender
+    over several, as P's pddnet.transport.stripes): transfers of 1..2m-1 chunks
     (mean `mean_bytes`, real bytes) arriving as a Poisson process whose offered load is `load`
     of the link rate (`rate_mbit`, the emulator's). Bounded: it stops when `stop` is set or
     after `max_seconds`."""
@@ -365,7 +366,7 @@ class Rig:
     main: MainSide | None = None
     wan: WanLink | None = None
     relay: RelaySide | None = None
-    bulk_conn: Any = None
+    bulk_conn: Any = None  # a StripedSender over P's bulk lanes to MD
     conns: list[Any] = field(default_factory=list)
 
     async def start(self, args: argparse.Namespace) -> None:
@@ -393,7 +394,12 @@ class Rig:
 
         control = await lane("relay", "rld-bench", "control")
         bulk = await lane("relay", "rld-bench", "bulk")
-        self.bulk_conn = await lane("prefill", "p-bulk", "bulk")
+        from pddnet.transport.stripes import StripedSender
+
+        # other requests' KV as P sends it to MD: striped over --bulk-stripes lanes
+        self.bulk_conn = StripedSender(
+            [await lane("prefill", "p-bulk", "bulk") for _ in range(args.bulk_stripes)]
+        )
         self.relay = RelaySide(control, bulk, self.rld_executor, args.chunk_tokens)
 
     async def close(self) -> None:
@@ -506,6 +512,7 @@ async def run_condition(
     stop = asyncio.Event()
     bulk_task = None
     sink_before = rig.main.bulk_bytes
+    lanes_before = list(rig.bulk_conn.bytes_sent)
     if CONDITIONS[name]["bulk"]:
         sender = BulkSender(
             rig.bulk_conn,
@@ -554,6 +561,10 @@ async def run_condition(
             "target_bytes": rig.devices.target_bytes(bulk.bytes),
             "seconds": bulk.seconds / k,
             "received_bytes": rig.main.bulk_bytes - sink_before,
+            # what each of P's stripes carried
+            "lane_bytes": [
+                a - b for a, b in zip(rig.bulk_conn.bytes_sent, lanes_before, strict=True)
+            ],
             "offered_load": args.bulk_load,
             "measured_load": bulk.bytes * 8 / max(bulk.seconds, 1e-9) / (rig.wan.rate_mbit * 1e6),
         }

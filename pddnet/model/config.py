@@ -184,5 +184,17 @@ PRESETS: dict[str, ModelConfig] = {
     # 8 layers x 2 (K,V) x 4 kv heads x 64 x 4 bytes = 16 KiB per token; ~19M parameters.
     "small": _byte_vocab_config("small", (512, 1024, 8, 8, 4, 64), 16384, "float32"),
 }
+# tiny-window with 8x its KV per token (2 layers x 2 x 4 kv heads x 16 x 8 bytes = 2 KiB), for
+# the handoff on the packet shell: an emulated device's wire carries the real model's KV for the
+# target's, 28x fewer bytes of qwen2.5-7b's instead of tiny-window's 224x, so a packet stands for
+# 28 of the target's rather than 224 and a 20 ms buffer holds ~120 packets rather than 16.
+PRESETS["tiny-window-wide"] = _byte_vocab_config(
+    "tiny-window-wide",
+    (64, 128, 2, 4, 4, 16),
+    131072,
+    "float64",
+    rope_theta=500000.0,
+    sliding_window=512,
+)
 # `small` with twice the layers: 16 x 2 x 4 x 64 x 4 bytes = 32 KiB per token; ~38M parameters.
 PRESETS["medium"] = dataclasses.replace(PRESETS["small"], name="medium", num_layers=16)
