@@ -8,14 +8,7 @@ import struct
 
 import pytest
 
-from pddnet.transport.tcp_info import (
-    TcpCounters,
-    TcpSendLimits,
-    parse_send_limits,
-    parse_tcp_info,
-    tcp_counters,
-    tcp_send_limits,
-)
+from pddnet.transport.tcp_info import TcpCounters, parse_tcp_info, tcp_counters
 
 
 def info_bytes(length: int, retrans: int, retrans_bytes: int, rtos: int) -> bytes:
@@ -38,19 +31,6 @@ def test_since_is_the_difference_and_unknown_stays_unknown():
     assert later.since(before) == TcpCounters(6, 3000, None)
 
 
-def test_send_limits_are_read_at_their_offsets_and_since_keeps_the_window():
-    buf = bytearray(248)
-    struct.pack_into("I", buf, 80, 42)  # snd_cwnd
-    for offset, value in ((168, 5_000_000), (176, 1_000_000), (184, 250_000)):
-        struct.pack_into("Q", buf, offset, value)
-    got = parse_send_limits(bytes(buf))
-    assert got == TcpSendLimits(5_000_000, 1_000_000, 250_000, 42)
-    # a kernel before 4.10 stops before the busy times
-    assert parse_send_limits(bytes(buf[:160])) == TcpSendLimits(None, None, None, 42)
-    before = TcpSendLimits(1_000_000, 0, 50_000, 10)
-    assert got.since(before) == TcpSendLimits(4_000_000, 1_000_000, 200_000, 42)
-
-
 @pytest.mark.skipif(not hasattr(socket, "TCP_INFO"), reason="no TCP_INFO on this system")
 def test_a_connected_socket_reports_counters_and_other_sockets_none():
     srv = socket.socket()
@@ -64,12 +44,8 @@ def test_a_connected_socket_reports_counters_and_other_sockets_none():
         got = tcp_counters(client)
         assert got is not None and got.retrans_segments is not None
         assert got.retrans_segments >= 0
-        limits = tcp_send_limits(client)
-        assert limits is not None and limits.cwnd_segments is not None
-        assert limits.cwnd_segments >= 1
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         assert tcp_counters(udp) is None and tcp_counters(None) is None
-        assert tcp_send_limits(udp) is None
         udp.close()
     finally:
         for s in (client, peer, srv):

@@ -130,41 +130,6 @@ class BulkSender:
         return self.stats
 
 
-def bulk_lanes(sender: Any) -> list[dict[str, Any]]:
-    """Each of a StripedSender's lanes: bytes sent, TCP loss recovery and sender limits so far
-    (pddnet.transport.tcp_info; None where the system gives none)."""
-    from pddnet.transport.tcp_info import tcp_counters, tcp_send_limits
-
-    out = []
-    for lane, sent in zip(sender.lanes, sender.bytes_sent, strict=True):
-        sock = lane.get_extra_info("socket")
-        out.append({"bytes": sent, "loss": tcp_counters(sock), "limits": tcp_send_limits(sock)})
-    return out
-
-
-def lane_since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """One bulk lane over a condition (`bulk_lanes` at its end and start): its bytes, the
-    segments it retransmitted, its timeouts, its time with data in flight (wall seconds, as TCP
-    saw them) and the shares of that time the receiver's window and the send buffer held it
-    back; its congestion window at the end."""
-    out: dict[str, Any] = {"bytes": now["bytes"] - before["bytes"]}
-    if now["loss"] is not None and before["loss"] is not None:
-        loss = now["loss"].since(before["loss"])
-        out.update(retrans_segments=loss.retrans_segments, rtos=loss.rtos)
-    if now["limits"] is not None and before["limits"] is not None:
-        lim = now["limits"].since(before["limits"])
-        busy = lim.busy_us
-        out["busy_wall_s"] = None if busy is None else busy / 1e6
-
-        def share(us: int | None) -> float | None:
-            return None if us is None or not busy else round(us / busy, 4)
-
-        out["rwnd_limited_share"] = share(lim.rwnd_limited_us)
-        out["sndbuf_limited_share"] = share(lim.sndbuf_limited_us)
-        out["cwnd_segments"] = lim.cwnd_segments
-    return out
-
-
 # -- the emulated WAN: a proxy on loopback, or TUN devices between two namespaces ----------------
 
 _PROXY_LINE = re.compile(r"wan proxy: (\S+):(\d+) -> .*; control (http://\S+)")
@@ -547,7 +512,7 @@ async def run_condition(
     stop = asyncio.Event()
     bulk_task = None
     sink_before = rig.main.bulk_bytes
-    lanes_before = bulk_lanes(rig.bulk_conn)
+    lanes_before = list(rig.bulk_conn.bytes_sent)
     if CONDITIONS[name]["bulk"]:
         sender = BulkSender(
             rig.bulk_conn,
@@ -596,10 +561,9 @@ async def run_condition(
             "target_bytes": rig.devices.target_bytes(bulk.bytes),
             "seconds": bulk.seconds / k,
             "received_bytes": rig.main.bulk_bytes - sink_before,
-            # what each of P's stripes carried, and what held its TCP back
-            "lanes": [
-                lane_since(a, b)
-                for a, b in zip(bulk_lanes(rig.bulk_conn), lanes_before, strict=True)
+            # what each of P's stripes carried
+            "lane_bytes": [
+                a - b for a, b in zip(rig.bulk_conn.bytes_sent, lanes_before, strict=True)
             ],
             "offered_load": args.bulk_load,
             "measured_load": bulk.bytes * 8 / max(bulk.seconds, 1e-9) / (rig.wan.rate_mbit * 1e6),
