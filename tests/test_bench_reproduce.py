@@ -93,7 +93,7 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     assert engine["host_latency_us"] == pytest.approx(fit["fixed_ms"] * 1e3)
     assert engine["host_latency_per_token_us"] == pytest.approx(fit["per_1k_tokens_ms"])
     assert engine["host_latency_per_step_us"] == pytest.approx(fit["per_step_ms"] * 1e3)
-    assert fit["per_step_ms"] >= 0
+    assert fit["per_step_ms"] >= 0 and data["host_latency"]["per_step_measured_ms"] >= 0
     # every request as the simulator served it, beside the live rows
     for mode in ("same-dc", "cross-dc", "pdd"):
         assert len(data["sim_requests"][mode]) == cfg["requests"]
@@ -364,6 +364,42 @@ def test_the_host_time_per_step_is_the_token_gap_beyond_the_paced_decode_step():
     assert host_step_latency(records, after) < 0.25e-3
     assert host_step_latency(records[:1], {}) == 0.0  # nothing paced to compare with
     assert host_step_latency([record([9.0] * 10)], after, before) == 0.0  # never < 0
+
+
+def test_the_per_step_part_is_moved_to_where_the_simulators_same_dc_tpot_is_the_live_ones():
+    """Live same-DC TPOTs that are the simulator's with 0.2 ms per step: a config with 0.3 ms
+    comes back to ~0.2, one with 0.2 stays, and the part is never taken below 0."""
+    from pddnet.bench import reproduce
+    from pddnet.bench.client import StreamRecord
+    from pddnet.bench.reproduce_sim import (
+        per_step_in_simulator_terms,
+        simulate_beside,
+        with_host_latency,
+    )
+    from pddnet.sim.host_latency import HostLatency
+
+    args = reproduce_args("--quick")
+    requests = reproduce.main_workload(args)
+    config = reproduce.simulator_config(args, {"ttft": 5000.0, "tpot": 100.0})
+
+    def stepped(per_step: float) -> dict:
+        return with_host_latency(config, HostLatency(per_step_s=per_step))
+
+    truth = 2e-4
+    done = simulate_beside(stepped(truth), requests, {"s": "same-dc"})["s"]["request_records"]
+    k = 4.0  # records are in wall time
+
+    def record(tpot_s: float, n: int = 5) -> StreamRecord:
+        times = [100.0 + i * tpot_s * k for i in range(n)]
+        return StreamRecord(sent_at=99.0, first_token_at=times[0], token_times=times, dilation=k)
+
+    records = [record(r["tpot_s"]) for r in done] + [StreamRecord(sent_at=0.0, error="boom")]
+    assert per_step_in_simulator_terms(stepped(truth + 1e-4), requests, records) == pytest.approx(
+        truth, abs=2e-5
+    )
+    assert per_step_in_simulator_terms(stepped(truth), requests, records) == pytest.approx(truth)
+    faster = [record(r["tpot_s"] / 2) for r in done]
+    assert per_step_in_simulator_terms(stepped(truth), requests, faster) == 0.0
 
 
 def test_the_simulators_statistics_are_taken_over_its_requests_as_the_live_ones():

@@ -51,6 +51,7 @@ from pddnet.bench.reproduce_sim import (
     SYSTEMS,
     host_latency_probe,
     host_step_latency,
+    per_step_in_simulator_terms,
     sim_config_dict,
     sim_order,
     simulate_beside,
@@ -74,7 +75,7 @@ from pddnet.bench.reproduce_workload import (
 )
 from pddnet.bench.results import run_config, source_commit, write_result
 from pddnet.model.cli import add_model_argument
-from pddnet.sim.host_latency import host_latency_from_dict
+from pddnet.sim.host_latency import HostLatency, host_latency_from_dict
 from pddnet.workload.agent import AgentRequest
 
 MODES = ("same-dc", "cross-dc", "pdd")
@@ -83,6 +84,11 @@ DEFAULT_LINE_GBIT = 2.0
 # The line's bottleneck buffer, in ms of its rate (a router's; the emulator's default is 1 MiB of
 # real bytes, seconds of queue at the few Mbit/s a scaled line runs at on this box)
 QUEUE_MS = 20.0
+# The handoff figure's real model: tiny-window's attention and context with 8x its KV per token.
+# An emulated wire carries the real model's bytes for the target's, so with tiny-window a
+# 1500-byte packet stood for 336 KB of qwen2.5-7b's KV and the 20 ms buffer held 16 packets;
+# with this one 42 KB and ~120 packets (docs/benchmarks.md, "Segment scale").
+HANDOFF_MODEL = "tiny-window-wide"
 # KV pools in blocks of 16 tokens: a full run's hold what the modelled chips hold after the
 # weights, at the simulator's memory utilisation (`pool_blocks`), so that the daemons admit,
 # refuse and evict as the simulator beside them does; --quick's are small.
@@ -122,8 +128,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=("auto", "packet", "proxy"),
         help="the handoff figure's WAN (`pdd bench handoff --wan`); auto: the packet shell "
-        "(real TCP, tail drop: the loss recovery behind KV-direct's tail) where root and "
-        "/dev/net/tun allow, else the proxy",
+        "(real TCP through the line's buffer: queueing, tail drops and their recovery) where "
+        "root and /dev/net/tun allow, else the proxy",
+    )
+    p.add_argument(
+        "--handoff-model",
+        default=HANDOFF_MODEL,
+        help=f"the model RLD and MD really run in the handoff figure (default {HANDOFF_MODEL}: "
+        "its wire carries 28x fewer bytes than the target's rather than tiny-window's 224x, "
+        "so the packet shell's packets and buffer are closer to the target's)",
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="modelled seconds")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator beside")
@@ -269,6 +282,29 @@ def simulator_config(args: argparse.Namespace, slos: dict[str, float]) -> dict[s
     )
 
 
+def measure_host(
+    config: dict[str, Any],
+    same: dict[str, Any],
+    probe: list[AgentRequest],
+    phases: dict[str, list[AgentRequest]],
+    requests: list[AgentRequest],
+) -> dict[str, Any]:
+    """The testbed's host latency for the simulator, from the same-DC run `same` (its records
+    by phase and its daemons' stats): the time per engine step (`host_step_latency`), the
+    probe's per-request fit beside it (`host_latency_probe`), then the per-step part in the
+    simulator's own terms (`per_step_in_simulator_terms`; the measured one is kept as
+    ``per_step_measured_ms``)."""
+    records = same["records"]["agent"]
+    per_step = host_step_latency(records, same["stats"], same["stats_before"].get("agent"))
+    answered = [same["records"][name][0] for name in phases]
+    host = host_latency_probe(config, probe, answered, per_step)
+    fit = host_latency_from_dict(host["fit"])
+    step = per_step_in_simulator_terms(with_host_latency(config, fit), requests, records)
+    host["per_step_measured_ms"] = per_step * 1e3
+    host["fit"] = HostLatency(fit.fixed_s, fit.per_token_s, step).to_dict()
+    return host
+
+
 def probe_phases(probe: list[AgentRequest]) -> dict[str, list[AgentRequest]]:
     """The host probe's requests as phases of one request each, so each is sent alone to an
     idle cluster (`ttft.run_mode` runs phases in turn), before the "agent" phase."""
@@ -349,7 +385,8 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
     """`pdd bench handoff` flags for the source's 100-token figure on this run's chips and k,
     RLD and MD holding a prompt of the workload's longest context (64K in a full run), on the
     clusters' line (rate, RTT, jitter, buffer). Its competing traffic is other requests' KV as
-    PDD's line carries it: transfers of the workload's median new KV per request (what a turn
+    PDD's line carries it (striped over P's wan.stripes bulk lanes, the handoff bench's
+    default): transfers of the workload's median new KV per request (what a turn
     adds that MD's cache lacks: ~50 MB of the target's at a full run's shape; every transfer
     of that size or more outlasts a 100-token KV-direct handoff, and the median rather than
     the mean (~6x larger) gives the figure's few seconds more independent busy periods) at
@@ -360,8 +397,10 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
     default 150 ms a disturbed phase lasted ~4 modelled s, ~10 transfers, and the load they
     came to swung from 23% to 60% of the line between runs, and KV-direct's tail with it
     (its max/mean is how many of the handoffs met a transfer); ~50 transfers hold it near
-    the offered half. The line is `--handoff-wan`'s: on the packet shell the competing
-    traffic overflows the buffer and TCP recovers the drops, the tail the source measured."""
+    the offered half. The line is `--handoff-wan`'s, RLD and MD run `--handoff-model`: on the
+    packet shell TCP meets the line's buffer as real packets (with tiny-window's 224x fewer
+    bytes a one-lane bulk flow overflowed its 16 packets, ~1% dropped; with the default's 28x
+    and four lanes nothing is dropped and KV-direct's tail is the queue's)."""
     import statistics
 
     from pddnet.device.profiles import load_model as load_profile
@@ -373,7 +412,7 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
         statistics.median(new_tokens) * load_profile(args.target_model).kv_bytes_per_token / 2**20
     )
     argv = [
-        *("--model", args.model, "--target-model", args.target_model),
+        *("--model", args.handoff_model, "--target-model", args.target_model),
         *("--device", f"relay={args.relay_chip}:{args.gpus}"),
         *("--device", f"main-decode={args.md_chip}:{args.gpus}"),
         *("--dilation", f"{k:g}", "--rtt-ms", f"{args.rtt_ms:g}"),
@@ -451,13 +490,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await live_stage("same-dc", {**phases, "agent": requests})
     if sim_config is not None:
         if "same-dc" in live:
-            same = live["same-dc"]
-            per_step = host_step_latency(
-                same["records"]["agent"], same["stats"], same["stats_before"].get("agent")
-            )
-            answered = [same["records"][name][0] for name in phases]
             host = await stage(
-                "host probe", _async(host_latency_probe, sim_config, probe, answered, per_step)
+                "host probe",
+                _async(measure_host, sim_config, live["same-dc"], probe, phases, requests),
             )
         sim_config = with_host_latency(sim_config, host_latency_from_dict((host or {}).get("fit")))
         systems = {m: SYSTEMS[m] for m in args.modes}

@@ -199,6 +199,25 @@ def host_step_latency(
     return max(0.0, sum(gaps) / len(gaps) - weighted / tokens)
 
 
+def per_step_in_simulator_terms(
+    config: dict[str, Any], workload: Sequence[AgentRequest], records: Sequence[StreamRecord]
+) -> float:
+    """The host time per engine step that makes the simulator's same-DC decode last as long as
+    the live one: `config`'s own per-step part (`host_step_latency`: the live token gap less
+    the daemons' paced step) less the simulator's mean TPOT beyond the live same-DC run's
+    (`records`, of `workload`). The daemons' paced steps and the simulator's modelled ones on
+    the same run are not quite the same steps (its batches are its own): in four full runs the
+    simulator's same-DC TPOT came out 0.016-0.020 ms long (0.2%), ~9 ms a request, which the
+    closed loop carries into every next turn's send time. Never < 0."""
+    report = simulate_beside(config, workload, {"same-dc": "same-dc"})["same-dc"]
+    sim = [r["tpot_s"] for r in report["request_records"] if r["tpot_s"] is not None]
+    live = [t for r in metrics.completed(records) if (t := metrics.tpot_s(r)) is not None]
+    per_step = config["engine"].get("host_latency_per_step_us", 0.0) / 1e6
+    if not sim or not live:
+        return per_step
+    return max(0.0, per_step - (sum(sim) / len(sim) - sum(live) / len(live)))
+
+
 def host_latency_probe(
     config: dict[str, Any],
     probe: Sequence[AgentRequest],

@@ -596,8 +596,19 @@ def host_note(host: dict[str, Any] | None, simulated: bool) -> str:
         f"host latency in the simulator: {fit['fixed_ms']:.1f} ms + "
         f"{fit['per_1k_tokens_ms']:.2f} ms per 1K prompt tokens, fitted to {len(host['points'])} "
         f"idle same-dc requests (live TTFT - simulated, ms: {points}), and "
-        f"{fit.get('per_step_ms', 0.0):.3f} ms per engine step (same-dc's mean token gap "
-        "less its paced decode step)"
+        f"{fit.get('per_step_ms', 0.0):.3f} ms per engine step ({step_origin(host)})"
+    )
+
+
+def step_origin(host: dict[str, Any]) -> str:
+    """Where the per-step part came from: measured, and moved into the simulator's terms."""
+    measured = host.get("per_step_measured_ms")
+    said = "same-dc's mean token gap less its paced decode step"
+    if measured is None:  # a result from before the move
+        return said
+    return (
+        f"{said}, {measured:.3f} ms, less the simulator's same-dc TPOT beyond the live one's "
+        "on that run"
     )
 
 
