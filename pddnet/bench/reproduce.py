@@ -87,7 +87,7 @@ QUEUE_MS = 20.0
 # The handoff figure's real model: tiny-window's attention and context with 8x its KV per token.
 # An emulated wire carries the real model's bytes for the target's, so with tiny-window a
 # 1500-byte packet stood for 336 KB of qwen2.5-7b's KV and the 20 ms buffer held 16 packets;
-# with this one 42 KB and ~120 packets (docs/benchmarks.md, "Segment scale").
+# with this one 42 KB and ~120 packets (docs/benchmarks.md, "Segment scale and stripes").
 HANDOFF_MODEL = "tiny-window-wide"
 # KV pools in blocks of 16 tokens: a full run's hold what the modelled chips hold after the
 # weights, at the simulator's memory utilisation (`pool_blocks`), so that the daemons admit,
@@ -398,9 +398,10 @@ def handoff_argv(args: argparse.Namespace, k: float) -> list[str]:
     came to swung from 23% to 60% of the line between runs, and KV-direct's tail with it
     (its max/mean is how many of the handoffs met a transfer); ~50 transfers hold it near
     the offered half. The line is `--handoff-wan`'s, RLD and MD run `--handoff-model`: on the
-    packet shell TCP meets the line's buffer as real packets (with tiny-window's 224x fewer
-    bytes a one-lane bulk flow overflowed its 16 packets, ~1% dropped; with the default's 28x
-    and four lanes nothing is dropped and KV-direct's tail is the queue's)."""
+    packet shell TCP meets the line as real packets, so the byte scale sets how many there are
+    (with tiny-window a 100-token KV-direct transfer was 18 packets, one slow-start round, and
+    the 20 ms buffer held 16; with the default 140 and ~120, four rounds: the target's 3,900
+    packets would take about nine)."""
     import statistics
 
     from pddnet.device.profiles import load_model as load_profile
