@@ -188,13 +188,14 @@ PRESETS: dict[str, ModelConfig] = {
 # the handoff on the packet shell: an emulated device's wire carries the real model's KV for the
 # target's, 28x fewer bytes of qwen2.5-7b's instead of tiny-window's 224x, so a packet stands for
 # 28 of the target's rather than 224 and a 20 ms buffer holds ~120 packets rather than 16.
-PRESETS["tiny-window-wide"] = _byte_vocab_config(
-    "tiny-window-wide",
-    (64, 128, 2, 4, 4, 16),
-    131072,
-    "float64",
-    rope_theta=500000.0,
-    sliding_window=512,
+PRESETS["tiny-window-wide"] = dataclasses.replace(
+    PRESETS["tiny-window"],
+    name="tiny-window-wide",
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=16,
 )
 # `small` with twice the layers: 16 x 2 x 4 x 64 x 4 bytes = 32 KiB per token; ~38M parameters.
 PRESETS["medium"] = dataclasses.replace(PRESETS["small"], name="medium", num_layers=16)
