@@ -125,6 +125,7 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
 
     assert h["wan"]["shell"] == ("proxy" if unavailable_reason() else "packet")
     assert "handoff figure's line: the " in out
+    assert f"RLD and MD ran {reproduce.HANDOFF_MODEL}, the competing traffic on 4 lanes" in out
     # token ids are a few hundred bytes; KV-direct carries the target model's KV of 100 tokens
     assert h["payload_bytes"]["token-id"] < 1000 < h["payload_target_bytes"]["kv-direct"]
     # every target is reported as passed, failed or not measured, and printed

@@ -374,7 +374,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = summarise(trials, args.conditions, args.relay_tokens)
     head = headline(rows)
     report = devices.report()
-    fig = {**figure(head, report), "wan": wan_info}
+    # what carried it: the line, the model RLD and MD really ran, the competing traffic's lanes
+    fig = {**figure(head, report), "wan": wan_info, "model": args.model}
+    fig["bulk_stripes"] = args.bulk_stripes
     cfg = run_config(args)
     cfg["dilation_k"] = devices.k
     consistency = {

@@ -473,7 +473,13 @@ def notes(result: dict[str, Any]) -> list[str]:
     out += decision_notes(result.get("pipeline_decisions"))
     out += swap_notes(result.get("order_swaps"))
     if result.get("handoff"):
-        out.append(f"handoff figure's line: {wan_line(result['handoff'].get('wan'))}")
+        h = result["handoff"]
+        ran = (
+            f"; RLD and MD ran {h['model']}, the competing traffic on {h['bulk_stripes']} lanes"
+            if "model" in h  # not in a result from before they were recorded
+            else ""
+        )
+        out.append(f"handoff figure's line: {wan_line(h.get('wan'))}{ran}")
     shape = result.get("shape")
     if shape:
         w = shape["warm_up"]
