@@ -375,8 +375,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     head = headline(rows)
     report = devices.report()
     # what carried it: the line, the model RLD and MD really ran, the competing traffic's lanes
-    fig = {**figure(head, report), "wan": wan_info, "model": args.model}
-    fig["bulk_stripes"] = args.bulk_stripes
+    fig = {
+        **figure(head, report),
+        "wan": wan_info,
+        "model": args.model,
+        "bulk_stripes": args.bulk_stripes,
+    }
     cfg = run_config(args)
     cfg["dilation_k"] = devices.k
     consistency = {

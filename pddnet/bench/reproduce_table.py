@@ -505,7 +505,9 @@ def order_swaps(
     """The pairs of one mode's requests sent in one order live (`records`: the client's, in
     `workload`'s order) and offered in the other in the simulator (`sim_rows`, the same order:
     its request records with `arrival_s`), within SWAP_WINDOW_S of each other both times, where
-    the order mattered (SWAP_EFFECT); first in live order. Times in modelled ms."""
+    the order mattered (SWAP_EFFECT); first in live order. Send times in modelled s (live's
+    from its first send, the simulator's from its start: only gaps are compared), gaps and
+    TTFTs in modelled ms."""
     sent = [r.sent_at for r in records]
     t0 = min(sent, default=0.0)
     rows = []
