@@ -209,6 +209,35 @@ def run_in_netns(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> 
     return _in_thread(inside)
 
 
+def _sysctl_path(key: str) -> str:
+    if not key or any(not part.isidentifier() for part in key.split(".")):
+        raise ValueError(f"bad sysctl name {key!r} (dotted, as `sysctl` takes it)")
+    return "/proc/sys/" + key.replace(".", "/")
+
+
+def read_sysctl(name: str, key: str) -> str:
+    """The named namespace's value of the sysctl `key` (``net.ipv4.tcp_rto_min_us``): the
+    net.* ones are per namespace, and /proc/sys/net shows the reading thread's."""
+    path = _sysctl_path(key)
+
+    def read() -> str:
+        with open(path) as f:
+            return f.read().strip()
+
+    return run_in_netns(name, read)
+
+
+def write_sysctl(name: str, key: str, value: str) -> None:
+    """Set the sysctl `key` in the named namespace only (as `read_sysctl`)."""
+    path = _sysctl_path(key)
+
+    def write() -> None:
+        with open(path, "w") as f:
+            f.write(value)
+
+    run_in_netns(name, write)
+
+
 def socket_in(
     name: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM, proto: int = 0
 ) -> socket.socket:

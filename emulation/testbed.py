@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -345,6 +346,7 @@ class Testbed:
         seed: int = 0,
         state_dir: str | None = None,
         die_with_parent: bool = False,
+        tcp_rto_min_ms: float | None = None,
     ) -> None:
         from emulation.tun import TunConfig
 
@@ -358,6 +360,12 @@ class Testbed:
         self.effects = initial_effects(
             rtt_ms, jitter_ms, jitter_dist, bw_mbit, loss_pct, queue_bytes
         )
+        if tcp_rto_min_ms is not None and not 0 < tcp_rto_min_ms < math.inf:
+            raise ValueError(f"tcp_rto_min_ms must be > 0 ms (or None), got {tcp_rto_min_ms}")
+        # TCP's minimum retransmission timeout in the testbed's namespaces (None: the kernel's,
+        # 200 ms). A host running daemons dilated by k wants k x 200 ms, so that a timeout lasts
+        # in their modelled time what it lasts on a real host (pddnet/device/dilation.py).
+        self.tcp_rto_min_ms = tcp_rto_min_ms
         self.requested_shell = shell
         self.shell: str | None = None
         self.addr_a, self.addr_b, self.mtu, self.seed = addr_a, addr_b, mtu, seed
@@ -424,6 +432,7 @@ class Testbed:
             "emulator": None,
             "processes": [],
             "adopted_namespaces": [],
+            "tcp_rto_min_ms": self.tcp_rto_min_ms,
         }
         if self.die_with_parent:  # see reap_orphans
             self._state["owned_by"] = {
@@ -434,6 +443,8 @@ class Testbed:
         _save_state(self._state, self.state_dir)
         netns.create(self.ns_a)
         netns.create(self.ns_b)
+        self.configure_tcp(self.ns_a)
+        self.configure_tcp(self.ns_b)
         self._start_emulator()
         self._state["phase"] = "up"
         _save_state(self._state, self.state_dir)
@@ -537,6 +548,13 @@ class Testbed:
         teardown removes it with the testbed's own, even after the owner died."""
         self._state.setdefault("adopted_namespaces", []).append(ns)
         _save_state(self._state, self.state_dir)
+
+    def configure_tcp(self, ns: str) -> None:
+        """The testbed's TCP settings (`tcp_rto_min_ms`) in namespace `ns`: its own two, and
+        any its owner made around it (where the TCP endpoints are then)."""
+        if self.tcp_rto_min_ms is not None:
+            us = round(self.tcp_rto_min_ms * 1e3)
+            netns.write_sysctl(ns, "net.ipv4.tcp_rto_min_us", str(us))
 
     def exec(self, side: str, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
         """Start argv inside namespace `side` ('a' or 'b'); the process is tracked by PID and

@@ -36,6 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--addr-a", default="10.77.0.1", help="address in A")
     up.add_argument("--addr-b", default="10.77.0.2", help="address in B")
+    up.add_argument(
+        "--tcp-rto-min-ms",
+        type=float,
+        default=None,
+        help="TCP's minimum retransmission timeout in both namespaces (default: the kernel's, "
+        "200 ms); k x 200 for daemons whose time is dilated by k",
+    )
     up.set_defaults(handler=cmd_up)
 
     down = tsub.add_parser("down", help="remove everything the testbed made (also after a crash)")
@@ -72,6 +79,7 @@ _UP_OPTIONS = (
     "addr_a",
     "addr_b",
     "seed",
+    "tcp_rto_min_ms",
 )
 
 

@@ -335,6 +335,7 @@ async def test_quick_run_over_the_packet_shell_loses_nothing_to_tail_drops(tmp_p
     data = json.loads(Path(r["path"]).read_text())
     assert data["link"]["shell"] == "packet" and data["link"]["mtu"] == 1500
     assert data["link"]["tcp_congestion_control"] == "cubic"
+    assert data["link"]["tcp_rto_min_ms"] == 200.0  # undilated (--quick): the kernel's own
     assert data["consistency"]["all_token_exact"]
     assert data["consistency"]["kv_bytes_received_match"]
     assert data["consistency"]["unexpected_frames"] == []

@@ -14,14 +14,17 @@ import time
 from dataclasses import dataclass
 
 import pytest
+from conftest import root_netns_missing_reason
 
-from pddnet.cluster.wan_setup import queue_bytes
+from pddnet.cluster.wan_setup import TestbedPlacement, WanChoice, queue_bytes
 from pddnet.config import ConfigError, load_config
 from pddnet.device.cost import InstanceCost
 from pddnet.device.dilation import (
+    LINUX_TCP_RTO_MIN_MS,
     modelled_seconds,
     rdma_bytes_per_s,
     real_kv_bytes_per_token,
+    tcp_rto_min_ms,
     wallclock,
     wire_rate,
 )
@@ -605,6 +608,39 @@ def test_the_live_planner_weighs_a_goodput_sample_as_the_simulator_does(user_con
     sim.observe(tokens * 327680, seconds)
     assert sim.bytes_per_s < 500e6 / 8 * 0.95  # the sample moved it
     assert live.bytes_per_s == pytest.approx(sim.bytes_per_s * WIRE_SCALE / k)
+
+
+def test_the_testbed_of_a_dilated_cluster_dilates_tcps_minimum_rto(user_config):
+    assert tcp_rto_min_ms(1.0) is None  # the kernel's own
+    assert tcp_rto_min_ms(2.5) == pytest.approx(2.5 * LINUX_TCP_RTO_MIN_MS) == 500.0
+    placement = TestbedPlacement(WanChoice("packet", "test"), user_config)  # makes nothing yet
+    assert placement.testbed.tcp_rto_min_ms == pytest.approx(4.0 * 200.0)
+    assert placement.describe()["tcp_rto_min_ms"] == pytest.approx(800.0)
+    plain = load_config(None, {"wan.rtt_ms": 30.0})
+    assert TestbedPlacement(WanChoice("packet", "test"), plain).testbed.tcp_rto_min_ms is None
+
+
+@pytest.mark.skipif(
+    root_netns_missing_reason() is not None, reason=str(root_netns_missing_reason())
+)
+async def test_a_dilated_cluster_on_hosts_gives_every_daemons_namespace_the_dilated_rto(
+    user_config, tmp_path, monkeypatch
+):
+    """With one namespace per daemon the TCP endpoints are there, not in the testbed's two:
+    each gets k x 200 ms too (the placement alone, no daemons)."""
+    from emulation import netns
+    from pddnet.cluster.wan_setup import HostsPlacement
+
+    monkeypatch.setenv("PDD_STATE_DIR", str(tmp_path / "state"))
+    placement = HostsPlacement(WanChoice("packet", "test"), user_config)
+    made = [*placement.hosts.values(), placement.testbed.ns_a, placement.testbed.ns_b]
+    try:
+        await placement.start()
+        for ns in made:
+            assert netns.read_sysctl(ns, "net.ipv4.tcp_rto_min_us") == "800000", ns
+    finally:
+        await placement.close()
+    assert not [ns for ns in made if netns.exists(ns)]
 
 
 def test_wallclock_is_idempotent(user_config):

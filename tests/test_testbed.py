@@ -65,16 +65,20 @@ def test_bad_arguments_are_rejected_before_anything_is_made():
         Testbed(name="t", mtu=70000)
     with pytest.raises(ValueError, match="loss_pct"):
         Testbed(name="t", loss_pct=120)
+    with pytest.raises(ValueError, match="tcp_rto_min_ms"):
+        Testbed(name="t", tcp_rto_min_ms=0)
 
 
 @root
 def test_cli_up_status_exec_down_leaves_the_machine_as_before(state_dir):
     name = "pddtt-cli"
     before = machine(name, state_dir)
-    up = cli("up", "--name", name, "--rtt-ms", "20", "--shell", "packet")
+    up = cli("up", "--name", name, "--rtt-ms", "20", "--shell", "packet", "--tcp-rto-min-ms", "450")
     try:
         assert up.returncode == 0, up.stderr
         assert netns.exists(f"{name}-a") and netns.exists(f"{name}-b")
+        for side in "ab":
+            assert netns.read_sysctl(f"{name}-{side}", "net.ipv4.tcp_rto_min_us") == "450000"
         ex = cli(
             "exec",
             "--name",
@@ -274,3 +278,48 @@ async def test_process_faults_hang_then_resume_and_kill(state_dir):
         tb.faults.kill(server.pid)
         assert await asyncio.to_thread(server.wait, 5) == -signal.SIGKILL
         client.close()
+
+
+def _tcp_rto_us(sock: socket.socket) -> int:
+    # struct tcp_info: seven u8 fields and a byte of bitfields, then tcpi_rto (u32, us)
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    return int.from_bytes(info[8:12], sys.byteorder)
+
+
+@root
+async def test_tcp_in_the_namespaces_takes_the_testbeds_minimum_rto(state_dir):
+    """A dilated cluster's testbed makes TCP's minimum RTO k x the kernel's in its namespaces
+    and in one its owner adds: a connection across it runs with an RTO of at least that (on a
+    line of ~0 ms, where the kernel's own would give ~200 ms); namespaces not of the testbed
+    keep the kernel's."""
+    extra = f"pddtt-rto-h{os.getpid()}"
+    async with Testbed(name="pddtt-rto", shell="packet", tcp_rto_min_ms=550) as tb:
+        netns.create(extra)
+        try:
+            tb.configure_tcp(extra)
+            for ns in (tb.ns("a"), tb.ns("b"), extra):
+                assert netns.read_sysctl(ns, "net.ipv4.tcp_rto_min_us") == "550000"
+            server = netns.socket_in(tb.ns("b"))
+            client = netns.socket_in(tb.ns("a"))
+            with server, client:
+                server.bind((tb.addr_b, 0))
+                server.listen(1)
+                client.settimeout(10)
+                client.connect(server.getsockname())
+                peer, _ = server.accept()
+                with peer:
+                    for _ in range(5):  # a few round trips for the RTT estimate
+                        client.sendall(b"x" * 100)
+                        peer.recv(100)
+                        peer.sendall(b"y")
+                        client.recv(1)
+                    assert _tcp_rto_us(client) >= 550_000
+                    assert _tcp_rto_us(peer) >= 550_000
+        finally:
+            netns.delete(extra)
+    plain = f"pddtt-rto-p{os.getpid()}"
+    netns.create(plain)
+    try:
+        assert netns.read_sysctl(plain, "net.ipv4.tcp_rto_min_us") != "550000"
+    finally:
+        netns.delete(plain)

@@ -272,6 +272,7 @@ class PacketWan(WanLink):
     def __init__(self, args: argparse.Namespace, devices: DeviceSetup = UNPACED) -> None:
         super().__init__(args, devices)
         self.testbed: Any = None
+        self.rto_min_ms: float | None = None  # TCP's, in the testbed's namespaces
 
     @property
     def tcp_cc(self) -> str:
@@ -282,7 +283,12 @@ class PacketWan(WanLink):
         return self.args.mtu or DEFAULT_MTU
 
     def describe(self) -> dict[str, Any]:
-        return {"shell": self.shell, "mtu": self.mtu, "tcp_congestion_control": self.tcp_cc}
+        return {
+            "shell": self.shell,
+            "mtu": self.mtu,
+            "tcp_congestion_control": self.tcp_cc,
+            "tcp_rto_min_ms": self.rto_min_ms,  # as read back from namespace A
+        }
 
     def _socket_in(self, side: str, family: int, kind: int, proto: int) -> socket.socket:
         """A socket in namespace `side` with the chosen congestion control: set per socket,
@@ -301,7 +307,9 @@ class PacketWan(WanLink):
         return sock
 
     async def serve(self, server: Any) -> tuple[str, int]:
+        from emulation import netns
         from emulation.testbed import Testbed, unavailable_reason
+        from pddnet.device.dilation import tcp_rto_min_ms
 
         reason = unavailable_reason()
         if reason is not None:
@@ -316,9 +324,12 @@ class PacketWan(WanLink):
             shell="packet",
             seed=self.args.seed,
             die_with_parent=True,
+            tcp_rto_min_ms=tcp_rto_min_ms(self.devices.dilation),
         )
         await self.testbed.start()
         self.control_url = self.testbed.control_url
+        rto_us = netns.read_sysctl(self.testbed.ns("a"), "net.ipv4.tcp_rto_min_us")
+        self.rto_min_ms = float(rto_us) / 1e3
         listener = self._socket_in("b", socket.AF_INET, socket.SOCK_STREAM, 0)
         try:
             listener.bind((self.testbed.addr_b, 0))

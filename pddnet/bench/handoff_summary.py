@@ -215,9 +215,11 @@ def wan_line(wan: dict[str, Any] | None) -> str:
     if not wan:
         return "not recorded"
     if wan.get("shell") == "packet":
+        rto = wan.get("tcp_rto_min_ms")  # (older results did not record it)
+        rto_words = "" if rto is None else f", minimum RTO {rto:g} ms of wall clock"
         return (
             f"the packet shell (real TCP, {wan.get('tcp_congestion_control')}, MTU "
-            f"{wan.get('mtu')}; the buffer drops what does not fit)"
+            f"{wan.get('mtu')}{rto_words}; the buffer drops what does not fit)"
         )
     if wan.get("shell") == "proxy":
         return "the proxy shell (lossless: a full buffer holds the sender back)"

@@ -39,7 +39,7 @@ from typing import Any
 from emulation.lifetime import die_with_parent
 from pddnet.cluster import forkserver
 from pddnet.config import ClusterConfig, ClusterMode, WanSection
-from pddnet.device.dilation import wallclock
+from pddnet.device.dilation import tcp_rto_min_ms, wallclock
 
 WAN_CHOICES = ("auto", "kernel", "packet", "proxy")
 PLACEMENTS = ("datacenter", "hosts")  # daemons share their datacenter's namespace | one each
@@ -323,6 +323,7 @@ class TestbedPlacement(Placement):
         self.shell = choice.shell
         self.testbed_name = f"pdd{os.getpid()}{secrets.token_hex(2)}"
         wan = wallclock(config).wan  # an emulated cluster's line, dilated and byte-scaled
+        emulation = config.emulation()
         self.testbed = Testbed(
             name=self.testbed_name,
             rtt_ms=wan.rtt_ms,
@@ -333,6 +334,7 @@ class TestbedPlacement(Placement):
             shell=choice.shell,
             seed=config.model.seed,
             die_with_parent=True,
+            tcp_rto_min_ms=tcp_rto_min_ms(emulation.dilation if emulation else 1.0),
         )
         self.forwarder: NamespaceForwarder | None = None
 
@@ -374,6 +376,10 @@ class TestbedPlacement(Placement):
 
     async def remove_extra_namespaces(self) -> None:
         """Before the testbed goes: namespaces a subclass made around it."""
+
+    def describe(self) -> dict[str, Any]:
+        # None: the kernel's (an undilated cluster)
+        return {**super().describe(), "tcp_rto_min_ms": self.testbed.tcp_rto_min_ms}
 
     async def close(self) -> None:
         if self.forwarder is not None:
@@ -436,6 +442,7 @@ class HostsPlacement(TestbedPlacement):
             tb.adopt_namespace(host_ns)  # recorded first: a crash from here on leaves no trace
             netns.create(host_ns)
             self._made.append(host_ns)
+            tb.configure_tcp(host_ns)  # the daemon's TCP endpoints are here
             _ip(
                 "link",
                 "add",

@@ -94,6 +94,18 @@ def wire_rate(emulation: Emulation, target_bytes_per_s: float, real_kvpt: int) -
     return target_bytes_per_s * emulation.wire_scale(real_kvpt) / emulation.dilation
 
 
+# Linux's minimum retransmission timeout (TCP_RTO_MIN; the RTO is the smoothed RTT plus at least
+# this): a protocol timeout like the others, so a dilated testbed's namespaces get k x this. The
+# kernel's other fixed TCP timers stay as they are (docs/emulated-devices.md).
+LINUX_TCP_RTO_MIN_MS = 200.0
+
+
+def tcp_rto_min_ms(dilation: float) -> float | None:
+    """TCP's minimum retransmission timeout (wall ms) on the testbed of a cluster dilated by
+    `dilation`; None (the kernel's own) for an undilated one."""
+    return None if dilation == 1 else LINUX_TCP_RTO_MIN_MS * dilation
+
+
 def modelled_seconds(wall_seconds: float, dilation: float) -> float:
     """A measured wall-clock duration as the modelled world's time (what every output shows)."""
     return wall_seconds / dilation
