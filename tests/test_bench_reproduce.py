@@ -44,6 +44,9 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     cfg = data["config"]
     assert cfg["quick"] is True and cfg["dilation_k"] == 10.0 and cfg["requests"] == 4
     assert cfg["goodput_slos_ms"] == {"ttft": 5000.0, "tpot": 100.0}  # the source's SLA
+    # how warm the workload is, said beside the source's skew
+    assert 0 < cfg["prefix_hit"]["mean"] < 1 and 0 <= cfg["prefix_hit"]["above_95"] <= 1
+    assert f"an ideal prefix cache hits {cfg['prefix_hit']['mean']:.0%}" in out
     assert set(data["live"]) == {"same-dc", "cross-dc", "pdd"}
     assert set(data["devices"]) == {*data["live"], "pdd shape"}
     for mode, s in data["live"].items():
@@ -168,6 +171,29 @@ def test_sim_requests_keep_the_live_requests_and_their_prefixes():
     first = [s for s in sim if s.conversation == 0]
     for a, b in zip(first, first[1:], strict=False):
         assert b.units[: len(a.units) + len(a.output_units)] == a.units + a.output_units
+
+
+def test_the_workloads_warmth_is_an_ideal_caches_hits_and_said_beside_the_sources():
+    from pddnet.bench.reproduce_table import workload_words
+    from pddnet.bench.reproduce_workload import workload_hits
+    from pddnet.workload.agent import AgentRequest
+
+    cold = tuple(range(1000, 1320))  # 20 blocks of 16
+    warm = cold + (7,) * 17 + (9,) * 3  # the first prompt and its output, then 3 new tokens
+    requests = [
+        AgentRequest(0, 1, 5.0, warm, 1, (9,), warm),  # listed first, arrives second
+        AgentRequest(0, 0, 0.0, cold, 17, (7,) * 17, cold),
+    ]
+    hits = workload_hits(requests)
+    # the cache holds the first prompt and its output but the last (sampled) token, 336
+    # tokens: 21 whole blocks, all of which the second prompt (340) matches
+    assert hits == {"mean": pytest.approx((0 + 336 / 340) / 2), "above_95": 0.5}
+    config = {"requests": 2, "conversations": 1}
+    assert workload_words(config) == "2 requests of 1 agent conversations"  # an older result
+    words = workload_words({**config, "prefix_hit": hits})
+    assert words.endswith(
+        "(an ideal prefix cache hits 49% of a prompt, 50% of them above 95%; source ~90%, 70-80%)"
+    )
 
 
 def test_the_simulator_sees_the_shape_as_the_live_cluster_does():

@@ -72,6 +72,7 @@ from pddnet.bench.reproduce_workload import (
     host_probe_workload,
     main_workload,
     shape_workload,
+    workload_hits,
 )
 from pddnet.bench.results import run_config, source_commit, write_result
 from pddnet.model.cli import add_model_argument
@@ -106,8 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=1, help="chips per instance")
     p.add_argument("--dilation", default="auto", metavar="K|auto", help="time dilation k")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--conversations", type=int, default=8, help="agent conversations")
-    p.add_argument("--max-requests", type=int, default=24, help="the first N turns by arrival")
+    p.add_argument("--conversations", type=int, default=4, help="agent conversations")
+    p.add_argument("--max-requests", type=int, default=36, help="the first N turns by arrival")
     p.add_argument(
         "--conversation-rate",
         type=float,
@@ -545,6 +546,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "chips": chips(args),
             "requests": len(requests),
             "conversations": len({r.conversation_id for r in requests}),
+            "prefix_hit": workload_hits(requests),
             "shape_requests": len(shape_requests),
             "drc_requests": len(long_requests),
             "load_before": load_before,

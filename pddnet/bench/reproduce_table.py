@@ -634,12 +634,24 @@ def _cell(v: Any, unit: str) -> str:
     return f"{v:.0f}"
 
 
+def workload_words(config: dict[str, Any]) -> str:
+    """The agent workload in words: its size and how warm it is (an ideal cache's hits)."""
+    words = f"{config['requests']} requests of {config['conversations']} agent conversations"
+    hit = config.get("prefix_hit")  # (older results did not record it)
+    if hit:
+        words += (
+            f" (an ideal prefix cache hits {hit['mean']:.0%} of a prompt, {hit['above_95']:.0%}"
+            " of them above 95%; source ~90%, 70-80%)"
+        )
+    return words
+
+
 def print_report(
     result: dict[str, Any], config: dict[str, Any], path: Path, files: list[str]
 ) -> None:
     print(
-        f"\nreproduce: {config['requests']} requests of {config['conversations']} agent "
-        f"conversations; line {config['line_gbit']:g} Gbit/s, k = {config['dilation_k']:g}; "
+        f"\nreproduce: {workload_words(config)}; "
+        f"line {config['line_gbit']:g} Gbit/s, k = {config['dilation_k']:g}; "
         f"wall {config['wall_s'] / 60:.1f} min; load {config['load_before'][0]:.2f} -> "
         f"{config['load_after'][0]:.2f}"
     )
@@ -693,8 +705,8 @@ def markdown(result: dict[str, Any], config: dict[str, Any], command: str) -> st
     """The run as the Markdown docs/reproduction.md quotes: the command, commit, load and k,
     the side-by-side table, the busy shares and the targets."""
     lines = [
-        f"`{command}` at commit `{config.get('commit')}`: {config['requests']} requests of "
-        f"{config['conversations']} conversations, line {config['line_gbit']:g} Gbit/s, "
+        f"`{command}` at commit `{config.get('commit')}`: {workload_words(config)}, "
+        f"line {config['line_gbit']:g} Gbit/s, "
         f"k = {config['dilation_k']:g}, {config['wall_s'] / 60:.1f} min of wall time, load "
         f"average {config['load_before'][0]:.2f} before, {config['load_after'][0]:.2f} after.",
         "",
