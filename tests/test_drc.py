@@ -91,6 +91,37 @@ async def test_only_the_uncached_kv_crosses_and_stays_token_exact(tiny):
         await all_free(daemons)
 
 
+async def test_a_turn_sent_the_moment_the_last_one_ends_finds_p_knowing_mds_cache(tiny):
+    """An agent with no think time sends its next turn the moment the last token arrives: MD
+    tells P what the ended turn left in its tree before that token goes, so P predicts the next
+    turn's hit exactly. MD's forwards last 30 ms and another request keeps it stepping, so a
+    notice sent only after the ended request's blocks were freed (a step or two later, at
+    best) would reach P after the next turn."""
+    cfg = make_config(ClusterMode.PDD, pipeline="p_md")
+    async with running(cfg, md_step_s=0.03) as (daemons, col):
+        view = daemons["prefill"].planner.view
+        busy = req("busy", rand_prompt(9, 64), 120)
+        await col.send("prefill", Submit(**busy))
+        p1 = rand_prompt(1, 300)
+        await col.send("prefill", Submit(**req("t1", p1, 24)))
+        await col.wait_until(lambda: col.complete("t1"), what="t1")
+        out1 = col.output("t1")
+        p2 = p1 + out1 + rand_prompt(2, 37)
+        await col.send("prefill", Submit(**req("t2", p2, 8)))  # at once, no think time
+        await col.wait_until(lambda: col.complete("t2") and col.complete("busy"), what="t2")
+        shared = len(p1) + len(out1)
+        hit = detail(col, "t2", "prefix_hit_tokens")
+        assert shared - MD_BS < hit <= shared  # MD had t1's prompt and reply
+        assert view.predictions == 3 and view.wrong == 0, view.counters()
+        for rid, prompt, n in (
+            ("t1", p1, 24),
+            ("t2", p2, 8),
+            ("busy", busy["prompt_token_ids"], 120),
+        ):
+            assert col.output(rid) == reference(tiny, prompt, n, SamplingParams(), True), rid
+        await all_free(daemons)
+
+
 async def test_eviction_behind_ps_back_moves_the_right_bytes_and_repairs_the_view(tiny):
     cfg = make_config(ClusterMode.PDD, pipeline="p_md")
     async with running(cfg) as (daemons, col):

@@ -108,6 +108,33 @@ async def test_runs_requests_token_exact_vs_generate(tiny):
     reference.close()
 
 
+async def test_after_step_sees_each_steps_outputs_in_the_engine_thread_before_the_loop(tiny):
+    model, tok = tiny
+    col = Collector()
+    seen: list[tuple[int, tuple[str, ...], bool]] = []  # (thread, ended ids, the loop has them)
+
+    def after_step(outputs) -> None:
+        if any(o.finished for o in outputs):
+            done = tuple(o.request_id for o in outputs if o.finished)
+            seen.append((threading.get_ident(), done, any(r in col.finished for r in done)))
+        raise RuntimeError("a failing hook")  # logged: the outputs still reach the loop
+
+    engine = Engine(model, tok, num_blocks=64, block_size=4)
+    worker = EngineWorker(
+        engine, col.on_outputs, name="test-after", on_error=col.on_error, after_step=after_step
+    )
+    for i, p in enumerate(prompts(tok)[:2]):
+        await worker.call(engine.add_request, p, 3 + 4 * i, None, f"r{i}", ignore_eos=True)
+    await col.wait_for(lambda: col.finished == {"r0", "r1"})
+    # each request's end was seen in the engine thread, before the loop had it
+    assert [done for _, done, _ in seen] == [("r0",), ("r1",)]
+    assert not any(loop_had_it for _, _, loop_had_it in seen)
+    assert {thread for thread, _, _ in seen} == {await worker.call(threading.get_ident)}
+    assert not col.errors
+    await worker.close()
+    engine.close()
+
+
 async def test_loop_stays_responsive_during_a_long_step(tiny):
     engine, worker, col = started(
         tiny, "test-responsive", num_blocks=512, block_size=16, max_num_batched_tokens=4096

@@ -209,15 +209,34 @@ class SlowStepRelay(RelayDaemon):
         self.pacer = StepPacer(FixedStepCost(self.step_s))
 
 
+class SlowStepMainDecode(SlowKvMainDecode):
+    """MD whose every forward lasts at least `step_s` (paced, as SlowStepRelay): a test that
+    needs MD's engine busy when something happens between its steps."""
+
+    def __init__(self, config: ClusterConfig, kv_arrival_delay_s: float, step_s: float) -> None:
+        self.step_s = step_s  # before the base's __init__, which calls init_engine
+        super().__init__(config, kv_arrival_delay_s)
+
+    def init_engine(self) -> None:
+        super().init_engine()
+        self.pacer = StepPacer(FixedStepCost(self.step_s))
+
+
 @contextlib.asynccontextmanager
-async def running(cfg: ClusterConfig, md_delay: float = 0.0, relay_step_s: float = 0.0):
+async def running(
+    cfg: ClusterConfig, md_delay: float = 0.0, relay_step_s: float = 0.0, md_step_s: float = 0.0
+):
     """Start MD, RLD, P as the mode needs (in dial order, ports 0), plus the collector; with
-    `relay_step_s`, RLD's forwards last at least that long (SlowStepRelay)."""
+    `relay_step_s` / `md_step_s`, RLD's / MD's forwards last at least that long."""
     daemons: dict[str, object] = {}
     collector = Collector()
     try:
         if cfg.mode is not ClusterMode.SAME_DC:
-            md = daemons["main_decode"] = SlowKvMainDecode(cfg, md_delay)
+            md = daemons["main_decode"] = (
+                SlowStepMainDecode(cfg, md_delay, md_step_s)
+                if md_step_s
+                else SlowKvMainDecode(cfg, md_delay)
+            )
             await md.start()
             cfg.main_decode.port = md.port
         if cfg.mode is not ClusterMode.CROSS_DC:

@@ -8,7 +8,10 @@ worker. The loop talks to it in two ways:
   `engine.add_request`, `engine.append_tokens`, `engine.abort`) and returns its result;
 - after every step that did something, `on_outputs(outputs)` is invoked on the loop
   (`call_soon_threadsafe`); a step's exception goes to `on_error(exc)` on the loop;
-- `on_step_stats(step)`, if given, is called in the engine thread with each step's timing.
+- `on_step_stats(step)`, if given, is called in the engine thread with each step's timing;
+- `after_step(outputs)`, if given, is called in the engine thread with a step's outputs just
+  before they go to the loop: bookkeeping that must see the engine as this step left it (MD
+  drains its cache's notices when a request ends there, so P hears of them before the tokens).
 
 With a `pacer` (pddnet.device.pacer.StepPacer) the engine runs on a modelled accelerator's
 clock: after each forward the thread waits until the forward has lasted the modelled time x k,
@@ -63,6 +66,7 @@ class EngineWorker:
         loop: asyncio.AbstractEventLoop | None = None,
         on_step_stats: Callable[[StepStats], None] | None = None,
         pacer: StepPacer | None = None,
+        after_step: Callable[[list[StepOutput]], None] | None = None,
     ) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
@@ -71,6 +75,7 @@ class EngineWorker:
         self.on_error = on_error
         # Called in the engine thread after each step that ran (keep it cheap, no locks)
         self.on_step_stats = on_step_stats
+        self.after_step = after_step
         self.pacer = pacer
         self._last_seen = -1
         self.threads = threads
@@ -185,6 +190,11 @@ class EngineWorker:
                 self.on_step_stats(step)
         self.in_step = False
         if outputs:
+            if self.after_step is not None:
+                try:
+                    self.after_step(outputs)
+                except Exception:  # bookkeeping: the outputs still go to the loop
+                    log.exception("engine worker %r: after_step failed", self.name)
             self._deliver(self.on_outputs, outputs)
         else:
             self._stalled = True  # no progress possible until something changes

@@ -86,6 +86,7 @@ class EngineHost:
             on_error=self._on_engine_error,
             on_step_stats=self.step_times.observe,
             pacer=self.pacer,
+            after_step=self.after_step_in_engine,
         )
 
     async def compute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -121,6 +122,9 @@ class EngineHost:
 
     def on_step(self, outputs: list[StepOutput]) -> None:  # pragma: no cover
         raise NotImplementedError
+
+    def after_step_in_engine(self, outputs: list[StepOutput]) -> None:
+        """Hook, in the engine thread: a step's outputs just before `on_step` sees them."""
 
     def _on_engine_error(self, exc: BaseException) -> None:
         """An engine step raised (the worker logged it and waits for the next call). The

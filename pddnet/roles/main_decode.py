@@ -95,6 +95,10 @@ class MainDecodeDaemon(DecodeTier):
             await self.compute(self.notices.drain)
             self.notices.post(self._p_boxes.values())
 
+    def after_step_in_engine(self, outputs: list[StepOutput]) -> None:
+        if any(out.finished for out in outputs):
+            self.notices.drain()  # what the ending requests left in the tree (see on_step)
+
     def reserve_in_engine(self, token_ids: tuple[int, ...], max_tokens: int) -> KVReservation:
         res = super().reserve_in_engine(token_ids, max_tokens)
         self.notices.drain()
@@ -183,6 +187,10 @@ class MainDecodeDaemon(DecodeTier):
 
     def on_step(self, outputs: list[StepOutput]) -> None:
         if any(out.finished for out in outputs):
+            # Before the last tokens go: a conversation's next turn, sent the moment the client
+            # has this one's last token, must find P already knowing what this turn left in
+            # MD's tree (request_stopped's notice comes a step or two later, after the free).
+            self.notices.post(self._p_boxes.values())
             self.blocks_freed()  # (the waiting allocations are asked after this step)
         super().on_step(outputs)
 
