@@ -194,32 +194,35 @@ class FixedStepCost:
         return self.step_s
 
 
-class SlowStepRelay(RelayDaemon):
-    """RLD whose every forward lasts at least `step_s` (paced, as on an emulated device). The
-    tiny model decodes a short request on an idle host before MD's delayed copy completes, and
-    on a loaded one it may or may not: a test that needs RLD to hand over mid-stream slows RLD
-    down rather than depend on the host's load."""
+class PacedSteps:
+    """A daemon whose every forward lasts at least `step_s` (paced, as on an emulated device):
+    set `step_s` before the daemon's __init__, which calls init_engine."""
+
+    step_s: float
+
+    def init_engine(self) -> None:
+        super().init_engine()  # type: ignore[misc]
+        self.pacer = StepPacer(FixedStepCost(self.step_s))
+
+
+class SlowStepRelay(PacedSteps, RelayDaemon):
+    """RLD whose every forward lasts at least `step_s`. The tiny model decodes a short request
+    on an idle host before MD's delayed copy completes, and on a loaded one it may or may not:
+    a test that needs RLD to hand over mid-stream slows RLD down rather than depend on the
+    host's load."""
 
     def __init__(self, config: ClusterConfig, step_s: float) -> None:
-        self.step_s = step_s  # before the base's __init__, which calls init_engine
+        self.step_s = step_s
         super().__init__(config)
 
-    def init_engine(self) -> None:
-        super().init_engine()
-        self.pacer = StepPacer(FixedStepCost(self.step_s))
 
-
-class SlowStepMainDecode(SlowKvMainDecode):
-    """MD whose every forward lasts at least `step_s` (paced, as SlowStepRelay): a test that
-    needs MD's engine busy when something happens between its steps."""
+class SlowStepMainDecode(PacedSteps, SlowKvMainDecode):
+    """MD whose every forward lasts at least `step_s`: a test that needs MD's engine busy when
+    something happens between its steps."""
 
     def __init__(self, config: ClusterConfig, kv_arrival_delay_s: float, step_s: float) -> None:
-        self.step_s = step_s  # before the base's __init__, which calls init_engine
+        self.step_s = step_s
         super().__init__(config, kv_arrival_delay_s)
-
-    def init_engine(self) -> None:
-        super().init_engine()
-        self.pacer = StepPacer(FixedStepCost(self.step_s))
 
 
 @contextlib.asynccontextmanager
