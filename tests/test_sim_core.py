@@ -77,6 +77,27 @@ def test_histogram_buckets_in_order_from_the_floor_bucket_up():
         Histogram().merge(Histogram(rel_width=0.01))
 
 
+def test_histogram_add_each_is_add_for_every_value():
+    values = [0.0, 1e-7, 0.0071, 0.0069, 2.0, 1.7e308, 0.0071]
+    one, each = Histogram(), Histogram()
+    for v in values:
+        one.add(v, 3)
+    each.add_each(values, 3)
+    assert (each.counts, each.n, each.total, each.min, each.max) == (
+        one.counts,
+        one.n,
+        one.total,
+        one.min,
+        one.max,
+    )
+    each.add_each([], 3)
+    each.add_each([1.0], 0)
+    assert each.n == one.n
+    for bad in ([0.1, float("nan")], [0.1, float("inf")], [0.1, -0.1]):
+        with pytest.raises(ValueError, match="finite and >= 0"):
+            Histogram().add_each(bad, 1)
+
+
 def test_series_is_bounded_and_keeps_maxima():
     s = Series(interval_s=1.0, max_points=8)
     for t in range(100):

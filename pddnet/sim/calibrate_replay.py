@@ -89,8 +89,8 @@ def tagged_system_class(
     """A SimulatedSystem that also files every request's TTFT and ITL gaps under its tag (trace
     rid = line = position in the interleaved stream), so the comparison covers compare-tagged
     requests only. It taps the per-member accounting of pddnet/sim/decode.py (each member of a
-    segment of k steps makes k gaps of the step time; a fresh member's first gap is from its
-    previous token; a final extend emits one gap) and checks it against the run's own ITL
+    segment of k steps makes k gaps, the step time or across a jittery line each step's own:
+    `member_gaps`; a final extend emits one gap) and checks it against the run's own ITL
     histogram at the end."""
     from pddnet.sim.decode import DecodeInstance
     from pddnet.sim.metrics import Histogram
@@ -104,17 +104,13 @@ def tagged_system_class(
 
     class TaggedDecode(DecodeInstance):
         def _account(self, k: int, tau: float, now: float) -> None:
-            fresh = {id(m) for m in self._fresh}
-            first_user = self.seg_t0 + tau + self.user_delay_s
+            gaps = self.segment_gaps(k, tau)
             for fs, _, m in self._heap:
                 if not (m.alive and fs == m.finish_step and m.join_step >= 0):
                     continue
                 h = hists[tag_of(m)]["itl"]
-                if id(m) in fresh:
-                    h.add(tau, k - 1)
-                    h.add(max(0.0, first_user - m.prev_user))
-                else:
-                    h.add(tau, k)
+                for gap in self.member_gaps(m, k, gaps):
+                    h.add(gap)
             super()._account(k, tau, now)
 
         def _end_segment(self, token: int) -> None:

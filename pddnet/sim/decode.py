@@ -15,16 +15,24 @@ Inter-token gaps go into the owner's histogram weighted by how many members saw 
 cost per segment does not grow with the batch size. A member's first gap on this instance is
 measured from the user-visible time of its previous token (``prev_user``), which is how the
 handoff gap (RLD's last token to MD's first) and the first-token gap are counted.
+
+An instance across the WAN from the user (MD, cross-DC's D) delivers each step's tokens through
+a ``TokenDelivery``: the line's one-way delay plus a jitter draw per step, under the line's
+in-order rule, as the live WAN delays the write that carries them. Its steps' gaps then differ
+(one per step, still not per member); without jitter every gap of a segment is its step time.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import random
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from emulation.effects import DEFAULT_EFFECTS, JitterSource
 from pddnet.device.cost import InstanceCost
 from pddnet.sim.events import EventLoop
 from pddnet.sim.metrics import Histogram
@@ -76,6 +84,52 @@ class Member:
         self.extra_made = 0  # tokens sampled by final extend steps
 
 
+class TokenDelivery:
+    """When a step's tokens reach the user: ``delay_s`` after the step and, with ``jitter_ms``,
+    a draw from the line's jitter (emulation.link's distribution, no correlation) held to the
+    line's in-order rule: a step's tokens never arrive before the previous step's. As the live
+    WAN treats the write carrying them (one per step: MD writes a step's tokens together); the
+    in-order floor is this instance's own, where the live line's is shared by all its traffic.
+    Calls to ``arrive`` must come in step order."""
+
+    def __init__(self, delay_s: float = 0.0, jitter_ms: float = 0.0, seed: object = "") -> None:
+        if not delay_s >= 0:
+            raise ValueError(f"delay_s must be >= 0, got {delay_s!r}")
+        if not jitter_ms >= 0:
+            raise ValueError(f"jitter_ms must be >= 0, got {jitter_ms!r}")
+        self.delay_s = delay_s
+        self.jitter_ms = jitter_ms
+        self.jittered = jitter_ms > 0
+        self._rng = random.Random(f"{seed}:tokens")
+        self._source = JitterSource(self._rng)
+        self._dist = DEFAULT_EFFECTS["jitter_dist"]
+        self._last = -math.inf
+
+    def arrive(self, emitted: float) -> float:
+        """User-visible time of tokens a step emits at ``emitted``."""
+        return self.arrivals(emitted, 0.0, 1)[0]
+
+    def arrivals(self, t0: float, tau: float, count: int) -> list[float]:
+        """User-visible times of ``count`` steps' tokens, emitted at t0, t0 + tau, ..."""
+        delay = self.delay_s
+        if not self.jittered:
+            return [t0 + j * tau + delay for j in range(count)]
+        jitter, last, out = self.jitter_ms / 1e3, self._last, []
+        if self._dist == "normal":  # JitterSource's draws, inlined: tens of millions at scale
+            gauss = self._rng.gauss
+            for j in range(count):
+                own = t0 + j * tau + max(0.0, delay + jitter * gauss(0.0, 1.0))
+                last = own if own > last else last
+                out.append(last)
+        else:
+            for j in range(count):
+                draw = self._source.draw(self.jitter_ms, self._dist, 0.0) / 1e3
+                last = max(last, t0 + j * tau + max(0.0, delay + draw))
+                out.append(last)
+        self._last = last
+        return out
+
+
 class DecodeInstance:
     def __init__(
         self,
@@ -88,6 +142,8 @@ class DecodeInstance:
         handoff_gap: Histogram | None = None,
         segment_steps: int = 32,
         host_step_s: float = 0.0,
+        jitter_ms: float = 0.0,
+        seed: object = 0,
     ) -> None:
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs!r}")
@@ -99,6 +155,10 @@ class DecodeInstance:
         self.host_step_s = host_step_s
         self.max_seqs = max_seqs
         self.user_delay_s = user_delay_s
+        self.delivery = TokenDelivery(user_delay_s, jitter_ms, f"{seed}:{name}")
+        # user-visible times of steps _arr_s0, _arr_s0 + 1, ... drawn so far (jittered only)
+        self._arr: list[float] = [math.nan]
+        self._arr_s0 = 0
         self.itl = itl
         self.handoff_gap = handoff_gap
         self.segment_steps = segment_steps
@@ -116,6 +176,7 @@ class DecodeInstance:
         self._pending: list[Member] = []
         self._waiting: deque[Member] = deque()
         self._fresh: list[Member] = []
+        self._dropped: list[Member] = []  # stopped in the segment's last step: no token there
         self._extending: list[Member] = []
         self._step_extend: list[tuple[Member, int]] = []
         self.busy_s = 0.0
@@ -184,12 +245,13 @@ class DecodeInstance:
         if made > 0:
             # made > 0 while still in the batch: its last token ended the step `done`, inside
             # the current segment (steps before it ended before the segment began)
-            done = m.join_step + made
-            last = self.seg_t0 + (done - self.seg_s0) * self.tau + self.user_delay_s
+            last = self._user_time(m.join_step + made)
         else:
             last = m.prev_user
         m.on_finish = _stopped
         self.cut(m)
+        if m.join_step >= 0 and m.finish_step - m.join_step > made:
+            self._dropped.append(m)  # in the batch for the step in flight, whose token is MD's
         return made, last
 
     def drop(self, m: Member) -> None:
@@ -272,7 +334,7 @@ class DecodeInstance:
             self._extending.remove(m)
             if m.extend_final:
                 # the extend step sampled the member's next token: it emits now and decodes on
-                user = now + self.user_delay_s
+                user = self._user_time(s1) if self.delivery.jittered else now + self.user_delay_s
                 gap = user - m.prev_user
                 self.itl.add(gap)
                 if self.handoff_gap is not None:
@@ -317,22 +379,74 @@ class DecodeInstance:
         self._ctx_base -= m.ctx0 - m.join_step
         m.alive = False
         if made > 0:
-            m.prev_user = now + self.user_delay_s
+            m.prev_user = (
+                self._user_time(self.step) if self.delivery.jittered else now + self.user_delay_s
+            )
         m.on_finish(m, now, made + m.extra_made)
         while self._waiting and self.n < self.max_seqs:
             # slots freed: waiting members join at this boundary
             w = self._waiting.popleft()
             self._join(w, self.step, fresh=True)
 
+    def _user_time(self, step: int) -> float:
+        """When the tokens of ``step`` (one of the current segment's, or the step it began
+        after) reach the user."""
+        if not self.delivery.jittered:
+            return self.seg_t0 + (step - self.seg_s0) * self.tau + self.user_delay_s
+        arr, i = self._arr, step - self._arr_s0
+        if not 0 <= i <= self.seg_end - self._arr_s0:
+            raise ValueError(f"step {step} is outside the segment {self.seg_s0}..{self.seg_end}")
+        if len(arr) <= i:  # draw every step up to it, in order
+            first = self._arr_s0 + len(arr) - self.seg_s0  # (steps after the segment's start)
+            t0 = self.seg_t0 + first * self.tau
+            arr.extend(self.delivery.arrivals(t0, self.tau, i + 1 - len(arr)))
+        return arr[i]
+
+    def segment_gaps(self, k: int, tau: float) -> list[float]:
+        """The user-visible gaps between the k steps of the segment ending now, the first one
+        from the step before it: every one ``tau`` unless delivery jitters."""
+        if not self.delivery.jittered:
+            return [tau] * k
+        self._user_time(self.seg_s0 + k)  # draws the segment's steps
+        i0 = self.seg_s0 - self._arr_s0
+        times = self._arr[i0 : i0 + k + 1]
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+    def member_gaps(self, m: Member, k: int, gaps: list[float]) -> list[float]:
+        """The gaps member ``m`` saw in the segment of k steps ending now (``gaps``: its
+        ``segment_gaps``): a fresh member's first is from its previous token, and a member
+        stopped in the last step saw no token there. ``_account`` counts the same in bulk."""
+        fresh, dropped = m in self._fresh, m in self._dropped
+        seen = gaps[1 if fresh else 0 : k - 1 if dropped else k]
+        if fresh and not (dropped and k == 1):
+            seen.insert(0, max(0.0, self._user_time(self.seg_s0 + 1) - m.prev_user))
+        return seen
+
     def _account(self, k: int, tau: float, now: float) -> None:
-        """ITL and token counts of a finished segment of k steps with constant membership."""
-        n = self.n
-        steady = n * k - len(self._fresh)
-        if steady > 0:
-            self.itl.add(tau, steady)
-        first_user = self.seg_t0 + tau + self.user_delay_s
-        for m in self._fresh:  # their first token here: the gap from their previous one
+        """ITL and token counts of a finished segment of k steps with constant membership (the
+        step in flight when a member was stopped ran for the batch, but its token was dropped)."""
+        n, fresh, dropped = self.n, self._fresh, self._dropped
+        # members that saw the first step's gap, and those of them stopped in the last step
+        first = n - len(fresh)
+        last = len(dropped) if k > 1 else sum(1 for m in dropped if m not in fresh)
+        if self.delivery.jittered:  # a weight per step: the members that saw that gap
+            gaps = self.segment_gaps(k, tau)
+            if k == 1:
+                self.itl.add(gaps[0], first - last)
+            else:
+                self.itl.add(gaps[0], first)
+                self.itl.add_each(gaps[1:-1], n)
+                self.itl.add(gaps[-1], n - last)
+        else:
+            steady = n * k - len(fresh) - last
+            if steady > 0:
+                self.itl.add(tau, steady)
+        first_user = self._user_time(self.seg_s0 + 1)
+        for m in fresh:  # their first token here: the gap from their previous one
+            if k == 1 and m in dropped:
+                continue
             self.itl.add(max(0.0, first_user - m.prev_user))
+        self._dropped = []
         self.tokens += n * k
         self.steps += k
         self.busy_s += k * (tau - self.host_step_s)
@@ -375,6 +489,11 @@ class DecodeInstance:
             )
             + self.host_step_s
         )
+        if self.delivery.jittered:  # keep only the step this segment begins after
+            self._arr = [
+                self._arr[s1 - self._arr_s0] if s1 - self._arr_s0 < len(self._arr) else math.nan
+            ]
+            self._arr_s0 = s1
         self.seg_t0, self.seg_s0, self.seg_end, self.tau = now, s1, s1 + k, tau
         self._token += 1
         self.loop.at(now + k * tau, self._end_segment, self._token)

@@ -207,6 +207,8 @@ class SimulatedSystem:
                     self.handoff_gap,
                     e.segment_steps,
                     host_step,
+                    jitter_ms=c.line.jitter_ms if self.cross else 0.0,
+                    seed=c.seed,
                 ),
                 RadixCache(BlockAllocator(blocks), self.block_units),
                 self.use_drc,
