@@ -545,9 +545,10 @@ class SimulatedSystem:
     def _p_cache_notice(self, md_idx: int, events: CacheEventBatch) -> None:
         self.views[md_idx].apply(events)
 
-    def _release(self, st: ReqState, keep: bool) -> None:
+    def _release(self, st: ReqState, keep: bool, last_user: float | None = None) -> None:
         """A request leaves MD / D: with ``keep`` its KV enters the DRC (prompt and output,
-        but the last token, which was sampled and never computed)."""
+        but the last token, which was sampled and never computed). ``last_user``: when its
+        last token reaches A, which MD's cache notice does not trail."""
         if not st.md_allocated:
             return
         st.md_allocated = False
@@ -564,15 +565,15 @@ class SimulatedSystem:
         if self.cross and side.use_cache:
             # As MD does at every request's end: what the request left in the tree is what the
             # conversation's next turn will hit, so P hears of it now, not with MD's next
-            # answer (which may be that very turn's). MD posts it as it sends the last token,
-            # so it reaches A with that token, one line delay later (like the tokens, outside
-            # the link's queue: a few hashes), and P applies it before a turn the client sends
-            # on that token can arrive (callers release before they finish the request).
+            # answer (which may be that very turn's). MD posts it just before the last token,
+            # in the same in-order stream, so it reaches A with that token (jitter and all;
+            # outside the link's queue: a few hashes), and P applies it before a turn the
+            # client sends on that token can arrive (callers release before they finish the
+            # request). A request with no last token here: one line delay from now.
             events = side.cache.drain_events()
             if events is not None:
-                self.loop.at(
-                    self.loop.now + side.inst.user_delay_s, self._p_cache_notice, st.md_idx, events
-                )
+                at = self.loop.now + side.inst.user_delay_s if last_user is None else last_user
+                self.loop.at(max(at, self.loop.now), self._p_cache_notice, st.md_idx, events)
         while side.waiting:
             nxt = side.waiting[0]
             if nxt.finished:
@@ -655,7 +656,7 @@ class SimulatedSystem:
     def _md_decode(self, st: ReqState, user: float) -> None:
         remaining = st.req.output_tokens - 1
         if remaining <= 0:
-            self._release(st, keep=True)
+            self._release(st, keep=True, last_user=user)
             self._finish(st, user)
             return
         m = Member(st, st.req.prompt_tokens, remaining, user, self._md_finished)
@@ -681,7 +682,7 @@ class SimulatedSystem:
         # unlinked, the request and its member are freed as soon as nothing else holds them
         st.md_member = None
         st.md_tokens += made
-        self._release(st, keep=True)
+        self._release(st, keep=True, last_user=m.prev_user)
         self._finish(st, m.prev_user)
 
     # -- same-DC D ---------------------------------------------------------------------------
