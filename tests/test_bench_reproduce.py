@@ -587,3 +587,54 @@ def test_a_pair_sent_in_one_order_live_and_the_other_in_the_simulator_is_named()
         "turn 1 live, 4.0 ms after it in the simulator (TTFT live 90 / 1288 ms, sim 1268 / 1278)"
     ]
     assert order_swaps(records[2:], workload[2:], sim[2:]) == []
+
+
+def test_a_handoff_figure_that_overran_is_retried_once_at_a_larger_k_under_auto(monkeypatch):
+    import asyncio
+
+    from pddnet.bench import handoff, reproduce
+
+    assert reproduce.handoff_retry_k({"valid": True, "dilation_needed": 1.0}, 2.1) is None
+    assert reproduce.handoff_retry_k({"valid": None}, 2.1) is None  # unpaced
+    # the k it needed, with the margin, rounded up to a tenth; never below the k it ran at
+    assert reproduce.handoff_retry_k({"valid": False, "dilation_needed": 2.2}, 2.1) == 2.8
+    assert reproduce.handoff_retry_k({"valid": False, "dilation_needed": 1.5}, 3.1) == 3.9
+
+    ran = []
+
+    async def figure(argv):  # the handoff bench's summary, by the k it was given
+        k = float(argv[argv.index("--dilation") + 1])
+        ran.append(k)
+        ok = k >= 2.5
+        return {
+            "dilation": k,
+            "valid": ok,
+            "dilation_needed": 2.2,
+            "overruns": 0 if ok else 1,
+            "steps": 298,
+            "path": f"/r/{k:g}.json",
+            "conditions": {},
+        }
+
+    monkeypatch.setattr(handoff, "source_figure", figure)
+    monkeypatch.setattr(reproduce, "handoff_argv", lambda args, k: ["--dilation", f"{k:g}"])
+    auto = argparse.Namespace(dilation="auto")
+    out = asyncio.run(reproduce.handoff_stage(auto, 2.1))
+    assert ran == [2.1, 2.8]
+    assert out["dilation"] == 2.8 and out["valid"] is True
+    assert out["attempts"] == [
+        {"dilation": 2.1, "valid": False, "overruns": 1, "steps": 298, "path": "/r/2.1.json"}
+    ]
+    # said under the table, beside the figure it replaced
+    from pddnet.bench.reproduce_table import notes
+
+    said = notes({"live": {}, "sim": {}, "utilisation": {}, "handoff": out})
+    assert any("at k = 2.1 its devices overran on 1 of 298 forwards" in line for line in said)
+    # an explicit k is what the user asked for: the figure stays, not valid, and is not rerun
+    ran.clear()
+    fixed = asyncio.run(reproduce.handoff_stage(argparse.Namespace(dilation="2.1"), 2.1))
+    assert ran == [2.1] and fixed["valid"] is False and "attempts" not in fixed
+    # kept pace at once: one run
+    ran.clear()
+    asyncio.run(reproduce.handoff_stage(auto, 3.0))
+    assert ran == [3.0]

@@ -206,6 +206,10 @@ def figure(head: dict[str, Any], devices: dict[str, Any]) -> dict[str, Any]:
         "emulated": emulated,
         "dilation": devices.get("dilation", 1.0) if emulated else 1.0,
         "valid": devices["valid"] if emulated else None,
+        # the k at which its slowest forward would not have overrun (None unpaced)
+        "dilation_needed": devices.get("dilation_needed") if emulated else None,
+        "overruns": devices.get("overruns") if emulated else None,
+        "steps": devices.get("steps") if emulated else None,
         "source": SOURCE_FIGURE,
     }
 

@@ -480,6 +480,11 @@ def notes(result: dict[str, Any]) -> list[str]:
             else ""
         )
         out.append(f"handoff figure's line: {wan_line(h.get('wan'))}{ran}")
+        for a in h.get("attempts", ()):
+            out.append(
+                f"handoff figure at k = {h['dilation']:g}: at k = {a['dilation']:g} its devices "
+                f"overran on {a['overruns']} of {a['steps']} forwards (not valid; {a['path']})"
+            )
     shape = result.get("shape")
     if shape:
         w = shape["warm_up"]
