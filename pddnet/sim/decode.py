@@ -116,11 +116,13 @@ class TokenDelivery:
             return [t0 + j * tau + delay for j in range(count)]
         jitter, last, out = self.jitter_ms / 1e3, self._last, []
         if self._dist == "normal":  # JitterSource's draws, inlined: tens of millions at scale
-            gauss = self._rng.gauss
+            gauss, append = self._rng.gauss, out.append
             for j in range(count):
-                own = t0 + j * tau + max(0.0, delay + jitter * gauss(0.0, 1.0))
-                last = own if own > last else last
-                out.append(last)
+                d = delay + jitter * gauss()
+                own = t0 + j * tau + (d if d > 0.0 else 0.0)
+                if own > last:
+                    last = own
+                append(last)
         else:
             for j in range(count):
                 draw = self._source.draw(self.jitter_ms, self._dist, 0.0) / 1e3
