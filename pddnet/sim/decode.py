@@ -114,7 +114,8 @@ class TokenDelivery:
         delay = self.delay_s
         if not self.jittered:
             return [t0 + j * tau + delay for j in range(count)]
-        jitter, last, out = self.jitter_ms / 1e3, self._last, []
+        jitter, last = self.jitter_ms / 1e3, self._last
+        out: list[float] = []
         if self._dist == "normal":  # JitterSource's draws, inlined: tens of millions at scale
             gauss, append = self._rng.gauss, out.append
             for j in range(count):
