@@ -32,7 +32,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from emulation.effects import DEFAULT_EFFECTS, JitterSource
 from pddnet.device.cost import InstanceCost
 from pddnet.sim.events import EventLoop
 from pddnet.sim.metrics import Histogram
@@ -86,11 +85,12 @@ class Member:
 
 class TokenDelivery:
     """When a step's tokens reach the user: ``delay_s`` after the step and, with ``jitter_ms``,
-    a draw from the line's jitter (emulation.link's distribution, no correlation) held to the
-    line's in-order rule: a step's tokens never arrive before the previous step's. As the live
-    WAN treats the write carrying them (one per step: MD writes a step's tokens together); the
-    in-order floor is this instance's own, where the live line's is shared by all its traffic.
-    Calls to ``arrive`` must come in step order."""
+    a draw from the line's jitter (normal and uncorrelated: the simulator's line has no other
+    kind; the same draws as emulation.effects.JitterSource's) held to the line's in-order
+    rule: a step's tokens never arrive before the previous step's. As the live WAN treats the
+    write carrying them (one per step: MD writes a step's tokens together); the in-order floor
+    is this instance's own, where the live line's is shared by all its traffic. Calls to
+    ``arrive`` must come in step order."""
 
     def __init__(self, delay_s: float = 0.0, jitter_ms: float = 0.0, seed: object = "") -> None:
         if not delay_s >= 0:
@@ -101,8 +101,6 @@ class TokenDelivery:
         self.jitter_ms = jitter_ms
         self.jittered = jitter_ms > 0
         self._rng = random.Random(f"{seed}:tokens")
-        self._source = JitterSource(self._rng)
-        self._dist = DEFAULT_EFFECTS["jitter_dist"]
         self._last = -math.inf
 
     def arrive(self, emitted: float) -> float:
@@ -116,19 +114,13 @@ class TokenDelivery:
             return [t0 + j * tau + delay for j in range(count)]
         jitter, last = self.jitter_ms / 1e3, self._last
         out: list[float] = []
-        if self._dist == "normal":  # JitterSource's draws, inlined: tens of millions at scale
-            gauss, append = self._rng.gauss, out.append
-            for j in range(count):
-                d = delay + jitter * gauss()
-                own = t0 + j * tau + (d if d > 0.0 else 0.0)
-                if own > last:
-                    last = own
-                append(last)
-        else:
-            for j in range(count):
-                draw = self._source.draw(self.jitter_ms, self._dist, 0.0) / 1e3
-                last = max(last, t0 + j * tau + max(0.0, delay + draw))
-                out.append(last)
+        gauss, append = self._rng.gauss, out.append  # (tens of millions of draws at scale)
+        for j in range(count):
+            d = delay + jitter * gauss()
+            own = t0 + j * tau + (d if d > 0.0 else 0.0)
+            if own > last:
+                last = own
+            append(last)
         self._last = last
         return out
 
