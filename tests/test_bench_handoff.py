@@ -224,6 +224,9 @@ def test_summaries_and_ratios_from_trials():
     assert kv10["std_handoff_latency_ms"] == pytest.approx(3**0.5 * 1000.0)  # population
     assert kv10["p99_handoff_latency_ms"] == pytest.approx(1000.0 + 0.97 * 4000.0)
     assert kv10["max_handoff_latency_ms"] == 5000.0 and kv10["mean_wire_ms"] == 1000.0
+    # how many handoffs reach each multiple of the mean the target names: the 5 s one alone
+    assert kv10["at_least_x_mean"] == {"1.1": 1, "2": 1}
+    assert r10[TOKEN_ID]["at_least_x_mean"] == {"1.1": 0, "2": 0}
     q = r10["kv_direct_over_token_id"]
     assert q["payload"] == 50 and q["mean_handoff_latency_ms"] == pytest.approx(2.0)
     assert q["max_handoff_latency_ms"] == 5.0 and q["max_wire_ms"] == 5.0
@@ -483,6 +486,10 @@ async def test_source_figure_on_emulated_devices(tmp_path):
     for c in fig["conditions"].values():
         for s in c.values():
             assert s["max_over_mean"] == pytest.approx(s["max_ms"] / s["mean_ms"])
+            # the handoffs behind the max/mean: how many reach the target's multiples
+            tail = s["at_least_x_mean"]
+            assert s["handoffs"] == 2 and s["handoffs"] >= tail["1.1"] >= tail["2"]
+            assert (tail["2"] > 0) == (s["max_over_mean"] >= 2.0)
     # the HANDOFFs (control lane, marked) crossed in the priority class only where it was on
     link = {c: data["conditions"][c]["link_a_to_b"]["priority"] for c in conditions}
     assert link["jitter+bulk+priority"]["bytes"] > 0

@@ -128,6 +128,9 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
 
     assert h["wan"]["shell"] == ("proxy" if unavailable_reason() else "packet")
     assert "handoff figure's line: the " in out
+    # behind each line's max/mean: how many handoffs reached the target's multiple of the mean
+    for line in ("FIFO line", "control class"):
+        assert f"handoff tail, {line}: KV-direct " in out
     assert f"RLD and MD ran {reproduce.HANDOFF_MODEL}, the competing traffic on 4 lanes" in out
     # token ids are a few hundred bytes; KV-direct carries the target model's KV of 100 tokens
     assert h["payload_bytes"]["token-id"] < 1000 < h["payload_target_bytes"]["kv-direct"]
@@ -142,6 +145,24 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     for name, ok in data["checks"].items():
         assert f"{'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {name}" in out
     assert (tmp_path / "reproduce" / f"{path.stem}-ttft-cdf.png").exists()
+    # the workload's next draws in the simulator: each served in every mode, the ratios the
+    # targets are stated on summarised over them, printed beside this draw's and plotted
+    spread = data["spread"]
+    assert cfg["spread_seeds"] == 3 and spread["seeds"] == [cfg["seed"] + i for i in (1, 2, 3)]
+    assert len(spread["draws"]) == 3
+    for draw in spread["draws"]:
+        assert draw["requests"] == cfg["requests"]
+        assert set(draw["ttft_ms"]) == set(data["live"])
+        assert draw["ratios"]["pdd/same-dc p99"] == pytest.approx(
+            draw["ttft_ms"]["pdd"]["p99"] / draw["ttft_ms"]["same-dc"]["p99"]
+        )
+    pdd_p99 = spread["ratios"]["pdd/same-dc p99"]
+    values = [d["ratios"]["pdd/same-dc p99"] for d in spread["draws"]]
+    assert pdd_p99["min"] == min(values) and pdd_p99["max"] == max(values)
+    assert pdd_p99["met"] == sum(v <= 1.2 for v in values)
+    assert "other draws of the workload (simulator, seeds 1-3, 4 requests each" in out
+    assert f"in {pdd_p99['met']} of 3; this draw live " in out
+    assert (tmp_path / "reproduce" / f"{path.stem}-spread.png").exists()
 
 
 def data_failed(tmp_path) -> dict:
@@ -229,6 +250,7 @@ def reproduce_args(*argv: str) -> argparse.Namespace:
     [
         (("--modes", "pdd"), "--modes must include same-dc"),
         (("--line-gbit", "0"), "--line-gbit must be > 0"),
+        (("--spread-seeds", "-1"), "--spread-seeds must be >= 0"),
         (("--conversations", "0"), "--conversations, --max-requests and --gpus must be >= 1"),
         (("--md-chip", "h999"), "unknown chip"),
     ],
@@ -638,3 +660,56 @@ def test_a_handoff_figure_that_overran_is_retried_once_at_a_larger_k_under_auto(
     ran.clear()
     asyncio.run(reproduce.handoff_stage(auto, 3.0))
     assert ran == [3.0]
+
+
+def test_the_spread_summarises_each_ratio_over_the_draws_and_counts_those_meeting_its_target():
+    from pddnet.bench.reproduce_spread import draw_ratios, spread_notes, summarise
+
+    def draw(seed, same, pdd, cross):
+        ttft = {
+            "same-dc": {"median": 10.0, "p90": 50.0, "p99": same},
+            "pdd": {"median": 20.0, "p90": 50.0, "p99": pdd},
+            "cross-dc": {"median": 30.0, "p90": None, "p99": cross},
+        }
+        return {"seed": seed, "requests": 36, "ttft_ms": ttft, "ratios": draw_ratios(ttft)}
+
+    draws = [
+        draw(1, 100.0, 110.0, 500.0),
+        draw(2, 100.0, 130.0, 250.0),
+        draw(3, 200.0, 200.0, 900.0),
+    ]
+    assert draws[0]["ratios"] == {
+        "pdd/same-dc median": 2.0,
+        "pdd/same-dc p90": 1.0,
+        "pdd/same-dc p99": pytest.approx(1.1),
+        "cross-dc/same-dc median": 3.0,  # a statistic missing on one side is left out
+        "cross-dc/same-dc p99": 5.0,
+    }
+    bounds = {"pdd/same-dc p99": ("max", 1.2), "cross-dc/same-dc p99": ("min", 3.0)}
+    s = summarise(draws, bounds)
+    assert s["pdd/same-dc p99"] == {
+        "median": pytest.approx(1.1),
+        "min": 1.0,
+        "max": pytest.approx(1.3),
+        "draws": 3,
+        "target": {"kind": "max", "bound": 1.2},
+        "met": 2,
+    }
+    assert s["cross-dc/same-dc p99"]["met"] == 2 and s["cross-dc/same-dc p99"]["min"] == 2.5
+    assert "target" not in s["pdd/same-dc median"]
+    run = {
+        "spread": {"seeds": [1, 2, 3], "draws": draws, "ratios": s},
+        "live": {m: {"p99_ttft_ms": v} for m, v in (("same-dc", 100.0), ("pdd", 119.0))},
+        "sim": {m: {"p99_ttft_ms": v} for m, v in (("same-dc", 100.0), ("pdd", 116.0))},
+    }
+    lines = spread_notes(run)
+    assert lines[0].startswith("other draws of the workload (simulator, seeds 1-3, 36 requests")
+    assert (
+        "  TTFT pdd/same-dc p99: median 1.10x (1.00x-1.30x), <= 1.2x in 2 of 3; this draw "
+        "live 1.19x, simulated 1.16x" in lines
+    )
+    assert any(
+        line.startswith("  TTFT cross-dc/same-dc p99: median 4.50x (2.50x-5.00x), >= 3x in 2 of 3")
+        for line in lines
+    )
+    assert spread_notes({"spread": None}) == []

@@ -26,6 +26,7 @@ SOURCE_FIGURE: dict[str, Any] = {
 TARGET_CONDITIONS = {"jitter+bulk": "FIFO line", "jitter+bulk+priority": "control class"}
 TOKEN_ID_MAX_OVER_MEAN = 1.10
 KV_DIRECT_MAX_OVER_MEAN = 2.0
+TAIL_MULTIPLES = (TOKEN_ID_MAX_OVER_MEAN, KV_DIRECT_MAX_OVER_MEAN)
 
 # -- summarising (pure) ---------------------------------------------------------------------------
 
@@ -43,10 +44,16 @@ def path_summary(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return stats_ms(name, [t[key] for t in trials], with_max=True)
 
     lat, wire = st("handoff_latency", "latency_s"), st("wire", "wire_s")
+    mean_s = (lat["mean_handoff_latency_ms"] or 0.0) / 1e3
     return {
         "n": len(trials),
         **lat,
         "max_over_mean": _ratio(lat["max_handoff_latency_ms"], lat["mean_handoff_latency_ms"]),
+        # how many handoffs lie at or beyond each multiple of the mean the target names: a
+        # max/mean is one handoff, this says whether it was one of many or a lone one
+        "at_least_x_mean": {
+            f"{x:g}": sum(t["latency_s"] >= x * mean_s for t in trials) for x in TAIL_MULTIPLES
+        },
         **wire,
         "wire_max_over_mean": _ratio(wire["max_wire_ms"], wire["mean_wire_ms"]),
         **st("md", "md_s"),
@@ -119,10 +126,14 @@ def summarise(
 
 
 HEADLINE_KEYS = (
+    "n",
     "mean_handoff_latency_ms",
     "p99_handoff_latency_ms",
     "max_handoff_latency_ms",
     "max_over_mean",
+    "at_least_x_mean",
+    "handoffs_retransmitting",
+    "handoffs_with_rto",
     "mean_wire_ms",
     "max_wire_ms",
     "wire_max_over_mean",
@@ -177,6 +188,11 @@ def figure(head: dict[str, Any], devices: dict[str, Any]) -> dict[str, Any]:
                 "mean_ms": c[p]["mean_handoff_latency_ms"],
                 "max_ms": c[p]["max_handoff_latency_ms"],
                 "max_over_mean": c[p]["max_over_mean"],
+                # (.get: results from before these were recorded)
+                "handoffs": c[p].get("n"),
+                "at_least_x_mean": c[p].get("at_least_x_mean"),
+                "retransmitting": c[p].get("handoffs_retransmitting"),
+                "with_rto": c[p].get("handoffs_with_rto"),
             }
             for p in PATHS
         }

@@ -202,3 +202,40 @@ def stacked_bars(
 
         fig.text(0.02, -0.01, textwrap.fill(caption, 110), ha="left", va="top", fontsize=7.5)
     return _save(fig, path, tight_bbox=True)
+
+
+def strip_plot(
+    rows: Sequence[tuple[str, Sequence[float], Mapping[str, float | None], float | None]],
+    path: str | Path,
+    xlabel: str,
+    title: str,
+) -> Path | None:
+    """One panel per row (label, values, marks, bound): the values as dots spread a little
+    vertically so that equal ones stay visible, each mark (label -> value, None: left out) as a
+    larger point of its own, the bound as a dashed vertical line."""
+    if not have_matplotlib() or not rows:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(rows), 1, figsize=(7.5, 1.9 * len(rows) + 0.6), squeeze=False)
+    for ax, (label, values, marks, bound) in zip(axes.flat, rows, strict=True):
+        n = max(len(values), 1)
+        ax.scatter(
+            list(values),
+            [0.3 * ((i * 7919) % n / n - 0.5) for i in range(len(values))],  # fixed spread
+            s=22,
+            alpha=0.6,
+            label=f"draws (n={len(values)})",
+        )
+        for (name, v), marker in zip(marks.items(), ("D", "s", "^", "v"), strict=False):
+            if v is not None:
+                ax.scatter([v], [0.0], s=70, marker=marker, zorder=3, label=name)
+        if bound is not None:
+            ax.axvline(bound, color="k", linestyle="--", linewidth=1, label=f"target {bound:g}")
+        ax.set_yticks([])
+        ax.set_ylim(-0.5, 0.5)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3, axis="x")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # off the dots
+    fig.suptitle(title, fontsize=11)
+    return _save(fig, path, tight_bbox=True)

@@ -22,7 +22,9 @@ every time is dilated by one k):
 5. the simulator on the very same requests, chips, line and policy (reproduce_sim.py), with
    the testbed's host time as its host latency: per engine step, from the same-DC run's token
    gaps against its paced decode steps, and per request, measured by a probe of a few idle
-   requests on the same-DC cluster before its traffic (not counted in its figures).
+   requests on the same-DC cluster before its traffic (not counted in its figures); and on
+   the workload's next --spread-seeds draws, how far the TTFT ratios the targets are stated on
+   move from draw to draw (reproduce_spread.py).
 
 The workloads are reproduce_workload.py's. The scale is per instance: one P, one RLD, one MD
 (one D in same-DC), each on one chip of the source's kind (Qwen2.5-7B's shape, as `pdd sim
@@ -58,7 +60,9 @@ from pddnet.bench.reproduce_sim import (
     simulate_beside,
     with_host_latency,
 )
+from pddnet.bench.reproduce_spread import SPREAD_SEEDS, spread, spread_plot
 from pddnet.bench.reproduce_table import (
+    RATIO_TARGETS,
     drc_figures,
     figures,
     markdown,
@@ -142,6 +146,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="modelled seconds")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator beside")
+    p.add_argument(
+        "--spread-seeds",
+        type=int,
+        default=None,
+        help="other draws of the workload the simulator serves, for how far the TTFT ratios "
+        f"move from draw to draw (default {SPREAD_SEEDS[1]}, {SPREAD_SEEDS[0]} with --quick; "
+        "0: none)",
+    )
     p.add_argument("--no-handoff", action="store_true", help="skip the handoff figure")
     p.add_argument(
         "--no-shape", action="store_true", help="skip the 64K-in / 1K-out run (RLD's share)"
@@ -480,6 +492,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--conversations, --max-requests and --gpus must be >= 1")
     if args.line_gbit is not None and args.line_gbit <= 0:
         raise ValueError("--line-gbit must be > 0")
+    if args.spread_seeds is not None and args.spread_seeds < 0:
+        raise ValueError("--spread-seeds must be >= 0")
     if "same-dc" not in args.modes:
         raise ValueError("--modes must include same-dc: every ratio is against it")
 
@@ -507,7 +521,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"reproduce: {name} failed: {failed[name]}", file=sys.stderr)
             return None
 
-    sim_config = sim = sim_shape = sim_drc = host = None
+    sim_config = sim = sim_shape = sim_drc = host = draws = None
+    if args.spread_seeds is None:
+        args.spread_seeds = SPREAD_SEEDS[0 if args.quick else 1]
     if not args.no_sim:
         from pddnet.sim.config import parse_config
 
@@ -537,6 +553,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         sim_config = with_host_latency(sim_config, host_latency_from_dict((host or {}).get("fit")))
         systems = {m: SYSTEMS[m] for m in args.modes}
         sim = await stage("sim", _async(simulate_beside, sim_config, requests, systems))
+        if args.spread_seeds:
+            draws = await stage(
+                "sim spread",
+                _async(spread, sim_config, args, systems, RATIO_TARGETS, main_workload),
+            )
         if with_shape:
             sim_shape = await stage(
                 "sim shape", _async(simulate_shape, sim_config, warm, shape_requests)
@@ -566,6 +587,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         host=host,
     )
     result["failed_stages"] = failed
+    result["spread"] = draws
     result["order_swaps"] = {
         m: order_swaps(live[m]["records"]["agent"], requests, sim_rows(sim[m], requests))
         for m in live
@@ -624,6 +646,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         args.out,
     )
     plots = _plots(live, sim, path, k)
+    spread_png = spread_plot(result, path.with_name(f"{path.stem}-spread.png"))
+    if spread_png is not None:
+        plots.append(str(spread_png))
     table = path.with_name(f"{path.stem}-table.md")
     table.write_text(markdown(result, config, _command_line()))
     plots.append(str(table))
