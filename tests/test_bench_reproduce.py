@@ -145,6 +145,21 @@ def test_reproduce_quick(tmp_path, capsys, monkeypatch):
     for name, ok in data["checks"].items():
         assert f"{'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {name}" in out
     assert (tmp_path / "reproduce" / f"{path.stem}-ttft-cdf.png").exists()
+    # every cluster with a WAN ran on the line the simulator was given: its emulator's buffer
+    # is the 20 modelled ms (it was the emulator's 1 MiB default, ~0.9 modelled s, until the
+    # clusters got their settings), and the bench says so under the table
+    from pddnet.bench.reproduce import QUEUE_MS
+
+    lines = data["lines"]
+    assert lines["dilation"] == 10.0 and set(lines["modes"]) == set(data["live"])
+    for mode in ("cross-dc", "pdd"):
+        fx = lines["modes"][mode]["a_to_b"]
+        buffer_ms = fx["queue_bytes"] * 8 / (fx["rate_mbit"] * 1e6) * 1e3 / lines["dilation"]
+        assert buffer_ms == pytest.approx(QUEUE_MS, rel=0.01), (mode, fx)
+        assert f"line, {mode} (as its emulator had it, P's side to MD's): " in out
+    assert data["sim_config"]["line"]["queue_mb"] == pytest.approx(
+        cfg["line_gbit"] * 1e9 / 8 * QUEUE_MS / 1e3 / 2**20
+    )
     # the workload's next draws in the simulator: each served in every mode, the ratios the
     # targets are stated on summarised over them, printed beside this draw's and plotted
     spread = data["spread"]
@@ -713,3 +728,30 @@ def test_the_spread_summarises_each_ratio_over_the_draws_and_counts_those_meetin
         for line in lines
     )
     assert spread_notes({"spread": None}) == []
+
+
+def test_the_live_clusters_run_with_the_settings_the_simulator_is_given(monkeypatch):
+    # run_live and run_shape start their clusters with `cluster_settings` (pools, and the line
+    # with its buffer), the settings `simulator_config` reads: they once passed the pools alone,
+    # and the live line had the emulator's 1 MiB buffer against the simulator's 20 ms
+    import asyncio
+
+    from pddnet.bench import reproduce, ttft
+
+    started = []
+
+    async def run_mode(mode, phases, args, show, devices, overrides=None):
+        started.append((mode, overrides))
+        return {}
+
+    monkeypatch.setattr(ttft, "run_mode", run_mode)
+    args = reproduce_args("--dilation", "3")
+    warm, shape = reproduce.shape_workload(args)
+    for mode in reproduce.MODES:
+        asyncio.run(reproduce.run_live(args, {"agent": []}, {mode: None}, mode))
+    asyncio.run(reproduce.run_shape(args, warm, shape, {"pdd": None}))
+    assert [m for m, _ in started] == [*reproduce.MODES, "pdd"]
+    for mode, overrides in started:
+        assert overrides == reproduce.cluster_settings(mode, args)
+        assert overrides["wan.queue_ms"] == reproduce.QUEUE_MS
+        assert overrides["wan.bw_mbit"] == reproduce.line_gbit(args) * 1e3

@@ -186,7 +186,9 @@ def chips(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
 
 
 def cluster_settings(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    """A mode's cluster config beside the devices: model, line, pools."""
+    """A mode's cluster config beside the devices: model, line (its buffer too), pools. The
+    one source of them: the live clusters run with it (`run_live`, `run_shape`), the probe of
+    k and the simulator's config (`simulator_config`) read it."""
     return {
         "mode": mode,
         "model.name": args.model,
@@ -271,7 +273,7 @@ async def run_live(
     mode: str,
 ) -> dict[str, Any]:
     """One mode's cluster on `phases` in turn (`ttft.run_mode`; the figures are the "agent"
-    phase's), with this run's pools."""
+    phase's), with this run's settings (`cluster_settings`: pools and line, its buffer too)."""
     from pddnet.bench.ttft import run_mode
 
     return await run_mode(
@@ -280,7 +282,7 @@ async def run_live(
         _ttft_args(args),
         not args.no_progress,
         devices[mode],
-        overrides=pool_overrides(mode, args),
+        overrides=cluster_settings(mode, args),
     )
 
 
@@ -348,7 +350,7 @@ async def run_shape(
         _ttft_args(args),
         not args.no_progress,
         devices["pdd"],
-        overrides=pool_overrides("pdd", args),
+        overrides=cluster_settings("pdd", args),
     )
 
 
@@ -587,6 +589,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         host=host,
     )
     result["failed_stages"] = failed
+    # the line each cluster really ran on, as its emulator reported it (real bytes, wall ms)
+    result["lines"] = {"dilation": k, "modes": {m: live[m].get("wan_line") for m in live}}
     result["spread"] = draws
     result["order_swaps"] = {
         m: order_swaps(live[m]["records"]["agent"], requests, sim_rows(sim[m], requests))

@@ -469,6 +469,7 @@ def notes(result: dict[str, Any]) -> list[str]:
         return ", ".join(f"{r} {v:.0%}" for r, v in (busy or {}).items() if v is not None) or "-"
 
     out = [host_note(result.get("host_latency"), bool(result["sim"]))]
+    out += line_notes(result.get("lines"))
     out += [
         f"busy, {m}: live {shares(u['live'])}; sim {shares(u['sim'])}"
         for m, u in result["utilisation"].items()
@@ -501,6 +502,27 @@ def notes(result: dict[str, Any]) -> list[str]:
             + ", ".join(f"{r['relay_tokens']}/{r['tokens']}" for r in shape["per_request"])
             + f"; the warm-up went {w['pipeline']} (RLD {w['relay_tokens']}, MD "
             f"{w['main_tokens']} tokens)"
+        )
+    return out
+
+
+def line_notes(lines: dict[str, Any] | None) -> list[str]:
+    """Per mode with a WAN, its line from P's side to MD's as the cluster's emulator had it:
+    the rate and buffer in real bytes, the delay and jitter in wall ms, and the buffer in
+    modelled ms (what the simulator's line is given: docs/reproduction.md's 20 ms)."""
+    out = []
+    for mode, line in ((lines or {}).get("modes") or {}).items():
+        fx = (line or {}).get("a_to_b")
+        if not fx:
+            continue
+        k = lines["dilation"]  # type: ignore[index]
+        rate, queue = fx.get("rate_mbit"), fx.get("queue_bytes")
+        buffer = f", {queue * 8 / (rate * 1e6) * 1e3 / k:.1f} modelled ms" if rate and queue else ""
+        out.append(
+            f"line, {mode} (as its emulator had it, P's side to MD's): "
+            f"{rate if rate is None else f'{rate:.3f}'} Mbit/s of real bytes, delay "
+            f"{fx.get('delay_ms'):g} ms + jitter {fx.get('jitter_ms'):g} ms of wall clock, "
+            f"buffer {queue} B{buffer}"
         )
     return out
 

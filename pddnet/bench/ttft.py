@@ -240,6 +240,7 @@ async def run_mode(
         overrides=overrides,
     ) as cluster:
         out["wan_shell"] = cluster.wan.get("shell")
+        out["wan_line"] = await line_effects(cluster.wan)
         has_md = "main_decode" in cluster.daemons
         timeout = aiohttp.ClientTimeout(total=args.request_timeout * k)
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -263,6 +264,19 @@ async def run_mode(
             out["stats"][role] = await cluster.stats(role)
     out["devices"] = device_reports({mode: out["stats"]})[mode]
     return out
+
+
+async def line_effects(wan: dict[str, Any]) -> dict[str, Any] | None:
+    """Each direction's effects as the cluster's emulator has them (rate and buffer in real
+    bytes, times in wall ms: the line a dilated cluster really runs on), from its control API;
+    None where the cluster has no emulator (same-DC) or its shell has no control API."""
+    from emulation.control import ControlClient
+
+    url = wan.get("control_url")
+    if not url:
+        return None
+    snap = await ControlClient(url).show()
+    return {d: v["effects"] for d, v in snap.items() if isinstance(v, dict) and "effects" in v}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
