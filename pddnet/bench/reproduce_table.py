@@ -20,8 +20,8 @@ from pddnet.bench.handoff_summary import (
     wan_line,
 )
 from pddnet.bench.reproduce_sim import vllm_figures
-from pddnet.bench.reproduce_spread import spread_notes
-from pddnet.bench.ttft import mode_summary, ratio
+from pddnet.bench.reproduce_spread import draw_ratios, spread_notes
+from pddnet.bench.ttft import mode_summary
 from pddnet.workload.agent import AgentRequest
 
 # The source report's figures (its TTFT in ms; shares of the decode tokens; handoff in ms).
@@ -304,13 +304,7 @@ def figures(
             None,
             "share",
         )
-    ratios = {
-        f"{m}/same-dc p99": ratio(
-            summaries[m].get("p99_ttft_ms"), summaries["same-dc"].get("p99_ttft_ms")
-        )
-        for m in summaries
-        if m != "same-dc" and "same-dc" in summaries
-    }
+    ratios = draw_ratios({m: {"p99": s.get("p99_ttft_ms")} for m, s in summaries.items()})
     if shape is not None:
         row(
             f"RLD share, 64K-in / 1K-out shape ({shape['requests']} requests, "
