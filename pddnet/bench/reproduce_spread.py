@@ -89,6 +89,11 @@ def simulate_draws(
     return out
 
 
+def meets(value: float, kind: str, bound: float) -> bool:
+    """Whether a ratio meets a target stated as ("max" | "min", bound)."""
+    return value <= bound if kind == "max" else value >= bound
+
+
 def summarise(
     draws: list[dict[str, Any]], bounds: dict[str, tuple[str, float]]
 ) -> dict[str, dict[str, Any]]:
@@ -108,7 +113,7 @@ def summarise(
         if name in bounds:
             kind, bound = bounds[name]
             s["target"] = {"kind": kind, "bound": bound}
-            s["met"] = sum(v <= bound if kind == "max" else v >= bound for v in values)
+            s["met"] = sum(meets(v, kind, bound) for v in values)
         out[name] = s
     return out
 
